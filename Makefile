@@ -1,0 +1,31 @@
+# `make demo` and `make test` set everything up on a fresh machine: a .venv, torch (the
+# CPU build this machine keeps on disk), the pinned requirements, and qkv in editable mode.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/article_demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
+
+bench: $(STAMP)
+	$(PY) benchmarks/attention_cpu.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

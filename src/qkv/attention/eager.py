@@ -1,0 +1,100 @@
+"""Vectorized attention: matmul, softmax, matmul. It can hand back the weights.
+
+All query words and all key words at once, the article's "parallel computation": one
+matrix product gives every attention scalar, one softmax normalizes each query's row,
+one more product scales and sums the value vectors. Half-precision inputs are computed
+in float32 and the result cast back, as fused kernels do internally.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qkv.attention.inputs import Shape, allowed_keys, check_inputs
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything narrower is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def weights_from_scores(scores: Tensor, allowed: Tensor | None) -> Tensor:
+    """Softmax over keys, with hidden keys at exactly 0 and fully hidden rows all 0.
+
+    A hidden key gets the most negative finite score rather than -inf: a row with every
+    key hidden then softmaxes to a uniform row (finite, so no NaN reaches the gradient),
+    which the final masked_fill turns to zeros.
+    """
+    if allowed is None:
+        return scores.softmax(dim=-1)
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    return scores.softmax(dim=-1).masked_fill(~allowed, 0.0)
+
+
+def _weights(q: Tensor, k: Tensor, mask, causal, scale: float, shape: Shape) -> Tensor:
+    B, H, Hkv, Tq, Tk, D = shape.B, shape.H, shape.Hkv, shape.Tq, shape.Tk, shape.D
+    dtype = compute_dtype(q.dtype)
+    # Query head h reads key head h // group: view the queries as (B, Hkv, group, Tq, D)
+    # so each key head is multiplied once, without copying it group times.
+    q = (q.to(dtype) * scale).reshape(B, Hkv, shape.group, Tq, D)
+    k = k.to(dtype).unsqueeze(2)  # (B, Hkv, 1, Tk, D)
+    scores = (q @ k.transpose(-1, -2)).reshape(B, H, Tq, Tk)  # every query . every key
+    return weights_from_scores(scores, allowed_keys(mask, causal, Tq, Tk, q.device))
+
+
+def forward(
+    q: Tensor, k: Tensor, v: Tensor, *, mask, causal: bool, scale: float, shape: Shape
+) -> Tensor:
+    """Backend entry for the registry: inputs already checked."""
+    return _forward(q, k, v, mask, causal, scale, shape)[0]
+
+
+def _forward(q, k, v, mask, causal, scale, shape: Shape) -> tuple[Tensor, Tensor]:
+    weights = _weights(q, k, mask, causal, scale, shape)  # (B, H, Tq, Tk)
+    grouped = weights.reshape(shape.B, shape.Hkv, shape.group, shape.Tq, shape.Tk)
+    v = v.to(weights.dtype).unsqueeze(2)  # (B, Hkv, 1, Tk, D)
+    out = (grouped @ v).reshape(shape.B, shape.H, shape.Tq, shape.D)  # weighted sum of values
+    return out.to(q.dtype), weights
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention with the `eager` backend; optionally also the weights.
+
+    Shapes as in `qkv.attend`. With return_weights, returns (out, weights) where weights is
+    (B, H, Tq, Tk) in float32 (float64 for float64 inputs); each row sums to 1, or to 0 for
+    a query that may see no key.
+    """
+    shape, scale = check_inputs(q, k, v, mask, scale)
+    out, weights = _forward(q, k, v, mask, causal, scale, shape)
+    return (out, weights) if return_weights else out
+
+
+def attention_weights(
+    q: Tensor,
+    k: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """The normalized attention weights (B, H, Tq, Tk) of queries q over keys k.
+
+    These are the weights `eager` uses, so any backend's layer can recompute them from its
+    q and k and report exactly what `eager` would.
+
+    >>> q = k = torch.eye(2).view(1, 1, 2, 2)
+    >>> attention_weights(q, k, causal=True).tolist()
+    [[[[1.0, 0.0], [0.3302619457244873, 0.6697380542755371]]]]
+    """
+    shape, scale = check_inputs(q, k, k, mask, scale)
+    return _weights(q, k, mask, causal, scale, shape)

@@ -1,0 +1,156 @@
+"""The article, literally: one (query word, key word) pair at a time, in float64.
+
+Slow on purpose. Every other backend is tested against this one, and a reader can put
+the article beside `contextualize` and find each of its steps, in order. The projections
+("multiply the embedding vector by the query matrix") happen in the layer that calls
+`attend`; here the query, key and value vectors arrive already made.
+
+Everything is a float64 torch operation, so autograd through this loop is the trusted
+gradient too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qkv.attention.inputs import allowed_keys, check_inputs
+
+
+@dataclass(frozen=True)
+class PairStep:
+    """One (query word, key word) pair: what the article computes for it, in order."""
+
+    key_index: int
+    key_vector: Tensor  # (D,) "multiply the key word's embedding by the key matrix"
+    attention_scalar: Tensor  # () "dot product query vector and key vector"
+    scaled_scalar: Tensor  # () "divide ... by the square root of the number of dimensions"
+    allowed: bool  # False where a mask hides this key from this query
+    normalized_weight: Tensor  # () "normalize ... so that the attention scalars sum to 1"
+    value_vector: Tensor  # (D,) "multiply the key word's embedding by the value matrix"
+    scaled_value_vector: Tensor  # (D,) "multiply value vector by (normalized) attention scalar"
+
+
+@dataclass(frozen=True)
+class QueryTrace:
+    """Every intermediate for one query word of one head: the article's steps 1-7."""
+
+    batch: int
+    head: int
+    query_index: int
+    query_vector: Tensor  # (D,) "multiply the query word's embedding by the query matrix"
+    pairs: list[PairStep]  # one per key word, the query word itself included
+    contextualized: Tensor  # (D,) "add all of the scaled value vectors together"
+
+    @property
+    def weights(self) -> Tensor:
+        """(Tk,) the normalized weights of this query over every key; they sum to 1 (or 0)."""
+        return torch.stack([p.normalized_weight for p in self.pairs])
+
+
+def contextualize(
+    query_vector: Tensor,
+    key_vectors: Tensor,
+    value_vectors: Tensor,
+    allowed: list[bool],
+    scale: float,
+) -> tuple[Tensor, list[PairStep]]:
+    """One query word gets context from every key word. Vectors are float64.
+
+    query_vector (D,), key_vectors and value_vectors (Tk, D), allowed: Tk booleans.
+    Returns the contextualized vector (D,) and the steps of each pair.
+    """
+    Tk, D = key_vectors.shape
+    # Steps 1-3, for every key word (the query word itself included).
+    attention_scalars = [torch.dot(query_vector, key_vectors[j]) for j in range(Tk)]
+    # Side note: "divide each attention scalar by the square root of the number of
+    # dimensions" (scale is 1/sqrt(D) unless the caller chose another).
+    scaled_scalars = [s * scale for s in attention_scalars]
+
+    # Step 4: normalize so the scalars of this query sum to 1 (softmax). Subtracting the
+    # largest scalar first changes nothing mathematically and keeps exp() from overflowing.
+    visible = [s for s, ok in zip(scaled_scalars, allowed, strict=True) if ok]
+    zero = query_vector.new_zeros(())
+    if visible:
+        largest = torch.stack(visible).max()
+        exps = [torch.exp(s - largest) if ok else zero for s, ok in zip(scaled_scalars, allowed)]
+        total = sum(exps)
+        weights = [e / total for e in exps]
+    else:  # a query that may see no key gets nothing: zeros, not 0/0
+        weights = [zero for _ in range(Tk)]
+
+    # Steps 5-6: value vector, scaled by the normalized weight.
+    pairs = []
+    for j in range(Tk):
+        value_vector = value_vectors[j]
+        pairs.append(
+            PairStep(
+                key_index=j,
+                key_vector=key_vectors[j],
+                attention_scalar=attention_scalars[j],
+                scaled_scalar=scaled_scalars[j],
+                allowed=allowed[j],
+                normalized_weight=weights[j],
+                value_vector=value_vector,
+                scaled_value_vector=weights[j] * value_vector,
+            )
+        )
+    # Step 7: add the scaled value vectors together, and nothing else (not the original
+    # embedding): this sum is the contextualized vector.
+    contextualized = query_vector.new_zeros(D)
+    for pair in pairs:
+        contextualized = contextualized + pair.scaled_value_vector
+    return contextualized, pairs
+
+
+def trace(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> list[QueryTrace]:
+    """Run the article over every (batch, head, query) and keep every intermediate.
+
+    Shapes as in `attend`. Returns B * H * Tq traces in (batch, head, query) order.
+
+    >>> q = k = v = torch.eye(2).view(1, 1, 2, 2)
+    >>> [round(w, 3) for w in trace(q, k, v)[0].weights.tolist()]
+    [0.67, 0.33]
+    """
+    shape, scale = check_inputs(q, k, v, mask, scale)
+    allowed = allowed_keys(mask, causal, shape.Tq, shape.Tk, q.device)
+    if allowed is None:
+        allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
+    allowed = allowed.expand(shape.B, shape.H, shape.Tq, shape.Tk).tolist()
+    q, k, v = q.double(), k.double(), v.double()
+    traces = []
+    for b in range(shape.B):
+        for h in range(shape.H):
+            kv_head = h // shape.group  # grouped-query attention: heads share keys and values
+            for i in range(shape.Tq):
+                contextualized, pairs = contextualize(
+                    q[b, h, i], k[b, kv_head], v[b, kv_head], allowed[b][h][i], scale
+                )
+                traces.append(QueryTrace(b, h, i, q[b, h, i], pairs, contextualized))
+    return traces
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """The `loop` backend: (B, H, Tq, D) out, computed in float64, returned in q's dtype."""
+    traces = trace(q, k, v, mask=mask, causal=causal, scale=scale)
+    B, H, Tq, D = q.shape
+    out = torch.stack([t.contextualized for t in traces]).view(B, H, Tq, D)
+    return out.to(q.dtype)
