@@ -93,8 +93,9 @@ def attention_weights(
     q and k and report exactly what `eager` would.
 
     >>> q = k = torch.eye(2).view(1, 1, 2, 2)
-    >>> attention_weights(q, k, causal=True).tolist()
-    [[[[1.0, 0.0], [0.3302619457244873, 0.6697380542755371]]]]
+    >>> attention_weights(q, k, causal=True).squeeze()
+    tensor([[1.0000, 0.0000],
+            [0.3303, 0.6697]])
     """
     shape, scale = check_inputs(q, k, k, mask, scale)
     return _weights(q, k, mask, causal, scale, shape)

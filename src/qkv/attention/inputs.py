@@ -39,8 +39,9 @@ def check_inputs(
     """Validate one call of `attend`; return its sizes and the scale to use.
 
     >>> q = torch.zeros(1, 4, 3, 8); k = v = torch.zeros(1, 2, 5, 8)
-    >>> check_inputs(q, k, v, None, None)[1] == 8 ** -0.5
-    True
+    >>> shape, scale = check_inputs(q, k, v, None, None)
+    >>> shape.group, round(scale, 4)
+    (2, 0.3536)
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):

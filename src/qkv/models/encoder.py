@@ -1,0 +1,64 @@
+"""Encoder: the BERT-like stack, where every token attends to every token."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from qkv.models.config import EncoderConfig, heads_by_layer, init_weights, key_padding, store_weights
+from qkv.nn import EncoderBlock
+from qkv.nn.position import positions_for
+
+
+@dataclass
+class EncoderOutput:
+    hidden: Tensor  # (B, T, C) the contextualized vector of every token
+    attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, T) each
+
+
+class Encoder(nn.Module):
+    """Token ids (B, T) -> contextualized vectors (B, T, C).
+
+    >>> import torch
+    >>> from qkv.nn import BlockConfig
+    >>> cfg = EncoderConfig(vocab_size=50, num_layers=2, block=BlockConfig(width=16, num_heads=4))
+    >>> out = Encoder(cfg)(torch.tensor([[1, 2, 3]]), record=[(1, 0)])
+    >>> out.hidden.shape, out.attentions[(1, 0)].shape
+    (torch.Size([1, 3, 16]), torch.Size([1, 3, 3]))
+    """
+
+    def __init__(self, config: EncoderConfig):
+        super().__init__()
+        self.config = config
+        self.embed = config.embeddings()
+        rotary = config.rotary()
+        self.blocks = nn.ModuleList(EncoderBlock(config.block, rotary) for _ in range(config.num_layers))
+        self.norm = config.block.make_norm() if config.has_final_norm else None
+        self.apply(init_weights)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        attention_mask: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        record: Iterable[tuple[int, int]] | None = None,
+    ) -> EncoderOutput:
+        """attention_mask (B, T): 1 for real tokens, 0 for padding, which no token attends to.
+
+        record: (layer, head) pairs whose attention weights (B, T, T) to return.
+        """
+        wanted = heads_by_layer(record, self.config.num_layers, self.config.block.num_heads)
+        positions = positions_for(input_ids.shape[1], device=input_ids.device)
+        x = self.embed(input_ids, positions, token_type_ids)  # (B, T, C)
+        padding = key_padding(attention_mask)
+        mask = None if padding is None else padding[:, None, None, :]  # (B, 1, 1, T)
+        attentions: dict[tuple[int, int], Tensor] = {}
+        for layer, block in enumerate(self.blocks):
+            x, weights = block(x, mask=mask, positions=positions, heads=wanted.get(layer))
+            store_weights(attentions, layer, wanted.get(layer), weights)
+        if self.norm is not None:
+            x = self.norm(x)
+        return EncoderOutput(x, attentions)

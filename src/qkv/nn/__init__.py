@@ -1,0 +1,23 @@
+"""Layers built on `attend`: multi-head attention, positions, norms, MLPs and blocks."""
+
+from qkv.nn.attention import KVCache, MultiHeadAttention
+from qkv.nn.blocks import BlockConfig, DecoderBlock, EncoderBlock
+from qkv.nn.layers import MLP, Embeddings, RMSNorm, SwiGLU, make_norm
+from qkv.nn.position import LearnedPositions, RotaryEmbedding, SinusoidalPositions, rotate_half
+
+__all__ = [
+    "MLP",
+    "BlockConfig",
+    "DecoderBlock",
+    "Embeddings",
+    "EncoderBlock",
+    "KVCache",
+    "LearnedPositions",
+    "MultiHeadAttention",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SinusoidalPositions",
+    "SwiGLU",
+    "make_norm",
+    "rotate_half",
+]

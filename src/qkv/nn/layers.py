@@ -1,0 +1,129 @@
+"""The parts around attention: norms, the MLP, and the embedding of tokens."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkv.nn.position import LearnedPositions, SinusoidalPositions
+
+Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
+NormKind = Literal["layernorm", "rmsnorm"]
+Position = Literal["learned", "sinusoidal", "rotary", "none"]
+
+
+class RMSNorm(nn.Module):
+    """Scale each vector to unit root-mean-square, then by a learned gain (Llama's norm).
+
+    Computed in float32 and cast back before the gain, as Llama checkpoints expect.
+    """
+
+    def __init__(self, width: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def make_norm(kind: NormKind, width: int, eps: float) -> nn.Module:
+    if kind == "layernorm":
+        return nn.LayerNorm(width, eps=eps)
+    if kind == "rmsnorm":
+        return RMSNorm(width, eps=eps)
+    raise ValueError(f"unknown norm {kind!r}; allowed: 'layernorm', 'rmsnorm'")
+
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class MLP(nn.Module):
+    """Widen, activate, narrow: C -> hidden -> C (BERT, GPT-2, the original transformer)."""
+
+    def __init__(self, width: int, hidden: int, activation: Activation = "gelu", bias=True):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; allowed: {list(_ACTIVATIONS)}")
+        self.activation = _ACTIVATIONS[activation]
+        self.fc_in = nn.Linear(width, hidden, bias=bias)
+        self.fc_out = nn.Linear(hidden, width, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(self.activation(self.fc_in(x)))
+
+
+class SwiGLU(nn.Module):
+    """A gated MLP: down(silu(gate(x)) * up(x)), as in Llama."""
+
+    def __init__(self, width: int, hidden: int, bias: bool = False):
+        super().__init__()
+        self.gate = nn.Linear(width, hidden, bias=bias)
+        self.up = nn.Linear(width, hidden, bias=bias)
+        self.down = nn.Linear(hidden, width, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Embeddings(nn.Module):
+    """Token ids to vectors: token embedding, plus position (and segment) embeddings.
+
+    The article: the position embedding is "added (not concatenated)". With rotary or no
+    positions nothing is added here; rotary positions act inside attention instead.
+    input_ids (B, T), positions (T,) or (B, T) -> (B, T, C).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        width: int,
+        *,
+        position: Position = "learned",
+        max_positions: int = 512,
+        type_vocab_size: int = 0,
+        norm: NormKind | None = None,
+        norm_eps: float = 1e-5,
+        scale: float = 1.0,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tokens = nn.Embedding(vocab_size, width)
+        self.positions: nn.Module | None = None
+        if position == "learned":
+            self.positions = LearnedPositions(max_positions, width)
+        elif position == "sinusoidal":
+            self.positions = SinusoidalPositions(width)
+        self.types = nn.Embedding(type_vocab_size, width) if type_vocab_size else None
+        self.norm = make_norm(norm, width, norm_eps) if norm else None
+        self.scale = scale  # the original transformer multiplies token vectors by sqrt(C)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.vocab_size):
+            raise ValueError(
+                f"token ids must be in 0-{self.vocab_size - 1}, got "
+                f"{int(input_ids.min())}-{int(input_ids.max())}"
+            )
+        x = self.tokens(input_ids) * self.scale  # (B, T, C)
+        if self.positions is not None:
+            x = x + self.positions(positions).to(x.dtype)
+        if self.types is not None:
+            types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
+            x = x + self.types(types)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)

@@ -1,0 +1,96 @@
+"""Where a token is: learned and sinusoidal embeddings (added), rotary (rotating q and k).
+
+The article: "a position embedding that is added (not concatenated) ... so that the
+attention mechanism can take into account where words are in the sentence". Learned and
+sinusoidal embeddings are added to the token embeddings; rotary embeddings instead turn
+each query and key vector by an angle that grows with its position, so that their dot
+product depends on how far apart the two words are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def positions_for(length: int, offset: int = 0, device=None) -> Tensor:
+    """(T,) positions offset, offset+1, ... of T new tokens after `offset` earlier ones."""
+    return torch.arange(offset, offset + length, device=device)
+
+
+class LearnedPositions(nn.Module):
+    """One trained vector per position, as in BERT and GPT-2: (…, T) -> (…, T, C)."""
+
+    def __init__(self, max_positions: int, width: int):
+        super().__init__()
+        self.max_positions = max_positions
+        self.embedding = nn.Embedding(max_positions, width)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise ValueError(
+                f"position {int(positions.max())} is past this model's {self.max_positions} "
+                f"learned positions (0-{self.max_positions - 1}); use a shorter text"
+            )
+        return self.embedding(positions)
+
+
+class SinusoidalPositions(nn.Module):
+    """The original transformer's fixed embedding: sin on even dimensions, cos on odd.
+
+    PE(pos, 2i) = sin(pos / base^(2i/C)),  PE(pos, 2i+1) = cos(pos / base^(2i/C)).
+
+    >>> SinusoidalPositions(4)(torch.tensor([0]))[0].tolist()
+    [0.0, 1.0, 0.0, 1.0]
+    """
+
+    def __init__(self, width: int, base: float = 10000.0):
+        super().__init__()
+        if width % 2:
+            raise ValueError(f"sinusoidal positions need an even width, got {width}")
+        self.width = width
+        inv_freq = base ** (-torch.arange(0, width, 2, dtype=torch.float64) / width)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        angles = positions.float()[..., None] * self.inv_freq  # (…, T, C/2)
+        # interleave: (…, T, C/2, 2) -> (…, T, C) with sin at 2i and cos at 2i+1
+        return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary positions in the half-rotation layout of Llama-family checkpoints.
+
+    Dimension i of the first half pairs with dimension i of the second half, and the pair
+    turns by position * base^(-2i/D). No parameters: nothing here is learned.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0):
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
+        self.head_dim, self.base = head_dim, base
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin, (…, T, D), for positions (T,) or (B, T); made in float32."""
+        angles = positions.float()[..., None] * self.inv_freq  # (…, T, D/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (…, T, D)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate x (B, H, T, D) by its positions, (T,) or (B, T)."""
+        cos, sin = self.cos_sin(positions, x.dtype)
+        if cos.dim() == 3:  # (B, T, D): one row of positions per sequence
+            cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
+        return x * cos + rotate_half(x) * sin
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, base={self.base}"
