@@ -95,7 +95,7 @@ def attention_weights(
     >>> q = k = torch.eye(2).view(1, 1, 2, 2)
     >>> attention_weights(q, k, causal=True).squeeze()
     tensor([[1.0000, 0.0000],
-            [0.3303, 0.6697]])
+            [0.3302, 0.6698]])
     """
     shape, scale = check_inputs(q, k, k, mask, scale)
     return _weights(q, k, mask, causal, scale, shape)
