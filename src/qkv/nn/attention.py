@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.attention import attend, attention_weights
+from qkv.attention import attend, attention_weights, backend_names
 from qkv.nn.position import RotaryEmbedding, positions_for
 
 
@@ -92,6 +92,8 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"{num_heads} query heads cannot share {num_kv_heads} key/value heads evenly"
             )
+        if backend not in backend_names():
+            raise ValueError(f"unknown attention backend {backend!r}; allowed: {backend_names()}")
         context_width = context_width or width
         if fused_qkv and context_width != width:
             raise ValueError("fused_qkv needs the context to be as wide as x")
