@@ -113,7 +113,10 @@ def test_eager_weights_match_the_loop_trace(inputs):
     out, weights = eager_backend.attend(
         q, k, v, mask=mask, causal=causal, scale=scale, return_weights=True
     )
-    traced = torch.stack([t.weights for t in trace(q, k, v, mask=mask, causal=causal, scale=scale)])
+    traces = trace(q, k, v, mask=mask, causal=causal, scale=scale)
+    traced = torch.stack([t.weights for t in traces])
+    contextualized = torch.stack([t.contextualized for t in traces]).view(q.shape)
+    torch.testing.assert_close(out.double(), contextualized, atol=1e-5, rtol=0)
     torch.testing.assert_close(weights.double().flatten(0, 2), traced, atol=1e-6, rtol=0)
     recomputed = attention_weights(q, k, mask=mask, causal=causal, scale=scale)
     assert torch.equal(recomputed, weights)

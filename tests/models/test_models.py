@@ -151,7 +151,9 @@ def test_encoder_decoder_records_all_three_kinds_of_attention():
 def test_layers_and_heads_out_of_range_say_how_many_there_are():
     model = build(Encoder, BERT_LIKE)
     ids = torch.randint(0, 61, (1, 3))
-    with pytest.raises(ValueError, match=r"layer 2 is out of range: the model has 2 layers \(0-1\)"):
+    with pytest.raises(
+        ValueError, match=r"layer 2 is out of range: the model has 2 layers \(0-1\)"
+    ):
         model(ids, record=[(2, 0)])
     with pytest.raises(ValueError, match=r"head 4 is out of range: each layer has 4 heads \(0-3\)"):
         model(ids, record=[(0, 4)])

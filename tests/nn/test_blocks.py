@@ -77,7 +77,9 @@ def test_decoder_block_matches_transformer_decoder_layer(norm_position):
     memory_real = torch.ones(2, 8, dtype=torch.bool)
     memory_real[0, 5:] = False
     causal = nn.Transformer.generate_square_subsequent_mask(5, dtype=torch.float64)
-    want = theirs(x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=~memory_real)
+    want = theirs(
+        x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=~memory_real
+    )
     got, _, cross = ours(x, memory, context_mask=memory_real, cross_heads=[0, 2])
     torch.testing.assert_close(got, want)
     assert cross.shape == (2, 2, 5, 8) and (cross[0, :, :, 5:] == 0).all()
@@ -92,7 +94,9 @@ def test_decoder_block_cache_matches_full_forward_with_rotary_gqa_swiglu():
     x, memory = torch.randn(2, 6, C).double(), torch.randn(2, 4, C).double()
     full, _, _ = block(x, memory)
     cache, cross_cache = KVCache(), KVCache()
-    steps = [block(x[:, t : t + 1], memory, cache=cache, cross_cache=cross_cache)[0] for t in range(6)]
+    steps = [
+        block(x[:, t : t + 1], memory, cache=cache, cross_cache=cross_cache)[0] for t in range(6)
+    ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full)
 
 

@@ -71,11 +71,12 @@ def contextualize(
 
     # Step 4: normalize so the scalars of this query sum to 1 (softmax). Subtracting the
     # largest scalar first changes nothing mathematically and keeps exp() from overflowing.
-    visible = [s for s, ok in zip(scaled_scalars, allowed, strict=True) if ok]
+    scalars_allowed = list(zip(scaled_scalars, allowed, strict=True))
+    visible = [s for s, ok in scalars_allowed if ok]
     zero = query_vector.new_zeros(())
     if visible:
         largest = torch.stack(visible).max()
-        exps = [torch.exp(s - largest) if ok else zero for s, ok in zip(scaled_scalars, allowed)]
+        exps = [torch.exp(s - largest) if ok else zero for s, ok in scalars_allowed]
         total = sum(exps)
         weights = [e / total for e in exps]
     else:  # a query that may see no key gets nothing: zeros, not 0/0

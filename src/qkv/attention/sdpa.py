@@ -18,10 +18,12 @@ def forward(
     q: Tensor, k: Tensor, v: Tensor, *, mask, causal: bool, scale: float, shape: Shape
 ) -> Tensor:
     """Backend entry for the registry: inputs already checked."""
-    gqa = shape.H != shape.Hkv
+    gqa = shape.Hkv != shape.H
     if mask is None and (not causal or shape.Tq == shape.Tk):
         # torch's own causal flag is correct when the queries and keys line up.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
+        )
     if mask is None and shape.Tq == 1:
         # A single query aligned to the last key sees every key: decoding's common case.
         return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)

@@ -137,8 +137,7 @@ def heads_by_layer(
             )
         if not 0 <= head < num_heads:
             raise ValueError(
-                f"head {head} is out of range: each layer has {num_heads} heads "
-                f"(0-{num_heads - 1})"
+                f"head {head} is out of range: each layer has {num_heads} heads (0-{num_heads - 1})"
             )
         wanted.setdefault(layer, [])
         if head not in wanted[layer]:
@@ -160,7 +159,7 @@ def key_padding(attention_mask: Tensor | None) -> Tensor | None:
         return None
     if attention_mask.dim() != 2:
         raise ValueError(
-            f"attention_mask must be (B, T) with 1 for real tokens, got {tuple(attention_mask.shape)}"
+            "attention_mask must be (B, T) with 1 for real tokens, got shape "
+            f"{tuple(attention_mask.shape)}"
         )
     return attention_mask.to(torch.bool)
-

@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from qkv.models.config import DecoderConfig, heads_by_layer, init_weights, key_padding, store_weights
+from qkv.models.config import (
+    DecoderConfig,
+    heads_by_layer,
+    init_weights,
+    key_padding,
+    store_weights,
+)
 from qkv.nn import DecoderBlock, KVCache
 from qkv.nn.position import positions_for
 

@@ -7,7 +7,13 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from qkv.models.config import EncoderConfig, heads_by_layer, init_weights, key_padding, store_weights
+from qkv.models.config import (
+    EncoderConfig,
+    heads_by_layer,
+    init_weights,
+    key_padding,
+    store_weights,
+)
 from qkv.nn import EncoderBlock
 from qkv.nn.position import positions_for
 
@@ -34,7 +40,9 @@ class Encoder(nn.Module):
         self.config = config
         self.embed = config.embeddings()
         rotary = config.rotary()
-        self.blocks = nn.ModuleList(EncoderBlock(config.block, rotary) for _ in range(config.num_layers))
+        self.blocks = nn.ModuleList(
+            EncoderBlock(config.block, rotary) for _ in range(config.num_layers)
+        )
         self.norm = config.block.make_norm() if config.has_final_norm else None
         self.apply(init_weights)
 

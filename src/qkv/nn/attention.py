@@ -206,4 +206,3 @@ class MultiHeadAttention(nn.Module):
         q = q.index_select(1, index)  # (B, n, T, D)
         k = k.index_select(1, index // group)  # the key head each of them reads
         return attention_weights(q, k, mask=mask, causal=causal)
-

@@ -42,13 +42,11 @@ class BlockConfig:
             raise ValueError(f"width and num_heads must be positive, got {self}")
         if self.head_dim is None and self.width % self.num_heads:
             raise ValueError(
-                f"width {self.width} is not divisible by num_heads {self.num_heads}; "
-                "set head_dim"
+                f"width {self.width} is not divisible by num_heads {self.num_heads}; set head_dim"
             )
         if self.num_heads % (self.num_kv_heads or self.num_heads):
             raise ValueError(
-                f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
-                f"{self.num_kv_heads}"
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
         if self.norm_position not in ("pre", "post"):
             raise ValueError(f"norm_position must be 'pre' or 'post', got {self.norm_position!r}")

@@ -76,7 +76,9 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
         self.head_dim, self.base = head_dim, base
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
