@@ -15,7 +15,6 @@ from qkv.attention import (
     attend,
     attention_weights,
     backend_names,
-    causal_mask,
     explain_choice,
     loop,
     register_backend,
@@ -59,14 +58,21 @@ def _tolerance(v: torch.Tensor) -> float:
     return TOLERANCE[v.dtype] * max(1.0, v.abs().max().item())
 
 
-def _no_key_visible(q, k, mask, causal) -> torch.Tensor:
-    """(B, H, Tq) True where a query may see no key at all."""
-    allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
-    if causal:
-        allowed = allowed & causal_mask(q.shape[2], k.shape[2])
+def _allowed(q, k, mask, causal) -> torch.Tensor:
+    """(B, H, Tq, Tk) True where a query may see a key, built independently of qkv's code."""
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    allowed = torch.ones(Tq, Tk, dtype=torch.bool)
+    if causal:  # query i sees key j when j <= i + Tk - Tq
+        allowed = allowed & (torch.arange(Tk)[None, :] <= torch.arange(Tq)[:, None] + Tk - Tq)
     if mask is not None:
         allowed = allowed & mask
-    return ~allowed.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2]).any(-1)
+    return allowed.expand(B, H, Tq, Tk)
+
+
+def _no_key_visible(q, k, mask, causal) -> torch.Tensor:
+    """(B, H, Tq) True where a query may see no key at all."""
+    return ~_allowed(q, k, mask, causal).any(-1)
 
 
 @pytest.mark.parametrize("backend", FAST)
@@ -120,6 +126,8 @@ def test_eager_weights_match_the_loop_trace(inputs):
     torch.testing.assert_close(weights.double().flatten(0, 2), traced, atol=1e-6, rtol=0)
     recomputed = attention_weights(q, k, mask=mask, causal=causal, scale=scale)
     assert torch.equal(recomputed, weights)
+    hidden = ~_allowed(q, k, mask, causal)
+    assert (weights[hidden] == 0).all(), "a hidden key gets exactly zero weight"
     sums = weights.sum(-1)
     blind = _no_key_visible(q, k, mask, causal)
     torch.testing.assert_close(sums, (~blind).to(sums.dtype))

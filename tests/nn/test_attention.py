@@ -152,3 +152,16 @@ def test_bad_heads_and_shapes_are_reported():
         MultiHeadAttention(24, 4, num_kv_heads=3)
     with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
         MultiHeadAttention(16, 4, backend="fast")(torch.randn(1, 3, 16))
+
+
+@pytest.mark.parametrize("mask_shape", [(4, 5, 5), (2, 4, 5, 5), (5, 5)])
+def test_recorded_weights_of_some_heads_keep_each_heads_own_mask(mask_shape):
+    torch.manual_seed(5)
+    mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend="sdpa").double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    mask = torch.rand(mask_shape) > 0.3
+    _, every = mha(x, mask=mask, heads=[0, 1, 2, 3])
+    _, some = mha(x, mask=mask, heads=[3, 0])
+    torch.testing.assert_close(some, every[:, [3, 0]], rtol=0, atol=0)
+    blocked = ~mask.expand(2, 4, 5, 5)
+    assert (every[blocked] == 0).all()

@@ -22,14 +22,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def weights_from_scores(scores: Tensor, allowed: Tensor | None) -> Tensor:
     """Softmax over keys, with hidden keys at exactly 0 and fully hidden rows all 0.
 
-    A hidden key gets the most negative finite score rather than -inf: a row with every
-    key hidden then softmaxes to a uniform row (finite, so no NaN reaches the gradient),
-    which the final masked_fill turns to zeros.
+    A hidden key gets the most negative finite score rather than -inf, so its exp() is
+    exactly 0 beside any visible key, and a row with every key hidden softmaxes to a
+    finite uniform row (no NaN reaches the gradient), which is then set to zeros.
     """
     if allowed is None:
         return scores.softmax(dim=-1)
-    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    return scores.softmax(dim=-1).masked_fill(~allowed, 0.0)
+    weights = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min).softmax(dim=-1)
+    blind = ~allowed.any(dim=-1, keepdim=True)  # (…, Tq, 1): queries that see no key
+    return weights.masked_fill(blind, 0.0) if blind.any() else weights
 
 
 def _weights(q: Tensor, k: Tensor, mask, causal, scale: float, shape: Shape) -> Tensor:

@@ -201,8 +201,10 @@ class MultiHeadAttention(nn.Module):
             )
         group = self.num_heads // self.num_kv_heads
         index = torch.tensor(heads, device=q.device)
-        if mask is not None and mask.dim() == 4 and mask.shape[1] != 1:
-            mask = mask.index_select(1, index)
+        if mask is not None:
+            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B?, H?, T, Tk)
+            if mask.shape[1] != 1:  # one mask per head: keep the asked-for heads' masks
+                mask = mask.index_select(1, index)
         q = q.index_select(1, index)  # (B, n, T, D)
         k = k.index_select(1, index // group)  # the key head each of them reads
         return attention_weights(q, k, mask=mask, causal=causal)
