@@ -15,4 +15,13 @@ try:
 except PackageNotFoundError:  # running from a source tree with PYTHONPATH=src
     __version__ = "0.0.0+source"
 
-__all__ = ["__version__", "attend", "explain_choice"]
+__all__ = ["Pretrained", "__version__", "attend", "explain_choice", "load"]
+
+
+def __getattr__(name: str):
+    # `import qkv` needs only torch; loading pretrained models pulls in more, on first use
+    if name in ("load", "Pretrained"):
+        from qkv import pretrained
+
+        return getattr(pretrained, name)
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")

@@ -79,6 +79,7 @@ class DecoderConfig(StackConfig):
     num_layers: int
     block: BlockConfig
     tie_embeddings: bool = True  # the LM head reuses the token embedding matrix
+    lm_head_bias: bool = False  # BART adds a fixed bias to the logits
     cross_attention: bool = False  # set by EncoderDecoder for its decoder
 
 
@@ -92,6 +93,7 @@ class EncoderDecoderConfig(StackConfig):
     position: Position = "sinusoidal"
     embed_scale: bool = True
     tie_embeddings: bool = True  # one token matrix for encoder, decoder and LM head
+    lm_head_bias: bool = False
 
     def _stack(self) -> dict:
         return {
@@ -109,6 +111,7 @@ class EncoderDecoderConfig(StackConfig):
         return DecoderConfig(
             num_layers=self.decoder_layers,
             tie_embeddings=self.tie_embeddings,
+            lm_head_bias=self.lm_head_bias,
             cross_attention=True,
             **self._stack(),
         )

@@ -59,9 +59,13 @@ class Decoder(nn.Module):
             for _ in range(config.num_layers)
         )
         self.norm = config.block.make_norm() if config.has_final_norm else None
-        self.lm_head = nn.Linear(config.block.width, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.block.width, config.vocab_size, bias=config.lm_head_bias)
         self.apply(init_weights)
-        if config.tie_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the token matrix with the LM head when the config says so."""
+        if self.config.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight
 
     def new_cache(self) -> DecoderCache:

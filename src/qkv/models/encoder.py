@@ -46,6 +46,9 @@ class Encoder(nn.Module):
         self.norm = config.block.make_norm() if config.has_final_norm else None
         self.apply(init_weights)
 
+    def tie_weights(self) -> None:
+        """Nothing is shared in an encoder; here so every model can be re-tied alike."""
+
     def forward(
         self,
         input_ids: Tensor,

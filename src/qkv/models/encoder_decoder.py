@@ -41,7 +41,11 @@ class EncoderDecoder(nn.Module):
         self.config = config
         self.encoder = Encoder(config.encoder())
         self.decoder = Decoder(config.decoder())
-        if config.tie_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """One token matrix for the encoder, the decoder and the LM head, if so configured."""
+        if self.config.tie_embeddings:
             self.decoder.embed.tokens.weight = self.encoder.embed.tokens.weight
             self.decoder.lm_head.weight = self.encoder.embed.tokens.weight
 

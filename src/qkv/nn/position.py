@@ -48,9 +48,16 @@ class SinusoidalPositions(nn.Module):
         super().__init__()
         if width % 2:
             raise ValueError(f"sinusoidal positions need an even width, got {width}")
-        self.width = width
-        inv_freq = base ** (-torch.arange(0, width, 2, dtype=torch.float64) / width)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.width, self.base = width, base
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> Tensor:
+        exponents = torch.arange(0, self.width, 2, dtype=torch.float64) / self.width
+        return (self.base**-exponents).float()
+
+    def reset_buffers(self) -> None:
+        """Recompute the fixed frequencies (after building on the meta device)."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
     def forward(self, positions: Tensor) -> Tensor:
         angles = positions.float()[..., None] * self.inv_freq  # (…, T, C/2)
@@ -76,10 +83,16 @@ class RotaryEmbedding(nn.Module):
         if head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
         self.head_dim, self.base = head_dim, base
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> Tensor:
+        # computed as Llama checkpoints' reference code does, so the angles match exactly
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+        return 1.0 / (self.base**exponents)
+
+    def reset_buffers(self) -> None:
+        """Recompute the fixed frequencies (after building on the meta device)."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin, (…, T, D), for positions (T,) or (B, T); made in float32."""

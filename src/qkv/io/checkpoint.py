@@ -1,0 +1,100 @@
+"""Checkpoint tensors in and out of a qkv model, through a family's weight map.
+
+Every tensor is shape-checked; a checkpoint key that nothing reads, or a model weight that
+nothing fills, is an error: a silent mismatch would give a model that runs and is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from qkv.io.families import Family
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def read_checkpoint(folder: Path) -> dict[str, Tensor]:
+    """The tensors of a Hugging Face folder: model.safetensors (sharded or not), else
+    pytorch_model.bin. A truncated or corrupt file is reported as such."""
+    folder = Path(folder)
+    single, index, pickle = (folder / name for name in WEIGHT_FILES)
+    if single.exists():
+        return _read_safetensors(single)
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        tensors: dict[str, Tensor] = {}
+        for shard in shards:
+            tensors.update(_read_safetensors(folder / shard))
+        return tensors
+    if pickle.exists():
+        try:
+            return torch.load(pickle, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as error:  # torch raises several kinds for a damaged zip
+            raise ValueError(f"{pickle} is truncated or corrupt: {error}") from None
+    raise ValueError(f"{folder} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.exists():
+        raise ValueError(f"{path} is missing")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{path} is truncated or corrupt: {error}") from None
+
+
+def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -> None:
+    """Copy checkpoint tensors into the model's parameters through the family's map."""
+    params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    filled: set[str] = set()
+    used: set[str] = set()
+    for weight in family.weights(config):
+        present = [name for name in weight.names if name in tensors]
+        if not present:
+            raise ValueError(
+                f"the checkpoint has no {weight.names[0]} (for {weight.qkv}); is it a "
+                f"{family.name} checkpoint of this size?"
+            )
+        used.update(present)
+        if weight.qkv not in params:
+            raise AssertionError(f"{family.name} weight map names unknown parameter {weight.qkv}")
+        target = params[weight.qkv]
+        value = weight.load(tensors[present[0]])
+        if value.shape != target.shape:
+            raise ValueError(
+                f"{present[0]} has shape {tuple(value.shape)} but the model built from "
+                f"config.json needs {tuple(target.shape)} for {weight.qkv}"
+            )
+        with torch.no_grad():
+            target.copy_(value)
+        filled.add(weight.qkv)
+    unused = [
+        name
+        for name in tensors
+        if name not in used and not any(re.fullmatch(p, name) for p in family.ignored)
+    ]
+    if unused:
+        raise ValueError(
+            f"{len(unused)} checkpoint tensors are not used by qkv's {family.name} model, "
+            f"e.g. {', '.join(sorted(unused)[:3])}"
+        )
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise ValueError(f"the checkpoint leaves these weights unfilled: {', '.join(unfilled[:5])}")
+
+
+def export(model: nn.Module, family: Family, config) -> dict[str, Tensor]:
+    """The model's weights under their canonical checkpoint names and layouts."""
+    params = dict(model.named_parameters())
+    out = {}
+    for weight in family.weights(config):
+        out[weight.names[0]] = weight.save(params[weight.qkv].detach()).contiguous()
+    return out

@@ -1,0 +1,130 @@
+"""Hugging Face folders and model ids: config.json + weights + tokenizer.json, in and out."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from qkv.io.checkpoint import export, fill, read_checkpoint
+from qkv.io.families import Family, family_for
+
+# what a model needs from a hub repository; everything else there is left alone
+HUB_FILES = ["*.json", "*.safetensors", "pytorch_model.bin", "1_Pooling/*", "*.txt"]
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How a sentence-transformers model turns token vectors into one sentence vector."""
+
+    mode: str = "mean"  # "mean", "cls" or "max"
+    normalize: bool = False  # scale each sentence vector to length 1
+
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise ValueError(f"{folder} is not a Hugging Face model folder: config.json is missing")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+
+
+def with_backend(config, backend: str | None):
+    """The same model config with another attention backend (None keeps it)."""
+    if backend is None:
+        return config
+    return replace(config, block=replace(config.block, backend=backend))
+
+
+def build(family: Family, config, tensors: dict[str, Tensor], dtype: torch.dtype) -> nn.Module:
+    """A model of `family` holding `tensors`, without spending time on a random init."""
+    with torch.device("meta"):
+        model = family.model(config)
+    model.to_empty(device="cpu")
+    for module in model.modules():  # fixed buffers (rotary frequencies) are not weights
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    model.tie_weights()
+    fill(model, family, config, tensors)
+    return model.to(dtype).eval()
+
+
+def read_pooling(folder: Path) -> Pooling | None:
+    """The pooling a sentence-transformers folder declares (modules.json), if any."""
+    modules_file = Path(folder) / "modules.json"
+    if not modules_file.exists():
+        return None
+    pooling, normalize = Pooling(), False
+    for module in json.loads(modules_file.read_text()):
+        kind = module.get("type", "")
+        if kind.endswith("Pooling"):
+            settings = json.loads((Path(folder) / module["path"] / "config.json").read_text())
+            modes = [m for m in ("cls", "max", "mean") if settings.get(f"pooling_mode_{m}_token")
+                     or settings.get(f"pooling_mode_{m}_tokens")]  # fmt: skip
+            if len(modes) != 1:
+                raise ValueError(f"unsupported sentence-transformers pooling: {settings}")
+            pooling = Pooling(mode=modes[0])
+        elif kind.endswith("Normalize"):
+            normalize = True
+    return replace(pooling, normalize=normalize)
+
+
+def download(model_id: str) -> Path:
+    """A hub model's folder from the local cache, downloading it unless offline."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_id, allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"{model_id!r} is not in the Hugging Face cache and cannot be downloaded "
+            "(offline: HF_HUB_OFFLINE is set or the hub is unreachable)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"no Hugging Face model {model_id!r}") from None
+
+
+def save_folder(
+    folder: Path, model: nn.Module, family: Family, config, hf_config: dict, tokenizer
+) -> None:
+    """Write a Hugging Face folder that `transformers` loads; all or nothing."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    if folder.exists() and any(folder.iterdir()):
+        raise ValueError(f"{folder} exists and is not empty; choose a new folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        tensors = {k: v.to(torch.float32) for k, v in export(model, family, config).items()}
+        save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+        hf = {k: v for k, v in hf_config.items() if k != "quantization_config"}
+        (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+        tokenizer.save(staging)
+        for path in staging.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        if folder.exists():
+            folder.rmdir()
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def load_folder(folder: Path, dtype: torch.dtype, backend: str | None):
+    """(model, family, qkv config, Hugging Face config) from a Hugging Face folder."""
+    hf_config = read_config(folder)
+    family = family_for(hf_config)
+    config = with_backend(family.config(hf_config), backend)
+    model = build(family, config, read_checkpoint(folder), dtype)
+    return model, family, config, hf_config

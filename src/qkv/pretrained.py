@@ -1,0 +1,249 @@
+"""`qkv.load` and `Pretrained`: a real model with its tokenizer, ready to use and inspect.
+
+>>> model = load("minilm")                                     # doctest: +SKIP
+>>> model.embed(["The bank of the river"]).shape                # doctest: +SKIP
+torch.Size([1, 384])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from qkv.generate import Sampling, decode_steps
+from qkv.io.embedded import EMBEDDED, embedded_path
+from qkv.io.families import Family, family_for
+from qkv.io.hf import Pooling, build, download, load_folder, read_pooling, save_folder, with_backend
+from qkv.models import Decoder, Encoder, EncoderDecoder
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Attentions:
+    """Every layer's and head's attention weights over one text."""
+
+    weights: Tensor  # (L, H, T, T): row i is how token i's attention divides over the tokens
+    tokens: list[str]
+    encoded: object  # the tokenizer's Encoded: offsets, words, find("bank#2")
+
+
+class Pretrained:
+    """A pretrained model, its tokenizer and its config. Made by `qkv.load`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        config,
+        *,
+        family: Family,
+        hf_config: dict,
+        source: str,
+        pooling: Pooling | None = None,
+    ):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.family, self.hf_config, self.source = family, hf_config, source
+        self.pooling = pooling
+
+    def __repr__(self) -> str:
+        params = sum(p.numel() for p in self.model.parameters())
+        return f"Pretrained({self.source!r}, {self.family.name}, {params / 1e6:.1f}M parameters)"
+
+    @property
+    def context_window(self) -> int:
+        return self.config.max_positions
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        stream: Callable[[int, str], None] | None = None,
+        chat: bool = False,
+        system: str | None = None,
+    ) -> str | list[str]:
+        """Continue a prompt (or each of a batch of prompts) with new text.
+
+        temperature 0 is greedy; top_k and top_p narrow sampling; seed makes sampling
+        repeatable. Generation ends at the end-of-sequence token, at any `stop` string (not
+        included in the result) or after max_new_tokens. stream(row, text) receives text as
+        it is made. chat: wrap the prompt in the model's chat template as a user message.
+        """
+        if not isinstance(self.model, Decoder):
+            raise ValueError(f"generate needs a decoder model; {self.source} is {self.family.name}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        sampling = Sampling(temperature, top_k, top_p, seed)
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts:
+            raise ValueError("no prompt given")
+        if chat:
+            prompts = [self._chat(p, system) for p in prompts]
+        ids, mask = self.tokenizer.encode_batch(
+            prompts, add_special_tokens=not chat, padding_side="left"
+        )
+        longest = int(mask.sum(-1).max())
+        if longest + max_new_tokens > self.context_window:
+            raise ValueError(
+                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                f"{self.source}'s context window of {self.context_window} tokens"
+            )
+        return self._decode(ids, mask, sampling, max_new_tokens, list(stop), stream, len(prompts))
+
+    def _chat(self, prompt: str, system: str | None) -> str:
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _decode(self, ids, mask, sampling, max_new_tokens, stop, stream, n) -> str | list[str]:
+        eos = self._eos_ids()
+        new: list[list[int]] = [[] for _ in range(n)]
+        texts = ["" for _ in range(n)]
+        streams = [self.tokenizer.stream() for _ in range(n)]
+        done = [False] * n
+        for tokens in decode_steps(self.model, ids, mask, sampling, max_new_tokens):
+            for row, token in enumerate(tokens.tolist()):
+                if done[row]:
+                    continue
+                if token in eos:
+                    done[row] = True
+                    continue
+                new[row].append(token)
+                piece = streams[row].push(token)
+                text = texts[row] + piece
+                cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                if cut >= 0:  # a stop string: keep what came before it, and stop
+                    piece, done[row] = text[len(texts[row]) : cut], True
+                    text = text[:cut]
+                texts[row] = text
+                if stream is not None and piece:
+                    stream(row, piece)
+            if all(done):
+                break
+        return texts[0] if n == 1 else texts
+
+    def _eos_ids(self) -> set[int]:
+        ids = self.hf_config.get("eos_token_id")
+        ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+        if self.tokenizer.eos_id is not None:
+            ids.add(self.tokenizer.eos_id)
+        return ids
+
+    # ------------------------------------------------------------------ embeddings
+
+    def embed(self, sentences: Sequence[str], *, batch_size: int = 64) -> Tensor:
+        """One vector per sentence (N, C), pooled and normalized as the model's config says.
+
+        Sentences are sorted by length and batched, so padding costs little.
+        """
+        if not isinstance(self.model, Encoder):
+            raise ValueError(f"embed needs an encoder model; {self.source} is {self.family.name}")
+        if isinstance(sentences, str):
+            sentences = [sentences]
+        pooling = self.pooling or Pooling()
+        order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
+        out = torch.empty(len(sentences), self.config.block.width)
+        with torch.inference_mode():
+            for start in range(0, len(order), batch_size):
+                rows = order[start : start + batch_size]
+                ids, mask = self.tokenizer.encode_batch([sentences[i] for i in rows])
+                ids, mask = ids[:, : self.context_window], mask[:, : self.context_window]
+                hidden = self.model(ids, attention_mask=mask).hidden.float()  # (B, T, C)
+                out[rows] = pool(hidden, mask, pooling)
+        return out
+
+    # ------------------------------------------------------------------ inspection
+
+    def attentions(self, text: str) -> Attentions:
+        """Every layer's and head's weights (L, H, T, T) over `text`, and its tokens."""
+        encoded = self.tokenizer.encode(text)
+        ids = torch.tensor([encoded.ids])
+        if ids.shape[1] > self.context_window:
+            raise ValueError(
+                f"the text has {ids.shape[1]} tokens; {self.source} reads at most "
+                f"{self.context_window}"
+            )
+        model = self.model.encoder if isinstance(self.model, EncoderDecoder) else self.model
+        L, H = model.config.num_layers, model.config.block.num_heads
+        record = [(layer, head) for layer in range(L) for head in range(H)]
+        with torch.inference_mode():
+            recorded = model(ids, record=record).attentions
+        weights = torch.stack([recorded[key][0] for key in record]).view(L, H, *ids.shape[1:] * 2)
+        return Attentions(weights, list(encoded.tokens), encoded)
+
+    def save(self, folder: str | Path) -> None:
+        """Export as a Hugging Face folder that `transformers` loads with equal outputs."""
+        save_folder(Path(folder), self.model, self.family, self.config, self.hf_config,
+                    self.tokenizer)  # fmt: skip
+
+
+def pool(hidden: Tensor, mask: Tensor, pooling: Pooling) -> Tensor:
+    """Token vectors (B, T, C) with mask (B, T) -> sentence vectors (B, C)."""
+    real = mask.to(hidden.dtype)[..., None]  # (B, T, 1)
+    if pooling.mode == "mean":
+        vectors = (hidden * real).sum(1) / real.sum(1).clamp(min=1e-9)
+    elif pooling.mode == "cls":
+        vectors = hidden[:, 0]
+    else:
+        vectors = hidden.masked_fill(real == 0, float("-inf")).max(1).values
+    return torch.nn.functional.normalize(vectors, dim=-1) if pooling.normalize else vectors
+
+
+def load(
+    source: str | Path, *, dtype: str | torch.dtype = "float32", backend: str | None = None
+) -> Pretrained:
+    """A pretrained model from an embedded name, a folder, a .gguf file or a hub model id.
+
+    source: "minilm" or "smollm2" (embedded, no network), a Hugging Face folder
+    (config.json, model.safetensors or pytorch_model.bin, tokenizer.json), a .gguf file,
+    or a Hugging Face model id such as "gpt2" or "org/name" (downloaded once, then cached;
+    offline mode is respected). backend: the attention backend the model runs on.
+    """
+    from qkv.io.tokenizer import Tokenizer
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    name = str(source)
+    path = embedded_path(name) if name in EMBEDDED else Path(name).expanduser()
+    if path.suffix == ".gguf" or (path.is_file() and name.endswith(".gguf")):
+        return _load_gguf(path, name, dtype, backend)
+    if not path.exists():
+        if path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1:
+            raise ValueError(
+                f"{name} does not exist; give an embedded model ({', '.join(EMBEDDED)}), "
+                "a Hugging Face folder, a .gguf file or a Hugging Face model id"
+            )
+        path = download(name)
+    if not path.is_dir():
+        raise ValueError(f"{name} is neither a folder nor a .gguf file")
+    model, family, config, hf_config = load_folder(path, dtype, backend)
+    tokenizer = Tokenizer.from_folder(path)
+    return Pretrained(model, tokenizer, config, family=family, hf_config=hf_config,
+                      source=name, pooling=read_pooling(path))  # fmt: skip
+
+
+def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend: str | None) -> Pretrained:
+    from qkv.io.gguf import read_gguf
+    from qkv.io.tokenizer import Tokenizer
+
+    contents = read_gguf(path)
+    family = family_for(contents.config)
+    config = with_backend(family.config(contents.config), backend)
+    model = build(family, config, contents.state_dict, dtype)
+    tokenizer = Tokenizer(contents.tokenizer, **contents.tokenizer_config)
+    return Pretrained(model, tokenizer, config, family=family, hf_config=contents.config,
+                      source=name)  # fmt: skip
