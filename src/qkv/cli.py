@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from contextlib import contextmanager
+from typing import Annotated
+
 import typer
 
 app = typer.Typer(
@@ -9,6 +14,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+Model = Annotated[str, typer.Option("--model", "-m", help="embedded name, folder, .gguf or id")]
+Backend = Annotated[str | None, typer.Option(help="attention backend: auto, sdpa, eager, loop")]
+
+
+@contextmanager
+def user_errors():
+    """A ValueError is the user's to fix: one line on stderr, exit code 2."""
+    try:
+        yield
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.callback()
@@ -36,6 +54,63 @@ def backends() -> None:
             typer.echo("auto     the fastest backend that supports the inputs")
         else:
             typer.echo(f"{name:<8} {BACKENDS[name].description}")
+
+
+@app.command()
+def generate(
+    prompt: str,
+    model: Model = "smollm2",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    stop: Annotated[list[str] | None, typer.Option(help="stop at this text (repeatable)")] = None,
+    chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = False,
+    system: str | None = None,
+    backend: Backend = None,
+) -> None:
+    """Continue PROMPT with a pretrained decoder, printing tokens as they come."""
+    from qkv import load
+
+    with user_errors():
+        pretrained = load(model, backend=backend)
+
+        def show(row: int, piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        if not chat:
+            typer.echo(prompt, nl=False)
+        pretrained.generate(
+            prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=stop or (), stream=show, chat=chat, system=system,
+        )  # fmt: skip
+        typer.echo()
+
+
+@app.command()
+def embed(
+    sentences: list[str],
+    model: Model = "minilm",
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON line per sentence")] = False,
+    backend: Backend = None,
+) -> None:
+    """Sentence vectors; shown as their cosine similarities, or as JSON lines."""
+    from qkv import load
+
+    with user_errors():
+        vectors = load(model, backend=backend).embed(sentences)
+    if as_json:
+        for sentence, vector in zip(sentences, vectors.tolist(), strict=True):
+            typer.echo(json.dumps({"sentence": sentence, "embedding": vector}))
+        return
+    unit = vectors / vectors.norm(dim=-1, keepdim=True)
+    similarity = unit @ unit.T
+    typer.echo(f"{len(sentences)} sentences, {vectors.shape[1]} numbers each; cosine similarity:")
+    for i, sentence in enumerate(sentences):
+        row = " ".join(f"{s:+.3f}" for s in similarity[i].tolist())
+        typer.echo(f"  [{i}] {row}  {sentence}")
 
 
 def main() -> None:

@@ -70,7 +70,7 @@ def save_tiny(name: str, folder):
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_tiny_models_match_transformers(name, backend, tmp_path):
     theirs = save_tiny(name, tmp_path)
-    ours, family, config, _ = load_folder(tmp_path, torch.float32, backend)
+    ours, *_ = load_folder(tmp_path, torch.float32, backend)
     ids = torch.randint(0, 99, (2, 9))
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, 6:] = 0

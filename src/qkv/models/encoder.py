@@ -22,6 +22,8 @@ from qkv.nn.position import positions_for
 class EncoderOutput:
     hidden: Tensor  # (B, T, C) the contextualized vector of every token
     attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, T) each
+    # with hidden_states=True: the embeddings, then each block's output, (B, T, C) each
+    hidden_states: list[Tensor] = field(default_factory=list)
 
 
 class Encoder(nn.Module):
@@ -56,10 +58,12 @@ class Encoder(nn.Module):
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         record: Iterable[tuple[int, int]] | None = None,
+        hidden_states: bool = False,
     ) -> EncoderOutput:
         """attention_mask (B, T): 1 for real tokens, 0 for padding, which no token attends to.
 
         record: (layer, head) pairs whose attention weights (B, T, T) to return.
+        hidden_states: also return every layer's input and the last one's output.
         """
         wanted = heads_by_layer(record, self.config.num_layers, self.config.block.num_heads)
         positions = positions_for(input_ids.shape[1], device=input_ids.device)
@@ -67,9 +71,12 @@ class Encoder(nn.Module):
         padding = key_padding(attention_mask)
         mask = None if padding is None else padding[:, None, None, :]  # (B, 1, 1, T)
         attentions: dict[tuple[int, int], Tensor] = {}
+        states = [x] if hidden_states else []
         for layer, block in enumerate(self.blocks):
             x, weights = block(x, mask=mask, positions=positions, heads=wanted.get(layer))
             store_weights(attentions, layer, wanted.get(layer), weights)
+            if hidden_states:
+                states.append(x)
         if self.norm is not None:
             x = self.norm(x)
-        return EncoderOutput(x, attentions)
+        return EncoderOutput(x, attentions, states)

