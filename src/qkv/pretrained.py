@@ -1,8 +1,10 @@
 """`qkv.load` and `Pretrained`: a real model with its tokenizer, ready to use and inspect.
 
->>> model = load("minilm")                                     # doctest: +SKIP
->>> model.embed(["The bank of the river"]).shape                # doctest: +SKIP
-torch.Size([1, 384])
+>>> minilm = load("minilm")
+>>> minilm.embed(["The bank of the river", "The bank lent me money"]).shape
+torch.Size([2, 384])
+>>> minilm.attentions("The bank of the river").weights.shape  # (L, H, T, T)
+torch.Size([6, 12, 7, 7])
 """
 
 from __future__ import annotations

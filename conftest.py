@@ -1,0 +1,32 @@
+"""Test-wide settings: no downloads, and caches in a temporary folder, not the user's."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+# Tests never download: a model that is not embedded or built locally must fail, not fetch.
+os.environ["HF_HUB_OFFLINE"] = "1"
+# The dequantized-GGUF cache goes to a folder of this test run, never the user's home.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="qkv-test-cache-")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf():
+    """transformers' own load of the embedded SmolLM2 GGUF file: (model, tokenizer).
+
+    Slow (it dequantizes with numpy), so it is loaded once for every test that needs it.
+    """
+    import torch
+    import transformers
+
+    from qkv.io.embedded import embedded_path
+
+    path = embedded_path("smollm2")
+    kwargs = {"gguf_file": path.name}
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, dtype=torch.float32, attn_implementation="eager", **kwargs
+    ).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)

@@ -1,0 +1,174 @@
+"""The embedded pretrained models against `transformers` running the same files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as hf
+
+import qkv
+from qkv.io.embedded import embedded_path
+
+SENTENCES = [
+    "The bank on the side of the river",
+    "I deposited my savings at the bank.",
+    "Attention!",
+    "A much longer sentence, with commas, numbers like 1234 and a riverbank, to test padding.",
+]
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return qkv.load("minilm")
+
+
+@pytest.fixture(scope="module")
+def minilm_hf():
+    folder = embedded_path("minilm")
+    model = hf.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
+    return model, hf.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return qkv.load("smollm2")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_minilm_every_layer_and_head_matches_transformers(minilm_hf, backend):
+    model, tokenizer = minilm_hf
+    ours = qkv.load("minilm", backend=backend)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = model(**batch, output_attentions=True, output_hidden_states=True)
+    L, H = ours.config.num_layers, ours.config.block.num_heads
+    record = [(layer, head) for layer in range(L) for head in range(H)]
+    with torch.inference_mode():
+        got = ours.model(
+            batch["input_ids"], attention_mask=batch["attention_mask"], record=record,
+            token_type_ids=batch["token_type_ids"], hidden_states=True,
+        )  # fmt: skip
+    real = batch["attention_mask"].bool()
+    assert len(got.hidden_states) == len(want.hidden_states) == L + 1
+    for layer, (mine, theirs) in enumerate(zip(got.hidden_states, want.hidden_states, strict=True)):
+        torch.testing.assert_close(
+            mine[real], theirs[real], atol=1e-5, rtol=0, msg=f"layer {layer}"
+        )
+    for layer, head in record:
+        theirs = want.attentions[layer][:, head]  # (B, T, T)
+        mine = got.attentions[(layer, head)]
+        for b in range(len(SENTENCES)):  # rows of padding queries are not compared
+            torch.testing.assert_close(mine[b][real[b]], theirs[b][real[b]], atol=1e-5, rtol=0)
+
+
+def test_minilm_sentence_embeddings_match_the_mean_pooling_recipe(minilm, minilm_hf):
+    model, tokenizer = minilm_hf
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        tokens = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    want = torch.nn.functional.normalize((tokens * mask).sum(1) / mask.sum(1), dim=-1)
+    got = minilm.embed(SENTENCES, batch_size=3)  # length-sorted batches, order kept
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert (cosine > 0.99999).all(), cosine
+    torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(SENTENCES)))
+
+
+def test_attentions_are_every_layer_and_head_whatever_the_backend(minilm):
+    text = "The bank on the side of the river"
+    out = minilm.attentions(text)
+    T = len(out.tokens)
+    assert out.weights.shape == (6, 12, T, T)
+    torch.testing.assert_close(out.weights.sum(-1), torch.ones(6, 12, T))
+    eager = qkv.load("minilm", backend="eager").attentions(text)
+    torch.testing.assert_close(out.weights, eager.weights, atol=1e-6, rtol=0)
+    start, end = out.encoded.find("bank")
+    assert "".join(out.tokens[start:end]) == "bank"
+
+
+def test_smollm2_logits_match_transformers_on_the_same_gguf(smollm2, smollm2_hf):
+    model, tokenizer = smollm2_hf
+    ids = tokenizer("The bank on the side of the river is", return_tensors="pt").input_ids
+    assert ids.tolist()[0] == smollm2.tokenizer.encode("The bank on the side of the river is").ids
+    with torch.no_grad():
+        want = model(ids).logits
+    with torch.inference_mode():
+        got = smollm2.model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+def test_smollm2_greedy_continuation_equals_transformers(smollm2, smollm2_hf):
+    model, tokenizer = smollm2_hf
+    prompt = "The bank on the side of the river"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    want_text = tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True)
+    got = smollm2.generate(prompt, 32)
+    assert got == want_text
+
+
+def test_cached_generation_equals_generation_without_the_cache(smollm2):
+    prompt = "Rivers carve their banks"
+    ids = torch.tensor([smollm2.tokenizer.encode(prompt).ids])
+    with torch.inference_mode():
+        for _ in range(12):  # the whole sequence again at every step: no cache at all
+            next_id = smollm2.model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
+    uncached = smollm2.tokenizer.decode(ids[0, -12:].tolist())
+    assert smollm2.generate(prompt, 12) == uncached
+
+
+def test_a_batch_with_left_padding_equals_each_prompt_alone(smollm2):
+    prompts = ["Hello", "The bank on the side of the river"]
+    together = smollm2.generate(prompts, 10)
+    assert together == [smollm2.generate(p, 10) for p in prompts]
+
+
+def test_sampling_is_repeatable_with_a_seed_and_stops_at_stop_strings(smollm2):
+    pieces = []
+    a = smollm2.generate("Once upon a time", 20, temperature=0.8, top_k=40, top_p=0.9, seed=7,
+                         stream=lambda row, piece: pieces.append(piece))  # fmt: skip
+    b = smollm2.generate("Once upon a time", 20, temperature=0.8, top_k=40, top_p=0.9, seed=7)
+    assert a == b == "".join(pieces)
+    greedy = smollm2.generate("The river", 24)
+    word = greedy.split()[2]
+    stopped = smollm2.generate("The river", 24, stop=[word])
+    assert stopped == greedy[: greedy.index(word)]
+
+
+def test_chat_template_wraps_the_prompt(smollm2):
+    text = smollm2.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert "<|im_start|>user\nHi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+    reply = smollm2.generate("What is a river bank?", 16, chat=True)
+    assert reply and "<|im" not in reply
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"temperature": -1}, "temperature must be"),
+        ({"top_k": 0}, "top_k must be"),
+        ({"top_p": 1.5}, "top_p must be"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be"),
+        ({"max_new_tokens": 9000}, "exceeds smollm2's context window of 8192 tokens"),
+    ],
+)
+def test_bad_generation_arguments_are_one_line_errors(smollm2, kwargs, message):
+    args = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        smollm2.generate("Hello", args.pop("max_new_tokens"), **args)
+
+
+def test_a_text_longer_than_minilms_window_is_refused(minilm):
+    with pytest.raises(ValueError, match="reads at most 512"):
+        minilm.attentions("word " * 600)
+
+
+def test_bad_sources_say_what_is_allowed(tmp_path):
+    with pytest.raises(ValueError, match="does not exist; give an embedded model"):
+        qkv.load("./no/such/folder")
+    with pytest.raises(ValueError, match="config.json is missing"):
+        qkv.load(tmp_path)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        qkv.load("minilm", dtype="int8")
