@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, TokenType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from torch import Tensor
 
+from qkv.io.gguf_tokenizer import gguf_tokenizer
 from qkv.io.quants import SUPPORTED, dequantize
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def read_gguf(
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama")
     config = _llama_config(header)
-    tokenizer, tokenizer_config = _tokenizer(header.metadata, path)
+    tokenizer, tokenizer_config = gguf_tokenizer(header.metadata, path)
 
     cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     cache = cache_dir / f"{hashlib.sha256(data).hexdigest()}.safetensors"
@@ -358,149 +359,3 @@ def _save_cache(cache: Path, state_dict: dict[str, Tensor], source: Path) -> Non
             os.close(folder)
     except OSError as error:
         logger.warning("could not write the GGUF cache %s: %s", cache, error)
-
-
-# ---- the tokenizer --------------------------------------------------------------------------
-
-# Split patterns for the byte-level pre-tokenizer tags whose text is not split GPT-2's way;
-# any other tag (e.g. SmolLM2's "smollm") keeps GPT-2's, as transformers does.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {tag: _LLAMA3_SPLIT for tag in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx")}
-_SPLITS["tekken"] = _TEKKEN_SPLIT
-
-
-def _tokenizer(meta: dict[str, Any], path: Path) -> tuple[Tokenizer, dict[str, Any]]:
-    """The tokenizer transformers builds from the same file (AutoTokenizer with gguf_file), and
-    its settings. `tokenizer.ggml.model` "gpt2" is byte-level BPE; "llama" is sentencepiece BPE."""
-    from tokenizers import AddedToken, processors
-
-    kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
-    if kind not in ("gpt2", "llama") or not tokens:
-        raise ValueError(f"{path} has tokenizer model {kind!r}; supported: gpt2, llama")
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    named = {}
-    for name, key in [("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")]:
-        index = meta.get(f"tokenizer.ggml.{key}_token_id")
-        named[f"{name}_token"] = (
-            tokens[index] if index is not None and index < len(tokens) else None
-        )
-    config = {
-        **named,
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "chat_template": meta.get("tokenizer.chat_template"),
-    }
-
-    tokenizer = _byte_level(meta) if kind == "gpt2" else _sentencepiece(meta)
-    # Control tokens stay whole and special. In a byte-level vocabulary, one spelled outside the
-    # byte alphabet is a llama.cpp mislabel, and transformers leaves it out.
-    alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
-    control = [
-        token
-        for token, kind_of in zip(tokens, types, strict=True)
-        if kind_of == TokenType.CONTROL and (alphabet is None or set(token) <= alphabet)
-    ]
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    vocab = tokenizer.get_vocab()
-    user = [
-        t for t, k in zip(tokens, types, strict=True) if k == TokenType.USER_DEFINED and t in vocab
-    ]
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-    missing = [t for t in named.values() if t is not None and t not in control]
-    tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in missing])
-
-    # what transformers' add_bos_token / add_eos_token do: "<s>:0 $A:0" for one sequence
-    bos = [named["bos_token"]] if config["add_bos_token"] and named["bos_token"] else []
-    eos = [named["eos_token"]] if config["add_eos_token"] and named["eos_token"] else []
-
-    def template(sequence: str, type_id: int) -> list[str]:
-        return (
-            [f"{t}:{type_id}" for t in bos]
-            + [f"${sequence}:{type_id}"]
-            + [f"{t}:{type_id}" for t in eos]
-        )
-
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=template("A", 0),
-        pair=template("A", 0) + template("B", 1),
-        special_tokens=[(t, tokenizer.token_to_id(t)) for t in bos + eos],
-    )
-    return tokenizer, config
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's spelling of bytes as printable characters: 'Ġ' is the space byte 32."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    others = [b for b in range(256) if b not in printable]
-    spelling = {b: chr(b) for b in printable}
-    spelling |= {b: chr(256 + n) for n, b in enumerate(others)}
-    return spelling
-
-
-def _merges(meta: dict[str, Any]) -> list[tuple[str, ...]]:
-    return [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
-
-
-def _byte_level(meta: dict[str, Any]) -> Tokenizer:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    spelling = _bytes_to_unicode()
-    alphabet = set(spelling.values())
-    vocab = {
-        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): index
-        for index, t in enumerate(meta["tokenizer.ggml.tokens"])
-    }
-    bpe = models.BPE(vocab, _merges(meta), continuing_subword_prefix="", end_of_word_suffix="")
-    tokenizer = Tokenizer(bpe)
-    split = _SPLITS.get(meta.get("tokenizer.ggml.pre"))
-    if split is None:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    tokenizer.decoder = decoders.ByteLevel()
-    return tokenizer
-
-
-def _sentencepiece(meta: dict[str, Any]) -> Tokenizer:
-    """Sentencepiece BPE with byte fallback; without merges in the file, they are recovered
-    from the scores: every split of a token into two tokens, best-scoring token first."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    tokens = meta["tokenizer.ggml.tokens"]
-    vocab = {token: index for index, token in enumerate(tokens)}
-    if "tokenizer.ggml.merges" in meta:
-        merges = _merges(meta)
-    else:
-        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        found = []
-        for token, score in dict(zip(tokens, scores, strict=True)).items():
-            pairs = [(token[:i], token[i:]) for i in range(1, len(token))]
-            pairs = sorted(
-                (p for p in pairs if p[0] in vocab and p[1] in vocab),
-                key=lambda p: (vocab[p[0]], vocab[p[1]]),
-            )
-            found += [(left, right, score) for left, right in pairs]
-        found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-        merges = [(left, right) for left, right, _ in found]
-    tokenizer = Tokenizer(models.BPE(vocab, merges, fuse_unk=True, byte_fallback=True))
-    # llama.cpp honours add_space_prefix = false; transformers ignores it and always prepends
-    prepend = "never" if meta.get("tokenizer.ggml.add_space_prefix") is False else "first"
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend, split=False)
-    parts = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if prepend == "first":
-        parts.append(decoders.Strip(content=" ", left=1, right=0))
-    tokenizer.decoder = decoders.Sequence(parts)
-    return tokenizer

@@ -21,9 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,148 +29,13 @@ import tokenizers
 import torch
 from tokenizers import processors
 
+from qkv.io.words import Encoded
+
 logger = logging.getLogger(__name__)
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _OTHER_NAMES = ("cls_token", "sep_token", "mask_token")
 _NO_LIMIT = 10**20  # transformers writes int(1e30) as model_max_length when there is none
-
-
-@dataclass(frozen=True)
-class Word:
-    """One word of a text and the tokens it became.
-
-    `start`/`end` are the word's characters in the text, whitespace excluded; tokens
-    `token_start` to `token_end` (exclusive) spell it. `occurrence` counts equal words
-    (ignoring case) from 1, so the second "bank" of a sentence is occurrence 2.
-    """
-
-    text: str
-    start: int
-    end: int
-    occurrence: int
-    token_start: int
-    token_end: int
-
-    @property
-    def label(self) -> str:
-        """The name `Encoded.find` knows this word by: "bank", then "bank#2", "bank#3"..."""
-        return self.text if self.occurrence == 1 else f"{self.text}#{self.occurrence}"
-
-    @property
-    def token_span(self) -> tuple[int, int]:
-        return self.token_start, self.token_end
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """One encoded text: token ids with the tokens' names, character spans and words.
-
-    offsets[i] is the character span of token i in `text`; tokens the post-processor adds
-    ([CLS], [SEP], a BOS) have (0, 0). A character that byte-level BPE splits over several
-    tokens gives each of them that character's span. Spans may include the space before a
-    word ("Ġbank" -> " bank"); `words()` strips it.
-    """
-
-    ids: list[int]
-    tokens: list[str]
-    offsets: list[tuple[int, int]]
-    text: str
-    special: list[bool]  # markers, not text: [CLS], [SEP], <|im_start|>, BOS (not [UNK])
-    word_ids: list[int | None]  # the pre-tokenizer piece of each token (None where added)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def words(self) -> list[Word]:
-        """The words of the text as the pre-tokenizer splits it, each with its token span.
-
-        A word split into several tokens ("river", "##bank") is one word with a span of
-        two tokens. Special tokens and whitespace-only pieces belong to no word.
-        """
-        groups: list[list[int]] = []
-        previous_word, previous_end = None, 0
-        for i, (word_id, (start, end)) in enumerate(zip(self.word_ids, self.offsets, strict=True)):
-            if self.special[i] or word_id is None:
-                previous_word = None
-                continue
-            # Some pre-tokenizers (Metaspace without splitting) leave a whole sentence as one
-            # piece, so whitespace between two tokens (or at the edge of one) starts a word too.
-            between = self.text[max(min(previous_end - 1, start), 0) : start + 1]
-            if word_id != previous_word or any(c.isspace() for c in between):
-                groups.append([])
-            groups[-1].append(i)
-            previous_word, previous_end = word_id, end
-
-        words: list[Word] = []
-        seen: Counter[str] = Counter()
-        for group in groups:
-            # Pure-whitespace tokens at a word's edge (a lone "Ġ") are not part of the word.
-            blank = [not self.text[slice(*self.offsets[i])].strip() for i in group]
-            if all(blank):
-                continue
-            first, last = blank.index(False), len(group) - 1 - blank[::-1].index(False)
-            group = group[first : last + 1]
-            start = min(self.offsets[i][0] for i in group)
-            end = max(self.offsets[i][1] for i in group)
-            raw = self.text[start:end]
-            start += len(raw) - len(raw.lstrip())
-            end -= len(raw) - len(raw.rstrip())
-            text = self.text[start:end]
-            seen[text.casefold()] += 1
-            words.append(Word(text, start, end, seen[text.casefold()], group[0], group[-1] + 1))
-        return words
-
-    def find(self, word: str) -> tuple[int, int]:
-        """Token span [start, end) of a word: "bank" is its first occurrence, "bank#2" the second.
-
-        Case is ignored. Raises ValueError naming the words there are when the word is not
-        in the text, or how many there are when the occurrence asked for is past the last.
-        """
-        name, occurrence = _parse_word(word)
-        words = self.words()
-        matches = [w for w in words if w.text.casefold() == name.casefold()]
-        if not matches:
-            raise ValueError(
-                f"{word!r} is not a word of the text; its words are: {_listing(words)}"
-            )
-        if occurrence > len(matches):
-            raise ValueError(
-                f"{word!r} asks for occurrence {occurrence} of {name!r}, but the text has "
-                f"{len(matches)}: {', '.join(w.label for w in matches)}"
-            )
-        return matches[occurrence - 1].token_span
-
-    def span_text(self, start: int, end: int) -> str:
-        """The text that tokens [start, end) cover (special tokens added around it cover none)."""
-        if not 0 <= start <= end <= len(self.ids):
-            raise ValueError(f"token span [{start}, {end}) is outside 0..{len(self.ids)}")
-        spans = [
-            self.offsets[i] for i in range(start, end) if self.offsets[i][1] > self.offsets[i][0]
-        ]
-        if not spans:
-            return ""
-        return self.text[min(s for s, _ in spans) : max(e for _, e in spans)]
-
-
-def _parse_word(word: str) -> tuple[str, int]:
-    """ "bank" -> ("bank", 1), "bank#2" -> ("bank", 2), "C#" -> ("C#", 1)."""
-    name, sep, number = word.rpartition("#")
-    if not (sep and name and number.isdigit()):
-        name, number = word, "1"
-    if not name.strip():
-        raise ValueError("the word to find is empty; pass a word of the text, like 'bank'")
-    if int(number) < 1:
-        raise ValueError(
-            f"{word!r}: occurrences count from 1 ('{name}' or '{name}#1' is the first)"
-        )
-    return name, int(number)
-
-
-def _listing(words: list[Word], limit: int = 40) -> str:
-    labels = [w.label for w in words]
-    more = f" (and {len(labels) - limit} more)" if len(labels) > limit else ""
-    return (", ".join(labels[:limit]) + more) if labels else "(none)"
 
 
 class TextStream:
