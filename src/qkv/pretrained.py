@@ -110,30 +110,23 @@ class Pretrained:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def _decode(self, ids, mask, sampling, max_new_tokens, stop, stream, n) -> str | list[str]:
+        rows = [_Continuation(self.tokenizer.stream(), stop) for _ in range(n)]
+
+        def emit(row: int, piece: str) -> None:
+            if stream is not None and piece:
+                stream(row, piece)
+
         eos = self._eos_ids()
-        new: list[list[int]] = [[] for _ in range(n)]
-        texts = ["" for _ in range(n)]
-        streams = [self.tokenizer.stream() for _ in range(n)]
-        done = [False] * n
         for tokens in decode_steps(self.model, ids, mask, sampling, max_new_tokens):
             for row, token in enumerate(tokens.tolist()):
-                if done[row]:
-                    continue
-                if token in eos:
-                    done[row] = True
-                    continue
-                new[row].append(token)
-                piece = streams[row].push(token)
-                text = texts[row] + piece
-                cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-                if cut >= 0:  # a stop string: keep what came before it, and stop
-                    piece, done[row] = text[len(texts[row]) : cut], True
-                    text = text[:cut]
-                texts[row] = text
-                if stream is not None and piece:
-                    stream(row, piece)
-            if all(done):
+                if not rows[row].done:
+                    emit(row, rows[row].finish() if token in eos else rows[row].push(token))
+            if all(r.done for r in rows):
                 break
+        for row, continuation in enumerate(rows):  # text held back for a partial character
+            if not continuation.done:
+                emit(row, continuation.finish())
+        texts = [r.text for r in rows]
         return texts[0] if n == 1 else texts
 
     def _eos_ids(self) -> set[int]:
@@ -189,6 +182,46 @@ class Pretrained:
         """Export as a Hugging Face folder that `transformers` loads with equal outputs."""
         save_folder(Path(folder), self.model, self.family, self.config, self.hf_config,
                     self.tokenizer)  # fmt: skip
+
+
+class _Continuation:
+    """The text one sequence has generated so far, cut at the first stop string.
+
+    Text that might be the start of a stop string is held back from the stream until the
+    next tokens tell, so a stream never shows text that the result will not contain.
+    """
+
+    def __init__(self, stream, stop: list[str]):
+        self.stream, self.stop = stream, [s for s in stop if s]
+        self.text, self.emitted, self.done = "", 0, False
+
+    def push(self, token: int) -> str:
+        """Add a token; return the text that is now certain (possibly empty)."""
+        return self._add(self.stream.push(token), final=False)
+
+    def finish(self) -> str:
+        """End the sequence: return whatever was held back."""
+        piece = self._add(self.stream.finish(), final=True)
+        self.done = True
+        return piece
+
+    def _add(self, piece: str, final: bool) -> str:
+        text = self.text + piece
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:  # a stop string: keep what came before it, and stop
+            text, self.done, final = text[:cut], True, True
+        held = 0 if final else max((_overlap(text, s) for s in self.stop), default=0)
+        self.text = text
+        out, self.emitted = text[self.emitted : len(text) - held], len(text) - held
+        return out
+
+
+def _overlap(text: str, stop: str) -> int:
+    """How many last characters of text begin `stop` (at most len(stop) - 1)."""
+    for k in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:k]):
+            return k
+    return 0
 
 
 def pool(hidden: Tensor, mask: Tensor, pooling: Pooling) -> Tensor:

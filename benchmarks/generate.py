@@ -1,0 +1,211 @@
+"""CPU benchmark of greedy decoding with SmolLM2-135M-Instruct (Q4_1 GGUF), qkv vs transformers.
+
+Two parts:
+1. Decoding speed. `qkv.load("smollm2").generate(prompt, N)` versus transformers'
+   `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` and
+   `model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)` on the same
+   prompt ids, float32, N new tokens (64; 16 with --quick); the time includes reading the
+   prompt. First both continuations are checked to be identical token for token (qkv's
+   tokens from `qkv.generate.decode_steps`, the loop `generate` runs). The prompt is one whose
+   greedy continuation holds no end-of-sequence token within 64 tokens, so both do the same
+   work. Target: qkv tokens/s >= 2x transformers'.
+2. Loading. Each load runs in a fresh process that imports torch and the library first, then
+   times only the load call; the process's wall time (interpreter start, imports and load) is
+   reported too. qkv's cache of dequantized weights lives in a fresh temporary
+   XDG_CACHE_HOME, so the first qkv load is cold; a second qkv process then finds it warm.
+   Targets: qkv cold load <= 1/5 of transformers' load; qkv cached load < 2 s.
+
+Timing: warm-up calls, then the median of --repeats calls timed with time.perf_counter;
+the peers are interleaved call by call (in a rotating order) so drift in the machine affects
+them alike. --profile adds torch.profiler's table of qkv's decoding ops.
+
+    python benchmarks/generate.py [--quick] [--repeats N] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+
+import torch
+
+import qkv
+from qkv.generate import Sampling, decode_steps
+from qkv.io.embedded import embedded_path
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+def time_peers(fns: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds per call of each fn, the calls interleaved across the peers."""
+    names = list(fns)
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def load_transformers():
+    from transformers import AutoModelForCausalLM
+
+    path = embedded_path("smollm2")
+    return AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+
+
+def bench_decode(quick: bool, repeats: int, profile: bool) -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    N = 16 if quick else 64
+    ours, theirs = qkv.load("smollm2"), load_transformers().eval()
+    ids, mask = ours.tokenizer.encode_batch([PROMPT], padding_side="left")  # (1, T)
+    T = ids.shape[1]
+    hf_generate = partial(
+        theirs.generate,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=N,
+        min_new_tokens=N,
+        do_sample=False,
+        pad_token_id=theirs.generation_config.eos_token_id,
+    )
+
+    print(f"1. Greedy decoding: prompt of {T} tokens, {N} new tokens, batch 1")
+    our_tokens = [int(t) for t in decode_steps(ours.model, ids, None, Sampling(), N)]
+    their_tokens = hf_generate()[0, T:].tolist()
+    same_text = ours.generate(PROMPT, N) == ours.tokenizer.decode(their_tokens)
+    if our_tokens == their_tokens:
+        print(f"continuations identical token for token: yes ({N} of {N}); same text: {same_text}")
+    else:
+        first = next(
+            i for i, (a, b) in enumerate(zip(our_tokens, their_tokens, strict=True)) if a != b
+        )
+        print(f"continuations identical token for token: NO, first difference at token {first}")
+    print(f"continuation: {ours.tokenizer.decode(our_tokens)!r}")
+
+    seconds = time_peers(
+        {"qkv": partial(ours.generate, PROMPT, N), "transformers": hf_generate}, repeats
+    )
+    rate = {name: N / s for name, s in seconds.items()}
+    for name in ("qkv", "transformers"):
+        print(f"{name:>12}: {rate[name]:7.2f} tokens/s  ({1e3 * seconds[name] / N:6.1f} ms/token)")
+    ratio = rate["qkv"] / rate["transformers"]
+    print(f"qkv/transformers: {ratio:.2f}x; target >= 2x -> {'PASS' if ratio >= 2 else 'MISS'}")
+    if profile:
+        profile_decode(ours, N)
+
+
+def profile_decode(ours, N: int) -> None:
+    """Where qkv's decoding time goes, by torch op, over one generate call."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        ours.generate(PROMPT, N)
+    print(f"\nqkv generate({N} tokens) under torch.profiler, top ops by self CPU time:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+# What each load imports on first use: imported before the timer starts, so it times loading.
+PRELOAD = {
+    "qkv": ["qkv.pretrained", "qkv.io.gguf", "qkv.io.tokenizer"],
+    "transformers": [
+        "transformers.modeling_gguf_pytorch_utils",
+        "transformers.models.llama.modeling_llama",
+    ],
+}
+
+
+def load_child(library: str) -> None:
+    """Run in a fresh process: import, then time one load; print its seconds."""
+    torch.set_num_threads(CORES)
+    for module in PRELOAD[library]:
+        importlib.import_module(module)
+    if library == "transformers":
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+    start = time.perf_counter()
+    qkv.load("smollm2") if library == "qkv" else load_transformers()
+    print(time.perf_counter() - start)
+
+
+def run_child(library: str, cache: str) -> tuple[float, float]:
+    """(seconds of the load call, wall seconds of the whole process)."""
+    env = {**os.environ, "XDG_CACHE_HOME": cache, "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    cmd = [sys.executable, __file__, "--load-child", library]
+    result = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    wall = time.perf_counter() - start
+    return float(result.stdout.strip().splitlines()[-1]), wall
+
+
+def bench_load(quick: bool) -> None:
+    rounds = 1 if quick else 3
+    cells = ("transformers", "qkv cold", "qkv cached")
+    loads: dict[str, list[float]] = {cell: [] for cell in cells}
+    walls: dict[str, list[float]] = {cell: [] for cell in cells}
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="qkv-bench-cache-") as cache:
+            for cell in cells:  # qkv cold must come before qkv cached: it fills the cache
+                load, wall = run_child(cell.split()[0], cache)
+                loads[cell].append(load)
+                walls[cell].append(wall)
+    print(f"\n2. Loading, a fresh process per load, median of {rounds}")
+    header = f"{'':>12} | {'load s':>7} | {'import+load wall s':>18}"
+    print(header)
+    print("-" * len(header))
+    load = {cell: statistics.median(loads[cell]) for cell in cells}
+    for cell in cells:
+        print(f"{cell:>12} | {load[cell]:>7.2f} | {statistics.median(walls[cell]):>18.2f}")
+    ratio = load["qkv cold"] / load["transformers"]
+    print(
+        f"qkv cold / transformers load: {ratio:.3f}; target <= 0.2 -> "
+        f"{'PASS' if ratio <= 0.2 else 'MISS'}"
+    )
+    cached = load["qkv cached"]
+    print(f"qkv cached load: {cached:.2f} s; target < 2 s -> {'PASS' if cached < 2 else 'MISS'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 new tokens, one load round")
+    parser.add_argument("--repeats", type=int, default=None, help="timed generate calls each")
+    parser.add_argument("--profile", action="store_true", help="profile qkv's decoding")
+    parser.add_argument("--load-child", choices=("qkv", "transformers"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.load_child:
+        load_child(args.load_child)
+        return
+    import transformers
+
+    repeats = args.repeats or (3 if args.quick else 5)
+    torch.set_num_threads(CORES)
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"qkv {qkv.__version__}, {torch.get_num_threads()} threads, float32, "
+        f"median of {repeats} interleaved calls"
+    )
+    bench_decode(args.quick, repeats, args.profile)
+    bench_load(args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Sampling rules and stop strings, on logits and texts chosen so the answer is known."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkv.generate import Sampling
+from qkv.pretrained import _Continuation
+
+LOGITS = torch.log(torch.tensor([[0.05, 0.4, 0.3, 0.2, 0.05]]))
+
+
+def draws(sampling: Sampling, n: int = 400) -> set[int]:
+    generator = torch.Generator().manual_seed(0)
+    return {int(sampling.pick(LOGITS, generator)) for _ in range(n)}
+
+
+def test_greedy_takes_the_most_likely_token():
+    assert draws(Sampling(temperature=0.0), 5) == {1}
+
+
+def test_top_k_and_top_p_keep_exactly_the_expected_tokens():
+    assert draws(Sampling(temperature=1.0)) == {0, 1, 2, 3, 4}
+    assert draws(Sampling(temperature=1.0, top_k=2)) == {1, 2}
+    # 0.4 + 0.3 = 0.7 < 0.75, so the third most likely (0.2) is still needed to reach it
+    assert draws(Sampling(temperature=1.0, top_p=0.75)) == {1, 2, 3}
+    assert draws(Sampling(temperature=1.0, top_p=0.7)) == {1, 2}
+
+
+def test_a_seed_repeats_and_temperature_sharpens():
+    a = [int(Sampling(temperature=1.0).pick(LOGITS, torch.Generator().manual_seed(3)))
+         for _ in range(20)]  # fmt: skip
+    b = [int(Sampling(temperature=1.0).pick(LOGITS, torch.Generator().manual_seed(3)))
+         for _ in range(20)]  # fmt: skip
+    assert a == b
+    assert draws(Sampling(temperature=0.01)) == {1}
+
+
+class _Pieces:
+    """A stand-in for the tokenizer's stream: each 'token' is already its text."""
+
+    def push(self, piece):
+        return piece
+
+    def finish(self):
+        return ""
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stop", "text", "streamed"),
+    [
+        (["Hel", "lo", " wor", "ld"], ["wor"], "Hello ", ["Hel", "lo", " "]),
+        (["a", "b", "X", "c"], ["bc"], "abXc", ["a", "", "bX", "c"]),
+        (["ab", "c", "d"], ["bcd"], "a", ["a", "", ""]),
+        (["one", " two"], [], "one two", ["one", " two"]),
+    ],
+)
+def test_stop_strings_cut_the_text_and_the_stream_never_shows_what_is_cut(
+    pieces, stop, text, streamed
+):
+    continuation = _Continuation(_Pieces(), stop)
+    shown = []
+    for piece in pieces:
+        if continuation.done:
+            break
+        shown.append(continuation.push(piece))
+    if not continuation.done:
+        shown.append(continuation.finish())
+    assert continuation.text == text
+    assert "".join(shown) == text
+    assert shown[: len(streamed)] == streamed
