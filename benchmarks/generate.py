@@ -25,7 +25,9 @@ them alike. --profile adds torch.profiler's table of qkv's decoding ops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import os
 import statistics
 import subprocess
@@ -74,7 +76,9 @@ def bench_decode(quick: bool, repeats: int, profile: bool) -> None:
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     N = 16 if quick else 64
-    ours, theirs = qkv.load("smollm2"), load_transformers().eval()
+    ours = qkv.load("smollm2")
+    with contextlib.redirect_stderr(io.StringIO()):  # transformers' GGUF progress bar
+        theirs = load_transformers().eval()
     ids, mask = ours.tokenizer.encode_batch([PROMPT], padding_side="left")  # (1, T)
     T = ids.shape[1]
     hf_generate = partial(

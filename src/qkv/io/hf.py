@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -44,15 +45,28 @@ def with_backend(config, backend: str | None):
     return replace(config, block=replace(config.block, backend=backend))
 
 
+_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
+          "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")  # fmt: skip
+
+
+@contextmanager
+def uninitialized():
+    """Build modules without initializing their parameters: a checkpoint fills every one
+    (`fill` checks that), so a random init would be time thrown away."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    try:
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
 def build(family: Family, config, tensors: dict[str, Tensor], dtype: torch.dtype) -> nn.Module:
-    """A model of `family` holding `tensors`, without spending time on a random init."""
-    with torch.device("meta"):
+    """A model of `family` holding `tensors`."""
+    with uninitialized():
         model = family.model(config)
-    model.to_empty(device="cpu")
-    for module in model.modules():  # fixed buffers (rotary frequencies) are not weights
-        if hasattr(module, "reset_buffers"):
-            module.reset_buffers()
-    model.tie_weights()
     fill(model, family, config, tensors)
     return model.to(dtype).eval()
 

@@ -55,10 +55,6 @@ class SinusoidalPositions(nn.Module):
         exponents = torch.arange(0, self.width, 2, dtype=torch.float64) / self.width
         return (self.base**-exponents).float()
 
-    def reset_buffers(self) -> None:
-        """Recompute the fixed frequencies (after building on the meta device)."""
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
-
     def forward(self, positions: Tensor) -> Tensor:
         angles = positions.float()[..., None] * self.inv_freq  # (…, T, C/2)
         # interleave: (…, T, C/2, 2) -> (…, T, C) with sin at 2i and cos at 2i+1
@@ -89,10 +85,6 @@ class RotaryEmbedding(nn.Module):
         # computed as Llama checkpoints' reference code does, so the angles match exactly
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
         return 1.0 / (self.base**exponents)
-
-    def reset_buffers(self) -> None:
-        """Recompute the fixed frequencies (after building on the meta device)."""
-        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin, (…, T, D), for positions (T,) or (B, T); made in float32."""
