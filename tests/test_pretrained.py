@@ -74,6 +74,14 @@ def test_minilm_sentence_embeddings_match_the_mean_pooling_recipe(minilm, minilm
     torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(SENTENCES)))
 
 
+def test_bfloat16_embeddings_stay_within_the_target_of_float32(minilm):
+    fast = minilm.embed(SENTENCES, precision="bfloat16")
+    exact = minilm.embed(SENTENCES)
+    assert (torch.nn.functional.cosine_similarity(fast, exact, dim=-1) > 0.9999).all()
+    with pytest.raises(ValueError, match="precision must be"):
+        minilm.embed(SENTENCES, precision="int8")
+
+
 def test_attentions_are_every_layer_and_head_whatever_the_backend(minilm):
     text = "The bank on the side of the river"
     out = minilm.attentions(text)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -138,24 +139,36 @@ class Pretrained:
 
     # ------------------------------------------------------------------ embeddings
 
-    def embed(self, sentences: Sequence[str], *, batch_size: int = 64) -> Tensor:
+    def embed(
+        self,
+        sentences: Sequence[str],
+        *,
+        batch_size: int = 64,
+        precision: Literal["float32", "bfloat16"] = "float32",
+    ) -> Tensor:
         """One vector per sentence (N, C), pooled and normalized as the model's config says.
 
-        Sentences are sorted by length and batched, so padding costs little.
+        Sentences are sorted by length and batched, so padding costs little. precision
+        "bfloat16" runs the matrix products in bfloat16 (norms, softmax and pooling stay
+        float32): about twice as fast on CPUs with bfloat16 instructions, slower on others.
         """
         if not isinstance(self.model, Encoder):
             raise ValueError(f"embed needs an encoder model; {self.source} is {self.family.name}")
+        if precision not in ("float32", "bfloat16"):
+            raise ValueError(f"precision must be 'float32' or 'bfloat16', got {precision!r}")
         if isinstance(sentences, str):
             sentences = [sentences]
         pooling = self.pooling or Pooling()
         order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
         out = torch.empty(len(sentences), self.config.block.width)
-        with torch.inference_mode():
+        lower = precision == "bfloat16"
+        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=lower):
             for start in range(0, len(order), batch_size):
                 rows = order[start : start + batch_size]
                 ids, mask = self.tokenizer.encode_batch([sentences[i] for i in rows])
                 ids, mask = ids[:, : self.context_window], mask[:, : self.context_window]
-                hidden = self.model(ids, attention_mask=mask).hidden.float()  # (B, T, C)
+                padded = None if bool(mask.all()) else mask  # unpadded: the unmasked kernel
+                hidden = self.model(ids, attention_mask=padded).hidden.float()  # (B, T, C)
                 out[rows] = pool(hidden, mask, pooling)
         return out
 
