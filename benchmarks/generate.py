@@ -8,7 +8,9 @@ Two parts:
    prompt. First both continuations are checked to be identical token for token (qkv's
    tokens from `qkv.generate.decode_steps`, the loop `generate` runs). The prompt is one whose
    greedy continuation holds no end-of-sequence token within 64 tokens, so both do the same
-   work. Target: qkv tokens/s >= 2x transformers'.
+   work. qkv runs twice: float32 (transformers' arithmetic) and int4 (`qkv.load("smollm2",
+   int4=True)`: the file's Q4_1 matrices kept in 4 bits, torch's CPU int4 kernel, inputs
+   rounded to bfloat16). Target: qkv tokens/s >= 2x transformers', with the same tokens.
 2. Loading. Each load runs in a fresh process that imports torch and the library first, then
    times only the load call; the process's wall time (interpreter start, imports and load) is
    reported too. qkv's cache of dequantized weights lives in a fresh temporary
@@ -92,28 +94,30 @@ def bench_decode(quick: bool, repeats: int, profile: bool) -> None:
     )
 
     print(f"1. Greedy decoding: prompt of {T} tokens, {N} new tokens, batch 1")
-    our_tokens = [int(t) for t in decode_steps(ours.model, ids, None, Sampling(), N)]
     their_tokens = hf_generate()[0, T:].tolist()
-    same_text = ours.generate(PROMPT, N) == ours.tokenizer.decode(their_tokens)
-    if our_tokens == their_tokens:
-        print(f"continuations identical token for token: yes ({N} of {N}); same text: {same_text}")
-    else:
-        first = next(
-            i for i, (a, b) in enumerate(zip(our_tokens, their_tokens, strict=True)) if a != b
-        )
-        print(f"continuations identical token for token: NO, first difference at token {first}")
-    print(f"continuation: {ours.tokenizer.decode(our_tokens)!r}")
+    print(f"transformers' continuation: {ours.tokenizer.decode(their_tokens)!r}")
+    int4 = qkv.load("smollm2", int4=True)
+    fns = {"transformers": hf_generate}
+    for name, model in (("qkv float32", ours), ("qkv int4", int4)):
+        tokens = [int(t) for t in decode_steps(model.model, ids, None, Sampling(), N)]
+        pairs = enumerate(zip(tokens, their_tokens, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), None)
+        text_ok = model.generate(PROMPT, N) == ours.tokenizer.decode(their_tokens)
+        verdict = f"yes ({N} of {N})" if same is None else f"NO, first difference at token {same}"
+        print(f"{name}: identical to transformers token for token: {verdict}; same text: {text_ok}")
+        fns[name] = partial(model.generate, PROMPT, N)
 
-    seconds = time_peers(
-        {"qkv": partial(ours.generate, PROMPT, N), "transformers": hf_generate}, repeats
-    )
+    seconds = time_peers(fns, repeats)
     rate = {name: N / s for name, s in seconds.items()}
-    for name in ("qkv", "transformers"):
+    for name in fns:
         print(f"{name:>12}: {rate[name]:7.2f} tokens/s  ({1e3 * seconds[name] / N:6.1f} ms/token)")
-    ratio = rate["qkv"] / rate["transformers"]
-    print(f"qkv/transformers: {ratio:.2f}x; target >= 2x -> {'PASS' if ratio >= 2 else 'MISS'}")
+    for name in ("qkv float32", "qkv int4"):
+        ratio = rate[name] / rate["transformers"]
+        print(
+            f"{name}/transformers: {ratio:.2f}x; target >= 2x -> {'PASS' if ratio >= 2 else 'MISS'}"
+        )
     if profile:
-        profile_decode(ours, N)
+        profile_decode(int4, N)
 
 
 def profile_decode(ours, N: int) -> None:

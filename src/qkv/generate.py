@@ -71,6 +71,10 @@ def decode_steps(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)
+    # The LM head reads the largest matrix once per token; stored (C, vocab) it is read in
+    # memory order, about twice as fast at one row as the (vocab, C) Linear weight.
+    head = model.lm_head.weight.detach().t().contiguous()  # (C, vocab)
+    bias = model.lm_head.bias
     cache = model.new_cache()
     positions = None
     if attention_mask is not None and not bool(attention_mask.all()):
@@ -78,7 +82,7 @@ def decode_steps(
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     else:
         attention_mask = None  # nothing padded: the faster unmasked path
-    logits = _next_logits(model, input_ids, attention_mask, positions, cache)
+    logits = _next_logits(model, head, bias, input_ids, attention_mask, positions, cache)
     for step in range(max_new_tokens):
         token = sampling.pick(logits, generator)  # (B,)
         yield token
@@ -87,11 +91,14 @@ def decode_steps(
         if positions is not None:
             positions = positions[:, -1:] + 1  # (B, 1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
-        logits = _next_logits(model, token[:, None], attention_mask, positions, cache)
+        logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions, cache)
 
 
 @torch.inference_mode()
-def _next_logits(model: Decoder, input_ids, attention_mask, positions, cache) -> Tensor:
+def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, positions, cache):
     """The logits (B, vocab) of the token after input_ids (B, T), appending to the cache."""
-    out = model(input_ids, attention_mask=attention_mask, positions=positions, cache=cache)
-    return out.logits[:, -1]
+    out = model(
+        input_ids, attention_mask=attention_mask, positions=positions, cache=cache, logits=False
+    )
+    logits = out.hidden[:, -1] @ head.to(out.hidden.dtype)  # (B, vocab)
+    return logits if bias is None else logits + bias

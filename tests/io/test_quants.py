@@ -7,7 +7,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from qkv.io.quants import SUPPORTED, dequantize
+from qkv.io.quants import SUPPORTED, dequantize, int4_groups
 
 # byte offsets of each type's fp16 fields (scales, minimums): random bytes there could be inf
 # or NaN, so they get finite values; every other byte stays random
@@ -95,3 +95,16 @@ def test_unsupported_type_names_it_and_the_supported_ones():
 def test_wrong_byte_count_is_reported():
     with pytest.raises(ValueError, match="do not hold a Q8_0 tensor of shape"):
         dequantize(np.zeros(33, np.uint8), T.Q8_0, (32,))
+
+
+@pytest.mark.parametrize("ggml_type", [T.Q4_0, T.Q4_1], ids=lambda t: t.name)
+def test_int4_groups_rebuild_the_dequantized_values(ggml_type):
+    shape = (6, 96)
+    raw = random_bytes(ggml_type, shape, np.random.default_rng(3))
+    q, scale, zero = int4_groups(torch.from_numpy(raw.copy()), ggml_type, shape)
+    assert q.shape == shape and int(q.max()) <= 15 and scale.shape == zero.shape == (6, 3)
+    rebuilt = ((q.float() - 8).view(6, 3, 32) * scale[..., None] + zero[..., None]).view(shape)
+    expected = dequantize(raw, ggml_type, shape)
+    torch.testing.assert_close(rebuilt, expected, atol=1e-6 * expected.abs().max().item(), rtol=0)
+    with pytest.raises(ValueError, match="Q8_0 is not a 4-bit type"):
+        int4_groups(torch.from_numpy(raw.copy()), T.Q8_0, shape)

@@ -37,7 +37,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from torch import Tensor
 
 from qkv.io.gguf_tokenizer import gguf_tokenizer
-from qkv.io.quants import SUPPORTED, dequantize
+from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -93,6 +93,30 @@ def read_gguf(
         state_dict = _state_dict(header, data, config, progress)
         _save_cache(cache, state_dict, path)
     return GGUFModel(config, state_dict, tokenizer, tokenizer_config)
+
+
+def read_int4(path: str | os.PathLike) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
+    """The file's Q4_0 and Q4_1 matrices kept in 4 bits, under Hugging Face names:
+    {name: (q, scale, zero)} as `quants.int4_groups` gives them, query and key rows in
+    Hugging Face's order. Read straight from the file: nothing is dequantized or cached."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist")
+    data = _map(path)
+    header = _read_header(data, path)
+    config = _llama_config(header)
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    out = {}
+    for info in header.tensors:
+        if info.ggml_type not in INT4_TYPES or len(info.shape) != 2:
+            continue
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start)
+        groups = int4_groups(raw.clone(), info.ggml_type, info.shape)
+        part = info.name.split(".")[-2]
+        if part in heads:
+            groups = tuple(_unpermute(t, heads[part]) for t in groups)
+        out[_hf_name(info.name)] = groups
+    return out
 
 
 def _default_cache_dir() -> Path:

@@ -155,3 +155,30 @@ def dequantize(
         chunk = blocks[start : start + _CHUNK_BLOCKS]
         out[start : start + chunk.shape[0]] = _BLOCKS[ggml_type](chunk)
     return out.reshape(shape)
+
+
+INT4_TYPES = (T.Q4_0, T.Q4_1)
+
+
+def int4_groups(
+    raw: Tensor, ggml_type: GGMLQuantizationType | int, shape: tuple[int, int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """A Q4_0 or Q4_1 matrix kept in 4 bits: (q, scale, zero) with value = (q - 8) * scale +
+    zero for each group of 32 columns. q (N, K) uint8 in 0..15; scale, zero (N, K / 32).
+
+    Q4_1 stores d * q + m, which is d * (q - 8) + (m + 8d); Q4_0 stores d * (q - 8).
+    """
+    ggml_type = GGMLQuantizationType(ggml_type)
+    if ggml_type not in INT4_TYPES:
+        raise ValueError(f"{ggml_type.name} is not a 4-bit type; 4-bit types: Q4_0, Q4_1")
+    rows, cols = shape
+    type_size = GGML_QUANT_SIZES[ggml_type][1]
+    blocks = raw.reshape(-1).view(torch.uint8).reshape(-1, type_size)  # (N * K / 32, size)
+    start = 2 if ggml_type == T.Q4_0 else 4  # after d (and m)
+    q = _nibbles(blocks[:, start : start + 16], 16).reshape(rows, cols)
+    scale = _half(blocks, 0).reshape(rows, -1)  # (N, K / 32)
+    if ggml_type == T.Q4_0:
+        zero = torch.zeros_like(scale)
+    else:
+        zero = _half(blocks, 2).reshape(rows, -1) + 8 * scale
+    return q, scale, zero

@@ -20,7 +20,7 @@ from qkv.nn.position import positions_for
 
 @dataclass
 class DecoderOutput:
-    logits: Tensor  # (B, T, vocab) scores for the next token after each position
+    logits: Tensor | None  # (B, T, vocab) scores for the next token after each position
     hidden: Tensor  # (B, T, C) the last block's output (after the final norm)
     attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, Tk)
     cross_attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, S)
@@ -82,6 +82,7 @@ class Decoder(nn.Module):
         context_mask: Tensor | None = None,
         record: Iterable[tuple[int, int]] | None = None,
         record_cross: Iterable[tuple[int, int]] | None = None,
+        logits: bool = True,
     ) -> DecoderOutput:
         """input_ids (B, T): the new tokens (after the cached ones, if a cache is given).
 
@@ -90,6 +91,7 @@ class Decoder(nn.Module):
         positions (T,) or (B, T): defaults to the positions after the cached tokens.
         context (B, S, C), context_mask (B, S): the encoder's output, for cross-attention.
         record, record_cross: (layer, head) pairs whose weights to return.
+        logits: False skips the LM head (the caller applies it to the positions it needs).
         """
         cfg = self.config
         wanted = heads_by_layer(record, cfg.num_layers, cfg.block.num_heads)
@@ -120,4 +122,5 @@ class Decoder(nn.Module):
             store_weights(cross_attentions, layer, wanted_cross.get(layer), cross_weights)
         if self.norm is not None:
             x = self.norm(x)
-        return DecoderOutput(self.lm_head(x), x, attentions, cross_attentions)
+        scores = self.lm_head(x) if logits else None
+        return DecoderOutput(scores, x, attentions, cross_attentions)
