@@ -204,7 +204,7 @@ def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2)
     # the 4-bit groups rebuild the float32 weights the default load uses
     groups = read_int4(embedded_path("smollm2"))
     q, scale, zero = groups["model.layers.3.self_attn.k_proj.weight"]
-    rebuilt = ((q.float() - 8).view(*q.shape[:1], -1, 32) * scale[..., None] + zero[..., None])
+    rebuilt = (q.float() - 8).view(*q.shape[:1], -1, 32) * scale[..., None] + zero[..., None]
     dense = smollm2.model.blocks[3].attn.k.weight
     torch.testing.assert_close(rebuilt.view_as(dense), dense, atol=1e-6, rtol=0)
     ids = torch.tensor([smollm2.tokenizer.encode("The bank on the side of the river").ids])
@@ -214,6 +214,8 @@ def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2)
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
     prompt = "Once upon a time, in a small village by the sea, there lived"
     assert fast.generate(prompt, 24) == smollm2.generate(prompt, 24)
+    with pytest.raises(ValueError, match="cannot be exported"):
+        fast.save("never-written")
 
 
 def test_int4_needs_a_gguf_file():

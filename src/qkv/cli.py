@@ -69,12 +69,13 @@ def generate(
     chat: Annotated[bool, typer.Option(help="wrap the prompt in the chat template")] = False,
     system: str | None = None,
     backend: Backend = None,
+    int4: Annotated[bool, typer.Option(help="keep a .gguf file's 4-bit weights packed")] = False,
 ) -> None:
     """Continue PROMPT with a pretrained decoder, printing tokens as they come."""
     from qkv import load
 
     with user_errors():
-        pretrained = load(model, backend=backend)
+        pretrained = load(model, backend=backend, int4=int4)
 
         def show(row: int, piece: str) -> None:
             sys.stdout.write(piece)

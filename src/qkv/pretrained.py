@@ -193,6 +193,10 @@ class Pretrained:
 
     def save(self, folder: str | Path) -> None:
         """Export as a Hugging Face folder that `transformers` loads with equal outputs."""
+        from qkv.nn.quantized import Int4Linear
+
+        if any(isinstance(m, Int4Linear) for m in self.model.modules()):
+            raise ValueError("a model loaded with int4=True cannot be exported; load it without")
         save_folder(Path(folder), self.model, self.family, self.config, self.hf_config,
                     self.tokenizer)  # fmt: skip
 
