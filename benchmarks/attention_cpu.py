@@ -22,12 +22,9 @@ in the machine affects them all alike.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from functools import partial
 
 import torch
@@ -35,24 +32,14 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.nn import MultiHeadAttention
+from timing import CORES, time_peers
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 MB = 2**20
 
 
-def time_peers(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
-    """Median milliseconds per call of each fn, the calls interleaved across the peers."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+def time_ms(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median milliseconds per call of each fn, interleaved (see timing.time_peers)."""
+    return {name: 1e3 * s for name, s in time_peers(fns, repeats, warmup).items()}
 
 
 def bench_attend(quick: bool, repeats: int) -> None:
@@ -78,14 +65,14 @@ def bench_attend(quick: bool, repeats: int) -> None:
         fns = {"torch": partial(F.scaled_dot_product_attention, q, k, v, **flags)}
         for name in ("eager", "sdpa", "auto"):
             fns[name] = partial(qkv.attend, q, k, v, causal=causal, backend=name)
-        ms = time_peers(fns, repeats)
+        ms = time_ms(fns, repeats)
         row = f"{B:>2} {H:>3} {Hkv:>3} {T:>5} {D:>3} {causal!s:>6} | {ms['torch']:>9.3f}"
         for name in ("eager", "sdpa", "auto"):
             row += f" | {ms[name]:>9.3f} {ms[name] / ms['torch']:>6.2f}"
         print(row)
     # The loop oracle: pure Python over every (query, key) pair, so one tiny shape only.
     q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
-    ms = time_peers(
+    ms = time_ms(
         {
             "torch": partial(F.scaled_dot_product_attention, q, k, v),
             "loop": partial(qkv.attend, q, k, v, backend="loop"),
@@ -128,7 +115,7 @@ def bench_mha(quick: bool, repeats: int) -> None:
         run_ours, run_theirs = partial(ours, x), partial(theirs, x, x, x, need_weights=False)
         # The same work: both layers must give the same output before they are timed.
         torch.testing.assert_close(run_ours()[0], run_theirs()[0], atol=1e-5, rtol=1e-5)
-        ms = time_peers({"qkv": run_ours, "torch": run_theirs}, repeats)
+        ms = time_ms({"qkv": run_ours, "torch": run_theirs}, repeats)
         ratio = ms["qkv"] / ms["torch"]
         print(
             f"{B:>2} {T:>5} {C:>4} {H:>3} | {ms['qkv']:>8.3f} | {ms['torch']:>8.3f} | "

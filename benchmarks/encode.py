@@ -28,10 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import os
 import random
 import statistics
-import time
 from functools import partial
 
 import torch
@@ -39,23 +37,7 @@ import torch.nn.functional as F
 
 import qkv
 from qkv.io.embedded import embedded_path
-
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
-def time_peers(fns: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each fn, the calls interleaved across the peers."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+from timing import CORES, time_peers
 
 
 def make_sentences(n: int, seed: int = 0, shortest: int = 3, longest: int = 120) -> list[str]:

@@ -43,24 +43,9 @@ import torch
 import qkv
 from qkv.generate import Sampling, decode_steps
 from qkv.io.embedded import embedded_path
+from timing import CORES, time_peers
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
-
-
-def time_peers(fns: dict, repeats: int, warmup: int = 1) -> dict[str, float]:
-    """Median seconds per call of each fn, the calls interleaved across the peers."""
-    names = list(fns)
-    for _ in range(warmup):
-        for name in names:
-            fns[name]()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def load_transformers():
