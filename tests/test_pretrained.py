@@ -221,3 +221,9 @@ def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2)
 def test_int4_needs_a_gguf_file():
     with pytest.raises(ValueError, match="int4 keeps the 4-bit weights of a .gguf file"):
         qkv.load("minilm", int4=True)
+
+
+def test_an_uncached_hub_model_while_offline_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty hub cache (tests run offline)
+    with pytest.raises(ValueError, match=r"'org/no-such-model' is not in the Hugging Face cache"):
+        qkv.load("org/no-such-model")
