@@ -24,6 +24,8 @@ class DecoderOutput:
     hidden: Tensor  # (B, T, C) the last block's output (after the final norm)
     attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, Tk)
     cross_attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, S)
+    # with hidden_states=True: the embeddings, then each block's output, (B, T, C) each
+    hidden_states: list[Tensor] = field(default_factory=list)
 
 
 class DecoderCache:
@@ -83,6 +85,7 @@ class Decoder(nn.Module):
         record: Iterable[tuple[int, int]] | None = None,
         record_cross: Iterable[tuple[int, int]] | None = None,
         logits: bool = True,
+        hidden_states: bool = False,
     ) -> DecoderOutput:
         """input_ids (B, T): the new tokens (after the cached ones, if a cache is given).
 
@@ -92,6 +95,7 @@ class Decoder(nn.Module):
         context (B, S, C), context_mask (B, S): the encoder's output, for cross-attention.
         record, record_cross: (layer, head) pairs whose weights to return.
         logits: False skips the LM head (the caller applies it to the positions it needs).
+        hidden_states: also return every layer's input and the last one's output.
         """
         cfg = self.config
         wanted = heads_by_layer(record, cfg.num_layers, cfg.block.num_heads)
@@ -106,6 +110,7 @@ class Decoder(nn.Module):
         context_padding = key_padding(context_mask)
         attentions: dict[tuple[int, int], Tensor] = {}
         cross_attentions: dict[tuple[int, int], Tensor] = {}
+        states = [x] if hidden_states else []
         for layer, block in enumerate(self.blocks):
             x, weights, cross_weights = block(
                 x,
@@ -120,7 +125,9 @@ class Decoder(nn.Module):
             )
             store_weights(attentions, layer, wanted.get(layer), weights)
             store_weights(cross_attentions, layer, wanted_cross.get(layer), cross_weights)
+            if hidden_states:
+                states.append(x)
         if self.norm is not None:
             x = self.norm(x)
         scores = self.lm_head(x) if logits else None
-        return DecoderOutput(scores, x, attentions, cross_attentions)
+        return DecoderOutput(scores, x, attentions, cross_attentions, states)
