@@ -15,7 +15,7 @@ try:
 except PackageNotFoundError:  # running from a source tree with PYTHONPATH=src
     __version__ = "0.0.0+source"
 
-__all__ = ["Pretrained", "__version__", "attend", "explain_choice", "load"]
+__all__ = ["Pretrained", "__version__", "attend", "explain_choice", "load", "trace"]
 
 
 def __getattr__(name: str):
@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from qkv import pretrained
 
         return getattr(pretrained, name)
+    if name == "trace":  # the article's steps for one word pair of a real model
+        from qkv.inspect.trace import trace
+
+        return trace
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")

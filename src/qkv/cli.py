@@ -114,6 +114,33 @@ def embed(
         typer.echo(f"  [{i}] {row}  {sentence}")
 
 
+@app.command()
+def explain(
+    text: str,
+    query: Annotated[str, typer.Option(help='the word getting context, e.g. bank or "bank#2"')],
+    key: Annotated[str, typer.Option(help="the word giving context")],
+    model: Model = "minilm",
+    layer: Annotated[
+        int | None, typer.Option(help="counted from 0; default: where query attends most to key")
+    ] = None,
+    head: Annotated[int | None, typer.Option(help="counted from 0")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+    backend: Backend = None,
+) -> None:
+    """The article's steps for QUERY getting context from KEY in TEXT, with real numbers."""
+    from qkv import load
+    from qkv.inspect.narrate import contributions, heads_and_layers, narrate, tokens_line
+    from qkv.inspect.trace import trace
+
+    with user_errors():
+        traced = trace(load(model, backend=backend), text, query, key, layer=layer, head=head)
+    if as_json:
+        typer.echo(json.dumps(traced.to_dict()))
+        return
+    for part in (tokens_line, narrate, contributions, heads_and_layers):
+        typer.echo(part(traced) + "\n")
+
+
 def main() -> None:
     app()
 

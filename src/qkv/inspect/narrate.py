@@ -1,0 +1,128 @@
+"""A trace told as the article tells it: a guided walk in plain text, with the real numbers."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from qkv.inspect.trace import Trace
+
+
+def vector(t: Tensor, n: int = 4) -> str:
+    """The first n values and the norm: '[+0.123, -0.456, ...] (32 numbers, norm 5.43)'."""
+    shown = ", ".join(f"{x:+.3f}" for x in t[:n].tolist())
+    more = ", ..." if t.numel() > n else ""
+    return f"[{shown}{more}] ({t.numel()} numbers, norm {t.norm().item():.3f})"
+
+
+def percent(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def tokens_line(trace: Trace) -> str:
+    q, k = trace.query_index, trace.key_index
+    return (
+        f"Tokens ({len(trace.tokens)}): {' '.join(trace.tokens)}\n"
+        f'  "{trace.query}" is token {q} ({trace.tokens[q]!r}), '
+        f'"{trace.key}" is token {k} ({trace.tokens[k]!r}); tokens count from 0.'
+    )
+
+
+def narrate(trace: Trace) -> str:
+    """Steps 1-7 of the article for the trace's pair, then what contributed most."""
+    t, q, k = trace, f'"{trace.query}"', f'"{trace.key}"'
+    D = t.head_dim
+    lines = [
+        f"Layer {t.layer}, head {t.head} of {t.source} ({t.num_layers} layers x {t.num_heads} "
+        f"heads, counted from 0), {t.chosen}.",
+    ]
+    if t.num_kv_heads != t.num_heads:
+        group = t.num_heads // t.num_kv_heads
+        first = t.kv_head * group
+        lines.append(
+            f"  Grouped-query attention: query heads {first}-{first + group - 1} share key/value "
+            f"head {t.kv_head}."
+        )
+    lines += [
+        f"1. Query vector: {q}'s vector entering the layer, times the query matrix "
+        f"({t.width} -> {D} numbers):",
+        f"     {vector(t.query_vector)}",
+        f"2. Key vector: {k}'s vector times the key matrix:",
+        f"     {vector(t.key_vector)}",
+    ]
+    if t.query_unrotated is not None:
+        lines += [
+            "   Rotary positions turn both by an angle that grows with the token's position",
+            f"   (lengths unchanged): query before {vector(t.query_unrotated)}",
+            f"                        key before   {vector(t.key_unrotated)}",
+        ]
+    lines += [
+        f"3. Attention scalar: query . key = {t.attention_scalar:+.4f}  (how much {q} should "
+        f"attend to {k})",
+        f"   Divided by sqrt({D}) = {math.sqrt(D):.3f}: {t.scaled_scalar:+.4f}  (the side note: "
+        "keeps softmax from saturating)",
+    ]
+    if t.masked:
+        lines.append(
+            f"   {k} comes after {q}: in a decoder the causal mask hides it, so its weight is 0."
+        )
+    row = "  ".join(
+        f"{tok} {percent(w)}" for tok, w in zip(t.tokens, t.weights.tolist(), strict=True)
+    )
+    lines += [
+        f"4. Softmax over every key word ({q} itself included), so the {len(t.tokens)} weights "
+        "sum to 100%:",
+        f"     {row}",
+        f"   {k} gets {percent(t.weight)}.",
+        f"5. Value vector: {k}'s vector times the value matrix:",
+        f"     {vector(t.value_vector)}",
+        f"6. Scaled value vector: the value vector times {percent(t.weight)}:",
+        f"     {vector(t.scaled_value_vector)}",
+        f"7. The sum of all {len(t.tokens)} scaled value vectors (and nothing else: not {q}'s "
+        "own embedding) is",
+        f"   {q}'s contextualized vector in this head: {vector(t.contextualized)}",
+        f"   The model's own attention output for this head and word: {vector(t.model_output)}",
+        f"   (largest difference {(t.contextualized - t.model_output).abs().max().item():.1e}: "
+        "the walk-through is the model's computation).",
+    ]
+    return "\n".join(lines)
+
+
+def contributions(trace: Trace, top: int = 4) -> str:
+    """Which key words added most to the query word's new vector, by two measures."""
+    by_weight = sorted(trace.contributions, key=lambda c: -c.weight)[:top]
+    by_size = sorted(trace.contributions, key=lambda c: -c.size)[:top]
+    return "\n".join(
+        [
+            f'What added most to "{trace.query}" in this head:',
+            "  by attention weight (step 4):           "
+            + ", ".join(f"{c.token} {percent(c.weight)}" for c in by_weight),
+            "  by size after the output projection     "
+            + ", ".join(f"{c.token} {c.size:.3f}" for c in by_size),
+            "  (the length of output matrix x weighted value vector: a large weight on a small",
+            "   value vector can add less than a modest weight on a large one)",
+        ]
+    )
+
+
+def heads_and_layers(trace: Trace) -> str:
+    """How one head's output becomes the layer's output, and the next layer's input."""
+    t = trace
+    return "\n".join(
+        [
+            f"Several heads: this is head {t.head} of {t.num_heads}. Each head runs the same "
+            "steps with its own",
+            f"matrices; their {t.head_dim}-number outputs are concatenated into {t.num_heads} x "
+            f"{t.head_dim} = {t.num_heads * t.head_dim} numbers,",
+            f"and the output projection ({t.num_heads * t.head_dim} -> {t.width}) mixes them "
+            "into one vector per token.",
+            "Several layers: that vector is added to the token's input (the residual), "
+            "normalized, passed",
+            f"through an MLP, and becomes the input of layer {t.layer + 1}, which runs the same "
+            "algorithm again"
+            if t.layer + 1 < t.num_layers
+            else "through an MLP, and is the model's output: this is the last layer",
+            "with its own query, key and value matrices, on vectors that already carry context.",
+        ]
+    )
