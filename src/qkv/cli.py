@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -139,6 +140,57 @@ def explain(
         return
     for part in (tokens_line, narrate, contributions, heads_and_layers):
         typer.echo(part(traced) + "\n")
+
+
+@app.command()
+def probe(
+    word: str,
+    sentences: Annotated[
+        Path | None,
+        typer.Option(help="a text file, one sentence a line, optionally 'label<TAB>sentence'"),
+    ] = None,
+    model: Model = "minilm",
+    out: Annotated[Path | None, typer.Option(help="write the similarity matrices as a PNG")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+) -> None:
+    """How context separates the senses of WORD across sentences, layer by layer."""
+    import torch
+
+    from qkv import load
+    from qkv.inspect.probe import probe as run_probe
+    from qkv.inspect.probe import probe_plot
+
+    with user_errors():
+        texts, labels = _read_sentences(sentences) if sentences else (None, None)
+        result = run_probe(load(model), word, texts, labels)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            probe_plot(result, out)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict()))
+        return
+    typer.echo(f'"{word}" in {len(result.sentences)} sentences; cosine similarity of its vectors:')
+    for depth, name in enumerate(result.layers):
+        others = result.similarity[depth][~torch.eye(len(result.sentences), dtype=torch.bool)]
+        line = f"  {name:>10}: mean {others.mean().item():.3f}, lowest {others.min().item():.3f}"
+        if result.separation is not None:
+            line += (
+                f"; same sense minus different {result.separation[depth]:+.3f}, "
+                f"sense accuracy {100 * result.accuracy[depth]:.0f}%"
+            )
+        typer.echo(line)
+    if out is not None:
+        typer.echo(f"wrote {out}")
+
+
+def _read_sentences(path: Path) -> tuple[list[str], list[str] | None]:
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if all("\t" in line for line in lines):
+        labels, texts = zip(*(line.split("\t", 1) for line in lines), strict=True)
+        return list(texts), [label.strip() for label in labels]
+    return lines, None
 
 
 def main() -> None:

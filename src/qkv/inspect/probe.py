@@ -1,0 +1,296 @@
+"""The sense probe: how context pulls apart the two senses of one word, layer by layer.
+
+The article's example is "bank": by a river or where money is kept. Before any attention
+(the embeddings) every "bank" is the same token, so its vectors in different sentences are
+nearly equal; each layer adds context from the other words, and a model that understands
+the sentences moves the river banks and the money banks apart. `probe` runs a real model
+over sentences that use the word, takes the word's vector at every depth (the mean over its
+tokens), and measures how similar the word is to itself across sentences: a cosine matrix
+per depth, and, given each sentence's sense, how well the senses separate.
+
+>>> import qkv
+>>> result = probe(qkv.load("minilm"), "bank")  # the embedded labelled "bank" sentences
+>>> result.similarity.shape  # (L+1, N, N): the embeddings, then layers 0..5
+torch.Size([7, 16, 16])
+>>> result.layers[0], result.layers[-1]
+('embeddings', 'layer 5')
+>>> result.separation[-1] > result.separation[0]  # context separates the senses
+True
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from qkv.models import Decoder, Encoder, EncoderDecoder
+
+
+@dataclass
+class Probe:
+    """The vectors of one word across sentences, at the embeddings and after every layer.
+
+    Depth d is `layers[d]`: depth 0 is the embeddings (before any attention), depth i + 1
+    the output of layer i (layers count from 0).
+    """
+
+    word: str  # as asked, e.g. "bank" or "bank#2"
+    sentences: list[str]
+    labels: list[str] | None  # the sense of the word in each sentence, if given
+    layers: list[str]  # ["embeddings", "layer 0", ..., "layer L-1"]
+    similarity: Tensor  # (L+1, N, N) cosine of the word's vectors in sentences i and j
+    vectors: Tensor  # (L+1, N, C) the word's vector in each sentence (mean over its tokens)
+    accuracy: list[float] | None  # with labels: leave-one-out nearest-centroid accuracy
+    separation: list[float] | None  # with labels: mean within-sense minus across-sense cosine
+
+    def to_dict(self) -> dict:
+        """JSON-ready: lists of floats, no tensors (see docs/probe.md). `vectors` is left out:
+        it is large, and the similarity matrices are what it is for."""
+        return {
+            "word": self.word,
+            "sentences": list(self.sentences),
+            "labels": None if self.labels is None else list(self.labels),
+            "layers": list(self.layers),
+            "similarity": self.similarity.tolist(),
+            "accuracy": self.accuracy,
+            "separation": self.separation,
+        }
+
+
+def probe(
+    pretrained,
+    word: str,
+    sentences: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None,
+    *,
+    batch_size: int = 32,
+) -> Probe:
+    """Compare `word`'s vector across sentences at every depth of `pretrained`'s model.
+
+    sentences: texts that each contain the word ("bank#2" names its second occurrence);
+    None for "bank" uses the embedded labelled set (`qkv.inspect.bank_sentences`).
+    labels: the word's sense in each sentence (any strings, e.g. "river" and "money"); with
+    them the probe also reports, per depth, `separation` (mean cosine between sentences of
+    the same sense minus mean cosine between sentences of different senses) and `accuracy`
+    (each sentence's sense predicted by the nearest sense centroid, by cosine, with the
+    centroids, means of unit vectors, computed without that sentence). Each sense needs
+    2 sentences at least. Returns similarity (L+1, N, N) and vectors (L+1, N, C), float32.
+    """
+    model = pretrained.model
+    if isinstance(model, EncoderDecoder):
+        model = model.encoder  # the encoder reads the whole sentence at once
+    if not isinstance(model, Encoder | Decoder):
+        raise ValueError(f"probe supports encoders and decoders; {pretrained.source} is neither")
+    if not isinstance(word, str) or not word.strip():
+        raise ValueError("the word to probe is empty; give a word such as 'bank'")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    sentences, labels = _sentences_and_labels(word, sentences, labels)
+    spans = _spans(pretrained, word, sentences)
+
+    L = len(model.blocks)
+    depths: list[list[Tensor]] = [[] for _ in range(L + 1)]  # per depth, (C,) per sentence
+    with torch.inference_mode():
+        for start in range(0, len(sentences), batch_size):
+            rows = sentences[start : start + batch_size]
+            # Right padding keeps each sentence's tokens at the positions `encode` gave them.
+            ids, mask = pretrained.tokenizer.encode_batch(rows, padding_side="right")  # (B, T)
+            extra = {"logits": False} if isinstance(model, Decoder) else {}
+            states = model(ids, attention_mask=mask, hidden_states=True, **extra).hidden_states
+            assert len(states) == L + 1, "a model must return the embeddings and every layer"
+            for depth, hidden in enumerate(states):  # hidden: (B, T, C)
+                for b, (first, last) in enumerate(spans[start : start + batch_size]):
+                    depths[depth].append(hidden[b, first:last].float().mean(0))  # (C,)
+    vectors = torch.stack([torch.stack(row) for row in depths])  # (L+1, N, C)
+    unit = torch.nn.functional.normalize(vectors, dim=-1)
+    similarity = unit @ unit.transpose(-1, -2)  # (L+1, N, N)
+
+    accuracy = separation = None
+    if labels is not None:
+        accuracy = [_leave_one_out_accuracy(unit[d], labels) for d in range(L + 1)]
+        separation = [_separation(similarity[d], labels) for d in range(L + 1)]
+    return Probe(
+        word=word,
+        sentences=sentences,
+        labels=labels,
+        layers=["embeddings", *(f"layer {i}" for i in range(L))],
+        similarity=similarity,
+        vectors=vectors,
+        accuracy=accuracy,
+        separation=separation,
+    )
+
+
+def _sentences_and_labels(
+    word: str, sentences: Sequence[str] | None, labels: Sequence[str] | None
+) -> tuple[list[str], list[str] | None]:
+    """Check the inputs (or pick the default "bank" set); return them as lists."""
+    if sentences is None:
+        if word.casefold() not in ("bank", "bank#1"):
+            raise ValueError(
+                f"no sentences given for {word!r}; pass sentences that use it (only 'bank' "
+                "has a built-in set)"
+            )
+        if labels is not None:
+            raise ValueError("labels were given without sentences; pass the sentences they label")
+        from qkv.inspect.bank_sentences import LABELS, SENTENCES
+
+        sentences, labels = SENTENCES, LABELS
+    if isinstance(sentences, str):
+        raise ValueError("sentences must be a list of texts, not one str; wrap it in a list")
+    sentences = list(sentences)
+    if len(sentences) < 2:
+        raise ValueError(f"a probe compares sentences: give at least 2, got {len(sentences)}")
+    for i, sentence in enumerate(sentences):
+        if not isinstance(sentence, str):
+            raise ValueError(f"sentence {i} is a {type(sentence).__name__}, not a str")
+    if labels is None:
+        return sentences, None
+    if isinstance(labels, str):
+        raise ValueError("labels must be a list with one sense per sentence, not one str")
+    labels = list(labels)
+    if len(labels) != len(sentences):
+        raise ValueError(
+            f"{len(labels)} labels for {len(sentences)} sentences; give one sense per sentence"
+        )
+    for i, label in enumerate(labels):
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"label {i} is {label!r}; labels must be non-empty strings")
+    counts = {label: labels.count(label) for label in dict.fromkeys(labels)}
+    if len(counts) < 2:
+        raise ValueError(
+            f"every label is {labels[0]!r}; give at least two senses to compare, or no labels"
+        )
+    lonely = [label for label, n in counts.items() if n < 2]
+    if lonely:
+        raise ValueError(
+            f"sense {lonely[0]!r} has only one sentence; leave-one-out accuracy needs at "
+            "least 2 sentences of each sense"
+        )
+    return sentences, labels
+
+
+def _spans(pretrained, word: str, sentences: list[str]) -> list[tuple[int, int]]:
+    """The word's token span [first, last) in each sentence, as the model will read it."""
+    limit = pretrained.context_window
+    spans = []
+    for i, sentence in enumerate(sentences):
+        encoded = pretrained.tokenizer.encode(sentence)
+        try:
+            spans.append(encoded.find(word))
+        except ValueError as error:
+            raise ValueError(f"sentence {i} ({sentence!r}): {error}") from None
+        if len(encoded) > limit:
+            raise ValueError(
+                f"sentence {i} has {len(encoded)} tokens; {pretrained.source} reads at most {limit}"
+            )
+    return spans
+
+
+def _separation(similarity: Tensor, labels: list[str]) -> float:
+    """Mean cosine over pairs of different sentences with the same sense, minus the mean
+    over pairs with different senses. similarity: (N, N)."""
+    same = _same_sense(labels)  # (N, N)
+    different_sentence = ~torch.eye(len(labels), dtype=torch.bool)
+    within = similarity[same & different_sentence].mean()
+    across = similarity[~same].mean()
+    return float(within - across)
+
+
+def _leave_one_out_accuracy(unit: Tensor, labels: list[str]) -> float:
+    """The fraction of sentences whose sense is that of the nearest centroid (by cosine),
+    each sentence left out of the centroids it is compared with. unit: (N, C), norm 1.
+
+    >>> unit = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+    >>> _leave_one_out_accuracy(unit, ["a", "a", "b", "b"])
+    1.0
+    """
+    senses = list(dict.fromkeys(labels))
+    sense_of = torch.tensor([senses.index(label) for label in labels])  # (N,)
+    one_hot = torch.nn.functional.one_hot(sense_of, len(senses)).to(unit.dtype)  # (N, S)
+    sums = one_hot.T @ unit  # (S, C) sum of each sense's vectors
+    counts = one_hot.sum(0)  # (S,)
+    # Without sentence n: its own sense's sum loses its vector and its count loses one.
+    others = sums[None] - one_hot[:, :, None] * unit[:, None]  # (N, S, C)
+    centroids = others / (counts[None] - one_hot)[..., None]  # (N, S, C)
+    cosines = torch.nn.functional.cosine_similarity(unit[:, None], centroids, dim=-1)  # (N, S)
+    return float((cosines.argmax(-1) == sense_of).float().mean())
+
+
+def _same_sense(labels: list[str]) -> Tensor:
+    return torch.tensor([[a == b for b in labels] for a in labels])  # (N, N)
+
+
+def probe_plot(probe: Probe, path: str | os.PathLike[str], layer: int | None = None) -> Path:
+    """Draw the probe as a PNG at `path`: the word's similarity matrix after `layer` (default:
+    the last) beside the one at the embeddings, and, with labels, separation and accuracy per
+    depth. The file is written whole or not at all. Returns the path.
+    """
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"{path} does not end in .png; probe_plot writes PNG images")
+    if not path.parent.is_dir():
+        raise ValueError(f"the folder {path.parent} does not exist; create it first")
+    L = len(probe.layers) - 1
+    if layer is None:
+        layer = L - 1
+    if not isinstance(layer, int) or not 0 <= layer < L:
+        raise ValueError(
+            f"layer {layer!r} is out of range: the model has {L} layers, 0 to {L - 1} "
+            "(the embeddings are always drawn beside it)"
+        )
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: never open a window
+    from matplotlib.figure import Figure
+
+    names = [_short(i, s, probe.labels) for i, s in enumerate(probe.sentences)]
+    N = len(names)
+    panels = 3 if probe.labels is not None else 2
+    size = max(4.0, 0.3 * N + 2.5)
+    figure = Figure(figsize=(size * 2 + 4.0 * (panels - 2), size), layout="constrained")
+    axes = figure.subplots(1, panels, width_ratios=[size, size, 4.0][:panels])
+    shown = [0, layer + 1]  # depths drawn: the embeddings, then the layer asked for
+    low = float(probe.similarity[shown].min())
+    for ax, depth in zip(axes, shown, strict=False):
+        image = ax.imshow(probe.similarity[depth].numpy(), vmin=low, vmax=1.0, cmap="viridis")
+        ax.set_title(f"{probe.word!r} at {probe.layers[depth]}", fontsize=10)
+        ax.set_xticks(range(N), [str(i) for i in range(N)], fontsize=7)
+        ax.set_yticks(range(N), names if depth == 0 else [str(i) for i in range(N)], fontsize=7)
+    figure.colorbar(image, ax=axes[:2], shrink=0.8, label="cosine similarity")
+    if probe.labels is not None:
+        ax = axes[2]
+        xs = range(L + 1)
+        ax.plot(xs, probe.separation, marker="o", label="separation (within - across)")
+        ax.plot(xs, probe.accuracy, marker="s", label="leave-one-out accuracy")
+        ax.set_xticks(list(xs), ["emb", *(str(i) for i in range(L))], fontsize=7)
+        ax.set_xlabel("depth (embeddings, then layer)", fontsize=8)
+        ax.set_title("senses apart, per depth", fontsize=10)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            figure.savefig(file, format="png", dpi=100)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _short(index: int, sentence: str, labels: list[str] | None, width: int = 32) -> str:
+    """An axis label: "3 river: Ducks waddled up the st…"."""
+    text = " ".join(sentence.split())
+    text = text if len(text) <= width else text[: width - 1] + "…"
+    return f"{index} {labels[index]}: {text}" if labels is not None else f"{index} {text}"
