@@ -154,9 +154,8 @@ def probe(
     as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
 ) -> None:
     """How context separates the senses of WORD across sentences, layer by layer."""
-    import torch
-
     from qkv import load
+    from qkv.inspect.narrate import probe_lines
     from qkv.inspect.probe import probe as run_probe
     from qkv.inspect.probe import probe_plot
 
@@ -169,16 +168,7 @@ def probe(
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
         return
-    typer.echo(f'"{word}" in {len(result.sentences)} sentences; cosine similarity of its vectors:')
-    for depth, name in enumerate(result.layers):
-        others = result.similarity[depth][~torch.eye(len(result.sentences), dtype=torch.bool)]
-        line = f"  {name:>10}: mean {others.mean().item():.3f}, lowest {others.min().item():.3f}"
-        if result.separation is not None:
-            line += (
-                f"; same sense minus different {result.separation[depth]:+.3f}, "
-                f"sense accuracy {100 * result.accuracy[depth]:.0f}%"
-            )
-        typer.echo(line)
+    typer.echo(probe_lines(result))
     if out is not None:
         typer.echo(f"wrote {out}")
 

@@ -6,6 +6,7 @@ import math
 
 from torch import Tensor
 
+from qkv.inspect.probe import Probe
 from qkv.inspect.trace import Trace
 
 
@@ -126,3 +127,23 @@ def heads_and_layers(trace: Trace) -> str:
             "with its own query, key and value matrices, on vectors that already carry context.",
         ]
     )
+
+
+def probe_lines(probe: Probe) -> str:
+    """Per depth: how alike the word's vectors are across sentences, and how far apart the
+    senses are (with labels)."""
+    import torch
+
+    n = len(probe.sentences)
+    others = ~torch.eye(n, dtype=torch.bool)  # pairs of different sentences
+    lines = [f'"{probe.word}" in {n} sentences; cosine similarity of its vectors:']
+    for depth, name in enumerate(probe.layers):
+        pairs = probe.similarity[depth][others]
+        line = f"  {name:>10}: mean {pairs.mean().item():.3f}, lowest {pairs.min().item():.3f}"
+        if probe.separation is not None:
+            line += (
+                f"; same sense minus different {probe.separation[depth]:+.3f}, "
+                f"sense accuracy {100 * probe.accuracy[depth]:.0f}%"
+            )
+        lines.append(line)
+    return "\n".join(lines)
