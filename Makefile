@@ -24,14 +24,14 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 	touch $(BENCH_STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/article_demo.py
+	$(VENV)/bin/qkv demo
 
 test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/attention_cpu.py

@@ -1,22 +1,67 @@
-"""`make demo`'s script, run as a process: its numbers must agree with each other."""
+"""`qkv demo` (what `make demo` runs) and `qkv show`, run as a user runs them."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
-from pathlib import Path
 
-DEMO = Path(__file__).parents[1] / "examples" / "article_demo.py"
+import pytest
+
+import qkv
+from qkv.inspect.demo import SENTENCE
+from qkv.viz import read_weights
 
 
-def test_demo_traces_bank_and_agrees_with_the_fused_backend():
-    out = subprocess.run(
-        [sys.executable, str(DEMO)], capture_output=True, text=True, timeout=300, check=True
-    ).stdout
-    weights = [float(w) for w in re.findall(r"^\s+(?!sum )\S+\s+(\d\.\d{4})\s+#*$", out, re.M)]
-    assert len(weights) == 8, "one weight per word of the article's sentence"
-    assert abs(sum(weights) - 1.0) < 1e-3
-    gap = float(re.search(r"differs from the loop's by (\S+)", out).group(1))
-    assert gap < 1e-5
-    assert len(re.findall(r"^  layer \d head 0: 'bank' attends most to", out, re.M)) == 6
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qkv.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return qkv.load("minilm")
+
+
+def test_demo_walks_the_article_with_minilms_own_numbers(tmp_path, minilm):
+    result = run("demo", "--out", str(tmp_path / "report"))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for section in ("1. Tokens", "2. The article's steps", "3. What added most", "4. Several heads",
+                    "5. Context pulls", "6. The report"):  # fmt: skip
+        assert section in out
+    traced = qkv.trace(minilm, SENTENCE, "bank", "river")
+    assert f'"river" gets {100 * traced.weight:.1f}%' in out
+    assert f"Layer {traced.layer}, head {traced.head} of minilm" in out
+    difference = float(re.search(r"largest difference (\S+):", out).group(1))
+    assert difference < 1e-5
+    files = sorted(p.name for p in (tmp_path / "report").iterdir())
+    assert files == ["bank_senses.png", f"head_L{traced.layer}_H{traced.head}.png", "index.html",
+                     "model_view.png"]  # fmt: skip
+    weights, tokens = read_weights((tmp_path / "report" / "index.html").read_text())
+    seen = minilm.attentions(SENTENCE)
+    assert tokens == seen.tokens
+    assert abs(weights - seen.weights.numpy()).max() <= 0.5e-4 + 1e-7  # stored to 4 decimals
+    again = run("demo", "--out", str(tmp_path / "report"))  # a used folder is never overwritten
+    assert again.returncode == 0 and (tmp_path / "report-2" / "index.html").exists()
+
+
+@pytest.mark.parametrize("name", ["page.html", "head.png", "folder"])
+def test_show_writes_a_page_a_heatmap_or_a_report(tmp_path, name):
+    result = run("show", SENTENCE, "--out", str(tmp_path / name), "--layer", "2", "--head", "3")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / name).exists()
+    if name == "folder":
+        assert (tmp_path / name / "head_L2_H3.png").exists()
+
+
+def test_show_and_demo_refuse_bad_input_in_one_line(tmp_path):
+    bad = run("show", SENTENCE, "--layer", "6", "--out", str(tmp_path / "x.html"))
+    assert (
+        bad.returncode == 2
+        and bad.stderr.strip() == "error: layer 6 is out of range: there are 6 (0-5)"
+    )
+    assert not (tmp_path / "x.html").exists()
+    empty = run("show", "   ", "--out", str(tmp_path / "y.html"))
+    assert empty.returncode == 2 and not (tmp_path / "y.html").exists()

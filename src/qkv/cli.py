@@ -183,6 +183,52 @@ def _read_sentences(path: Path) -> tuple[list[str], list[str] | None]:
     return lines, None
 
 
+@app.command()
+def show(
+    text: str,
+    model: Model = "minilm",
+    out: Annotated[
+        Path, typer.Option(help="FILE.html (interactive page), FILE.png (one head) or a folder")
+    ] = Path("qkv-show.html"),
+    layer: Annotated[int | None, typer.Option(help="the head to show first: its layer")] = None,
+    head: Annotated[int | None, typer.Option(help="the head to show first, from 0")] = None,
+    backend: Backend = None,
+) -> None:
+    """Every layer's and head's attention over TEXT: a page, a heatmap, or a report folder."""
+    from qkv import load
+    from qkv.viz import head_heatmap, write_html, write_report
+
+    with user_errors():
+        seen = load(model, backend=backend).attentions(text)
+        L, H = seen.weights.shape[:2]
+        for name, value, most in (("layer", layer, L), ("head", head, H)):
+            if value is not None and not 0 <= value < most:
+                raise ValueError(f"{name} {value} is out of range: there are {most} (0-{most - 1})")
+        chosen = (layer or 0, head or 0) if layer is not None or head is not None else None
+        common = {"title": f"{model}: {text[:60]}", "text": text, "head": chosen}
+        if out.suffix.lower() == ".png":
+            lh = chosen or (0, 0)
+            head_heatmap(seen.weights[lh], seen.tokens, out, title=f"{model} L{lh[0]} H{lh[1]}")
+        elif out.suffix.lower() in (".html", ".htm"):
+            write_html(out, seen.weights, seen.tokens, **common)
+        else:
+            write_report(out, seen.weights, seen.tokens, **common)
+    typer.echo(f"wrote {out}")
+
+
+@app.command()
+def demo(
+    out: Annotated[Path, typer.Option(help="the report folder to write")] = Path("qkv-demo"),
+) -> None:
+    """The article's walk on its own sentence, with the embedded MiniLM's real numbers."""
+    from qkv.inspect.demo import SENTENCE, article_walk
+
+    with user_errors():
+        for section in article_walk(out):
+            typer.echo(section + "\n")
+    typer.echo(f"(sentence: {SENTENCE!r}; every number above is MiniLM's own)")
+
+
 def main() -> None:
     app()
 

@@ -176,6 +176,8 @@ class Pretrained:
 
     def attentions(self, text: str) -> Attentions:
         """Every layer's and head's weights (L, H, T, T) over `text`, and its tokens."""
+        if not text.strip():
+            raise ValueError("the text is empty; give a sentence")
         encoded = self.tokenizer.encode(text)
         ids = torch.tensor([encoded.ids])
         if ids.shape[1] > self.context_window:

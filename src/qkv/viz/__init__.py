@@ -1,0 +1,18 @@
+"""Pictures of attention: PNG heatmaps (matplotlib) and self-contained interactive HTML.
+
+Every function takes (L, H, T, T) or (T, T) weights and the T tokens, so it works with any
+model: `qkv.load("minilm").attentions(text)` gives both. matplotlib is imported only when a
+PNG is drawn.
+"""
+
+from qkv.viz.heatmap import head_heatmap, model_view
+from qkv.viz.report import read_weights, strongest_head, write_html, write_report
+
+__all__ = [
+    "head_heatmap",
+    "model_view",
+    "read_weights",
+    "strongest_head",
+    "write_html",
+    "write_report",
+]

@@ -1,0 +1,250 @@
+"""PNG heatmaps of attention weights: one head, or a grid of every layer and head.
+
+Rows are query tokens (the word getting context), columns key tokens (the word giving
+context); row i of a head's (T, T) matrix is how token i's attention divides over the text,
+and sums to 1. Layers and heads count from 0, as everywhere in qkv.
+
+matplotlib is imported inside the functions, so `import qkv.viz` stays light, and the
+figures are drawn with its object API (no pyplot): no global state, nothing left open.
+
+Example, with a real model::
+
+    att = qkv.load("minilm").attentions("The bank on the side of the river")
+    head_heatmap(att.weights[0, 3], att.tokens, "bank.png", title="L0 H3")
+    model_view(att.weights, att.tokens, "all_heads.png")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import textwrap
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+DPI = 100
+CMAP = "viridis"
+SIDE_MIN, SIDE_MAX = 4.5, 14.0  # inches of a head's heatmap: it grows with T, up to this cap
+INCHES_PER_TOKEN = 0.28
+LABEL_POINTS = 9.0  # room one tick label needs along an axis; more tokens and labels thin out
+VALUES_UP_TO = 12  # write each weight in its cell when the text has at most this many tokens
+PANEL_MAX = 1.5  # inches of one (layer, head) panel in the model view
+GRID_MAX_WIDTH, GRID_MAX_HEIGHT = 20.0, 30.0  # the model view shrinks its panels to fit
+
+
+def head_heatmap(
+    weights, tokens: Sequence[str], path: str | Path, *, title: str | None = None
+) -> Path:
+    """Draw one head's (T, T) weights, queries on rows and keys on columns, to a PNG.
+
+    The colour scale runs from 0 to the head's largest weight, with a colorbar; for up to
+    12 tokens each cell also shows its weight. Long texts (T up to 512 and beyond) thin
+    out the tick labels to what fits and cap the figure at 14 inches a side.
+    Returns the path written.
+    """
+    path = png_path(path)
+    matrix = check_weights(weights, tokens, ndim=2)  # (T, T)
+    T = len(tokens)
+    side = figure_side(T)
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(side + 1.6, side), dpi=DPI, layout="constrained")
+    ax = figure.subplots()
+    # beyond about one token a pixel, draw the means of f x f blocks (see model_view)
+    f = math.ceil(T / ((side - 1.8) * DPI))
+    shown_matrix = block_means(matrix, f)  # (ceil(T / f), ceil(T / f))
+    top = float(shown_matrix.max()) or 1.0
+    extent = (-0.5, T - 0.5, T - 0.5, -0.5)  # axes in token indices, whatever f is
+    image = ax.imshow(
+        shown_matrix, cmap=CMAP, vmin=0.0, vmax=top, interpolation="nearest", extent=extent
+    )
+    label = "attention weight" if f == 1 else f"attention weight (mean of {f} x {f})"
+    figure.colorbar(image, ax=ax, shrink=0.8, label=label)
+
+    step, size = _tick_layout(T, side)
+    shown = range(0, T, step)
+    # thinned labels carry their index: a long text repeats its words
+    labels = [
+        token_label(tokens[i]) if step == 1 else f"{i} {token_label(tokens[i])}" for i in shown
+    ]
+    ax.set_xticks(list(shown), labels, rotation=90, fontsize=size)
+    ax.set_yticks(list(shown), labels, fontsize=size)
+    ax.set_xlabel("key token (giving context)")
+    ax.set_ylabel("query token (getting context)")
+    if title:
+        ax.set_title(textwrap.fill(title, int(side * 9)))  # about 9 characters an inch
+    if T <= VALUES_UP_TO:
+        for q in range(T):
+            for k in range(T):
+                dark = matrix[q, k] < 0.6 * top  # viridis is dark at the low end
+                ax.text(
+                    k,
+                    q,
+                    f"{matrix[q, k]:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if dark else "black",
+                )
+    write_atomically(path, lambda file: figure.savefig(file, format="png"))
+    return path
+
+
+def model_view(
+    weights,
+    tokens: Sequence[str],
+    path: str | Path,
+    *,
+    layers: Sequence[int] | None = None,
+    heads: Sequence[int] | None = None,
+    title: str | None = None,
+) -> Path:
+    """Draw a grid of small heatmaps of (L, H, T, T) weights, a row per layer and a column
+    per head, each labelled "L{l} H{h}" counting from 0, to a PNG.
+
+    `layers` and `heads` pick which ones (all by default). Each panel is scaled to its own
+    largest weight, so that a diffuse head shows its pattern too; the figure says so.
+    Returns the path written.
+    """
+    path = png_path(path)
+    stack = check_weights(weights, tokens, ndim=4)  # (L, H, T, T)
+    L, H = stack.shape[:2]
+    layers = check_indices(layers, L, "layer")
+    heads = check_indices(heads, H, "head")
+    rows, cols = len(layers), len(heads)
+    panel = min(PANEL_MAX, GRID_MAX_WIDTH / cols, GRID_MAX_HEIGHT / rows)
+    from matplotlib.figure import Figure
+
+    size = (max(cols * panel, 4.0) + 0.3, rows * panel + 0.9)
+    figure = Figure(figsize=size, dpi=DPI, layout="constrained")
+    axes = figure.subplots(rows, cols, squeeze=False)
+    T = stack.shape[-1]
+    # a panel has about panel * DPI pixels a side: average f x f blocks of tokens down to that
+    # ourselves, since resampling at draw time would let thin lines (a diagonal) fade away
+    f = math.ceil(T / (panel * DPI))
+    for r, layer in enumerate(layers):
+        for c, head in enumerate(heads):
+            ax = axes[r, c]
+            matrix = block_means(stack[layer, head], f)  # (ceil(T / f), ceil(T / f))
+            top = float(matrix.max()) or 1.0
+            ax.imshow(matrix, cmap=CMAP, vmin=0.0, vmax=top, interpolation="nearest")
+            ax.set_title(f"L{layer} H{head}", fontsize=7, pad=2)
+            ax.set_axis_off()  # a frame would hide the first and last rows and columns
+    blocks = f"; each pixel the mean of {f} x {f} weights" if f > 1 else ""
+    title = title or (
+        f"attention weights over {T} tokens: a row per layer, a column per head (from 0); "
+        f"queries down, keys across; each panel scaled to its own largest weight{blocks}"
+    )
+    figure.suptitle(textwrap.fill(title, int(size[0] * 14)), fontsize=9)
+    write_atomically(path, lambda file: figure.savefig(file, format="png"))
+    return path
+
+
+# ------------------------------------------------------------------ helpers shared with report
+
+
+def figure_side(T: int) -> float:
+    """Inches a side of one head's heatmap: grows with the number of tokens, then is capped."""
+    return min(SIDE_MAX, max(SIDE_MIN, 2.0 + INCHES_PER_TOKEN * T))
+
+
+def block_means(matrix: np.ndarray, f: int) -> np.ndarray:
+    """The means of f x f blocks of a (T, T) matrix; the last blocks may be smaller.
+
+    >>> block_means(np.arange(9.0).reshape(3, 3), 2)
+    array([[2. , 3.5],
+           [6.5, 8. ]])
+    """
+    if f == 1:
+        return matrix
+    starts = np.arange(0, matrix.shape[0], f)
+    sizes = np.diff(np.append(starts, matrix.shape[0]))
+    sums = np.add.reduceat(np.add.reduceat(matrix, starts, axis=0), starts, axis=1)
+    return sums / np.outer(sizes, sizes)
+
+
+def token_label(token: str, width: int = 16) -> str:
+    """A token as a tick label: whitespace made visible, long ones cut, "$" kept literal
+    (matplotlib would read "$...$" as mathematics).
+
+    >>> token_label("river"), token_label(" "), token_label("a$b"), token_label("x" * 20)
+    ('river', "' '", 'a\\\\$b', 'xxxxxxxxxxxxxxx…')
+    """
+    shown = repr(token) if not token.strip() else token.replace("\n", "\\n").replace("\t", "\\t")
+    shown = shown if len(shown) <= width else shown[: width - 1] + "…"
+    return shown.replace("$", r"\$")
+
+
+def png_path(path: str | Path) -> Path:
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        got = repr(path.suffix) if path.suffix else "a name without one"
+        raise ValueError(f"{path}: the extension must be .png, not {got}")
+    return path
+
+
+def check_weights(weights, tokens: Sequence[str], *, ndim: int) -> np.ndarray:
+    """`weights` as a float32 array of `ndim` dimensions ending in (T, T), T = len(tokens)."""
+    T = len(tokens)
+    if T == 0:
+        raise ValueError("there are no tokens: nothing to draw")
+    if hasattr(weights, "detach"):  # a torch tensor, on any device and of any float dtype
+        weights = weights.detach().float().cpu().numpy()
+    array = np.asarray(weights, dtype=np.float32)
+    expected = "(T, T)" if ndim == 2 else "(L, H, T, T)"
+    if array.ndim != ndim or array.shape[-2:] != (T, T):
+        raise ValueError(
+            f"weights must have shape {expected} with T = {T} (one row and column per token); "
+            f"got {tuple(array.shape)}"
+        )
+    if array.size == 0:
+        raise ValueError(f"weights have shape {tuple(array.shape)}: no layer or head to draw")
+    if not np.isfinite(array).all():
+        raise ValueError("weights contain NaN or infinity; attention weights are finite")
+    return array
+
+
+def check_indices(chosen: Sequence[int] | None, count: int, name: str) -> list[int]:
+    """The chosen layers or heads (all when None), each checked against how many there are."""
+    if chosen is None:
+        return list(range(count))
+    chosen = [int(i) for i in chosen]
+    if not chosen:
+        raise ValueError(f"no {name}s chosen; pick some of 0-{count - 1}")
+    for i in chosen:
+        if not 0 <= i < count:
+            raise ValueError(
+                f"{name} {i} is out of range: there are {count} {name}s, 0-{count - 1}"
+            )
+    return chosen
+
+
+def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+    """Write a file all or nothing: a temporary file beside it, fsync, rename.
+
+    The temporary name is made here rather than by `tempfile`, whose files are private
+    (mode 0600); this one gets the same permissions as any new file.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(temp, "xb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _tick_layout(T: int, side: float) -> tuple[int, float]:
+    """(every how many tokens a tick label goes, its font size in points) on a side-inch axis."""
+    axis_points = (side - 1.8) * 72  # less the room the labels and axis title take
+    step = max(1, math.ceil(T * LABEL_POINTS / axis_points))
+    size = min(10.0, max(5.0, 0.8 * axis_points * step / T))
+    return step, size

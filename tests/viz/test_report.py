@@ -1,0 +1,284 @@
+"""The self-contained report: a real model's weights, embedded as its own numbers."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import zlib
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv.viz import read_weights, strongest_head, write_html, write_report
+from qkv.viz import report as report_module
+
+SENTENCE = "The bank on the side of the river"
+
+
+@pytest.fixture(scope="module")
+def att():
+    return qkv.load("minilm").attentions(SENTENCE)
+
+
+@pytest.fixture(scope="module")
+def report(att, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("reports") / "bank"
+    extra = {"example": "bank ← river", "trace": {"scores": torch.tensor([0.25, 0.75])}}
+    return write_report(
+        folder, att.weights, att.tokens, title="The bank", text=SENTENCE, extra=extra, query=2
+    )
+
+
+@pytest.fixture(scope="module")
+def page(report) -> str:
+    return (report / "index.html").read_text(encoding="utf-8")
+
+
+class Elements(HTMLParser):
+    """The parts of a page the tests look at: options per select, tokens, src/href links."""
+
+    def __init__(self, page: str):
+        super().__init__()
+        self.options: dict[str, list[tuple[str, str]]] = {}
+        self.tokens: list[tuple[int, str]] = []
+        self.links: list[tuple[str, str]] = []
+        self._select: str | None = None
+        self._open: list | None = None
+        self.feed(page)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.links += [(name, attrs[name]) for name in ("src", "href") if name in attrs]
+        if tag == "select":
+            self._select = attrs["id"]
+            self.options[self._select] = []
+        elif tag == "option":
+            self._open = [attrs["value"], ""]
+            self.options[self._select].append(self._open)
+        elif "token" in (attrs.get("class") or "").split():
+            self._open = [int(attrs["data-index"]), ""]
+            self.tokens.append(self._open)
+
+    def handle_data(self, data):
+        if self._open is not None:
+            self._open[1] += data
+
+    def handle_endtag(self, tag):
+        if tag in ("option", "button"):
+            self._open = None
+
+
+def embedded(page: str) -> dict:
+    found = re.findall(r'<script type="application/json" id="qkv-data">(.*?)</script>', page, re.S)
+    assert len(found) == 1
+    return json.loads(found[0])
+
+
+def stored_weights(data: dict) -> np.ndarray:
+    """(L, H, T, T) uint16 ten-thousandths, decoded here without qkv's own reader."""
+    T = len(data["tokens"])
+
+    def unpack(text: str) -> np.ndarray:
+        return np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype="<u2").reshape(T, T)
+
+    return np.array([[unpack(head) for head in layer] for layer in data["weights"]["heads"]])
+
+
+def test_the_folder_holds_the_page_and_the_pictures(att, report):
+    layer, head = strongest_head(att.weights)
+    assert sorted(p.name for p in report.iterdir()) == sorted(
+        ["index.html", "model_view.png", f"head_L{layer}_H{head}.png"]
+    )
+    assert [p.name for p in report.parent.iterdir()] == ["bank"]  # no staging folder left
+    for picture in report.glob("*.png"):
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_strongest_head_has_the_largest_weight_off_the_diagonal(att):
+    w = att.weights.clone()  # (L, H, T, T)
+    w[..., torch.arange(w.shape[-1]), torch.arange(w.shape[-1])] = -1
+    flat = int(w.flatten(2).max(dim=2).values.flatten().argmax())  # over L * H heads
+    layer, head = strongest_head(att.weights)
+    assert (layer, head) == divmod(flat, att.weights.shape[1])
+    best = w[layer, head].max()
+    assert best > 0.9 and best == w.max()
+
+
+def test_the_page_reaches_for_nothing_outside_itself(page):
+    lowered = page.lower()
+    for outside in ("http://", "https://", "//cdn", "<link", "@import", "url(", "<iframe"):
+        assert outside not in lowered, outside
+    assert Elements(page).links == []  # no src= or href= at all
+    assert "font-family: system-ui" in page
+
+
+def test_the_embedded_weights_are_the_models_own_numbers(att, page):
+    data = embedded(page)
+    assert data["tokens"] == att.tokens
+    assert (data["layers"], data["heads"]) == tuple(att.weights.shape[:2])
+    stored = stored_weights(data)  # (L, H, T, T)
+    assert stored.shape == tuple(att.weights.shape)
+    ours = torch.from_numpy(stored.astype(np.float32) / data["weights"]["scale"])
+    torch.testing.assert_close(ours, att.weights, atol=1e-4, rtol=0)
+    # rounded and nothing else: not renormalised, not clipped
+    np.testing.assert_array_equal(stored, np.rint(att.weights.numpy() * 10_000))
+    weights, tokens = read_weights(page)
+    np.testing.assert_array_equal(weights, ours.numpy())
+    assert tokens == att.tokens
+    assert "rounded to 4 decimal places and not renormalised" in " ".join(page.split())
+
+
+def test_rows_are_stored_as_given_never_renormalised(att, tmp_path):
+    weights = att.weights.clone()  # (L, H, T, T)
+    weights[:, :, 3] *= 0.5  # a row summing to one half stays one half
+    weights[:, :, 4] = 0.0  # a query whose keys were all masked: a row of zeros
+    page = write_html(tmp_path / "rows.html", weights, att.tokens).read_text(encoding="utf-8")
+    stored = stored_weights(embedded(page))
+    np.testing.assert_array_equal(stored, np.rint(weights.numpy() * 10_000))
+    assert stored[:, :, 4].max() == 0
+
+
+def test_selectors_list_every_layer_and_head_from_zero(att, page):
+    L, H = att.weights.shape[:2]
+    elements = Elements(page)
+    layers, heads = elements.options["layer"], elements.options["head"]
+    assert [value for value, _ in layers] == [str(i) for i in range(L)]
+    assert [value for value, _ in heads] == [str(i) for i in range(H)]
+    assert layers[0][1] == "0 (the first layer)" and heads[0][1] == "0 (the first head)"
+    assert [tuple(token) for token in elements.tokens] == list(enumerate(att.tokens))
+    layer, head = strongest_head(att.weights)
+    assert f'<option value="{layer}" selected>' in page
+    assert embedded(page)["selected"] == {"layer": layer, "head": head, "query": 2}
+
+
+def test_the_page_has_the_hooks_a_browser_test_needs(page):
+    for hook in (
+        'id="layer"',
+        'id="head"',
+        'id="heatmap"',
+        'id="headview"',
+        'id="row"',
+        "window.qkvReady = true",
+        "data-q",
+        "data-k",
+        "data-w",
+    ):
+        assert hook in page, hook
+    assert page.count("<script") == 2 and page.count("</script>") == 2
+
+
+def test_extra_is_shown_and_embedded(page):
+    assert embedded(page)["extra"] == {
+        "example": "bank ← river",
+        "trace": {"scores": [0.25, 0.75]},
+    }
+    section = re.search(r'<section id="extra">.*?</section>', page, re.S).group(0)
+    assert "<dt>example</dt><dd>bank ← river</dd>" in section
+    assert "<dt>trace</dt>" in section and "0.75" in section
+
+
+def test_text_that_looks_like_markup_stays_text(tmp_path):
+    tokens = ["</script><script>alert(1)</script>", "<blink>", "&amp;", " "]
+    weights = torch.softmax(torch.randn(1, 2, 4, 4), dim=-1)
+    path = write_html(tmp_path / "odd.html", weights, tokens, title="<i>t</i>", text="a < b")
+    page = path.read_text(encoding="utf-8")
+    assert page.count("</script>") == 2 and "<blink>" not in page and "<i>t</i>" not in page
+    assert embedded(page)["tokens"] == tokens
+    assert [text for _, text in Elements(page).tokens] == [*tokens[:3], '" "']
+
+
+def test_an_existing_folder_with_files_is_refused_and_untouched(att, tmp_path):
+    folder = tmp_path / "taken"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        write_report(folder, att.weights, att.tokens, title="t")
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+    assert (folder / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["taken"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not an empty folder"):
+        write_report(tmp_path / "file", att.weights, att.tokens, title="t")
+
+
+def test_an_empty_folder_is_filled_and_a_chosen_head_drawn(att, tmp_path):
+    (tmp_path / "empty").mkdir()
+    folder = write_report(tmp_path / "empty", att.weights, att.tokens, title="t", head=(5, 11))
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "head_L5_H11.png",
+        "index.html",
+        "model_view.png",
+    ]
+    assert embedded((folder / "index.html").read_text())["selected"]["head"] == 11
+
+
+def test_a_failure_half_way_leaves_nothing(att, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(report_module, "model_view", broken)  # after index.html is written
+    with pytest.raises(OSError, match="disk full"):
+        write_report(tmp_path / "r", att.weights, att.tokens, title="t")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"head": (6, 0)}, "layer 6 is out of range: there are 6, 0-5"),
+        ({"head": (0, 12)}, "head 12 is out of range"),
+        ({"query": 10}, "token 10 is out of range: there are 10"),
+        ({"extra": {"x": object()}}, "extra must be JSON-serialisable"),
+        ({"extra": {"x": float("nan")}}, "extra must be JSON-serialisable"),
+        ({"extra": ["not", "a", "dict"]}, "extra must be a dict"),
+        ({"weights": "scores"}, "between 0 and 1"),
+        ({"weights": "one head"}, r"\(L, H, T, T\)"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_and_writes_nothing(att, tmp_path, change, message):
+    named = {"scores": att.weights * 5 - 1, "one head": att.weights[0, 0]}  # not (L, H, T, T)
+    arguments = {"title": "t", **change}
+    arguments["weights"] = named[change["weights"]] if "weights" in change else att.weights
+    for write, target in ((write_report, tmp_path / "r"), (write_html, tmp_path / "p.html")):
+        with pytest.raises(ValueError, match=message) as error:
+            write(target, tokens=att.tokens, **arguments)
+        assert "\n" not in str(error.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_html_is_one_file_and_refuses_other_extensions(att, tmp_path):
+    path = write_html(tmp_path / "deep" / "bank.html", att.weights, att.tokens, text=SENTENCE)
+    assert [p.name for p in path.parent.iterdir()] == ["bank.html"]
+    data = embedded(path.read_text(encoding="utf-8"))
+    assert data["tokens"] == att.tokens and data["extra"] is None
+    with pytest.raises(ValueError, match=r"must be \.html, not '\.png'"):
+        write_html(tmp_path / "bank.png", att.weights, att.tokens)
+
+
+def test_512_tokens_make_a_page_of_reasonable_size(tmp_path):
+    # minilm's longest text: 6 layers x 12 heads x 512 x 512 = 18.9 million weights. As JSON
+    # text they would take ~130 MB, as raw uint16 in base64 50 MB; compressed they must fit in
+    # 30 MB, a page a browser opens in about a second. Random softmax rows are the hard case:
+    # real attention, mostly near 0, compresses better (about 18 MB).
+    L, H, T = 6, 12, 512
+    generator = torch.Generator().manual_seed(0)
+    weights = torch.softmax(2 * torch.randn(L, H, T, T, generator=generator), dim=-1)
+    tokens = [f"w{i}" for i in range(T)]
+    folder = write_report(tmp_path / "long", weights, tokens, title="long")
+    size = (folder / "index.html").stat().st_size
+    assert 10e6 < size < 30e6
+    stored = stored_weights(embedded((folder / "index.html").read_text()))
+    assert stored.shape == (L, H, T, T)
+    np.testing.assert_array_equal(stored[3, 7], np.rint(weights[3, 7].numpy() * 10_000))
+
+
+def test_the_page_script_is_valid_javascript(page, tmp_path):
+    script = re.findall(r"<script>(.*?)</script>", page, re.S)
+    assert len(script) == 1
+    (tmp_path / "page.js").write_text(script[0])
+    subprocess.run(["node", "--check", str(tmp_path / "page.js")], check=True)
