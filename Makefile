@@ -30,8 +30,8 @@ test: $(STAMP)
 	$(PY) -m pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks docs
+	$(VENV)/bin/ruff format --check src tests benchmarks docs
 
 bench: $(BENCH_STAMP)
 	$(PY) benchmarks/attention_cpu.py

@@ -1,0 +1,21 @@
+"""docs/walkthrough.md is what docs/make_walkthrough.py writes today: it cannot go stale."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).parents[1] / "docs"
+
+
+def test_the_committed_walkthrough_is_the_real_output_of_today(tmp_path):
+    fresh = tmp_path / "walkthrough.md"
+    subprocess.run(
+        [sys.executable, str(DOCS / "make_walkthrough.py"), str(fresh)], check=True, timeout=900
+    )
+    committed = (DOCS / "walkthrough.md").read_text()
+    assert fresh.read_text() == committed, "run: python docs/make_walkthrough.py"
+    for section in ("The algorithm", "Normalization", "Multiple heads", "Multiple layers",
+                    "Tokens", "Position embeddings", "Cross-attention"):  # fmt: skip
+        assert f"## {section}" in committed
