@@ -49,8 +49,8 @@ def test_minilm_trace_is_the_models_computation_and_matches_transformers(minilm)
 
 
 def test_asked_layer_and_head_and_a_second_occurrence(minilm):
-    traced = qkv.trace(minilm, "The bank of the river and the bank of money", "bank#2", "money",
-                       layer=4, head=7)  # fmt: skip
+    text = "The bank of the river and the bank of money"
+    traced = qkv.trace(minilm, text, "bank#2", "money", layer=4, head=7)
     assert (traced.layer, traced.head, traced.chosen) == (4, 7, "asked")
     assert traced.tokens[traced.query_index] == "bank" and traced.query_index > 2
     torch.testing.assert_close(traced.contextualized, traced.model_output, atol=1e-5, rtol=0)
@@ -86,6 +86,10 @@ def test_to_dict_is_json_with_every_step(minilm):
         ({"layer": 6}, r"layer 6 is out of range: minilm has 6 layers \(0-5\)"),
         ({"head": 12}, r"head 12 is out of range: minilm has 12 heads \(0-11\)"),
         ({"text": "   "}, "the text is empty"),
+        (
+            {"text": "The bank by the bank"},
+            r"'bank' occurs 2 times in the text; name one: bank#1, ",
+        ),
         ({"text": "bank " * 600}, "reads at most 512"),
     ],
 )

@@ -99,7 +99,7 @@ def trace(
     count, limit = len(encoded.ids), pretrained.context_window
     if count > limit:
         raise ValueError(f"the text has {count} tokens; {pretrained.source} reads at most {limit}")
-    query_index, key_index = encoded.find(query)[0], encoded.find(key)[0]
+    query_index, key_index = _first_token(encoded, query), _first_token(encoded, key)
     cfg = model.config
     L, H = cfg.num_layers, cfg.block.num_heads
     for name, value, most in (("layer", layer, L), ("head", head, H)):
@@ -170,6 +170,16 @@ def trace(
         query_unrotated=q_plain[query_index].double() if attn.rotary is not None else None,
         key_unrotated=k_plain[key_index].double() if attn.rotary is not None else None,
     )  # fmt: skip
+
+
+def _first_token(encoded, word: str) -> int:
+    """The first token of `word`; a word that occurs twice must say which ("bank#2")."""
+    if "#" not in word:
+        same = [w for w in encoded.words() if w.text.lower() == word.lower()]
+        if len(same) > 1:
+            names = ", ".join(f"{word}#{n}" for n in range(1, len(same) + 1))
+            raise ValueError(f"'{word}' occurs {len(same)} times in the text; name one: {names}")
+    return encoded.find(word)[0]
 
 
 def _keep_input(store: dict, layer: int):
