@@ -126,6 +126,9 @@ def explain(
     ] = None,
     head: Annotated[int | None, typer.Option(help="counted from 0")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+    target: Annotated[
+        str | None, typer.Option(help="encoder-decoder models: the decoder's text (query word)")
+    ] = None,
     backend: Backend = None,
 ) -> None:
     """The article's steps for QUERY getting context from KEY in TEXT, with real numbers."""
@@ -134,7 +137,8 @@ def explain(
     from qkv.inspect.trace import trace
 
     with user_errors():
-        traced = trace(load(model, backend=backend), text, query, key, layer=layer, head=head)
+        pretrained = load(model, backend=backend)
+        traced = trace(pretrained, text, query, key, layer=layer, head=head, target=target)
     if as_json:
         typer.echo(json.dumps(traced.to_dict()))
         return

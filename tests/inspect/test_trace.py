@@ -114,3 +114,33 @@ def test_explain_command_tells_the_walk_and_gives_json():
     assert data["layer"] == 1 and data["tokens"][data["key_index"]] == "river"
     bad = run("--query", "bank", "--key", "lake")
     assert bad.returncode == 2 and bad.stderr.startswith("error: 'lake' is not a word")
+
+
+def test_encoder_decoder_traces_cross_attention_like_transformers(tmp_path):
+    """A tiny random BART (transformers builds it) with a word-level tokenizer built here."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    from qkv.inspect.narrate import narrate, tokens_line
+    from qkv.io.hf import load_folder
+    from qkv.io.tokenizer import Tokenizer
+    from tiny_models import save_tiny
+
+    theirs = save_tiny("bart", tmp_path)
+    model, family, config, hf_config = load_folder(tmp_path, torch.float32, None)
+    words = ["[UNK]", "the", "bank", "on", "side", "of", "river", "la", "rive", "banque"]
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    bart = qkv.Pretrained(model, Tokenizer(backend), config, family=family,
+                          hf_config=hf_config, source="tiny-bart")  # fmt: skip
+    traced = qkv.trace(bart, "the bank of the river", "banque", "river", target="la banque")
+    assert traced.query_tokens == ["la", "banque"] and traced.tokens[traced.key_index] == "river"
+    source, target = torch.tensor([[1, 2, 5, 1, 6]]), torch.tensor([[7, 9]])
+    with torch.no_grad():
+        cross = theirs(input_ids=source, decoder_input_ids=target, output_attentions=True)
+    want = cross.cross_attentions[traced.layer][0, traced.head, traced.query_index]
+    torch.testing.assert_close(traced.weights, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(traced.contextualized, traced.model_output, atol=1e-5, rtol=0)
+    assert "Cross-attention" in tokens_line(traced) and "cross-attention" in narrate(traced)
+    with pytest.raises(ValueError, match="give the target text too"):
+        qkv.trace(bart, "the bank of the river", "bank", "river")

@@ -30,10 +30,19 @@ def percent(x: float) -> str:
 
 def tokens_line(trace: Trace) -> str:
     q, k = trace.query_index, trace.key_index
+    listing = " ".join(shown(t) for t in trace.tokens)
+    if trace.query_tokens is None:
+        return (
+            f"Tokens ({len(trace.tokens)}): {listing}\n"
+            f'  "{trace.query}" is token {q} ({trace.tokens[q]!r}), '
+            f'"{trace.key}" is token {k} ({trace.tokens[k]!r}); tokens count from 0.'
+        )
     return (
-        f"Tokens ({len(trace.tokens)}): {' '.join(shown(t) for t in trace.tokens)}\n"
-        f'  "{trace.query}" is token {q} ({trace.tokens[q]!r}), '
-        f'"{trace.key}" is token {k} ({trace.tokens[k]!r}); tokens count from 0.'
+        f"Source tokens, read by the encoder ({len(trace.tokens)}): {listing}\n"
+        f"Target tokens, read by the decoder ({len(trace.query_tokens)}): "
+        f"{' '.join(shown(t) for t in trace.query_tokens)}\n"
+        f'  Cross-attention: the query word "{trace.query}" is target token {q}, the key word '
+        f'"{trace.key}" is source token {k}; tokens count from 0.'
     )
 
 
@@ -41,9 +50,10 @@ def narrate(trace: Trace) -> str:
     """Steps 1-7 of the article for the trace's pair, then what contributed most."""
     t, q, k = trace, f'"{trace.query}"', f'"{trace.key}"'
     D = t.head_dim
+    kind = " (decoder cross-attention)" if t.query_tokens is not None else ""
     lines = [
-        f"Layer {t.layer}, head {t.head} of {t.source} ({t.num_layers} layers x {t.num_heads} "
-        f"heads, counted from 0), {t.chosen}.",
+        f"Layer {t.layer}, head {t.head}{kind} of {t.source} ({t.num_layers} layers x "
+        f"{t.num_heads} heads, counted from 0), {t.chosen}.",
     ]
     if t.num_kv_heads != t.num_heads:
         group = t.num_heads // t.num_kv_heads

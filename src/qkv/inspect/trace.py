@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from qkv.attention import loop
-from qkv.models import Decoder, Encoder
+from qkv.models import Decoder, Encoder, EncoderDecoder
 
 
 @dataclass
@@ -62,6 +62,8 @@ class Trace:
     contributions: list[Contribution] = field(default_factory=list)
     query_unrotated: Tensor | None = None  # rotary models: q and k before rotation
     key_unrotated: Tensor | None = None
+    target: str | None = None  # cross-attention: the decoder's text, where the query word is
+    query_tokens: list[str] | None = None  # cross-attention: the target's tokens
 
     @property
     def weight(self) -> float:
@@ -83,25 +85,35 @@ class Trace:
 
 
 def trace(
-    pretrained, text: str, query: str, key: str, *, layer: int | None = None, head=None
+    pretrained,
+    text: str,
+    query: str,
+    key: str,
+    *,
+    layer: int | None = None,
+    head: int | None = None,
+    target: str | None = None,
 ) -> Trace:
     """The article's steps for `query` getting context from `key` in `text`.
 
     layer, head: counted from 0; by default the pair where the query word attends to the
     key word most. Words are as `Encoded.find` takes them: "bank", or "bank#2".
+    Encoder-decoder models trace cross-attention: the key word is in `text` (the source,
+    read by the encoder), the query word in `target` (read by the decoder).
     """
     model = pretrained.model
-    if not isinstance(model, Encoder | Decoder):
-        raise ValueError(f"explain supports encoders and decoders; {pretrained.source} is neither")
-    if not text.strip():
-        raise ValueError("the text is empty; give a sentence")
-    encoded = pretrained.tokenizer.encode(text)
-    count, limit = len(encoded.ids), pretrained.context_window
-    if count > limit:
-        raise ValueError(f"the text has {count} tokens; {pretrained.source} reads at most {limit}")
-    query_index, key_index = _first_token(encoded, query), _first_token(encoded, key)
-    cfg = model.config
-    L, H = cfg.num_layers, cfg.block.num_heads
+    cross = isinstance(model, EncoderDecoder)
+    if not isinstance(model, Encoder | Decoder | EncoderDecoder):
+        raise ValueError(f"explain does not support {type(model).__name__} models")
+    if cross and target is None:
+        raise ValueError("an encoder-decoder traces cross-attention: give the target text too")
+    if not cross and target is not None:
+        raise ValueError(f"a target text is for encoder-decoder models; {pretrained.source} is not")
+    source = _encode(pretrained, text)
+    queries = _encode(pretrained, target) if cross else source
+    query_index, key_index = _first_token(queries, query), _first_token(source, key)
+    stack = model.decoder if cross else model
+    L, H = stack.config.num_layers, stack.config.block.num_heads
     for name, value, most in (("layer", layer, L), ("head", head, H)):
         if value is not None and not 0 <= value < most:
             raise ValueError(
@@ -109,57 +121,62 @@ def trace(
                 f"(0-{most - 1})"
             )
 
-    ids = torch.tensor([encoded.ids])
-    inputs, concatenated = {}, {}
-    hooks = []
-    for i, block in enumerate(model.blocks):
-        hooks.append(block.attn.register_forward_pre_hook(_keep_input(inputs, i), with_kwargs=True))
-        hooks.append(block.attn.out.register_forward_pre_hook(_keep_input(concatenated, i)))
+    modules = [block.cross_attn if cross else block.attn for block in stack.blocks]
+    inputs, concatenated, hooks = {}, {}, []
+    for i, attn in enumerate(modules):
+        hooks.append(attn.register_forward_pre_hook(_keep_input(inputs, i), with_kwargs=True))
+        hooks.append(attn.out.register_forward_pre_hook(_keep_input(concatenated, i)))
+    record = [(i, h) for i in range(L) for h in range(H)]
     try:
         with torch.inference_mode():
-            recorded = model(ids, record=[(i, h) for i in range(L) for h in range(H)]).attentions
+            if cross:
+                recorded = model(torch.tensor([source.ids]), torch.tensor([queries.ids]),
+                                 record_cross=record).cross_attentions  # fmt: skip
+            else:
+                recorded = model(torch.tensor([source.ids]), record=record).attentions
     finally:
         for hook in hooks:
             hook.remove()
 
     chosen = "asked"
     if layer is None or head is None:
-        candidates = [(i, h) for i in range(L) for h in range(H)
+        candidates = [(i, h) for i, h in record
                       if (layer is None or i == layer) and (head is None or h == head)]  # fmt: skip
         layer, head = max(candidates, key=lambda p: recorded[p][0, query_index, key_index])
         chosen = "where the query word attends most to the key word"
-    attn = model.blocks[layer].attn
-    x, positions = inputs[layer]
+    attn = modules[layer]
+    x, context, positions = inputs[layer]
     D, group = attn.head_dim, attn.num_heads // attn.num_kv_heads
     kv_head = head // group
+    causal = isinstance(model, Decoder)
     with torch.inference_mode():
-        q = attn.split_heads(attn.queries(x), attn.num_heads)[0, head]  # (T, D)
-        k, v = (attn.split_heads(t, attn.num_kv_heads)[0, kv_head] for t in attn.keys_values(x))
+        q = attn.split_heads(attn.queries(x), attn.num_heads)[0, head]  # (Tq, D)
+        kv = attn.keys_values(context if cross else x)
+        k, v = (attn.split_heads(t, attn.num_kv_heads)[0, kv_head] for t in kv)  # (Tk, D)
         q_plain, k_plain = q, k
-        if attn.rotary is not None:
+        if attn.rotary is not None and not cross:
             if positions is None:
-                positions = torch.arange(count)
+                positions = torch.arange(len(source.ids))
             q = attn.rotary(q[None, None], positions)[0, 0]
             k = attn.rotary(k[None, None], positions)[0, 0]
-        causal = isinstance(model, Decoder)
-        allowed = [not causal or j <= query_index for j in range(count)]
-        scale = 1 / math.sqrt(D)
+        allowed = [not causal or j <= query_index for j in range(len(source.ids))]
         contextualized, pairs = loop.contextualize(
-            q[query_index].double(), k.double(), v.double(), allowed, scale
+            q[query_index].double(), k.double(), v.double(), allowed, 1 / math.sqrt(D)
         )
         # what each key word added, after the output projection's columns for this head
         w_out = attn.out.weight[:, head * D : (head + 1) * D].double()  # (C, D)
         contributions = [
-            Contribution(encoded.tokens[p.key_index], p.key_index,
+            Contribution(source.tokens[p.key_index], p.key_index,
                          float(p.normalized_weight), float((w_out @ p.scaled_value_vector).norm()))
             for p in pairs
         ]  # fmt: skip
     pair = pairs[key_index]
+    rotated = attn.rotary is not None and not cross
     return Trace(
-        source=pretrained.source, text=text, tokens=list(encoded.tokens), query=query,
+        source=pretrained.source, text=text, tokens=list(source.tokens), query=query,
         key=key, query_index=query_index, key_index=key_index, layer=layer, head=head,
         kv_head=kv_head, num_layers=L, num_heads=H, num_kv_heads=attn.num_kv_heads,
-        head_dim=D, width=cfg.block.width, causal=causal, chosen=chosen,
+        head_dim=D, width=stack.config.block.width, causal=causal, chosen=chosen,
         query_vector=q[query_index].double(), key_vector=pair.key_vector,
         attention_scalar=float(pair.attention_scalar), scaled_scalar=float(pair.scaled_scalar),
         weights=torch.stack([p.normalized_weight for p in pairs]).float(),
@@ -167,9 +184,20 @@ def trace(
         contextualized=contextualized,
         model_output=concatenated[layer][0][0, query_index, head * D : (head + 1) * D].double(),
         contributions=contributions,
-        query_unrotated=q_plain[query_index].double() if attn.rotary is not None else None,
-        key_unrotated=k_plain[key_index].double() if attn.rotary is not None else None,
+        query_unrotated=q_plain[query_index].double() if rotated else None,
+        key_unrotated=k_plain[key_index].double() if rotated else None,
+        target=target, query_tokens=list(queries.tokens) if cross else None,
     )  # fmt: skip
+
+
+def _encode(pretrained, text: str):
+    if not text.strip():
+        raise ValueError("the text is empty; give a sentence")
+    encoded = pretrained.tokenizer.encode(text)
+    count, limit = len(encoded.ids), pretrained.context_window
+    if count > limit:
+        raise ValueError(f"the text has {count} tokens; {pretrained.source} reads at most {limit}")
+    return encoded
 
 
 def _first_token(encoded, word: str) -> int:
@@ -183,9 +211,11 @@ def _first_token(encoded, word: str) -> int:
 
 
 def _keep_input(store: dict, layer: int):
-    """A forward pre-hook keeping a module's input (and rotary positions) for one layer."""
+    """A forward pre-hook keeping a module's input for one layer: (x, context, positions)."""
 
     def hook(module, args, kwargs=None):
-        store[layer] = (args[0].detach(), (kwargs or {}).get("positions"))
+        kwargs = kwargs or {}
+        context = args[1] if len(args) > 1 else kwargs.get("context")
+        store[layer] = (args[0].detach(), context, kwargs.get("positions"))
 
     return hook
