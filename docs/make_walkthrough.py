@@ -100,9 +100,11 @@ CROSS_ATTENTION = """## Cross-attention
 In cross-attention the query words come from one sequence (the decoder's) and the key and
 value words from another (the encoder's). qkv's `MultiHeadAttention` takes a `context` for
 this, `qkv.models.EncoderDecoder` uses it in every decoder block, and `qkv.load` reads BART
-checkpoints into it (tested against `transformers`). `qkv explain` does not trace
-cross-attention yet; `EncoderDecoder(...)(source, target, record_cross=[(layer, head)])`
-returns its weights.
+checkpoints into it (tested against `transformers`). For such a model,
+`qkv explain SOURCE --target TARGET --query WORD --key WORD --model FOLDER` takes the query
+word from the target and the key word from the source. No pretrained encoder-decoder ships
+with qkv, so there is no real output to show here; the tests trace a small random BART and
+compare its weights with `transformers`' cross-attentions.
 """
 
 
