@@ -56,6 +56,20 @@ def test_show_writes_a_page_a_heatmap_or_a_report(tmp_path, name):
         assert (tmp_path / name / "head_L2_H3.png").exists()
 
 
+def test_show_draws_a_grid_of_the_chosen_layers_and_heads(tmp_path):
+    import matplotlib.image
+
+    few = run(
+        "show", SENTENCE, "--layers", "0-1", "--heads", "0,5", "--out", str(tmp_path / "a.png")
+    )
+    many = run("show", SENTENCE, "--layers", "0-5", "--out", str(tmp_path / "b.png"))
+    assert few.returncode == 0 and many.returncode == 0, few.stderr + many.stderr
+    small, large = (matplotlib.image.imread(tmp_path / name) for name in ("a.png", "b.png"))
+    assert small.shape[0] * small.shape[1] < large.shape[0] * large.shape[1]
+    bad = run("show", SENTENCE, "--heads", "1,x", "--out", str(tmp_path / "c.png"))
+    assert bad.returncode == 2 and "--heads takes numbers like 0,2,5" in bad.stderr
+
+
 def test_show_and_demo_refuse_bad_input_in_one_line(tmp_path):
     bad = run("show", SENTENCE, "--layer", "6", "--out", str(tmp_path / "x.html"))
     assert (

@@ -192,15 +192,24 @@ def show(
     text: str,
     model: Model = "minilm",
     out: Annotated[
-        Path, typer.Option(help="FILE.html (interactive page), FILE.png (one head) or a folder")
+        Path,
+        typer.Option(help="FILE.html (interactive page), FILE.png (heatmaps) or a report folder"),
     ] = Path("qkv-show.html"),
-    layer: Annotated[int | None, typer.Option(help="the head to show first: its layer")] = None,
-    head: Annotated[int | None, typer.Option(help="the head to show first, from 0")] = None,
+    layers: Annotated[
+        str | None, typer.Option(help="a PNG grid of these layers, e.g. 0,2,5")
+    ] = None,
+    heads: Annotated[str | None, typer.Option(help="a PNG grid of these heads, e.g. 0-3")] = None,
+    layer: Annotated[int | None, typer.Option(help="the one head to show: its layer")] = None,
+    head: Annotated[int | None, typer.Option(help="the one head to show, from 0")] = None,
     backend: Backend = None,
 ) -> None:
-    """Every layer's and head's attention over TEXT: a page, a heatmap, or a report folder."""
+    """Every layer's and head's attention over TEXT: a page, heatmaps, or a report folder.
+
+    A .png is one head's heatmap (--layer, --head), or with --layers/--heads a grid of
+    every chosen layer x head.
+    """
     from qkv import load
-    from qkv.viz import head_heatmap, write_html, write_report
+    from qkv.viz import head_heatmap, model_view, write_html, write_report
 
     with user_errors():
         seen = load(model, backend=backend).attentions(text)
@@ -210,7 +219,10 @@ def show(
                 raise ValueError(f"{name} {value} is out of range: there are {most} (0-{most - 1})")
         chosen = (layer or 0, head or 0) if layer is not None or head is not None else None
         common = {"title": f"{model}: {text[:60]}", "text": text, "head": chosen}
-        if out.suffix.lower() == ".png":
+        if out.suffix.lower() == ".png" and (layers or heads):
+            model_view(seen.weights, seen.tokens, out, layers=_numbers(layers, "layers", L),
+                       heads=_numbers(heads, "heads", H))  # fmt: skip
+        elif out.suffix.lower() == ".png":
             lh = chosen or (0, 0)
             head_heatmap(seen.weights[lh], seen.tokens, out, title=f"{model} L{lh[0]} H{lh[1]}")
         elif out.suffix.lower() in (".html", ".htm"):
@@ -218,6 +230,23 @@ def show(
         else:
             write_report(out, seen.weights, seen.tokens, **common)
     typer.echo(f"wrote {out}")
+
+
+def _numbers(spec: str | None, name: str, count: int) -> list[int] | None:
+    """'0,2,5' or '0-3' -> [0, 2, 5] or [0, 1, 2, 3]; None for all."""
+    if spec is None:
+        return None
+    chosen: list[int] = []
+    try:
+        for part in spec.split(","):
+            first, _, last = part.strip().partition("-")
+            chosen += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise ValueError(f"--{name} takes numbers like 0,2,5 or 0-3, got {spec!r}") from None
+    bad = [n for n in chosen if not 0 <= n < count]
+    if bad:
+        raise ValueError(f"{name[:-1]} {bad[0]} is out of range: there are {count} (0-{count - 1})")
+    return chosen
 
 
 @app.command()
