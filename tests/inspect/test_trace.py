@@ -144,3 +144,20 @@ def test_encoder_decoder_traces_cross_attention_like_transformers(tmp_path):
     assert "Cross-attention" in tokens_line(traced) and "cross-attention" in narrate(traced)
     with pytest.raises(ValueError, match="give the target text too"):
         qkv.trace(bart, "the bank of the river", "bank", "river")
+
+
+@pytest.mark.parametrize("name", ["minilm", "smollm2"])
+def test_attention_vectors_rebuild_every_heads_weights_and_trace(name, request):
+    from qkv.inspect.trace import attention_vectors
+
+    pretrained = request.getfixturevalue(name)
+    q, k, v = attention_vectors(pretrained, SENTENCE)
+    L, H, T, D = q.shape
+    scores = q @ k.transpose(-1, -2) / math.sqrt(D)  # (L, H, T, T)
+    if name == "smollm2":
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    weights = scores.softmax(-1)
+    torch.testing.assert_close(weights, pretrained.attentions(SENTENCE).weights, atol=1e-5, rtol=0)
+    traced = qkv.trace(pretrained, SENTENCE, "river", "bank", layer=L - 1, head=H - 1)
+    rebuilt = weights[L - 1, H - 1, traced.query_index] @ v[L - 1, H - 1]  # (D,)
+    torch.testing.assert_close(rebuilt.double(), traced.contextualized, atol=1e-4, rtol=0)

@@ -219,3 +219,40 @@ def _keep_input(store: dict, layer: int):
         store[layer] = (args[0].detach(), context, kwargs.get("positions"))
 
     return hook
+
+
+def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Every layer's and head's query, key and value vectors over `text`: (L, H, T, D) each.
+
+    The vectors `attend` received (after rotary rotation; with grouped key/value heads, each
+    query head gets the key/value head it reads), so that any (query, key) pair's steps can
+    be redone from them: weights = softmax(q k^T / sqrt(D)) (causal for decoders), and the
+    contextualized vectors = weights v.
+    """
+    model = pretrained.model
+    if not isinstance(model, Encoder | Decoder):
+        raise ValueError(f"attention_vectors supports encoders and decoders, not {type(model)}")
+    encoded = _encode(pretrained, text)
+    inputs, hooks = {}, []
+    for i, block in enumerate(model.blocks):
+        hooks.append(block.attn.register_forward_pre_hook(_keep_input(inputs, i), with_kwargs=True))
+    try:
+        with torch.inference_mode():
+            model(torch.tensor([encoded.ids]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    qs, ks, vs = [], [], []
+    with torch.inference_mode():
+        for i, block in enumerate(model.blocks):
+            attn, (x, _, positions) = block.attn, inputs[i]
+            group = attn.num_heads // attn.num_kv_heads
+            q = attn.split_heads(attn.queries(x), attn.num_heads)  # (1, H, T, D)
+            k, v = (attn.split_heads(t, attn.num_kv_heads) for t in attn.keys_values(x))
+            if attn.rotary is not None:
+                positions = torch.arange(len(encoded.ids)) if positions is None else positions
+                q, k = attn.rotary(q, positions), attn.rotary(k, positions)
+            qs.append(q[0])
+            ks.append(k[0].repeat_interleave(group, dim=0))  # query head h reads h // group
+            vs.append(v[0].repeat_interleave(group, dim=0))
+    return torch.stack(qs), torch.stack(ks), torch.stack(vs)
