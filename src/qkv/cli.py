@@ -209,10 +209,13 @@ def show(
     every chosen layer x head.
     """
     from qkv import load
+    from qkv.inspect.trace import attention_vectors
+    from qkv.models import Decoder, Encoder
     from qkv.viz import head_heatmap, model_view, write_html, write_report
 
     with user_errors():
-        seen = load(model, backend=backend).attentions(text)
+        pretrained = load(model, backend=backend)
+        seen = pretrained.attentions(text)
         L, H = seen.weights.shape[:2]
         for name, value, most in (("layer", layer, L), ("head", head, H)):
             if value is not None and not 0 <= value < most:
@@ -225,10 +228,12 @@ def show(
         elif out.suffix.lower() == ".png":
             lh = chosen or (0, 0)
             head_heatmap(seen.weights[lh], seen.tokens, out, title=f"{model} L{lh[0]} H{lh[1]}")
-        elif out.suffix.lower() in (".html", ".htm"):
-            write_html(out, seen.weights, seen.tokens, **common)
-        else:
-            write_report(out, seen.weights, seen.tokens, **common)
+        else:  # a page, which traces a clicked pair from the q, k, v vectors (not cross-attention)
+            traceable = isinstance(pretrained.model, Encoder | Decoder)
+            vectors = attention_vectors(pretrained, text) if traceable else None
+            causal = isinstance(pretrained.model, Decoder)
+            write = write_html if out.suffix.lower() in (".html", ".htm") else write_report
+            write(out, seen.weights, seen.tokens, vectors=vectors, causal=causal, **common)
     typer.echo(f"wrote {out}")
 
 

@@ -2,12 +2,15 @@
 
 The page must work offline: every request that is not the page's own file is blocked and
 counted. The numbers it shows must be the model's weights, and a screenshot is kept as a
-test artifact (test-artifacts/report.png) and checked to be non-blank.
+test artifact (test-artifacts/report.png) and checked to be non-blank. A clicked pair's
+trace, computed by the page's script, must match `qkv.trace` in Python.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import matplotlib.image
@@ -15,6 +18,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 import qkv
+from qkv.inspect.trace import attention_vectors
 from qkv.viz import write_html
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"  # `make test` installs it
@@ -38,6 +42,35 @@ def seen():
 
 def test_the_page_works_offline_and_shows_the_models_numbers(seen, tmp_path):
     page_file = write_html(tmp_path / "page.html", seen.weights, seen.tokens, text=SENTENCE)
+    with offline(page_file) as page:
+        assert page.locator("#layer option").count() == 6
+        assert page.locator("#head option").count() == 12
+        page.select_option("#layer", "3")
+        page.select_option("#head", "5")
+        bank = seen.tokens.index("bank")
+        page.locator(f"button.token[data-index='{bank}']").first.click()
+        page.wait_for_function("document.querySelectorAll('#row li').length > 0")
+        shown = page.eval_on_selector_all(
+            "#row li", "items => items.map(li => [Number(li.dataset.k), Number(li.dataset.w)])"
+        )
+        title = page.inner_text("#row-title")
+        untraced = page.inner_text("#trace")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+    assert "bank" in title
+    assert "written without the query, key and value vectors" in " ".join(untraced.split())
+    want = seen.weights[3, 5, bank]
+    assert [k for k, _ in shown] == list(range(len(seen.tokens)))
+    for k, w in shown:  # stored to 4 decimals: the model's weight, rounded
+        assert abs(w - want[k].item()) <= 0.5e-4 + 1e-7
+    picture = matplotlib.image.imread(ARTIFACTS / "report.png")
+    assert picture.shape[0] > 300 and picture.shape[1] > 300
+    assert picture[..., :3].std() > 0.05, "the screenshot is blank"
+
+
+@contextmanager
+def offline(page_file: Path):
+    """A Chromium page showing `page_file`, drawn, with every other request blocked."""
     outside = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
@@ -54,27 +87,70 @@ def test_the_page_works_offline_and_shows_the_models_numbers(seen, tmp_path):
             page = context.new_page()
             page.goto(page_file.as_uri())
             page.wait_for_function("window.qkvReady === true", timeout=20_000)
-            assert page.locator("#layer option").count() == 6
-            assert page.locator("#head option").count() == 12
-            page.select_option("#layer", "3")
-            page.select_option("#head", "5")
-            bank = seen.tokens.index("bank")
-            page.locator(f"button.token[data-index='{bank}']").first.click()
-            page.wait_for_function("document.querySelectorAll('#row li').length > 0")
-            shown = page.eval_on_selector_all(
-                "#row li", "items => items.map(li => [Number(li.dataset.k), Number(li.dataset.w)])"
-            )
-            title = page.inner_text("#row-title")
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "report.png"), full_page=True)
+            yield page
         finally:
             browser.close()
     assert outside == [], f"the page asked the network for {outside}"
-    assert "bank" in title
-    want = seen.weights[3, 5, bank]
-    assert [k for k, _ in shown] == list(range(len(seen.tokens)))
-    for k, w in shown:  # stored to 4 decimals: the model's weight, rounded
-        assert abs(w - want[k].item()) <= 0.5e-4 + 1e-7
-    picture = matplotlib.image.imread(ARTIFACTS / "report.png")
-    assert picture.shape[0] > 300 and picture.shape[1] > 300
-    assert picture[..., :3].std() > 0.05, "the screenshot is blank"
+
+
+def traced_in_the_page(page, layer: int, head: int, query: int, key: int) -> dict:
+    """Pick (layer, head), click the heatmap cell (query, key); the trace's numbers by id."""
+    page.select_option("#layer", str(layer))
+    page.select_option("#head", str(head))
+    page.locator(f"#heatmap-table td[data-q='{query}'][data-k='{key}']").click()
+    pair = f"{layer},{head},{query},{key}"
+    page.wait_for_function(f"document.getElementById('trace').dataset.pair === '{pair}'")
+    return {
+        name: json.loads(page.get_attribute(f"#t-{name}", "data-values"))
+        for name in ("query", "key", "scalar", "scaled", "weight", "sum", "contextualized")
+    } | {"text": page.inner_text("#trace")}
+
+
+def test_clicking_a_pair_traces_it_with_the_models_numbers(tmp_path):
+    minilm = qkv.load("minilm")
+    seen = minilm.attentions(SENTENCE)
+    vectors = attention_vectors(minilm, SENTENCE)
+    page_file = write_html(tmp_path / "trace.html", seen.weights, seen.tokens, vectors=vectors)
+    want = qkv.trace(minilm, SENTENCE, "bank", "river", layer=3, head=5)
+    with offline(page_file) as page:
+        got = traced_in_the_page(page, 3, 5, want.query_index, want.key_index)
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator("#trace").screenshot(path=str(ARTIFACTS / "trace.png"))
+        # the other way in: a query token, then a key in its row's list
+        page.locator("button.token[data-index='1']").click()
+        page.locator("#row li[data-k='8']").click()
+        page.wait_for_function("document.getElementById('trace').dataset.pair === '3,5,1,8'")
+        from_the_row = json.loads(page.get_attribute("#t-weight", "data-values"))
+    assert from_the_row == pytest.approx(
+        qkv.trace(minilm, SENTENCE, "the#1", "river", layer=3, head=5).weight, abs=1e-5
+    )
+    assert got["query"] == pytest.approx(want.query_vector.tolist(), abs=1e-6)
+    assert got["key"] == pytest.approx(want.key_vector.tolist(), abs=1e-6)
+    assert got["scalar"] == pytest.approx(want.attention_scalar, rel=1e-4)
+    assert got["scaled"] == pytest.approx(want.scaled_scalar, rel=1e-4)
+    assert got["weight"] == pytest.approx(want.weight, abs=1e-5)
+    assert got["sum"] == pytest.approx(1.0, abs=1e-9)
+    assert got["contextualized"] == pytest.approx(want.contextualized.tolist(), rel=1e-4, abs=1e-6)
+    assert "bank" in got["text"] and "river" in got["text"] and "100.00%" in got["text"]
+
+
+def test_a_decoders_later_key_is_masked_in_the_trace(tmp_path):
+    smollm2 = qkv.load("smollm2")
+    seen = smollm2.attentions(SENTENCE)
+    vectors = attention_vectors(smollm2, SENTENCE)
+    page_file = write_html(
+        tmp_path / "causal.html", seen.weights, seen.tokens, vectors=vectors, causal=True
+    )
+    want = qkv.trace(smollm2, SENTENCE, "bank", "river", layer=3, head=5)
+    assert want.masked  # "river" comes after "bank"
+    with offline(page_file) as page:
+        got = traced_in_the_page(page, 3, 5, want.query_index, want.key_index)
+        # the other way round, "river" sees "bank": a real weight, as Python computes it
+        back = qkv.trace(smollm2, SENTENCE, "river", "bank", layer=3, head=5)
+        seen_back = traced_in_the_page(page, 3, 5, back.query_index, back.key_index)
+    assert "hidden by the causal mask, weight 0" in got["text"]
+    assert got["weight"] == 0 and got["sum"] == pytest.approx(1.0, abs=1e-9)
+    assert got["contextualized"] == pytest.approx(want.contextualized.tolist(), rel=1e-4, abs=1e-5)
+    assert "causal mask" not in seen_back["text"]
+    assert seen_back["weight"] == pytest.approx(back.weight, abs=1e-5)
+    assert seen_back["scalar"] == pytest.approx(back.attention_scalar, rel=1e-4)

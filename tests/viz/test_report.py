@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import qkv
+from qkv.inspect.trace import attention_vectors
 from qkv.viz import read_weights, strongest_head, write_html, write_report
 from qkv.viz import report as report_module
 
@@ -282,3 +283,72 @@ def test_the_page_script_is_valid_javascript(page, tmp_path):
     assert len(script) == 1
     (tmp_path / "page.js").write_text(script[0])
     subprocess.run(["node", "--check", str(tmp_path / "page.js")], check=True)
+
+
+def stored_vectors(data: dict) -> list[np.ndarray]:
+    """q, k, v as three (L, H, T, D) float32 arrays, decoded here without the page's script."""
+    T, D = len(data["tokens"]), data["vectors"]["size"]
+
+    def unpack(text: str) -> np.ndarray:
+        return np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype="<f4").reshape(T, D)
+
+    return [
+        np.array([[unpack(head) for head in layer] for layer in data["vectors"][name]])
+        for name in ("query", "key", "value")
+    ]
+
+
+def test_the_vectors_are_embedded_exactly(att, tmp_path):
+    q, k, v = attention_vectors(qkv.load("minilm"), SENTENCE)  # (L, H, T, D) each
+    path = write_html(tmp_path / "v.html", att.weights, att.tokens, vectors=(q, k, v), causal=True)
+    page = path.read_text(encoding="utf-8")
+    data = embedded(page)
+    assert data["causal"] is True and data["vectors"]["size"] == q.shape[-1]
+    for ours, theirs in zip(stored_vectors(data), (q, k, v), strict=True):
+        np.testing.assert_array_equal(ours, theirs.numpy())  # float32 in, float32 out: exact
+    assert 'id="trace"' in page and "Click a cell of the heatmap" in page
+    # arrays work as well as tensors, and the report folder's page holds the same
+    folder = write_report(
+        tmp_path / "r", att.weights, att.tokens, vectors=[q.numpy(), k.numpy(), v.numpy()]
+    )
+    again = embedded((folder / "index.html").read_text(encoding="utf-8"))
+    assert again["vectors"] == data["vectors"] and again["causal"] is False
+
+
+def test_without_vectors_the_trace_panel_says_so(page):
+    assert embedded(page)["vectors"] is None
+    panel = re.search(r'<section id="trace".*?</section>', page, re.S).group(0)
+    assert "written without the query, key and value vectors" in " ".join(panel.split())
+
+
+def test_vectors_over_the_size_budget_are_left_out_with_a_note(tmp_path):
+    # 3 x 1 x 1 x 64 x 11000 float32 is 8.1 MiB, just over the 8 MiB budget
+    L, H, T, D = 1, 1, 64, 11_000
+    weights = torch.softmax(torch.randn(L, H, T, T), dim=-1)
+    vectors = [torch.randn(L, H, T, D) for _ in range(3)]
+    tokens = [f"w{i}" for i in range(T)]
+    page = write_html(tmp_path / "big.html", weights, tokens, vectors=vectors).read_text()
+    assert embedded(page)["vectors"] is None
+    assert "they take 8 MB, more than 8 MB" in " ".join(page.split())
+    smaller = [x[..., :10_000] for x in vectors]  # 7.3 MiB: kept
+    kept = write_html(tmp_path / "kept.html", weights, tokens, vectors=smaller).read_text()
+    assert embedded(kept)["vectors"]["size"] == 10_000
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda q, k, v: (q, k), r"vectors must be \(q, k, v\)"),
+        (
+            lambda q, k, v: (q[:, :, :5], k, v),
+            r"query vectors must be \(L, H, T, D\) = \(6, 12, 10",
+        ),
+        (lambda q, k, v: (q, k[..., :8], v), "same size D"),
+        (lambda q, k, v: (q, k, v * float("nan")), "value vectors hold NaN"),
+    ],
+)
+def test_bad_vectors_are_a_one_line_error_and_write_nothing(att, tmp_path, change, message):
+    q, k, v = (torch.randn(*att.weights.shape[:3], 32) for _ in range(3))  # (L, H, T, D)
+    with pytest.raises(ValueError, match=message):
+        write_html(tmp_path / "p.html", att.weights, att.tokens, vectors=change(q, k, v))
+    assert list(tmp_path.iterdir()) == []

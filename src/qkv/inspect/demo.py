@@ -52,6 +52,7 @@ def article_walk(out: Path) -> Iterator[str]:
     )
     seen = minilm.attentions(SENTENCE)
     folder = free_folder(out)
+    from qkv.inspect.trace import attention_vectors
     from qkv.viz import write_report
 
     write_report(
@@ -63,6 +64,8 @@ def article_walk(out: Path) -> Iterator[str]:
         head=(traced.layer, traced.head),
         query=traced.query_index,
         extra={"explained": f"bank <- river, layer {traced.layer}, head {traced.head}"},
+        vectors=attention_vectors(minilm, SENTENCE),
+        causal=False,  # MiniLM is an encoder: every token sees every other
     )
     probe_plot(senses, folder / "bank_senses.png")
     files = "\n".join(f"   {path}" for path in sorted(folder.iterdir()))

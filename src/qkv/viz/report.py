@@ -9,6 +9,13 @@ of cells with data-q, data-k and data-w up to 40 tokens, a canvas beyond) and as
 data-index) makes it the query and lists its row as percentages in id="row". The page sets
 `window.qkvReady = true` once it has drawn.
 
+Given `vectors` = (q, k, v), every layer's and head's query, key and value vectors as attention
+received them (`qkv.inspect.trace.attention_vectors`), the page also traces a pair: clicking a
+heatmap cell (query i, key j), or a key in the query's row, redoes the article's steps for it
+in the panel id="trace" (#t-scalar, #t-scaled, #t-weight, #t-contextualized, ..., each with
+its full value as JSON in data-values). They are stored exactly (float32, zlib, base64, one
+string per head) for texts up to 128 tokens; longer pages leave them out and say so.
+
 The weights are stored as the model gave them, rounded to 4 decimals (uint16 ten-thousandths,
 zlib, base64, one string per head) and never renormalised: `read_weights` decodes them.
 A 6-layer, 12-head model over 512 tokens makes a page of about 15-25 MB, where the same
@@ -18,6 +25,14 @@ Example, with a real model::
 
     att = qkv.load("minilm").attentions("The bank on the side of the river")
     write_report("bank-report", att.weights, att.tokens, title="bank", text=att.encoded.text)
+
+and with the pairs' traces (`causal=True` for decoders, whose keys after a query are masked)::
+
+    from qkv.inspect.trace import attention_vectors
+
+    minilm = qkv.load("minilm")
+    write_html("bank.html", att.weights, att.tokens,
+               vectors=attention_vectors(minilm, att.encoded.text), causal=False)
 """
 
 from __future__ import annotations
@@ -41,6 +56,10 @@ from qkv.viz.heatmap import check_weights, head_heatmap, model_view, write_atomi
 
 SCALE = 10_000  # weights are stored in ten-thousandths: 4 decimals
 ENCODING = "uint16 ten-thousandths, little-endian, row-major T x T, zlib, base64; one per head"
+# Above this many bytes of float32 q, k, v (3 x L x H x T x D x 4) the vectors are left out:
+# they barely compress, and a page of tens of MB is slow to open.
+VECTORS_MAX_BYTES = 8 * 2**20
+VECTOR_ENCODING = "float32, little-endian, row-major T x D, zlib, base64; one per head"
 
 
 def write_html(
@@ -53,18 +72,25 @@ def write_html(
     extra: dict | None = None,
     head: tuple[int, int] | None = None,
     query: int | None = None,
+    vectors=None,
+    causal: bool = False,
 ) -> Path:
     """Write the interactive page of (L, H, T, T) `weights` over `tokens` as one .html file.
 
     `head` = (layer, head) is the one shown first (by default the `strongest_head`), `query`
     the token selected first (none by default), `extra` a JSON-able dict shown as a list of
-    keys and values and embedded with the data. Returns the path written.
+    keys and values and embedded with the data. `vectors` = (q, k, v), each (L, H, T, D), lets
+    the page trace a clicked pair (`causal`: keys after the query are masked, as in decoders).
+    Returns the path written.
     """
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         got = repr(path.suffix) if path.suffix else "a name without one"
         raise ValueError(f"{path}: the extension must be .html, not {got}")
-    page = render_page(weights, tokens, title=title, text=text, extra=extra, head=head, query=query)
+    page = render_page(
+        weights, tokens, title=title, text=text, extra=extra, head=head, query=query,
+        vectors=vectors, causal=causal,
+    )  # fmt: skip
     write_atomically(path, lambda file: file.write(page))
     return path
 
@@ -79,10 +105,13 @@ def write_report(
     extra: dict | None = None,
     head: tuple[int, int] | None = None,
     query: int | None = None,
+    vectors=None,
+    causal: bool = False,
 ) -> Path:
     """Write a report folder: index.html (the page of `write_html`), model_view.png (every
     layer and head) and head_L{l}_H{h}.png (the head shown first, by default the
     `strongest_head`). All or nothing: the folder is built beside the target and renamed.
+    `vectors` and `causal` are as in `write_html`.
 
     The target must not exist or be an empty folder. Returns the folder.
     """
@@ -92,8 +121,9 @@ def write_report(
     stack = check_weights(weights, tokens, ndim=4)  # (L, H, T, T)
     layer, chosen = head if head is not None else strongest_head(stack)
     page = render_page(
-        stack, tokens, title=title, text=text, extra=extra, head=(layer, chosen), query=query
-    )
+        stack, tokens, title=title, text=text, extra=extra, head=(layer, chosen), query=query,
+        vectors=vectors, causal=causal,
+    )  # fmt: skip
     why = "chosen" if head is not None else "the strongest weight from one token to another"
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -160,6 +190,8 @@ def render_page(
     extra: dict | None,
     head: tuple[int, int] | None,
     query: int | None,
+    vectors=None,
+    causal: bool = False,
 ) -> bytes:
     """The page's HTML, UTF-8 encoded; every argument is checked before anything is built."""
     tokens = [str(token) for token in tokens]
@@ -178,6 +210,27 @@ def render_page(
         _check_index(query, T, "token")
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict of names to values, not {type(extra).__name__}")
+    kept = _check_vectors(vectors, (L, H, T)) if vectors is not None else None  # 3 x (L, H, T, D)
+    size = 0 if kept is None else 3 * kept[0].size * 4
+    if size > VECTORS_MAX_BYTES:
+        kept = None
+        trace_note = (
+            f"The query, key and value vectors were left out of this page: for {T} tokens "
+            f"they take {size / 2**20:.0f} MB, more than {VECTORS_MAX_BYTES / 2**20:.0f} MB. "
+            "Trace a pair from Python with qkv.trace, or with qkv explain."
+        )
+    elif kept is None:
+        trace_note = (
+            "This page was written without the query, key and value vectors, so it cannot redo "
+            "a pair's steps. qkv show writes them (up to "
+            f"{VECTORS_MAX_BYTES / 2**20:.0f} MB of them); qkv explain traces a pair from the "
+            "command line."
+        )
+    else:
+        trace_note = (
+            "Click a cell of the heatmap (a query row, a key column), or a query token and then "
+            "a key in its list below the heatmap, to see the article's steps for that pair."
+        )
 
     stored = np.rint(np.clip(stack, 0.0, 1.0) * SCALE).astype("<u2")  # (L, H, T, T)
     data = {
@@ -193,6 +246,8 @@ def render_page(
             "heads": [[_pack(matrix) for matrix in heads] for heads in stored],
         },
         "selected": {"layer": int(layer), "head": int(chosen), "query": _maybe_int(query)},
+        "causal": bool(causal),
+        "vectors": None if kept is None else _vectors_data(kept),
         "extra": extra,
     }
     slots = {
@@ -207,6 +262,7 @@ def render_page(
             for i, t in enumerate(tokens)
         ),
         "extra": _extra_section(extra),
+        "trace_note": html.escape(trace_note),
         "data": _script_json(data),
     }
     template = (files("qkv.viz") / "report.html").read_text(encoding="utf-8")
@@ -217,8 +273,40 @@ def render_page(
 # ------------------------------------------------------------------ helpers
 
 
+def _check_vectors(vectors, shape: tuple[int, int, int]) -> list[np.ndarray]:
+    """(q, k, v) as three float32 (L, H, T, D) arrays, checked against the weights' L, H, T."""
+    if isinstance(vectors, str | bytes) or len(vectors) != 3:
+        raise ValueError("vectors must be (q, k, v): three (L, H, T, D) tensors or arrays")
+    arrays = []
+    for name, array in zip(("query", "key", "value"), vectors, strict=True):
+        if hasattr(array, "detach"):
+            array = array.detach().float().cpu().numpy()
+        array = np.asarray(array, dtype=np.float32)
+        if array.ndim != 4 or array.shape[:3] != shape:
+            raise ValueError(
+                f"the {name} vectors must be (L, H, T, D) = ({', '.join(map(str, shape))}, D) "
+                f"to match the weights, not {tuple(array.shape)}"
+            )
+        if not np.isfinite(array).all():
+            raise ValueError(f"the {name} vectors hold NaN or infinite numbers")
+        arrays.append(array)
+    if len({array.shape[-1] for array in arrays}) != 1:
+        raise ValueError("the query, key and value vectors must have the same size D")
+    return arrays
+
+
+def _vectors_data(vectors: list[np.ndarray]) -> dict:
+    """The page's "vectors": q, k and v as one packed (T, D) float32 matrix per layer and head."""
+    packed = {
+        name: [[_pack(matrix.astype("<f4")) for matrix in heads] for heads in array]
+        for name, array in zip(("query", "key", "value"), vectors, strict=True)
+    }
+    return {"encoding": VECTOR_ENCODING, "size": int(vectors[0].shape[-1]), **packed}
+
+
 def _pack(matrix: np.ndarray) -> str:
-    """One head's (T, T) uint16 matrix as base64 of its zlib-compressed bytes."""
+    """One head's matrix ((T, T) uint16 weights or (T, D) float32 vectors) as base64 of its
+    zlib-compressed bytes."""
     # level 1: 2-3x smaller on real attention, and ten times faster than level 9 for ~10% more
     return base64.b64encode(zlib.compress(matrix.tobytes(), 1)).decode("ascii")
 
