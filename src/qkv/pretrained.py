@@ -174,17 +174,22 @@ class Pretrained:
 
     # ------------------------------------------------------------------ inspection
 
-    def attentions(self, text: str) -> Attentions:
-        """Every layer's and head's weights (L, H, T, T) over `text`, and its tokens."""
+    def encode(self, text: str):
+        """The tokens of one text the model can read whole; a clear error if it cannot."""
         if not text.strip():
             raise ValueError("the text is empty; give a sentence")
         encoded = self.tokenizer.encode(text)
-        ids = torch.tensor([encoded.ids])
-        if ids.shape[1] > self.context_window:
+        if len(encoded.ids) > self.context_window:
             raise ValueError(
-                f"the text has {ids.shape[1]} tokens; {self.source} reads at most "
+                f"the text has {len(encoded.ids)} tokens; {self.source} reads at most "
                 f"{self.context_window}"
             )
+        return encoded
+
+    def attentions(self, text: str) -> Attentions:
+        """Every layer's and head's weights (L, H, T, T) over `text`, and its tokens."""
+        encoded = self.encode(text)
+        ids = torch.tensor([encoded.ids])
         model = self.model.encoder if isinstance(self.model, EncoderDecoder) else self.model
         L, H = model.config.num_layers, model.config.block.num_heads
         record = [(layer, head) for layer in range(L) for head in range(H)]

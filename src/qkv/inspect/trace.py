@@ -109,8 +109,8 @@ def trace(
         raise ValueError("an encoder-decoder traces cross-attention: give the target text too")
     if not cross and target is not None:
         raise ValueError(f"a target text is for encoder-decoder models; {pretrained.source} is not")
-    source = _encode(pretrained, text)
-    queries = _encode(pretrained, target) if cross else source
+    source = pretrained.encode(text)
+    queries = pretrained.encode(target) if cross else source
     query_index, key_index = _first_token(queries, query), _first_token(source, key)
     stack = model.decoder if cross else model
     L, H = stack.config.num_layers, stack.config.block.num_heads
@@ -190,16 +190,6 @@ def trace(
     )  # fmt: skip
 
 
-def _encode(pretrained, text: str):
-    if not text.strip():
-        raise ValueError("the text is empty; give a sentence")
-    encoded = pretrained.tokenizer.encode(text)
-    count, limit = len(encoded.ids), pretrained.context_window
-    if count > limit:
-        raise ValueError(f"the text has {count} tokens; {pretrained.source} reads at most {limit}")
-    return encoded
-
-
 def _first_token(encoded, word: str) -> int:
     """The first token of `word`; a word that occurs twice must say which ("bank#2")."""
     if "#" not in word:
@@ -232,7 +222,7 @@ def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
     model = pretrained.model
     if not isinstance(model, Encoder | Decoder):
         raise ValueError(f"attention_vectors supports encoders and decoders, not {type(model)}")
-    encoded = _encode(pretrained, text)
+    encoded = pretrained.encode(text)
     inputs, hooks = {}, []
     for i, block in enumerate(model.blocks):
         hooks.append(block.attn.register_forward_pre_hook(_keep_input(inputs, i), with_kwargs=True))
