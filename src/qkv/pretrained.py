@@ -52,6 +52,7 @@ class Pretrained:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.family, self.hf_config, self.source = family, hf_config, source
         self.pooling = pooling
+        self.run = None  # a training run's RunConfig, when loaded from a run folder
 
     def __repr__(self) -> str:
         params = sum(p.numel() for p in self.model.parameters())
@@ -315,10 +316,26 @@ def load(
         path = download(name)
     if not path.is_dir():
         raise ValueError(f"{name} is neither a folder nor a .gguf file")
+    run = None
+    if (path / "config.toml").is_file() and not (path / "config.json").exists():
+        path, run = _run_checkpoint(path)
     model, family, config, hf_config = load_folder(path, dtype, backend)
     tokenizer = Tokenizer.from_folder(path)
-    return Pretrained(model, tokenizer, config, family=family, hf_config=hf_config,
-                      source=name, pooling=read_pooling(path))  # fmt: skip
+    pretrained = Pretrained(model, tokenizer, config, family=family, hf_config=hf_config,
+                            source=name, pooling=read_pooling(path))  # fmt: skip
+    pretrained.run = run
+    return pretrained
+
+
+def _run_checkpoint(run: Path):
+    """A qkv training run folder: its last checkpoint (a Hugging Face folder) and config."""
+    from qkv.train.checkpoint import checkpoints
+    from qkv.train.config import RunConfig
+
+    found = checkpoints(run)
+    if not found:
+        raise ValueError(f"the training run {run} has no checkpoint yet")
+    return found[-1], RunConfig.from_toml(run / "config.toml")
 
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -> Pretrained:

@@ -48,6 +48,19 @@ class Probe:
     vectors: Tensor  # (L+1, N, C) the word's vector in each sentence (mean over its tokens)
     accuracy: list[float] | None  # with labels: leave-one-out nearest-centroid accuracy
     separation: list[float] | None  # with labels: mean within-sense minus across-sense cosine
+    cues: list[str] | None = None  # the word that tells the sense in each sentence, if given
+    # with cues: (L, H) the share of sentences in which the word attends most to its cue
+    cue_attention: Tensor | None = None
+
+    @property
+    def cue_head(self) -> tuple[int, int, float] | None:
+        """(layer, head, share) of the head in which the word attends most to its cue most
+        often; None without cues."""
+        if self.cue_attention is None:
+            return None
+        best = int(self.cue_attention.argmax())
+        layer, head = divmod(best, self.cue_attention.shape[1])
+        return layer, head, float(self.cue_attention[layer, head])
 
     def to_dict(self) -> dict:
         """JSON-ready: lists of floats, no tensors (see docs/probe.md). `vectors` is left out:
@@ -60,6 +73,11 @@ class Probe:
             "similarity": self.similarity.tolist(),
             "accuracy": self.accuracy,
             "separation": self.separation,
+            "cues": None if self.cues is None else list(self.cues),
+            "cue_attention": None if self.cue_attention is None else self.cue_attention.tolist(),
+            "cue_head": None
+            if self.cue_head is None
+            else dict(zip(("layer", "head", "share"), self.cue_head, strict=True)),
         }
 
 
@@ -69,6 +87,7 @@ def probe(
     sentences: Sequence[str] | None = None,
     labels: Sequence[str] | None = None,
     *,
+    cues: Sequence[str] | None = None,
     batch_size: int = 32,
 ) -> Probe:
     """Compare `word`'s vector across sentences at every depth of `pretrained`'s model.
@@ -81,6 +100,10 @@ def probe(
     (each sentence's sense predicted by the nearest sense centroid, by cosine, with the
     centroids, means of unit vectors, computed without that sentence). Each sense needs
     2 sentences at least. Returns similarity (L+1, N, N) and vectors (L+1, N, C), float32.
+    cues: the word that tells the sense in each sentence; with them the probe also reports,
+    for every layer and head, the share of sentences in which the word's attention (the mean
+    row of its tokens) is largest on a token of the cue, every token of the sentence counted.
+    A model trained with qkv on the bank corpus probes its held-out sentences by default.
     """
     model = pretrained.model
     if isinstance(model, EncoderDecoder):
@@ -91,10 +114,15 @@ def probe(
         raise ValueError("the word to probe is empty; give a word such as 'bank'")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if sentences is None and cues is None:
+        sentences, labels, cues = _run_sentences(pretrained, word, labels)
     sentences, labels = _sentences_and_labels(word, sentences, labels)
     spans = _spans(pretrained, word, sentences)
+    cue_spans = _cue_spans(pretrained, sentences, cues) if cues is not None else None
 
-    L = len(model.blocks)
+    L, H = len(model.blocks), model.config.block.num_heads
+    record = [(layer, head) for layer in range(L) for head in range(H)] if cues else None
+    hits = torch.zeros(L, H)  # sentences in which the word attends most to its cue
     depths: list[list[Tensor]] = [[] for _ in range(L + 1)]  # per depth, (C,) per sentence
     with torch.inference_mode():
         for start in range(0, len(sentences), batch_size):
@@ -102,7 +130,13 @@ def probe(
             # Right padding keeps each sentence's tokens at the positions `encode` gave them.
             ids, mask = pretrained.tokenizer.encode_batch(rows, padding_side="right")  # (B, T)
             extra = {"logits": False} if isinstance(model, Decoder) else {}
-            states = model(ids, attention_mask=mask, hidden_states=True, **extra).hidden_states
+            out = model(ids, attention_mask=mask, hidden_states=True, record=record, **extra)
+            states = out.hidden_states
+            for (layer, head), weights in out.attentions.items():  # (B, T, T) each
+                for b, (first, last) in enumerate(spans[start : start + batch_size]):
+                    cue_first, cue_last = cue_spans[start + b]
+                    top = int(weights[b, first:last].float().mean(0).argmax())
+                    hits[layer, head] += cue_first <= top < cue_last
             assert len(states) == L + 1, "a model must return the embeddings and every layer"
             for depth, hidden in enumerate(states):  # hidden: (B, T, C)
                 for b, (first, last) in enumerate(spans[start : start + batch_size]):
@@ -124,7 +158,33 @@ def probe(
         vectors=vectors,
         accuracy=accuracy,
         separation=separation,
+        cues=None if cues is None else list(cues),
+        cue_attention=None if cues is None else hits / len(sentences),
     )
+
+
+def _run_sentences(pretrained, word: str, labels):
+    """A bank-corpus training run's held-out sentences, senses and cues; else (None,) * 3."""
+    run = getattr(pretrained, "run", None)
+    if run is None or run.data.kind != "bank" or word.casefold() != "bank" or labels is not None:
+        return None, labels, None
+    from qkv.data import bank_corpus
+
+    heldout = bank_corpus(run.data.heldout, split="heldout", seed=run.train.seed)
+    return [s.text for s in heldout], [s.sense for s in heldout], [s.cue for s in heldout]
+
+
+def _cue_spans(pretrained, sentences: list[str], cues: Sequence[str]) -> list[tuple[int, int]]:
+    """The cue's token span [first, last) in each sentence."""
+    if isinstance(cues, str) or len(cues) != len(sentences):
+        raise ValueError("cues must be a list with one word per sentence")
+    spans = []
+    for i, (sentence, cue) in enumerate(zip(sentences, cues, strict=True)):
+        try:
+            spans.append(pretrained.tokenizer.encode(sentence).find(cue))
+        except ValueError as error:
+            raise ValueError(f"sentence {i} ({sentence!r}), cue: {error}") from None
+    return spans
 
 
 def _sentences_and_labels(

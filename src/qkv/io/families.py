@@ -8,7 +8,7 @@ instead) and how to turn the tensor between the two layouts. `{}` stands for a l
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -85,8 +85,14 @@ def _require(hf: dict, family: str, **expected) -> None:
 # ----------------------------------------------------------------------------- BERT
 
 
+BERT_MLM = "BertForMaskedLM"  # the architecture whose checkpoints carry the MLM head
+
+
 def bert_config(hf: dict) -> EncoderConfig:
     _require(hf, "BERT", position_embedding_type=("absolute",))
+    mlm_head = BERT_MLM in (hf.get("architectures") or ())
+    if mlm_head:  # qkv's head always decodes with the token matrix
+        _require(hf, "BertForMaskedLM", tie_word_embeddings=(True,))
     return EncoderConfig(
         vocab_size=hf["vocab_size"],
         num_layers=hf["num_hidden_layers"],
@@ -95,6 +101,7 @@ def bert_config(hf: dict) -> EncoderConfig:
         type_vocab_size=hf.get("type_vocab_size", 2),
         embed_norm=True,
         final_norm=False,
+        mlm_head=mlm_head,
         block=BlockConfig(
             width=hf["hidden_size"],
             num_heads=hf["num_attention_heads"],
@@ -107,9 +114,11 @@ def bert_config(hf: dict) -> EncoderConfig:
 
 
 def bert_weights(cfg: EncoderConfig) -> list[Weight]:
-    # sentence-transformers folders drop the "bert." prefix that BertForX checkpoints have
+    # sentence-transformers folders drop the "bert." prefix that BertForX checkpoints have;
+    # with the MLM head qkv writes the prefix, as BertForMaskedLM does
     def w(qkv: str, name: str) -> Weight:
-        return Weight(qkv, (name, "bert." + name))
+        names = ("bert." + name, name)
+        return Weight(qkv, names if cfg.mlm_head else names[::-1])
 
     top = [
         ("embed.tokens.weight", "embeddings.word_embeddings.weight"),
@@ -133,7 +142,61 @@ def bert_weights(cfg: EncoderConfig) -> list[Weight]:
         for q, h in layer:
             for part in ("weight", "bias"):
                 weights.append(w(f"blocks.{i}.{q}.{part}", f"encoder.layer.{i}.{h}.{part}"))
+    if cfg.mlm_head:
+        head = "cls.predictions."
+        # the decoder's matrix is the token matrix, which transformers 5 writes once, under
+        # the embeddings' name (older checkpoints repeat it); its bias is cls.predictions.bias
+        tokens = weights[0]
+        weights[0] = replace(tokens, names=(*tokens.names, head + "decoder.weight"))
+        for q, h in [("dense", "transform.dense"), ("norm", "transform.LayerNorm")]:
+            for part in ("weight", "bias"):
+                weights.append(Weight(f"mlm.{q}.{part}", (f"{head}{h}.{part}",)))
+        weights.append(Weight("mlm.decoder.bias", (head + "bias", head + "decoder.bias")))
     return weights
+
+
+def bert_hf_config(cfg: EncoderConfig) -> dict:
+    """The config.json that `transformers` (and `bert_config`) read `cfg` back from:
+    BertForMaskedLM for an encoder with the MLM head, BertModel without.
+
+    >>> cfg = EncoderConfig(vocab_size=50, num_layers=2, type_vocab_size=2, embed_norm=True,
+    ...     mlm_head=True, block=BlockConfig(width=16, num_heads=4, norm_position="post"))
+    >>> hf = bert_hf_config(cfg)
+    >>> hf["architectures"], hf["intermediate_size"], bert_config(hf).mlm_head
+    (['BertForMaskedLM'], 64, True)
+    """
+    block = cfg.block
+    hidden_act = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu",
+                  "silu": "silu"}.get(block.mlp)  # fmt: skip
+    if not (
+        cfg.position == "learned" and cfg.embed_norm and not cfg.embed_scale
+        and not cfg.has_final_norm and cfg.type_vocab_size > 0
+        and block.norm == "layernorm" and block.norm_position == "post" and block.bias
+        and not block.fused_qkv and block.kv_heads == block.num_heads
+        and block.head_size * block.num_heads == block.width and hidden_act is not None
+    ):  # fmt: skip
+        raise ValueError(
+            "only a BERT-shaped encoder can be written as a BERT config.json: learned "
+            "positions, segment embeddings and a LayerNorm after them, post-norm LayerNorm "
+            "blocks with biases, a gelu/relu/silu MLP, no final norm"
+        )
+    return {
+        "architectures": [BERT_MLM if cfg.mlm_head else "BertModel"],
+        "model_type": "bert",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": block.width,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": block.num_heads,
+        "intermediate_size": block.mlp_hidden or 4 * block.width,
+        "hidden_act": hidden_act,
+        "max_position_embeddings": cfg.max_positions,
+        "type_vocab_size": cfg.type_vocab_size,
+        "layer_norm_eps": block.norm_eps,
+        "position_embedding_type": "absolute",
+        "hidden_dropout_prob": block.dropout,
+        "attention_probs_dropout_prob": 0.0,  # qkv drops no attention weights
+        "tie_word_embeddings": True,
+    }
 
 
 # ----------------------------------------------------------------------------- GPT-2

@@ -70,6 +70,7 @@ class EncoderConfig(StackConfig):
 
     num_layers: int
     block: BlockConfig
+    mlm_head: bool = False  # BERT's masked-language-model head, for logits over the vocabulary
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from qkv.models.config import (
     store_weights,
 )
 from qkv.nn import EncoderBlock
+from qkv.nn.layers import _ACTIVATIONS, Activation
 from qkv.nn.position import positions_for
 
 
@@ -24,6 +25,32 @@ class EncoderOutput:
     attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, T) each
     # with hidden_states=True: the embeddings, then each block's output, (B, T, C) each
     hidden_states: list[Tensor] = field(default_factory=list)
+    # with logits=True: the MLM head's scores (B, T, vocab) for the token at each position
+    logits: Tensor | None = None
+
+
+class MaskedLMHead(nn.Module):
+    """BERT's masked-language-model head: vectors (B, T, C) -> vocabulary logits (B, T, vocab).
+
+    A dense layer C -> C, the activation, a LayerNorm, then a decoder C -> vocab whose matrix
+    is the token embedding matrix (the encoder ties it) and whose bias is the head's own.
+
+    >>> import torch
+    >>> head = MaskedLMHead(width=16, vocab_size=50, activation="gelu", norm_eps=1e-12)
+    >>> head(torch.randn(2, 3, 16)).shape
+    torch.Size([2, 3, 50])
+    """
+
+    def __init__(self, width: int, vocab_size: int, activation: Activation, norm_eps: float):
+        super().__init__()
+        self.dense = nn.Linear(width, width)
+        self.activation = _ACTIVATIONS[activation]
+        self.norm = nn.LayerNorm(width, eps=norm_eps)
+        self.decoder = nn.Linear(width, vocab_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.activation(self.dense(x)))  # (B, T, C)
+        return self.decoder(h)  # (B, T, vocab)
 
 
 class Encoder(nn.Module):
@@ -35,6 +62,14 @@ class Encoder(nn.Module):
     >>> out = Encoder(cfg)(torch.tensor([[1, 2, 3]]), record=[(1, 0)])
     >>> out.hidden.shape, out.attentions[(1, 0)].shape
     (torch.Size([1, 3, 16]), torch.Size([1, 3, 3]))
+
+    With mlm_head=True it also scores every position over the vocabulary, as BERT's
+    masked-language-model pretraining does:
+
+    >>> from dataclasses import replace
+    >>> mlm = Encoder(replace(cfg, mlm_head=True))
+    >>> mlm(torch.tensor([[1, 2, 3]]), logits=True).logits.shape
+    torch.Size([1, 3, 50])
     """
 
     def __init__(self, config: EncoderConfig):
@@ -46,10 +81,19 @@ class Encoder(nn.Module):
             EncoderBlock(config.block, rotary) for _ in range(config.num_layers)
         )
         self.norm = config.block.make_norm() if config.has_final_norm else None
+        self.mlm: MaskedLMHead | None = None
+        if config.mlm_head:
+            block = config.block
+            # a SwiGLU block's nonlinearity is silu: the head's one activation uses it too
+            activation = "silu" if block.mlp == "swiglu" else block.mlp
+            self.mlm = MaskedLMHead(block.width, config.vocab_size, activation, block.norm_eps)
         self.apply(init_weights)
+        self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Nothing is shared in an encoder; here so every model can be re-tied alike."""
+        """Share the token matrix with the MLM head's decoder, if there is a head."""
+        if self.mlm is not None:
+            self.mlm.decoder.weight = self.embed.tokens.weight
 
     def forward(
         self,
@@ -59,12 +103,19 @@ class Encoder(nn.Module):
         token_type_ids: Tensor | None = None,
         record: Iterable[tuple[int, int]] | None = None,
         hidden_states: bool = False,
+        logits: bool = False,
     ) -> EncoderOutput:
         """attention_mask (B, T): 1 for real tokens, 0 for padding, which no token attends to.
 
         record: (layer, head) pairs whose attention weights (B, T, T) to return.
         hidden_states: also return every layer's input and the last one's output.
+        logits: also return the MLM head's logits (B, T, vocab); needs mlm_head=True.
         """
+        if logits and self.mlm is None:
+            raise ValueError(
+                "logits=True needs the masked-language-model head: build the encoder with "
+                "EncoderConfig(mlm_head=True), or load a BertForMaskedLM checkpoint"
+            )
         wanted = heads_by_layer(record, self.config.num_layers, self.config.block.num_heads)
         positions = positions_for(input_ids.shape[1], device=input_ids.device)
         x = self.embed(input_ids, positions, token_type_ids)  # (B, T, C)
@@ -79,4 +130,5 @@ class Encoder(nn.Module):
                 states.append(x)
         if self.norm is not None:
             x = self.norm(x)
-        return EncoderOutput(x, attentions, states)
+        scores = self.mlm(x) if logits else None  # (B, T, vocab)
+        return EncoderOutput(x, attentions, states, scores)

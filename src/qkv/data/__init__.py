@@ -1,0 +1,28 @@
+"""Corpora to train and probe attention on: generated toy tasks with known right answers,
+and any text files turned into token shards.
+
+`bank` makes sentences where one cue word tells which "bank" is meant; `seq2seq` makes
+copy/reverse/swap tasks whose cross-attention alignment is known; `vocab` builds word-level
+tokenizers for them; `text` trains tokenizers on text files and writes memory-mapped shards.
+Only torch and numpy are imported here; `tokenizers` loads when a tokenizer is built.
+"""
+
+from qkv.data.bank import BankSentence, bank_corpus, bank_vocabulary
+from qkv.data.seq2seq import TASKS, Seq2SeqExample, seq2seq_corpus, task_symbols
+from qkv.data.text import TokenShards, read_text, train_tokenizer, write_shards
+from qkv.data.vocab import word_tokenizer
+
+__all__ = [
+    "TASKS",
+    "BankSentence",
+    "Seq2SeqExample",
+    "TokenShards",
+    "bank_corpus",
+    "bank_vocabulary",
+    "read_text",
+    "seq2seq_corpus",
+    "task_symbols",
+    "train_tokenizer",
+    "word_tokenizer",
+    "write_shards",
+]

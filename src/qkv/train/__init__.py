@@ -1,0 +1,21 @@
+"""Training from scratch: the query, key and value matrices are learned.
+
+>>> from qkv.train import RunConfig, preset
+>>> preset("bank").objective, preset("reverse").objective, RunConfig().objective
+('masked', 'seq2seq', 'causal')
+"""
+
+from qkv.train.config import DataSpec, ModelSpec, RunConfig, TrainSpec
+from qkv.train.loop import RunResult, train
+from qkv.train.presets import PRESETS, preset
+
+__all__ = [
+    "PRESETS",
+    "DataSpec",
+    "ModelSpec",
+    "RunConfig",
+    "RunResult",
+    "TrainSpec",
+    "preset",
+    "train",
+]
