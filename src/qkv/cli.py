@@ -201,12 +201,17 @@ def show(
     heads: Annotated[str | None, typer.Option(help="a PNG grid of these heads, e.g. 0-3")] = None,
     layer: Annotated[int | None, typer.Option(help="the one head to show: its layer")] = None,
     head: Annotated[int | None, typer.Option(help="the one head to show, from 0")] = None,
+    target: Annotated[
+        str | None,
+        typer.Option(help="encoder-decoder models: the decoder's text; a PNG of cross-attention"),
+    ] = None,
     backend: Backend = None,
 ) -> None:
     """Every layer's and head's attention over TEXT: a page, heatmaps, or a report folder.
 
     A .png is one head's heatmap (--layer, --head), or with --layers/--heads a grid of
-    every chosen layer x head.
+    every chosen layer x head. With --target, an encoder-decoder's cross-attention: the
+    target's tokens down, TEXT's across (a .png only).
     """
     from qkv import load
     from qkv.inspect.trace import attention_vectors
@@ -215,7 +220,9 @@ def show(
 
     with user_errors():
         pretrained = load(model, backend=backend)
-        seen = pretrained.attentions(text)
+        seen = pretrained.attentions(text, target=target)
+        if target is not None and out.suffix.lower() != ".png":
+            raise ValueError("cross-attention is drawn as PNG; use --out FILE.png")
         L, H = seen.weights.shape[:2]
         for name, value, most in (("layer", layer, L), ("head", head, H)):
             if value is not None and not 0 <= value < most:
@@ -224,10 +231,14 @@ def show(
         common = {"title": f"{model}: {text[:60]}", "text": text, "head": chosen}
         if out.suffix.lower() == ".png" and (layers or heads):
             model_view(seen.weights, seen.tokens, out, layers=_numbers(layers, "layers", L),
-                       heads=_numbers(heads, "heads", H))  # fmt: skip
+                       heads=_numbers(heads, "heads", H),
+                       query_tokens=seen.query_tokens)  # fmt: skip
         elif out.suffix.lower() == ".png":
             lh = chosen or (0, 0)
-            head_heatmap(seen.weights[lh], seen.tokens, out, title=f"{model} L{lh[0]} H{lh[1]}")
+            kind = " cross-attention" if target is not None else ""
+            head_heatmap(seen.weights[lh], seen.tokens, out,
+                         title=f"{model}{kind} L{lh[0]} H{lh[1]}",
+                         query_tokens=seen.query_tokens)  # fmt: skip
         else:  # a page, which traces a clicked pair from the q, k, v vectors (not cross-attention)
             traceable = isinstance(pretrained.model, Encoder | Decoder)
             vectors = attention_vectors(pretrained, text) if traceable else None

@@ -28,11 +28,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class Attentions:
-    """Every layer's and head's attention weights over one text."""
+    """Every layer's and head's attention weights over one text, or an encoder-decoder's
+    cross-attention from a target text's tokens (rows) to the source text's (columns)."""
 
-    weights: Tensor  # (L, H, T, T): row i is how token i's attention divides over the tokens
-    tokens: list[str]
-    encoded: object  # the tokenizer's Encoded: offsets, words, find("bank#2")
+    weights: Tensor  # (L, H, T, T), cross (L, H, Tt, Ts): row i is query token i's attention
+    tokens: list[str]  # the key tokens: the text's, the source's for cross-attention
+    encoded: object  # the tokenizer's Encoded of `tokens`: offsets, words, find("bank#2")
+    query_tokens: list[str] | None = None  # cross-attention: the decoder's, start token first
 
 
 class Pretrained:
@@ -187,11 +189,47 @@ class Pretrained:
             )
         return encoded
 
-    def attentions(self, text: str) -> Attentions:
-        """Every layer's and head's weights (L, H, T, T) over `text`, and its tokens."""
+    def attentions(self, text: str, *, target: str | None = None) -> Attentions:
+        """Every layer's and head's weights (L, H, T, T) over `text`, and its tokens.
+
+        target (encoder-decoder models only): the decoder's cross-attention instead, weights
+        (L, H, Tt, Ts) from the decoder's tokens (its start token, then `target`'s, as in
+        training) to `text`'s. Without a target an encoder-decoder shows its encoder. E.g. a
+        model that reverses sequences: attentions("a b c d", target="d c b a").query_tokens
+        == ["</s>", "d", "c", "b", "a"], and its weights lie near the anti-diagonal.
+        """
+        seq2seq = isinstance(self.model, EncoderDecoder)
+        if target is not None and not seq2seq:
+            raise ValueError(
+                f"a target text is for encoder-decoder models' cross-attention; {self.source} "
+                f"is {self.family.name}"
+            )
         encoded = self.encode(text)
-        ids = torch.tensor([encoded.ids])
-        model = self.model.encoder if isinstance(self.model, EncoderDecoder) else self.model
+        ids = torch.tensor([encoded.ids])  # (1, Ts)
+        if target is not None and isinstance(self.model, EncoderDecoder):
+            start = self.hf_config.get("decoder_start_token_id")
+            start = self.tokenizer.eos_id if start is None else start
+            if start is None:
+                raise ValueError(f"{self.source} names no decoder_start_token_id in its config")
+            if not target.strip():
+                raise ValueError("the target text is empty; give the decoder's sentence")
+            decoded = self.tokenizer.encode(target, add_special_tokens=False)
+            targets = torch.tensor([[start, *decoded.ids]])  # (1, Tt)
+            if targets.shape[1] > self.context_window:
+                raise ValueError(
+                    f"the target has {targets.shape[1]} tokens with the start token; "
+                    f"{self.source} reads at most {self.context_window}"
+                )
+            stack = self.model.decoder
+            L, H = stack.config.num_layers, stack.config.block.num_heads
+            record = [(layer, head) for layer in range(L) for head in range(H)]
+            with torch.inference_mode():
+                recorded = self.model(ids, targets, record_cross=record).cross_attentions
+            weights = torch.stack([recorded[key][0] for key in record])  # (L * H, Tt, Ts)
+            queries = [self.tokenizer.id_to_token(start) or str(start), *decoded.tokens]
+            return Attentions(weights.view(L, H, *weights.shape[1:]), list(encoded.tokens),
+                              encoded, queries)  # fmt: skip
+        model = self.model.encoder if seq2seq else self.model
         L, H = model.config.num_layers, model.config.block.num_heads
         record = [(layer, head) for layer in range(L) for head in range(H)]
         with torch.inference_mode():

@@ -127,8 +127,10 @@ def test_plot_without_labels(minilm, tmp_path):
 def test_to_dict_round_trips_through_json(banks):
     data = json.loads(json.dumps(banks.to_dict()))
     assert set(data) == {
-        "word", "sentences", "labels", "layers", "similarity", "accuracy", "separation"
+        "word", "sentences", "labels", "layers", "similarity", "accuracy", "separation",
+        "cues", "cue_attention", "cue_head",
     }  # fmt: skip
+    assert data["cues"] is None and data["cue_attention"] is None and data["cue_head"] is None
     assert data["word"] == "bank" and data["labels"] == LABELS
     assert data["layers"][0] == "embeddings" and len(data["layers"]) == 7
     assert torch.tensor(data["similarity"]).equal(banks.similarity)
@@ -187,3 +189,25 @@ def test_probe_command_prints_each_depth_writes_json_and_a_png(tmp_path):
     assert data["labels"] == ["animal", "animal", "sport", "sport"] and len(data["accuracy"]) == 7
     missing = run("bat", "--sentences", str(tmp_path / "none.txt"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_cue_attention_counts_the_heads_whose_top_key_is_the_cue(minilm):
+    """With cues, each (layer, head) reports the share of sentences in which the word's
+    attention row is largest on its cue, recomputed here from the recorded weights."""
+    sentences = ["The bank of the river was muddy.", "The bank lent money to me.",
+                 "Ducks sat on the bank by the stream.", "The bank approved my loan."]  # fmt: skip
+    cues, labels = ["river", "money", "stream", "loan"], ["river", "money"] * 2
+    found = probe(minilm, "bank", sentences, labels, cues=cues)
+    L, H = 6, 12
+    assert found.cue_attention.shape == (L, H)
+    expected = torch.zeros(L, H)
+    for sentence, cue in zip(sentences, cues, strict=True):
+        seen = minilm.attentions(sentence)
+        bank, (first, last) = seen.encoded.find("bank")[0], seen.encoded.find(cue)
+        top = seen.weights[:, :, bank].argmax(-1)  # (L, H)
+        expected += ((top >= first) & (top < last)).float()
+    assert torch.equal(found.cue_attention, expected / 4)
+    layer, head, share = found.cue_head
+    assert share == float(found.cue_attention.max()) == float(expected[layer, head] / 4)
+    with pytest.raises(ValueError, match="cue"):
+        probe(minilm, "bank", sentences, labels, cues=["river", "money", "stream", "teller"])

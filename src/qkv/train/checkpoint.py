@@ -70,6 +70,7 @@ def save(
     state: the model's full state dict; shadow: a model of the same config on the CPU that
     it is copied into for export (the trained model may be sharded or compiled).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     folder = Path(run) / "checkpoints"
@@ -91,11 +92,12 @@ def save(
             shutil.rmtree(final)
         os.replace(staging, final)
         _fsync_folder(folder)
-    except OSError as error:
+    except (OSError, SafetensorError, RuntimeError) as error:  # a full disk, a size limit...
         shutil.rmtree(staging, ignore_errors=True)
         last = f"step {step_of(previous[-1])}" if previous else "none"
+        reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
         raise ValueError(
-            f"could not write checkpoint step {step} in {folder}: {error.strerror or error}; "
+            f"could not write checkpoint step {step} in {folder}: {reason}; "
             f"the last checkpoint ({last}) is intact"
         ) from None
     except BaseException:
@@ -115,7 +117,7 @@ def load_weights(checkpoint: Path, shadow: nn.Module, family, model_config) -> d
 def load_trainer(checkpoint: Path) -> dict:
     path = Path(checkpoint) / "trainer.pt"
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a damaged zip raises several kinds
         raise ValueError(f"{path} is missing or corrupt: {error}") from None
 
