@@ -29,7 +29,7 @@ def text_run(corpus, tmp_path_factory):
 
 
 def test_a_text_run_learns_and_logs_every_step(text_run):
-    config, result = text_run
+    _, result = text_run
     records = metrics(result.run)
     assert [r["step"] for r in records] == list(range(1, 13))
     assert all({"loss", "lr", "tokens", "tokens_per_s"} <= set(r) for r in records)
@@ -56,7 +56,7 @@ def test_the_schedule_warms_up_then_decays_as_a_cosine(text_run):
 
 
 def test_only_the_last_checkpoints_are_kept_each_a_model_folder(text_run):
-    config, result = text_run
+    _, result = text_run
     kept = checkpoints(result.run)
     assert [step_of(p) for p in kept] == [8, 12]
     assert result.checkpoint == kept[-1]

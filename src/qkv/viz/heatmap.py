@@ -4,6 +4,9 @@ Rows are query tokens (the word getting context), columns key tokens (the word g
 context); row i of a head's (T, T) matrix is how token i's attention divides over the text,
 and sums to 1. Layers and heads count from 0, as everywhere in qkv.
 
+Cross-attention (an encoder-decoder's decoder reading the encoder) is rectangular: pass
+`query_tokens`, and the rows are those target tokens (Tq), the columns the source tokens (Tk).
+
 matplotlib is imported inside the functions, so `import qkv.viz` stays light, and the
 figures are drawn with its object API (no pyplot): no global state, nothing left open.
 
@@ -12,6 +15,11 @@ Example, with a real model::
     att = qkv.load("minilm").attentions("The bank on the side of the river")
     head_heatmap(att.weights[0, 3], att.tokens, "bank.png", title="L0 H3")
     model_view(att.weights, att.tokens, "all_heads.png")
+
+and an encoder-decoder's cross-attention, target tokens down and source tokens across::
+
+    att = seq2seq.attentions("a b c d", target="d c b a")
+    head_heatmap(att.weights[0, 0], att.tokens, "reverse.png", query_tokens=att.query_tokens)
 """
 
 from __future__ import annotations
@@ -37,49 +45,68 @@ GRID_MAX_WIDTH, GRID_MAX_HEIGHT = 20.0, 30.0  # the model view shrinks its panel
 
 
 def head_heatmap(
-    weights, tokens: Sequence[str], path: str | Path, *, title: str | None = None
+    weights,
+    tokens: Sequence[str],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    query_tokens: Sequence[str] | None = None,
 ) -> Path:
     """Draw one head's (T, T) weights, queries on rows and keys on columns, to a PNG.
 
+    With query_tokens (cross-attention), weights are (Tq, Tk): a row per query (target)
+    token, Tq = len(query_tokens), a column per key (source) token, Tk = len(tokens).
     The colour scale runs from 0 to the head's largest weight, with a colorbar; for up to
     12 tokens each cell also shows its weight. Long texts (T up to 512 and beyond) thin
     out the tick labels to what fits and cap the figure at 14 inches a side.
     Returns the path written.
     """
     path = png_path(path)
-    matrix = check_weights(weights, tokens, ndim=2)  # (T, T)
-    T = len(tokens)
-    side = figure_side(T)
+    cross = query_tokens is not None
+    if query_tokens is not None:
+        matrix = check_cross_weights(weights, query_tokens, tokens, ndim=2)  # (Tq, Tk)
+    else:
+        matrix = check_weights(weights, tokens, ndim=2)  # (T, T)
+    queries = tokens if query_tokens is None else query_tokens
+    Tq, Tk = matrix.shape
+    height, width = figure_side(Tq), figure_side(Tk)
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(side + 1.6, side), dpi=DPI, layout="constrained")
+    figure = Figure(figsize=(width + 1.6, height), dpi=DPI, layout="constrained")
     ax = figure.subplots()
     # beyond about one token a pixel, draw the means of f x f blocks (see model_view)
-    f = math.ceil(T / ((side - 1.8) * DPI))
-    shown_matrix = block_means(matrix, f)  # (ceil(T / f), ceil(T / f))
+    f = math.ceil(max(Tq / ((height - 1.8) * DPI), Tk / ((width - 1.8) * DPI)))
+    shown_matrix = block_means(matrix, f)  # (ceil(Tq / f), ceil(Tk / f))
     top = float(shown_matrix.max()) or 1.0
-    extent = (-0.5, T - 0.5, T - 0.5, -0.5)  # axes in token indices, whatever f is
-    image = ax.imshow(
-        shown_matrix, cmap=CMAP, vmin=0.0, vmax=top, interpolation="nearest", extent=extent
-    )
+    extent = (-0.5, Tk - 0.5, Tq - 0.5, -0.5)  # axes in token indices, whatever f is
+    aspect = "auto" if cross else None  # the figure's sides already follow Tq and Tk
+    image = ax.imshow(shown_matrix, cmap=CMAP, vmin=0.0, vmax=top, interpolation="nearest",
+                      extent=extent, aspect=aspect)  # fmt: skip
     label = "attention weight" if f == 1 else f"attention weight (mean of {f} x {f})"
     figure.colorbar(image, ax=ax, shrink=0.8, label=label)
 
-    step, size = _tick_layout(T, side)
-    shown = range(0, T, step)
-    # thinned labels carry their index: a long text repeats its words
-    labels = [
-        token_label(tokens[i]) if step == 1 else f"{i} {token_label(tokens[i])}" for i in shown
-    ]
-    ax.set_xticks(list(shown), labels, rotation=90, fontsize=size)
-    ax.set_yticks(list(shown), labels, fontsize=size)
-    ax.set_xlabel("key token (giving context)")
-    ax.set_ylabel("query token (getting context)")
+    for axis, names, side, rotation in (
+        (ax.xaxis, tokens, width, 90),
+        (ax.yaxis, queries, height, 0),
+    ):
+        step, size = _tick_layout(len(names), side)
+        shown = range(0, len(names), step)
+        # thinned labels carry their index: a long text repeats its words
+        labels = [
+            token_label(names[i]) if step == 1 else f"{i} {token_label(names[i])}" for i in shown
+        ]
+        axis.set_ticks(list(shown), labels, rotation=rotation, fontsize=size)
+    if cross:
+        ax.set_xlabel("source token (key)")
+        ax.set_ylabel("target token (query)")
+    else:
+        ax.set_xlabel("key token (giving context)")
+        ax.set_ylabel("query token (getting context)")
     if title:
-        ax.set_title(textwrap.fill(title, int(side * 9)))  # about 9 characters an inch
-    if T <= VALUES_UP_TO:
-        for q in range(T):
-            for k in range(T):
+        ax.set_title(textwrap.fill(title, int(width * 9)))  # about 9 characters an inch
+    if max(Tq, Tk) <= VALUES_UP_TO:
+        for q in range(Tq):
+            for k in range(Tk):
                 dark = matrix[q, k] < 0.6 * top  # viridis is dark at the low end
                 ax.text(
                     k,
@@ -102,16 +129,22 @@ def model_view(
     layers: Sequence[int] | None = None,
     heads: Sequence[int] | None = None,
     title: str | None = None,
+    query_tokens: Sequence[str] | None = None,
 ) -> Path:
     """Draw a grid of small heatmaps of (L, H, T, T) weights, a row per layer and a column
     per head, each labelled "L{l} H{h}" counting from 0, to a PNG.
 
     `layers` and `heads` pick which ones (all by default). Each panel is scaled to its own
     largest weight, so that a diffuse head shows its pattern too; the figure says so.
-    Returns the path written.
+    With query_tokens (cross-attention), weights are (L, H, Tq, Tk): target tokens down,
+    source tokens across. Returns the path written.
     """
     path = png_path(path)
-    stack = check_weights(weights, tokens, ndim=4)  # (L, H, T, T)
+    cross = query_tokens is not None
+    if query_tokens is not None:
+        stack = check_cross_weights(weights, query_tokens, tokens, ndim=4)  # (L, H, Tq, Tk)
+    else:
+        stack = check_weights(weights, tokens, ndim=4)  # (L, H, T, T)
     L, H = stack.shape[:2]
     layers = check_indices(layers, L, "layer")
     heads = check_indices(heads, H, "head")
@@ -122,22 +155,28 @@ def model_view(
     size = (max(cols * panel, 4.0) + 0.3, rows * panel + 0.9)
     figure = Figure(figsize=size, dpi=DPI, layout="constrained")
     axes = figure.subplots(rows, cols, squeeze=False)
-    T = stack.shape[-1]
+    Tq, T = stack.shape[-2:]
     # a panel has about panel * DPI pixels a side: average f x f blocks of tokens down to that
     # ourselves, since resampling at draw time would let thin lines (a diagonal) fade away
-    f = math.ceil(T / (panel * DPI))
+    f = math.ceil(max(Tq, T) / (panel * DPI))
+    aspect = "auto" if cross else None  # a rectangular map fills its square panel
     for r, layer in enumerate(layers):
         for c, head in enumerate(heads):
             ax = axes[r, c]
-            matrix = block_means(stack[layer, head], f)  # (ceil(T / f), ceil(T / f))
+            matrix = block_means(stack[layer, head], f)  # (ceil(Tq / f), ceil(T / f))
             top = float(matrix.max()) or 1.0
-            ax.imshow(matrix, cmap=CMAP, vmin=0.0, vmax=top, interpolation="nearest")
+            ax.imshow(matrix, cmap=CMAP, vmin=0.0, vmax=top, interpolation="nearest", aspect=aspect)
             ax.set_title(f"L{layer} H{head}", fontsize=7, pad=2)
             ax.set_axis_off()  # a frame would hide the first and last rows and columns
     blocks = f"; each pixel the mean of {f} x {f} weights" if f > 1 else ""
+    if cross:
+        what = f"cross-attention of {Tq} target tokens over {T} source tokens"
+        down = "target tokens (queries) down, source tokens (keys) across"
+    else:
+        what, down = f"attention weights over {T} tokens", "queries down, keys across"
     title = title or (
-        f"attention weights over {T} tokens: a row per layer, a column per head (from 0); "
-        f"queries down, keys across; each panel scaled to its own largest weight{blocks}"
+        f"{what}: a row per layer, a column per head (from 0); "
+        f"{down}; each panel scaled to its own largest weight{blocks}"
     )
     figure.suptitle(textwrap.fill(title, int(size[0] * 14)), fontsize=9)
     write_atomically(path, lambda file: figure.savefig(file, format="png"))
@@ -153,18 +192,21 @@ def figure_side(T: int) -> float:
 
 
 def block_means(matrix: np.ndarray, f: int) -> np.ndarray:
-    """The means of f x f blocks of a (T, T) matrix; the last blocks may be smaller.
+    """The means of f x f blocks of a (Tq, Tk) matrix; the last blocks may be smaller.
 
     >>> block_means(np.arange(9.0).reshape(3, 3), 2)
     array([[2. , 3.5],
            [6.5, 8. ]])
+    >>> block_means(np.arange(6.0).reshape(2, 3), 2)
+    array([[2. , 3.5]])
     """
     if f == 1:
         return matrix
-    starts = np.arange(0, matrix.shape[0], f)
-    sizes = np.diff(np.append(starts, matrix.shape[0]))
-    sums = np.add.reduceat(np.add.reduceat(matrix, starts, axis=0), starts, axis=1)
-    return sums / np.outer(sizes, sizes)
+    rows, cols = (np.arange(0, n, f) for n in matrix.shape)
+    row_sizes = np.diff(np.append(rows, matrix.shape[0]))
+    col_sizes = np.diff(np.append(cols, matrix.shape[1]))
+    sums = np.add.reduceat(np.add.reduceat(matrix, rows, axis=0), cols, axis=1)
+    return sums / np.outer(row_sizes, col_sizes)
 
 
 def token_label(token: str, width: int = 16) -> str:
@@ -192,15 +234,46 @@ def check_weights(weights, tokens: Sequence[str], *, ndim: int) -> np.ndarray:
     T = len(tokens)
     if T == 0:
         raise ValueError("there are no tokens: nothing to draw")
-    if hasattr(weights, "detach"):  # a torch tensor, on any device and of any float dtype
-        weights = weights.detach().float().cpu().numpy()
-    array = np.asarray(weights, dtype=np.float32)
+    array = _float_array(weights)
     expected = "(T, T)" if ndim == 2 else "(L, H, T, T)"
     if array.ndim != ndim or array.shape[-2:] != (T, T):
         raise ValueError(
             f"weights must have shape {expected} with T = {T} (one row and column per token); "
             f"got {tuple(array.shape)}"
         )
+    return _check_values(array)
+
+
+def check_cross_weights(
+    weights, query_tokens: Sequence[str], tokens: Sequence[str], *, ndim: int
+) -> np.ndarray:
+    """Cross-attention `weights` as a float32 array of `ndim` dimensions ending in (Tq, Tk):
+    a row per query (target) token, Tq = len(query_tokens), a column per key (source)
+    token, Tk = len(tokens)."""
+    Tq, Tk = len(query_tokens), len(tokens)
+    if Tq == 0 or Tk == 0:
+        raise ValueError(
+            f"there are no {'target' if Tq == 0 else 'source'} tokens: nothing to draw"
+        )
+    array = _float_array(weights)
+    expected = "(Tq, Tk)" if ndim == 2 else "(L, H, Tq, Tk)"
+    if array.ndim != ndim or array.shape[-2:] != (Tq, Tk):
+        flipped = array.shape[-2:] == (Tk, Tq) and Tq != Tk
+        hint = " (transposed? the rows are the target's tokens)" if flipped else ""
+        raise ValueError(
+            f"cross-attention weights must have shape {expected} with Tq = {Tq} target tokens "
+            f"(rows) and Tk = {Tk} source tokens (columns); got {tuple(array.shape)}{hint}"
+        )
+    return _check_values(array)
+
+
+def _float_array(weights) -> np.ndarray:
+    if hasattr(weights, "detach"):  # a torch tensor, on any device and of any float dtype
+        weights = weights.detach().float().cpu().numpy()
+    return np.asarray(weights, dtype=np.float32)
+
+
+def _check_values(array: np.ndarray) -> np.ndarray:
     if array.size == 0:
         raise ValueError(f"weights have shape {tuple(array.shape)}: no layer or head to draw")
     if not np.isfinite(array).all():
