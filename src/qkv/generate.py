@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.models import Decoder
+from qkv.models import Decoder, EncoderDecoder
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,35 @@ def decode_steps(
             positions = positions[:, -1:] + 1  # (B, 1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
         logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions, cache)
+
+
+def seq2seq_steps(
+    model: EncoderDecoder,
+    source_ids: Tensor,
+    source_mask: Tensor | None,
+    start_id: int,
+    sampling: Sampling,
+    max_new_tokens: int,
+) -> Iterator[Tensor]:
+    """Yield the next target token of every sequence (B,), max_new_tokens times at most.
+
+    The encoder reads source_ids (B, S) (right-padded; source_mask 1 for real tokens) once;
+    the decoder starts from `start_id` and feeds each new token back with its KV cache, its
+    cross-attention reading the encoder's output every step.
+    """
+    generator = None
+    if sampling.seed is not None:
+        generator = torch.Generator(device=source_ids.device).manual_seed(sampling.seed)
+    with torch.inference_mode():
+        encoded = model.encode(source_ids, source_mask=source_mask)
+    cache = model.new_cache()
+    token = torch.full((len(source_ids),), start_id, dtype=torch.long, device=source_ids.device)
+    for _ in range(max_new_tokens):
+        with torch.inference_mode():
+            logits = model(source_ids, token[:, None], source_mask=source_mask, encoded=encoded,
+                           cache=cache).logits[:, -1]  # fmt: skip
+        token = sampling.pick(logits, generator)  # (B,)
+        yield token
 
 
 @torch.inference_mode()

@@ -104,11 +104,13 @@ def _open_run(config: RunConfig, run: Path, resume: bool, dist: Distributed) -> 
                 f"only {', '.join(sorted(RESUMABLE))} may change"
             )
         found = ckpt.checkpoints(run)
+        dist.barrier()
         if dist.main:
             _write_atomic(saved, config.to_toml())
         return found[-1] if found else None
     if run.exists() and (not run.is_dir() or any(run.iterdir())):
         raise ValueError(f"{run} exists and is not empty; choose a new folder or resume it")
+    dist.barrier()  # every process has looked before the first one writes
     if dist.main:
         run.mkdir(parents=True, exist_ok=True)
         _write_atomic(saved, config.to_toml())

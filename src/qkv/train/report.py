@@ -2,37 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
-from qkv.models import EncoderDecoder
 from qkv.train.config import RunConfig
-
-
-@torch.no_grad()
-def greedy_seq2seq(pretrained, sources: list[str], max_new_tokens: int | None = None) -> list[str]:
-    """Each source's most likely target, one token at a time with a KV cache."""
-    model, tokenizer = pretrained.model, pretrained.tokenizer
-    if not isinstance(model, EncoderDecoder):
-        raise ValueError(f"greedy_seq2seq needs an encoder-decoder; {pretrained.source} is not")
-    ids, mask = tokenizer.encode_batch(sources, padding_side="right")
-    limit = max_new_tokens or pretrained.context_window - 1
-    encoded = model.encode(ids, source_mask=mask)
-    cache = model.new_cache()
-    eos = tokenizer.eos_id
-    step = torch.full((len(sources), 1), eos, dtype=torch.long)  # the decoder's start token
-    made: list[list[int]] = [[] for _ in sources]
-    done = torch.zeros(len(sources), dtype=torch.bool)
-    for _ in range(limit):
-        logits = model(ids, step, source_mask=mask, encoded=encoded, cache=cache).logits
-        step = logits[:, -1].argmax(-1, keepdim=True)  # (B, 1)
-        for row, token in enumerate(step[:, 0].tolist()):
-            if not done[row]:
-                done[row] = token == eos
-                if token != eos:
-                    made[row].append(token)
-        if done.all():
-            break
-    return [tokenizer.decode(row) for row in made]
 
 
 def exact_match(pretrained, config: RunConfig) -> tuple[float, int]:
@@ -46,7 +16,8 @@ def exact_match(pretrained, config: RunConfig) -> tuple[float, int]:
     right = 0
     for start in range(0, len(examples), 128):
         chunk = examples[start : start + 128]
-        outputs = greedy_seq2seq(pretrained, [e.source for e in chunk], d.max_length + 1)
+        outputs = pretrained.generate([e.source for e in chunk], d.max_length + 1)
+        outputs = [outputs] if isinstance(outputs, str) else outputs
         right += sum(out.split() == e.target.split() for out, e in zip(outputs, chunk, strict=True))
     return right / len(examples), len(examples)
 

@@ -1,0 +1,123 @@
+"""The presets, trained for real as a user runs them, and what training must show.
+
+`qkv train --preset bank` (about 30 s here): on held-out sentence frames, "bank"'s last-layer
+vector tells the senses apart and a head attends from "bank" to the word that tells the
+sense. `qkv train --preset reverse` (about a minute): the encoder-decoder reverses unseen
+sequences, and its cross-attention is the anti-diagonal.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import qkv_command
+
+import qkv
+from qkv.data import bank_corpus, seq2seq_corpus
+from qkv.data.bank import _HELDOUT_FRAMES, FRAMES
+
+
+@pytest.fixture(scope="module")
+def bank_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("bank") / "run"
+    done = qkv_command("train", "--preset", "bank", "--out", str(run), "--quiet")
+    assert done.returncode == 0, done.stderr
+    return run, done.stdout
+
+
+@pytest.fixture(scope="module")
+def reverse_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("reverse") / "run"
+    done = qkv_command("train", "--preset", "reverse", "--out", str(run), "--quiet")
+    assert done.returncode == 0, done.stderr
+    return run, done.stdout
+
+
+def test_bank_senses_separate_through_attention_on_unseen_frames(bank_run):
+    run, _ = bank_run
+    done = qkv_command("probe", "bank", "--model", str(run), "--json")
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    heldout = bank_corpus(256, split="heldout", seed=0)
+    assert found["sentences"] == [s.text for s in heldout]
+    assert found["labels"] == [s.sense for s in heldout] and found["cues"] == [
+        s.cue for s in heldout
+    ]
+    assert {s.frame for s in heldout} <= set(range(len(FRAMES) - len(_HELDOUT_FRAMES), len(FRAMES)))
+    embeddings, last = found["accuracy"][0], found["accuracy"][-1]
+    assert last >= 0.95, found["accuracy"]
+    assert 0.3 <= embeddings <= 0.65, found["accuracy"]  # chance: one token, any position
+    assert found["cue_head"]["share"] >= 0.8, found["cue_attention"]
+    cue = torch.tensor(found["cue_attention"])
+    assert found["cue_head"]["share"] == float(cue.max())
+
+
+def test_bank_training_reports_what_it_learned(bank_run):
+    run, stdout = bank_run
+    assert f"{run}: 1500 steps" in stdout
+    assert "after the last layer" in stdout and "attends most to the word that tells" in stdout
+
+
+def test_a_bank_run_explains_shows_and_exports(bank_run, tmp_path):
+    from transformers import AutoModelForMaskedLM
+
+    run, _ = bank_run
+    sentence = bank_corpus(2, split="heldout", seed=5)[0]
+    done = qkv_command("explain", sentence.text, "--query", "bank", "--key", sentence.cue,
+                       "--model", str(run), "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    traced = json.loads(done.stdout)
+    assert traced["tokens"][traced["key_index"]] == sentence.cue
+    assert abs(sum(traced["weights"]) - 1.0) < 1e-5
+    assert torch.allclose(torch.tensor(traced["contextualized"]),
+                          torch.tensor(traced["model_output"]), atol=1e-5)  # fmt: skip
+    page = qkv_command(
+        "show", sentence.text, "--model", str(run), "--out", str(tmp_path / "a.html")
+    )
+    assert page.returncode == 0 and (tmp_path / "a.html").stat().st_size > 0
+
+    pretrained = qkv.load(run)
+    pretrained.save(tmp_path / "hf")
+    theirs = AutoModelForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    ids, mask = pretrained.tokenizer.encode_batch([sentence.text, "the bank ."])
+    with torch.no_grad():
+        mine = pretrained.model(ids, attention_mask=mask, logits=True).logits
+        expected = theirs(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    assert torch.allclose(mine[real], expected[real], atol=1e-4)
+
+
+def test_reverse_reaches_exact_match_on_unseen_sequences(reverse_run):
+    run, stdout = reverse_run
+    assert "exact match on 512 held-out reverse examples" in stdout
+    pretrained = qkv.load(run)
+    examples = seq2seq_corpus("reverse", 200, split="heldout", seed=0)
+    outputs = pretrained.generate([e.source for e in examples], 13)
+    right = sum(o.split() == e.target.split() for o, e in zip(outputs, examples, strict=True))
+    assert right / len(examples) >= 0.99
+
+
+def test_reverse_cross_attention_is_the_anti_diagonal(reverse_run, tmp_path):
+    run, _ = reverse_run
+    pretrained = qkv.load(run)
+    examples = seq2seq_corpus("reverse", 50, split="heldout", seed=0)
+    hits = None
+    for example in examples:
+        seen = pretrained.attentions(example.source, target=example.target)
+        n = len(example.source.split())
+        # decoder row i (the start token, then target words) writes target word i, which
+        # copies source word n-1-i: source token 1 + n-1-i after <s>
+        rows = seen.weights[:, :, :n].argmax(-1)  # (L, H, n)
+        expected = torch.tensor([n - i for i in range(n)])
+        share = (rows == expected).float().mean(-1)  # (L, H)
+        hits = share if hits is None else hits + share
+    best = float(hits.max()) / len(examples)
+    assert best >= 0.95, hits / len(examples)
+    out = tmp_path / "cross.png"
+    source = examples[0].source
+    done = qkv_command("show", source, "--target", " ".join(reversed(source.split())),
+                       "--model", str(run), "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG"
