@@ -247,3 +247,16 @@ def test_plot_draws_the_loss_curves(text_run, tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     bad = qkv_command("plot", str(tmp_path))
     assert bad.returncode == 2 and "no metrics.jsonl" in bad.stderr
+
+
+def test_the_progress_bar_shows_loss_rate_speed_and_time_left(tmp_path):
+    toml = write_toml(tiny("gpt2", "bank", train={"steps": 3, "checkpoint_every": 0}),
+                      tmp_path / "tiny.toml")  # fmt: skip
+    shown = qkv_command("train", str(toml), "--out", str(tmp_path / "a"))
+    assert shown.returncode == 0, shown.stderr
+    bar = shown.stdout.splitlines()[0]
+    for part in ("3/3", "loss ", "lr ", "tok/s", "left"):
+        assert part in bar, bar
+    quiet = qkv_command("train", str(toml), "--out", str(tmp_path / "b"), "--quiet")
+    assert quiet.returncode == 0 and "tok/s" not in quiet.stdout
+    assert quiet.stdout.startswith(f"{tmp_path / 'b'}: 3 steps, loss ")

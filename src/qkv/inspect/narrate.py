@@ -162,4 +162,10 @@ def probe_lines(probe: Probe) -> str:
                 f"sense accuracy {100 * probe.accuracy[depth]:.0f}%"
             )
         lines.append(line)
+    if probe.cue_head is not None:
+        layer, head, share = probe.cue_head
+        lines.append(
+            f'In layer {layer}, head {head}, "{probe.word}" attends most to the word that tells '
+            f"its sense in {100 * share:.1f}% of the sentences (the best of every layer and head)."
+        )
     return "\n".join(lines)

@@ -41,6 +41,7 @@ class RunResult:
     losses: dict[int, float] = field(default_factory=dict)  # this session's training losses
     val_losses: dict[int, float] = field(default_factory=dict)
     checkpoint: Path | None = None
+    seconds: float = 0.0  # wall time of this session's steps, evaluations and checkpoints
 
 
 @dataclass
@@ -172,6 +173,7 @@ class _Trainer:
         if self.dist.main:
             _truncate_metrics(metrics, step)
         saved_at = step if resume_from is not None else None
+        began_run = time.perf_counter()
         with Progress(t.steps, step, quiet=self.quiet) as progress:
             while step < t.steps:
                 began = time.perf_counter()
@@ -192,6 +194,7 @@ class _Trainer:
         if saved_at != t.steps:  # a resume of a finished run: nothing left to do
             result.checkpoint = ckpt.checkpoints(self.run)[-1]
         result.steps = step
+        result.seconds = time.perf_counter() - began_run
         return result
 
     def _step(self, step: int) -> tuple[float, int]:

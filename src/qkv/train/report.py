@@ -28,6 +28,7 @@ def summary(result, config: RunConfig) -> str:
 
     last = result.losses.get(result.steps)
     lines = [f"{result.run}: {result.steps} steps" + (f", loss {last:.4f}" if last else "")]
+    lines[0] += f" ({result.seconds:.0f} s)" if result.losses else ""
     if result.val_losses:
         step = max(result.val_losses)
         lines[0] += f", validation loss {result.val_losses[step]:.4f} (step {step})"
