@@ -121,3 +121,16 @@ def test_reverse_cross_attention_is_the_anti_diagonal(reverse_run, tmp_path):
                        "--model", str(run), "--out", str(out))  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_reads_labels_and_cues_from_a_file(bank_run, tmp_path):
+    run, _ = bank_run
+    chosen = bank_corpus(8, split="heldout", seed=9)
+    lines = [f"{s.sense}\t{s.cue}\t{s.text}" for s in chosen]
+    (tmp_path / "s.tsv").write_text("\n".join(lines) + "\n")
+    done = qkv_command("probe", "bank", "--model", str(run), "--sentences",
+                       str(tmp_path / "s.tsv"), "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["cues"] == [s.cue for s in chosen] and found["labels"] == [s.sense for s in chosen]
+    assert len(found["cue_attention"]) == 2 and len(found["cue_attention"][0]) == 4
