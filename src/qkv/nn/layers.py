@@ -113,7 +113,9 @@ class Embeddings(nn.Module):
     def forward(
         self, input_ids: Tensor, positions: Tensor, token_type_ids: Tensor | None = None
     ) -> Tensor:
-        if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= self.vocab_size):
+        # the check reads the ids back to Python: skipped inside a torch.compile graph
+        checked = input_ids.numel() and not torch.compiler.is_compiling()
+        if checked and (input_ids.min() < 0 or input_ids.max() >= self.vocab_size):
             raise ValueError(
                 f"token ids must be in 0-{self.vocab_size - 1}, got "
                 f"{int(input_ids.min())}-{int(input_ids.max())}"
