@@ -82,8 +82,10 @@ def generate(
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        if not chat:
-            typer.echo(prompt, nl=False)
+        from qkv.models import EncoderDecoder
+
+        if not chat and not isinstance(pretrained.model, EncoderDecoder):
+            typer.echo(prompt, nl=False)  # a decoder continues the prompt
         pretrained.generate(
             prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop or (), stream=show, chat=chat, system=system,
@@ -151,7 +153,10 @@ def probe(
     word: str,
     sentences: Annotated[
         Path | None,
-        typer.Option(help="a text file, one sentence a line, optionally 'label<TAB>sentence'"),
+        typer.Option(
+            help="a text file, one sentence a line, or 'label<TAB>sentence', or "
+            "'label<TAB>cue<TAB>sentence' (cue: the word that tells the sense)"
+        ),
     ] = None,
     model: Model = "minilm",
     out: Annotated[Path | None, typer.Option(help="write the similarity matrices as a PNG")] = None,
@@ -164,8 +169,8 @@ def probe(
     from qkv.inspect.probe import probe_plot
 
     with user_errors():
-        texts, labels = _read_sentences(sentences) if sentences else (None, None)
-        result = run_probe(load(model), word, texts, labels)
+        texts, labels, cues = _read_sentences(sentences) if sentences else (None, None, None)
+        result = run_probe(load(model), word, texts, labels, cues=cues)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             probe_plot(result, out)
@@ -177,14 +182,20 @@ def probe(
         typer.echo(f"wrote {out}")
 
 
-def _read_sentences(path: Path) -> tuple[list[str], list[str] | None]:
+def _read_sentences(path: Path) -> tuple[list[str], list[str] | None, list[str] | None]:
+    """One sentence a line: 'sentence', 'label<TAB>sentence' or 'label<TAB>cue<TAB>sentence'
+    (the cue: the word that tells the sense)."""
     if not path.is_file():
         raise ValueError(f"{path} does not exist")
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    if all("\t" in line for line in lines):
+    columns = {line.count("\t") for line in lines}
+    if columns == {2}:
+        labels, cues, texts = zip(*(line.split("\t") for line in lines), strict=True)
+        return list(texts), [label.strip() for label in labels], [cue.strip() for cue in cues]
+    if columns == {1}:
         labels, texts = zip(*(line.split("\t", 1) for line in lines), strict=True)
-        return list(texts), [label.strip() for label in labels]
-    return lines, None
+        return list(texts), [label.strip() for label in labels], None
+    return lines, None, None
 
 
 @app.command()

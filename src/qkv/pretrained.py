@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from qkv.generate import Sampling, decode_steps
+from qkv.generate import Sampling, decode_steps, seq2seq_steps
 from qkv.io.embedded import EMBEDDED, embedded_path
 from qkv.io.families import Family, family_for
 from qkv.io.hf import Pooling, build, download, load_folder, read_pooling, save_folder, with_backend
@@ -87,14 +87,20 @@ class Pretrained:
         included in the result) or after max_new_tokens. stream(row, text) receives text as
         it is made. chat: wrap the prompt in the model's chat template as a user message.
         """
-        if not isinstance(self.model, Decoder):
-            raise ValueError(f"generate needs a decoder model; {self.source} is {self.family.name}")
+        seq2seq = isinstance(self.model, EncoderDecoder)
+        if not isinstance(self.model, Decoder) and not seq2seq:
+            raise ValueError(
+                f"generate needs a decoder or encoder-decoder model; {self.source} is "
+                f"{self.family.name}"
+            )
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
         sampling = Sampling(temperature, top_k, top_p, seed)
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
             raise ValueError("no prompt given")
+        if seq2seq:
+            return self._translate(prompts, sampling, max_new_tokens, list(stop), stream)
         if chat:
             prompts = [self._chat(p, system) for p in prompts]
         ids, mask = self.tokenizer.encode_batch(
@@ -106,14 +112,28 @@ class Pretrained:
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                 f"{self.source}'s context window of {self.context_window} tokens"
             )
-        return self._decode(ids, mask, sampling, max_new_tokens, list(stop), stream, len(prompts))
+        steps = decode_steps(self.model, ids, mask, sampling, max_new_tokens)
+        return self._decode(steps, list(stop), stream, len(prompts))
+
+    def _translate(self, sources, sampling, max_new_tokens, stop, stream) -> str | list[str]:
+        """An encoder-decoder's output for each source: the encoder reads the source, the
+        decoder writes a new text from its start token."""
+        ids, mask = self.tokenizer.encode_batch(sources, padding_side="right")
+        if ids.shape[1] > self.context_window or max_new_tokens > self.context_window:
+            raise ValueError(
+                f"{self.source} reads and writes at most {self.context_window} tokens; the "
+                f"source has {ids.shape[1]}, max_new_tokens is {max_new_tokens}"
+            )
+        start = self.hf_config.get("decoder_start_token_id", self.tokenizer.eos_id)
+        steps = seq2seq_steps(self.model, ids, mask, start, sampling, max_new_tokens)
+        return self._decode(steps, stop, stream, len(sources))
 
     def _chat(self, prompt: str, system: str | None) -> str:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
-    def _decode(self, ids, mask, sampling, max_new_tokens, stop, stream, n) -> str | list[str]:
+    def _decode(self, steps, stop, stream, n) -> str | list[str]:
         rows = [_Continuation(self.tokenizer.stream(), stop) for _ in range(n)]
 
         def emit(row: int, piece: str) -> None:
@@ -121,7 +141,7 @@ class Pretrained:
                 stream(row, piece)
 
         eos = self._eos_ids()
-        for tokens in decode_steps(self.model, ids, mask, sampling, max_new_tokens):
+        for tokens in steps:
             for row, token in enumerate(tokens.tolist()):
                 if not rows[row].done:
                     emit(row, rows[row].finish() if token in eos else rows[row].push(token))
@@ -189,6 +209,27 @@ class Pretrained:
             )
         return encoded
 
+    def decoder_input(self, target: str) -> tuple[Tensor, list[str], object]:
+        """What an encoder-decoder's decoder reads for `target`, as in training and in
+        `generate`: its start token, then `target`'s tokens without special tokens.
+        Returns ids (1, Tt), their tokens, and the Encoded of `target` (one token shorter:
+        its token i is the decoder's token i + 1)."""
+        start = self.hf_config.get("decoder_start_token_id")
+        start = self.tokenizer.eos_id if start is None else start
+        if start is None:
+            raise ValueError(f"{self.source} names no decoder_start_token_id in its config")
+        if not target.strip():
+            raise ValueError("the target text is empty; give the decoder's sentence")
+        decoded = self.tokenizer.encode(target, add_special_tokens=False)
+        ids = torch.tensor([[start, *decoded.ids]])  # (1, Tt)
+        if ids.shape[1] > self.context_window:
+            raise ValueError(
+                f"the target has {ids.shape[1]} tokens with the start token; "
+                f"{self.source} reads at most {self.context_window}"
+            )
+        tokens = [self.tokenizer.id_to_token(start) or str(start), *decoded.tokens]
+        return ids, tokens, decoded
+
     def attentions(self, text: str, *, target: str | None = None) -> Attentions:
         """Every layer's and head's weights (L, H, T, T) over `text`, and its tokens.
 
@@ -207,26 +248,13 @@ class Pretrained:
         encoded = self.encode(text)
         ids = torch.tensor([encoded.ids])  # (1, Ts)
         if target is not None and isinstance(self.model, EncoderDecoder):
-            start = self.hf_config.get("decoder_start_token_id")
-            start = self.tokenizer.eos_id if start is None else start
-            if start is None:
-                raise ValueError(f"{self.source} names no decoder_start_token_id in its config")
-            if not target.strip():
-                raise ValueError("the target text is empty; give the decoder's sentence")
-            decoded = self.tokenizer.encode(target, add_special_tokens=False)
-            targets = torch.tensor([[start, *decoded.ids]])  # (1, Tt)
-            if targets.shape[1] > self.context_window:
-                raise ValueError(
-                    f"the target has {targets.shape[1]} tokens with the start token; "
-                    f"{self.source} reads at most {self.context_window}"
-                )
+            targets, queries, _ = self.decoder_input(target)
             stack = self.model.decoder
             L, H = stack.config.num_layers, stack.config.block.num_heads
             record = [(layer, head) for layer in range(L) for head in range(H)]
             with torch.inference_mode():
                 recorded = self.model(ids, targets, record_cross=record).cross_attentions
             weights = torch.stack([recorded[key][0] for key in record])  # (L * H, Tt, Ts)
-            queries = [self.tokenizer.id_to_token(start) or str(start), *decoded.tokens]
             return Attentions(weights.view(L, H, *weights.shape[1:]), list(encoded.tokens),
                               encoded, queries)  # fmt: skip
         model = self.model.encoder if seq2seq else self.model

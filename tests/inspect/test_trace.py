@@ -134,8 +134,12 @@ def test_encoder_decoder_traces_cross_attention_like_transformers(tmp_path):
     bart = qkv.Pretrained(model, Tokenizer(backend), config, family=family,
                           hf_config=hf_config, source="tiny-bart")  # fmt: skip
     traced = qkv.trace(bart, "the bank of the river", "banque", "river", target="la banque")
-    assert traced.query_tokens == ["la", "banque"] and traced.tokens[traced.key_index] == "river"
-    source, target = torch.tensor([[1, 2, 5, 1, 6]]), torch.tensor([[7, 9]])
+    # the decoder reads its start token (BART's decoder_start_token_id 2: "bank" in this toy
+    # vocabulary), then the target, as in training and generation
+    assert hf_config["decoder_start_token_id"] == 2
+    assert traced.query_tokens == ["bank", "la", "banque"] and traced.query_index == 2
+    assert traced.tokens[traced.key_index] == "river"
+    source, target = torch.tensor([[1, 2, 5, 1, 6]]), torch.tensor([[2, 7, 9]])
     with torch.no_grad():
         cross = theirs(input_ids=source, decoder_input_ids=target, output_attentions=True)
     want = cross.cross_attentions[traced.layer][0, traced.head, traced.query_index]

@@ -110,8 +110,12 @@ def trace(
     if not cross and target is not None:
         raise ValueError(f"a target text is for encoder-decoder models; {pretrained.source} is not")
     source = pretrained.encode(text)
-    queries = pretrained.encode(target) if cross else source
-    query_index, key_index = _first_token(queries, query), _first_token(source, key)
+    if cross:  # the decoder reads its start token, then the target (see decoder_input)
+        decoder_ids, query_tokens, queries = pretrained.decoder_input(target)
+        query_index = 1 + _first_token(queries, query)
+    else:
+        query_index, query_tokens = _first_token(source, query), None
+    key_index = _first_token(source, key)
     stack = model.decoder if cross else model
     L, H = stack.config.num_layers, stack.config.block.num_heads
     for name, value, most in (("layer", layer, L), ("head", head, H)):
@@ -130,7 +134,7 @@ def trace(
     try:
         with torch.inference_mode():
             if cross:
-                recorded = model(torch.tensor([source.ids]), torch.tensor([queries.ids]),
+                recorded = model(torch.tensor([source.ids]), decoder_ids,
                                  record_cross=record).cross_attentions  # fmt: skip
             else:
                 recorded = model(torch.tensor([source.ids]), record=record).attentions
@@ -186,7 +190,7 @@ def trace(
         contributions=contributions,
         query_unrotated=q_plain[query_index].double() if rotated else None,
         key_unrotated=k_plain[key_index].double() if rotated else None,
-        target=target, query_tokens=list(queries.tokens) if cross else None,
+        target=target, query_tokens=query_tokens,
     )  # fmt: skip
 
 
