@@ -134,3 +134,22 @@ def test_probe_reads_labels_and_cues_from_a_file(bank_run, tmp_path):
     found = json.loads(done.stdout)
     assert found["cues"] == [s.cue for s in chosen] and found["labels"] == [s.sense for s in chosen]
     assert len(found["cue_attention"]) == 2 and len(found["cue_attention"][0]) == 4
+
+
+def test_a_reverse_run_exports_to_transformers_with_equal_logits(reverse_run, tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    run, _ = reverse_run
+    pretrained = qkv.load(run)
+    pretrained.save(tmp_path / "hf")
+    theirs = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf").eval()
+    source = torch.tensor([pretrained.tokenizer.encode("a b c d e").ids])
+    target, _, _ = pretrained.decoder_input("e d c b a")
+    with torch.no_grad():
+        mine = pretrained.model(source, target).logits
+        expected = theirs(input_ids=source, decoder_input_ids=target).logits
+    assert torch.allclose(mine, expected, atol=1e-4)
+    assert (
+        theirs.generate(source, max_new_tokens=8, num_beams=1, do_sample=False)[0].tolist()[1:6]
+        == pretrained.tokenizer.encode("e d c b a", add_special_tokens=False).ids
+    )
