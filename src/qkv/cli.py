@@ -61,7 +61,10 @@ def backends() -> None:
 def generate(
     prompt: str,
     model: Model = "smollm2",
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n")] = 64,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option("--max-new-tokens", "-n", help="default: 64, or an encoder-decoder's window"),
+    ] = None,
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -84,7 +87,10 @@ def generate(
 
         from qkv.models import EncoderDecoder
 
-        if not chat and not isinstance(pretrained.model, EncoderDecoder):
+        seq2seq = isinstance(pretrained.model, EncoderDecoder)
+        if max_new_tokens is None:  # an encoder-decoder writes a new text, up to its window
+            max_new_tokens = pretrained.context_window if seq2seq else 64
+        if not chat and not seq2seq:
             typer.echo(prompt, nl=False)  # a decoder continues the prompt
         pretrained.generate(
             prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -97,6 +97,8 @@ def test_reverse_reaches_exact_match_on_unseen_sequences(reverse_run):
     outputs = pretrained.generate([e.source for e in examples], 13)
     right = sum(o.split() == e.target.split() for o, e in zip(outputs, examples, strict=True))
     assert right / len(examples) >= 0.99
+    done = qkv_command("generate", "a b c d e f g", "--model", str(run))
+    assert done.returncode == 0 and done.stdout == "g f e d c b a\n", done.stderr
 
 
 def test_reverse_cross_attention_is_the_anti_diagonal(reverse_run, tmp_path):
