@@ -108,10 +108,9 @@ def test_every_objective_trains_and_reloads_equal(arch, kind, tmp_path):
     assert result.losses[4] < result.losses[1]
     pretrained = qkv.load(tmp_path / "run")
     assert pretrained.family.name == arch
-    # the checkpoint holds exactly the trained weights: a resume that trains 0 more steps
-    # evaluates to the same validation loss
+    # resuming a finished run trains nothing and points at its last checkpoint
     again = train(config, tmp_path / "run", resume=True, quiet=True)
-    assert again.steps == 4 and again.losses == {}
+    assert again.steps == 4 and again.losses == {} and again.checkpoint == result.checkpoint
 
 
 def _kill_at_random_step(args: list[str], run, lowest: int, highest: int) -> int:

@@ -172,7 +172,6 @@ class _Trainer:
         metrics = self.run / "metrics.jsonl"
         if self.dist.main:
             _truncate_metrics(metrics, step)
-        saved_at = step if resume_from is not None else None
         began_run = time.perf_counter()
         with Progress(t.steps, step, quiet=self.quiet) as progress:
             while step < t.steps:
@@ -190,8 +189,7 @@ class _Trainer:
                 progress.update(step, record)
                 if step == t.steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
                     result.checkpoint = self._save(step)
-                    saved_at = step
-        if saved_at != t.steps:  # a resume of a finished run: nothing left to do
+        if result.checkpoint is None and self.dist.main:  # a resume with nothing left to do
             result.checkpoint = ckpt.checkpoints(self.run)[-1]
         result.steps = step
         result.seconds = time.perf_counter() - began_run
