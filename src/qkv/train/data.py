@@ -104,6 +104,8 @@ def _save_tokenizer(tokenizer, folder: Path) -> None:
     staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
     try:
         tokenizer.save(staging)
+        if folder.exists():  # left by a run killed before its shards were written
+            shutil.rmtree(folder)
         staging.rename(folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
