@@ -44,6 +44,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/attention_cpu.py
 	$(PY) benchmarks/generate.py
 	$(PY) benchmarks/encode.py
+	$(PY) benchmarks/train.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
