@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from qkv.io.files import fsync_folder
+
 if TYPE_CHECKING:
     from qkv.io.tokenizer import Tokenizer
 
@@ -198,14 +200,14 @@ def write_shards(
             json.dump(meta, file, indent=2)
             file.write("\n")
             _sync(file)
-        _sync_folder(building)
+        fsync_folder(building)
         if out_dir.exists():
             out_dir.rmdir()  # empty, as checked above; only POSIX renames over a folder
         building.rename(out_dir)
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
-    _sync_folder(out_dir.parent)
+    fsync_folder(out_dir.parent)
     return meta
 
 
@@ -247,20 +249,6 @@ def _write_split(
 def _sync(file: Any) -> None:
     file.flush()
     os.fsync(file.fileno())
-
-
-def _sync_folder(folder: Path) -> None:
-    """fsync a folder so a rename in it survives a crash (a no-op where unsupported)."""
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
 
 
 class TokenShards:

@@ -21,7 +21,6 @@ True
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -336,16 +335,9 @@ def probe_plot(probe: Probe, path: str | os.PathLike[str], layer: int | None = N
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
 
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png")
-    try:
-        with os.fdopen(fd, "wb") as file:
-            figure.savefig(file, format="png", dpi=100)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    from qkv.io.files import write_atomically
+
+    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
     return path
 
 

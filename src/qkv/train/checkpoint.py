@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from qkv.io.checkpoint import export, fill, read_checkpoint
+from qkv.io.files import fsync_folder
 
 STEP = re.compile(r"step-(\d+)")
 
@@ -91,7 +92,7 @@ def save(
         if final.exists():  # a checkpoint of this step from before a resume: replace it
             shutil.rmtree(final)
         os.replace(staging, final)
-        _fsync_folder(folder)
+        fsync_folder(folder)
     except (OSError, SafetensorError, RuntimeError) as error:  # a full disk, a size limit...
         shutil.rmtree(staging, ignore_errors=True)
         last = f"step {step_of(previous[-1])}" if previous else "none"
@@ -120,11 +121,3 @@ def load_trainer(checkpoint: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a damaged zip raises several kinds
         raise ValueError(f"{path} is missing or corrupt: {error}") from None
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.io.files import write_atomically
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.train import checkpoint as ckpt
 from qkv.train.arch import build_model, hf_config
@@ -107,14 +108,14 @@ def _open_run(config: RunConfig, run: Path, resume: bool, dist: Distributed) -> 
         found = ckpt.checkpoints(run)
         dist.barrier()
         if dist.main:
-            _write_atomic(saved, config.to_toml())
+            write_atomically(saved, lambda file: file.write(config.to_toml().encode()))
         return found[-1] if found else None
     if run.exists() and (not run.is_dir() or any(run.iterdir())):
         raise ValueError(f"{run} exists and is not empty; choose a new folder or resume it")
     dist.barrier()  # every process has looked before the first one writes
     if dist.main:
         run.mkdir(parents=True, exist_ok=True)
-        _write_atomic(saved, config.to_toml())
+        write_atomically(saved, lambda file: file.write(config.to_toml().encode()))
     dist.barrier()
     return None
 
@@ -342,15 +343,6 @@ def _fully_shard(model: nn.Module) -> nn.Module:
     return model
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
-    with open(temp, "w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temp, path)
-
-
 def _append(path: Path, record: dict) -> None:
     with open(path, "a", encoding="utf-8") as file:
         file.write(json.dumps(record) + "\n")
@@ -361,4 +353,5 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
-    _write_atomic(path, "".join(line + "\n" for line in kept))
+    text = "".join(line + "\n" for line in kept)
+    write_atomically(path, lambda file: file.write(text.encode()))

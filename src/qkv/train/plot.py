@@ -25,7 +25,8 @@ def read_metrics(run: str | Path) -> list[dict]:
 def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
     """Draw the loss per step (and the validation loss where measured) above the learning
     rate, as a PNG at `out` (default: run/loss.png), written all or nothing."""
-    from qkv.viz.heatmap import png_path, write_atomically
+    from qkv.io.files import write_atomically
+    from qkv.viz.heatmap import png_path
 
     records = read_metrics(run)
     out = png_path(Path(run) / "loss.png" if out is None else out)

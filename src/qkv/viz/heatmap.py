@@ -25,14 +25,13 @@ and an encoder-decoder's cross-attention, target tokens down and source tokens a
 from __future__ import annotations
 
 import math
-import os
 import textwrap
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
 
 import numpy as np
+
+from qkv.io.files import write_atomically
 
 DPI = 100
 CMAP = "viridis"
@@ -294,25 +293,6 @@ def check_indices(chosen: Sequence[int] | None, count: int, name: str) -> list[i
                 f"{name} {i} is out of range: there are {count} {name}s, 0-{count - 1}"
             )
     return chosen
-
-
-def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
-    """Write a file all or nothing: a temporary file beside it, fsync, rename.
-
-    The temporary name is made here rather than by `tempfile`, whose files are private
-    (mode 0600); this one gets the same permissions as any new file.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(temp, "xb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
 
 
 def _tick_layout(T: int, side: float) -> tuple[int, float]:

@@ -52,7 +52,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qkv.viz.heatmap import check_weights, head_heatmap, model_view, write_atomically
+from qkv.io.files import fsync_folder, write_atomically
+from qkv.viz.heatmap import check_weights, head_heatmap, model_view
 
 SCALE = 10_000  # weights are stored in ten-thousandths: 4 decimals
 ENCODING = "uint16 ten-thousandths, little-endian, row-major T x T, zlib, base64; one per head"
@@ -143,7 +144,7 @@ def write_report(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_folder(folder.parent)
+    fsync_folder(folder.parent)
     return folder
 
 
@@ -374,17 +375,3 @@ def _version() -> str:
     from qkv import __version__
 
     return __version__
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Make a rename inside `folder` survive a crash, where the system allows it."""
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass  # some systems cannot fsync a folder
-    finally:
-        os.close(descriptor)
