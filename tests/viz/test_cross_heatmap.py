@@ -9,7 +9,6 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 import torch
-from matplotlib.figure import Figure
 from typer.testing import CliRunner
 
 import qkv
@@ -37,19 +36,6 @@ def bart(folder):
 
     theirs = hf.BartForConditionalGeneration.from_pretrained(folder, attn_implementation="eager")
     return qkv.load(folder), theirs.eval()
-
-
-@pytest.fixture
-def drawn(monkeypatch) -> list[Figure]:
-    """The figures saved during a test, to read their labels and images back."""
-    figures, save = [], Figure.savefig
-
-    def recording(self, *args, **kwargs):
-        figures.append(self)
-        return save(self, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", recording)
-    return figures
 
 
 def random_letters(n: int) -> list[str]:

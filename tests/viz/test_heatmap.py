@@ -33,19 +33,6 @@ def words(T: int) -> list[str]:
     return [f"w{i}" for i in range(T)]
 
 
-@pytest.fixture
-def drawn(monkeypatch) -> list[Figure]:
-    """The figures saved during a test, to read their titles and images back."""
-    figures, save = [], Figure.savefig
-
-    def recording(self, *args, **kwargs):
-        figures.append(self)
-        return save(self, *args, **kwargs)
-
-    monkeypatch.setattr(Figure, "savefig", recording)
-    return figures
-
-
 def test_one_head_of_the_real_model_is_a_readable_png(att, tmp_path):
     T = len(att.tokens)
     path = head_heatmap(att.weights[0, 2], att.tokens, tmp_path / "new" / "h.png", title="L0 H2")
