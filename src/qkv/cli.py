@@ -17,7 +17,7 @@ app = typer.Typer(
 )
 
 Model = Annotated[str, typer.Option("--model", "-m", help="embedded name, folder, .gguf or id")]
-Backend = Annotated[str | None, typer.Option(help="attention backend: auto, sdpa, eager, loop")]
+Backend = Annotated[str | None, typer.Option(help="attention backend: auto, flash, sdpa, eager, loop (see `qkv backends`)")]
 
 
 @contextmanager

@@ -1,0 +1,53 @@
+"""Two fixes to Triton's CPU interpreter (TRITON_INTERPRET=1), applied only when it runs.
+
+The interpreter is how the kernels run without a GPU: in the tests, in CI, and for anyone
+who wants to step through them. Triton 3.6's has two faults that the compiled kernels
+do not share:
+- with NumPy 2.4 or newer, a loop bound computed from `tl.program_id` fails to become a
+  Python int ("only 0-dimensional arrays can be converted to Python scalars"), because
+  every scalar is a 1-element array (Triton 3.9 squeezes it, as done here);
+- `tl.dot` of bfloat16 tiles multiplies their raw 16-bit patterns as integers (bfloat16 is
+  stored as uint16 in NumPy); here they are widened to float32 first, which is what a GPU's
+  tensor cores compute with a float32 accumulator.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import triton.language as tl
+from triton.runtime import interpreter
+
+
+def _patch_tensor(original):
+    @functools.wraps(original)
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    return patch
+
+
+def _widen_bfloat16(handle):
+    if handle.dtype.scalar != tl.bfloat16:
+        return handle
+    data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+    return interpreter.TensorHandle(data.view(np.float32), tl.float32)
+
+
+def _patch_dot(original):
+    @functools.wraps(original)
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        a, b = _widen_bfloat16(a), _widen_bfloat16(b)
+        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    return create_dot
+
+
+@functools.cache
+def fix_interpreter() -> None:
+    """Apply both fixes once per process."""
+    interpreter._patch_lang_tensor = _patch_tensor(interpreter._patch_lang_tensor)
+    builder = interpreter.InterpreterBuilder
+    builder.create_dot = _patch_dot(builder.create_dot)
