@@ -1,4 +1,4 @@
-"""Test-wide settings: no downloads, and caches in a temporary folder, not the user's."""
+"""Test-wide settings: no downloads, caches in a temporary folder, Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -6,11 +6,16 @@ import os
 import tempfile
 
 import pytest
+import torch
 
 # Tests never download: a model that is not embedded or built locally must fail, not fetch.
 os.environ["HF_HUB_OFFLINE"] = "1"
 # The dequantized-GGUF cache goes to a folder of this test run, never the user's home.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="qkv-test-cache-")
+# Without a GPU, the `flash` backend's real Triton kernels run in Triton's CPU interpreter.
+# Set before anything imports them: Triton reads it when a kernel is defined.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +24,6 @@ def smollm2_hf():
 
     Slow (it dequantizes with numpy), so it is loaded once for every test that needs it.
     """
-    import torch
     import transformers
 
     from qkv.io.embedded import embedded_path

@@ -2,7 +2,7 @@
 
 A backend is one module with a `forward(q, k, v, *, mask, causal, scale, shape)` plus one
 `Backend` line below. `auto` walks the backends from fastest to slowest and takes the
-first whose `supports` has no objection; `explain_choice` says which and why.
+first whose `supports` and `prefer` have no objection; `explain_choice` says which and why.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from qkv.attention import eager, loop, sdpa
+from qkv.attention.flash import backend as flash
 from qkv.attention.inputs import Shape, check_inputs
 
 Forward = Callable[..., Tensor]
@@ -30,7 +31,8 @@ class Backend:
     forward: Forward
     speed_rank: int  # lower is faster; `auto` tries backends in this order
     description: str
-    supports: Supports = _always
+    supports: Supports = _always  # can it run these inputs at all (asked by every call)
+    prefer: Supports = _always  # asked by `auto` only: should it be chosen for them
     auto: bool = True  # False keeps a backend out of `auto` (the slow oracle)
 
 
@@ -46,6 +48,16 @@ def _loop_forward(q, k, v, *, mask, causal, scale, shape):
     return loop.attend(q, k, v, mask=mask, causal=causal, scale=scale)
 
 
+register_backend(
+    Backend(
+        "flash",
+        flash.forward,
+        5,
+        "qkv's Triton kernel (FlashAttention-2), forward and backward; CUDA",
+        supports=flash.supports,
+        prefer=flash.prefer,
+    )
+)
 register_backend(Backend("sdpa", sdpa.forward, 10, "torch's fused scaled_dot_product_attention"))
 register_backend(Backend("eager", eager.forward, 50, "matmul, softmax, matmul; can return weights"))
 register_backend(
@@ -75,7 +87,7 @@ def _choose(q: Tensor, mask: Tensor | None, causal: bool, shape: Shape) -> Choic
     for backend in sorted(BACKENDS.values(), key=lambda b: b.speed_rank):
         if not backend.auto:
             continue
-        reason = backend.supports(q, mask, causal, shape)
+        reason = backend.supports(q, mask, causal, shape) or backend.prefer(q, mask, causal, shape)
         if reason is None:
             return Choice(backend.name, passed_over)
         passed_over[backend.name] = reason

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.attention import attend, attention_weights, backend_names
+from qkv.attention import attend, attention_weights, backend_names, flash
 from qkv.nn.position import RotaryEmbedding, positions_for
 
 
@@ -185,19 +185,29 @@ class MultiHeadAttention(nn.Module):
         if key_padding_mask is not None:
             padding = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, Tk)
             mask = padding if mask is None else mask & padding
-        out = attend(q, k, v, mask=mask, causal=causal, backend=self.backend)  # (B, H, T, D)
+        lse = None
+        if heads is not None and self.backend == "flash":
+            # the kernel's log-sum-exp turns q and k into the asked-for weights directly
+            out, lse = flash.flash_attention(q, k, v, mask=mask, causal=causal)  # (B, H, T, D)
+        else:
+            out = attend(q, k, v, mask=mask, causal=causal, backend=self.backend)  # (B, H, T, D)
         out = self.out(out.transpose(1, 2).reshape(B, T, -1))  # concatenate heads, (B, T, C)
-        weights = None if heads is None else self.weights_of(heads, q, k, mask, causal)
+        weights = None if heads is None else self.weights_of(heads, q, k, mask, causal, lse)
         return out, weights
 
-    def weights_of(self, heads: Sequence[int], q, k, mask, causal) -> Tensor:
-        """Recompute the attention weights of some query heads from this layer's q and k."""
+    def weights_of(self, heads: Sequence[int], q, k, mask, causal, lse=None) -> Tensor:
+        """Recompute the attention weights of some query heads from this layer's q and k
+        (and, after the `flash` kernel, the log-sum-exp (B, H, T) it returned)."""
         heads = list(heads)
         bad = [h for h in heads if not 0 <= h < self.num_heads]
         if bad:
             raise ValueError(
                 f"head {bad[0]} is out of range: this layer has {self.num_heads} heads "
                 f"(0-{self.num_heads - 1})"
+            )
+        if lse is not None:
+            return flash.attention_weights_from_lse(
+                q, k, lse, heads=heads, mask=mask, causal=causal
             )
         group = self.num_heads // self.num_kv_heads
         index = torch.tensor(heads, device=q.device)

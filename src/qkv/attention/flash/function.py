@@ -9,6 +9,7 @@ Both return the log-sum-exp of every query's scores beside the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import triton
@@ -187,9 +188,11 @@ def _check_cu_seqlens(name: str, cu: Tensor, total: int, q: Tensor) -> Tensor:
     if not isinstance(cu, Tensor) or cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be a 1-D tensor [0, n1, n1 + n2, ..., total] of B + 1 ints")
     if cu.dtype not in (torch.int32, torch.int64) or cu.device != q.device:
-        raise ValueError(f"{name} must hold int32 or int64 on {q.device}, got {cu.dtype} on {cu.device}")
+        raise ValueError(
+            f"{name} must hold int32 or int64 on {q.device}, got {cu.dtype} on {cu.device}"
+        )
     values = cu.tolist()
-    if values[0] != 0 or values[-1] != total or any(b < a for a, b in zip(values, values[1:])):
+    if values[0] != 0 or values[-1] != total or any(b < a for a, b in pairwise(values)):
         raise ValueError(
             f"{name} must rise from 0 to the number of packed tokens ({total}), got {values[:8]}"
             + (" ..." if len(values) > 8 else "")
@@ -220,7 +223,11 @@ def flash_attention_varlen(
             got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise ValueError(f"{name} must be packed as (tokens, heads, D), got {got}")
     cu_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q)
-    cu_k = cu_q if cu_seqlens_k is None else _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q)
+    cu_k = (
+        cu_q
+        if cu_seqlens_k is None
+        else _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q)
+    )
     if cu_k.numel() != cu_q.numel():
         raise ValueError(
             f"cu_seqlens_q has {cu_q.numel() - 1} sequences but cu_seqlens_k has {cu_k.numel() - 1}"
@@ -230,8 +237,9 @@ def flash_attention_varlen(
                                 v.transpose(0, 1)[None], None, scale)  # fmt: skip
     _check_runnable(q, shape.D)
     lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
-    launch = Launch(cu_q.numel() - 1, shape.H, shape.Hkv, int(lengths_q.max()),
-                    max(int(lengths_k.max()), 1), shape.D, causal, scale, None, cu_q, cu_k)  # fmt: skip
+    Tq, Tk = int(lengths_q.max()), max(int(lengths_k.max()), 1)  # the longest sequences
+    launch = Launch(cu_q.numel() - 1, shape.H, shape.Hkv, Tq, Tk, shape.D, causal, scale,
+                    None, cu_q, cu_k)  # fmt: skip
     return FlashAttention.apply(q, k, v, launch)
 
 

@@ -114,11 +114,14 @@ def _attend_key_tiles(
         cols = start_n + offs_n
         k_t = tl.load(
             k_ptrs + start_n * stride_kt,
-            mask=(cols[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM), other=0.0,
+            mask=(cols[None, :] < k_len) & (offs_d[:, None] < HEAD_DIM),
+            other=0.0,
         )  # (BLOCK_D, BLOCK_N)  fmt: skip
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
         if CHECK_BOUNDS:
-            s = tl.where(_visible(offs_m, cols, q_len, k_len, causal_offset, CAUSAL), s, -float("inf"))
+            s = tl.where(
+                _visible(offs_m, cols, q_len, k_len, causal_offset, CAUSAL), s, -float("inf")
+            )
         if HAS_MASK:
             allowed = tl.load(
                 mask_ptrs + start_n * stride_mk,
@@ -134,7 +137,8 @@ def _attend_key_tiles(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_ptrs + start_n * stride_vt,
-            mask=(cols[:, None] < k_len) & (offs_d[None, :] < HEAD_DIM), other=0.0,
+            mask=(cols[:, None] < k_len) & (offs_d[None, :] < HEAD_DIM),
+            other=0.0,
         )  # (BLOCK_N, BLOCK_D)  fmt: skip
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -244,8 +248,12 @@ def backward_delta_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = q_start + offs_m[:, None]
     inside = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(Out + b * sob + h * soh + rows * sot + offs_d[None, :] * sod, mask=inside, other=0.0)
-    do = tl.load(dOut + b * sdb + h * sdh + rows * sdt + offs_d[None, :] * sdd, mask=inside, other=0.0)
+    o = tl.load(
+        Out + b * sob + h * soh + rows * sot + offs_d[None, :] * sod, mask=inside, other=0.0
+    )
+    do = tl.load(
+        dOut + b * sdb + h * sdh + rows * sdt + offs_d[None, :] * sdd, mask=inside, other=0.0
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b * slb + h * slh + (q_start + offs_m) * slt, delta, mask=offs_m < q_len)
 
@@ -294,8 +302,12 @@ def backward_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     kv_inside = (offs_n[:, None] < k_len) & (offs_d[None, :] < HEAD_DIM)
     keys = k_start + offs_n[:, None]
-    k = tl.load(K + b * skb + kv_h * skh + keys * skt + offs_d[None, :] * skd, mask=kv_inside, other=0.0)
-    v = tl.load(V + b * svb + kv_h * svh + keys * svt + offs_d[None, :] * svd, mask=kv_inside, other=0.0)
+    k = tl.load(
+        K + b * skb + kv_h * skh + keys * skt + offs_d[None, :] * skd, mask=kv_inside, other=0.0
+    )
+    v = tl.load(
+        V + b * svb + kv_h * svh + keys * svt + offs_d[None, :] * svd, mask=kv_inside, other=0.0
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     first = 0
@@ -307,14 +319,22 @@ def backward_dkdv_kernel(
             offs_m = start_m + offs_m0
             rows = q_start + offs_m
             q_inside = (offs_m[None, :] < q_len) & (offs_d[:, None] < HEAD_DIM)
-            q_t = tl.load(Q + b * sqb + h * sqh + rows[None, :] * sqt + offs_d[:, None] * sqd,
-                          mask=q_inside, other=0.0)  # (BLOCK_D, BLOCK_M)  fmt: skip
+            q_t = tl.load(
+                Q + b * sqb + h * sqh + rows[None, :] * sqt + offs_d[:, None] * sqd,
+                mask=q_inside,
+                other=0.0,
+            )  # (BLOCK_D, BLOCK_M)  fmt: skip
             mask_ptrs = MASK + b * smb + h * smh + offs_m[None, :] * smq + offs_n[:, None] * smk
             lse_ptrs = LSE + b * slb + h * slh + rows * slt
-            p_t = _weights_tile(q_t, k, lse_ptrs, mask_ptrs, offs_m, offs_n, q_len, k_len,
-                                causal_offset, scale_log2, CAUSAL, HAS_MASK, DOT_PRECISION)  # fmt: skip
-            do = tl.load(dOut + b * sdb + h * sdh + rows[:, None] * sdt + offs_d[None, :] * sdd,
-                         mask=tl.trans(q_inside), other=0.0)  # (BLOCK_M, BLOCK_D)  fmt: skip
+            p_t = _weights_tile(
+                q_t, k, lse_ptrs, mask_ptrs, offs_m, offs_n, q_len, k_len, causal_offset,
+                scale_log2, CAUSAL, HAS_MASK, DOT_PRECISION,
+            )  # fmt: skip
+            do = tl.load(
+                dOut + b * sdb + h * sdh + rows[:, None] * sdt + offs_d[None, :] * sdd,
+                mask=tl.trans(q_inside),
+                other=0.0,
+            )  # (BLOCK_M, BLOCK_D)  fmt: skip
             dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             delta = tl.load(Delta + b * slb + h * slh + rows * slt, mask=offs_m < q_len, other=0.0)
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M)
@@ -368,8 +388,9 @@ def backward_dq_kernel(
         offs_n = start_n + offs_n0
         keys = k_start + offs_n[:, None]
         kv_inside = (offs_n[:, None] < k_len) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(K + b * skb + kv_h * skh + keys * skt + offs_d[None, :] * skd,
-                    mask=kv_inside, other=0.0)  # (BLOCK_N, BLOCK_D)  fmt: skip
+        k = tl.load(
+            K + b * skb + kv_h * skh + keys * skt + offs_d[None, :] * skd, mask=kv_inside, other=0.0
+        )  # (BLOCK_N, BLOCK_D)  fmt: skip
         v = tl.load(V + b * svb + kv_h * svh + keys * svt + offs_d[None, :] * svd,
                     mask=kv_inside, other=0.0)  # fmt: skip
         mask_ptrs = MASK + b * smb + h * smh + offs_m[None, :] * smq + offs_n[:, None] * smk
