@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from flash_cases import MASKS, TOLERANCE, Case, check, check_varlen, make_inputs
+from flash_cases import CASES, MASKS, TOLERANCE, Case, check, check_varlen, make_inputs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,20 +29,6 @@ from qkv.models import (
 from qkv.nn import BlockConfig
 
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
-
-# Each feature the kernel promises, at sizes that cross several 16-wide tiles and end
-# inside one (odd T), in every dtype it computes in.
-CASES = [
-    Case(dtype=bf16, D=32),  # grouped KV heads: 4 query heads on 2 key/value heads
-    Case(dtype=fp16, D=64, causal=True),
-    Case(dtype=fp32, D=80, Tq=23, Tk=41, causal=True, mask="padding"),  # cached decoding
-    Case(dtype=bf16, D=96, Tq=41, Tk=23, causal=True),  # Tq > Tk: the first queries see none
-    Case(dtype=fp16, D=128, H=3, Hkv=1, mask="full"),  # multi-query attention
-    Case(dtype=bf16, D=256, B=1, H=2, Hkv=2, Tq=17, Tk=29, mask="blind"),
-    Case(dtype=fp32, D=64, Tq=1, Tk=50, causal=True),  # one new token against its cache
-    Case(dtype=bf16, D=64, Tq=32, Tk=48, causal=True, mask="blind"),  # whole tiles only
-    Case(dtype=fp16, D=8, H=6, Hkv=3, Tq=5, Tk=7),  # a head narrower than a tile
-]
 
 
 def assert_within_tolerance(errors: dict[str, float], dtype: torch.dtype) -> None:
@@ -232,3 +218,32 @@ def test_a_decoder_on_flash_decodes_with_its_cache_and_reports_its_weights():
     torch.testing.assert_close(torch.cat(steps, 1), want.logits, rtol=0, atol=2e-5)
     for key in record:  # weights recomputed from the kernel's lse equal the eager ones
         torch.testing.assert_close(got.attentions[key], want.attentions[key], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- the interpreter's fixes
+
+
+def test_bfloat16_is_rounded_and_multiplied_as_a_gpu_does():
+    """On the CPU this checks qkv's fixes to Triton's interpreter (flash/interpreter.py);
+    on a GPU, the hardware they imitate."""
+    import triton
+    import triton.language as tl
+
+    import qkv.attention.flash.kernels  # noqa: F401  (applies the fixes)
+
+    @triton.jit
+    def product(A, B, Out, Rounded, N: tl.constexpr):
+        rows = tl.arange(0, N)
+        tile = rows[:, None] * N + rows[None, :]
+        a, b = tl.load(A + tile), tl.load(B + tile)
+        tl.store(Out + tile, tl.dot(a, b))  # bfloat16 operands, float32 product
+        tl.store(Rounded + tile, tl.dot(a.to(tl.float32), b.to(tl.float32)).to(tl.bfloat16))
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a, b = torch.randn(2, 16, 16, device=device).bfloat16()
+    out = torch.empty(16, 16, device=device)
+    rounded = torch.empty(16, 16, device=device, dtype=bf16)
+    product[(1,)](a, b, out, rounded, 16)
+    exact = a.float() @ b.float()
+    torch.testing.assert_close(out, exact, rtol=0, atol=1e-5)
+    assert torch.equal(rounded, exact.bfloat16()), "float32 -> bfloat16 rounds to nearest even"

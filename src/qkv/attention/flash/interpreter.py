@@ -1,14 +1,17 @@
-"""Two fixes to Triton's CPU interpreter (TRITON_INTERPRET=1), applied only when it runs.
+"""Three fixes to Triton's CPU interpreter (TRITON_INTERPRET=1), applied only when it runs.
 
 The interpreter is how the kernels run without a GPU: in the tests, in CI, and for anyone
-who wants to step through them. Triton 3.6's has two faults that the compiled kernels
-do not share:
+who wants to step through them. Triton 3.6's has three faults that the compiled
+kernels do not share:
 - with NumPy 2.4 or newer, a loop bound computed from `tl.program_id` fails to become a
   Python int ("only 0-dimensional arrays can be converted to Python scalars"), because
   every scalar is a 1-element array (Triton 3.9 squeezes it, as done here);
 - `tl.dot` of bfloat16 tiles multiplies their raw 16-bit patterns as integers (bfloat16 is
   stored as uint16 in NumPy); here they are widened to float32 first, which is what a GPU's
-  tensor cores compute with a float32 accumulator.
+  tensor cores compute with a float32 accumulator;
+- `x.to(tl.bfloat16)` from float32 truncates the mantissa (half of all values land one
+  step low, all towards zero) where a GPU rounds to the nearest even; done here as a GPU
+  does, so that the tests see the kernel's real bfloat16 error, not twice it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,23 @@ def _widen_bfloat16(handle):
     return interpreter.TensorHandle(data.view(np.float32), tl.float32)
 
 
+def _round_to_bfloat16(data: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), rounding to the nearest even as GPUs do."""
+    bits = data.astype(np.float32).view(np.uint32)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    return np.where(np.isnan(data), 0x7FC0, rounded).astype(np.uint16)
+
+
+def _patch_cast(original):
+    @functools.wraps(original)
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return interpreter.TensorHandle(_round_to_bfloat16(src.data), tl.bfloat16)
+        return original(self, src, dst_type)
+
+    return cast_impl
+
+
 def _patch_dot(original):
     @functools.wraps(original)
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -47,7 +67,8 @@ def _patch_dot(original):
 
 @functools.cache
 def fix_interpreter() -> None:
-    """Apply both fixes once per process."""
+    """Apply the three fixes once per process."""
     interpreter._patch_lang_tensor = _patch_tensor(interpreter._patch_lang_tensor)
     builder = interpreter.InterpreterBuilder
     builder.create_dot = _patch_dot(builder.create_dot)
+    builder.cast_impl = _patch_cast(builder.cast_impl)
