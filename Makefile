@@ -45,6 +45,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/generate.py
 	$(PY) benchmarks/encode.py
 	$(PY) benchmarks/train.py
+	$(PY) benchmarks/serve_load.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -17,7 +17,10 @@ app = typer.Typer(
 )
 
 Model = Annotated[str, typer.Option("--model", "-m", help="embedded name, folder, .gguf or id")]
-Backend = Annotated[str | None, typer.Option(help="attention backend: auto, flash, sdpa, eager, loop (see `qkv backends`)")]
+Backend = Annotated[
+    str | None,
+    typer.Option(help="attention backend: auto, flash, sdpa, eager, loop (see `qkv backends`)"),
+]
 
 
 @contextmanager
@@ -351,6 +354,47 @@ def demo(
         for section in article_walk(out):
             typer.echo(section + "\n")
     typer.echo(f"(sentence: {SENTENCE!r}; every number above is MiniLM's own)")
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        list[str] | None,
+        typer.Option("--model", "-m", help="a model to serve (repeatable); default: the embedded"),
+    ] = None,
+    host: Annotated[str, typer.Option(help="the address to listen on; loopback by default")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="0 picks a free port")] = 8000,
+    max_tokens: Annotated[int, typer.Option(help="tokens per text, at most")] = 128,
+    timeout: Annotated[float, typer.Option(help="seconds per request, at most")] = 10.0,
+    backend: Backend = None,
+    quiet: Annotated[bool, typer.Option(help="no request log")] = False,
+) -> None:
+    """The attention explorer: a local web page and its JSON API (/docs), until Ctrl-C."""
+    from qkv import load
+    from qkv.io.embedded import EMBEDDED
+    from qkv.serve import Limits, bind, create_app
+    from qkv.serve import serve as run_server
+    from qkv.serve.server import address
+
+    with user_errors():
+        names = list(dict.fromkeys(model or EMBEDDED))  # each once, in the order given
+        limits = Limits(max_tokens=max_tokens, timeout_s=timeout)
+        sock = bind(host, port)  # a port in use fails now, not after the models load
+        try:
+            models = {}
+            for name in names:
+                typer.echo(f"loading {name}...", err=True)
+                models[name] = load(name, backend=backend)
+            served = create_app(models, limits)
+        except BaseException:
+            sock.close()
+            raise
+
+    typer.echo(f"qkv serve: {address(sock)} (models: {', '.join(names)}); Ctrl-C stops it")
+    run_server(served, sock, quiet=quiet)
+    typer.echo("stopped")
 
 
 def main() -> None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from qkv.attention.flash.backend import interpreter_on
+
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 LN_2 = 0.6931471805599453  # ln(x) = log2(x) * LN_2
 MIN_BLOCK = 16  # tl.dot needs every side of a tile to be 16 at least
@@ -43,9 +45,7 @@ INTERPRETER_TILE = (MIN_BLOCK, MIN_BLOCK, 1, 1)
 AUTOTUNE_KEY = ["HEAD_DIM", "CAUSAL", "HAS_MASK", "VARLEN", "TQ_BUCKET", "TK_BUCKET"]
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels on the CPU (TRITON_INTERPRET=1), as the tests do."""
-    return bool(triton.knobs.runtime.interpret)
+interpreting = interpreter_on  # TRITON_INTERPRET=1: the kernels run on the CPU, as in tests
 
 
 if interpreting():

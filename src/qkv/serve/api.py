@@ -1,0 +1,295 @@
+"""The JSON API's routes: each picks its model, then runs its `compute` function in a worker.
+
+Work runs in the app's thread pool, never on the event loop, so a slow request delays
+no other; each is bounded by `Limits.timeout_s` (504 past it, the wait for a worker
+included). A generation first awaits its model's turn (503 if it does not come within
+timeout_s), then runs until max_new_tokens, the end of the text or `Limits.generate_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from qkv.serve import compute
+from qkv.serve.limits import TimedOut
+from qkv.serve.schemas import (
+    AttentionAnswer,
+    AttentionRequest,
+    ContributionsAnswer,
+    ContributionsRequest,
+    GenerateAnswer,
+    GenerateRequest,
+    ModelsAnswer,
+    NextAnswer,
+    NextRequest,
+    ProbeRequest,
+    Problem,
+    TraceRequest,
+)
+
+ERRORS = {
+    code: {"model": Problem, "description": why}
+    for code, why in {
+        400: "the body is not JSON",
+        413: "over a size limit: body, characters, tokens or sentences",
+        422: "a value not allowed: empty text, unknown model or word, layer or head out of "
+        "range, an encoder asked to generate",
+        504: "the request took longer than the time limit",
+    }.items()
+}
+
+router = APIRouter(prefix="/api", tags=["attention"], responses=ERRORS)
+
+
+class Busy(Exception):
+    """The model is generating for someone else for longer than the time limit: HTTP 503."""
+
+
+@router.get("/models", response_model=ModelsAnswer, summary="The models and the limits")
+async def models(request: Request):
+    from qkv import __version__
+    from qkv.inspect.bank_sentences import SENTENCES
+    from qkv.inspect.demo import SENTENCE
+
+    state = request.app.state.qkv
+    return {
+        "version": __version__,
+        "models": [served.describe() for served in state.models.values()],
+        "limits": state.limits.to_dict(),
+        "examples": [SENTENCE, *SENTENCES],
+    }
+
+
+@router.post("/attention", response_model=AttentionAnswer, summary="Every weight of a text")
+async def attention(body: AttentionRequest, request: Request):
+    """The tokens of a text and the attention weights of every layer and head (or of the
+    chosen ones): row i of a head's matrix is how token i's attention divides, summing to 1."""
+    state = request.app.state.qkv
+    served = state.pick(body.model)
+    return await run(
+        request,
+        compute.attention,
+        served,
+        state.limits,
+        body.text,
+        body.layers,
+        body.heads,
+        body.format,
+    )
+
+
+@router.post("/trace", summary="The article's steps for one (query, key) pair")
+async def trace(body: TraceRequest, request: Request) -> dict:
+    """`qkv.trace(...).to_dict()`: query, key and value vectors, the attention scalar, its
+    scaled value, the softmax over every key, the scaled value vector, the sum, the model's
+    own output for the head, and every token's contribution. Fields: docs/explain.md."""
+    state = request.app.state.qkv
+    served = state.pick(body.model)
+    return await run(
+        request,
+        compute.trace_pair,
+        served,
+        state.limits,
+        body.text,
+        body.query,
+        body.key,
+        body.layer,
+        body.head,
+    )
+
+
+@router.post(
+    "/contributions",
+    response_model=ContributionsAnswer,
+    summary="What each word added to a query word",
+)
+async def contributions(body: ContributionsRequest, request: Request):
+    """In one layer and head: each token's softmax weight for the query word, and the size
+    of what it added after the output projection (a large weight on a small value vector can
+    add less than a modest weight on a large one)."""
+    state = request.app.state.qkv
+    served = state.pick(body.model)
+    return await run(
+        request,
+        compute.contributions,
+        served,
+        state.limits,
+        body.text,
+        body.query,
+        body.layer,
+        body.head,
+    )
+
+
+@router.post("/probe", summary="The sense probe: one word across sentences, layer by layer")
+async def probe(body: ProbeRequest, request: Request) -> dict:
+    """`probe(...).to_dict()`: the cosine similarity of the word's vectors in every pair of
+    sentences at every depth; with labels, how well the senses separate. Fields:
+    docs/probe.md."""
+    state = request.app.state.qkv
+    served = state.pick(body.model)
+    return await run(
+        request,
+        compute.probe_word,
+        served,
+        state.limits,
+        body.word,
+        body.sentences,
+        body.labels,
+        body.cues,
+    )
+
+
+@router.post("/next", response_model=NextAnswer, summary="A decoder's next-token probabilities")
+async def next_tokens(body: NextRequest, request: Request):
+    state = request.app.state.qkv
+    served = state.pick(body.model)
+    return await run(request, compute.next_tokens, served, state.limits, body.text, body.top)
+
+
+@router.post("/generate", response_model=GenerateAnswer, summary="Generate, answered at the end")
+async def generate(body: GenerateRequest, request: Request):
+    state = request.app.state.qkv
+    served = state.pick(body.model)
+    body = defaults(body, state.limits)
+    await run(
+        request, compute.check_generation, served, state.limits, body.prompt, body.max_new_tokens
+    )
+    async with turn(served, state.limits.timeout_s):
+        return await run(
+            request,
+            compute.generate,
+            served,
+            state.limits,
+            body.prompt,
+            options(body),
+            lambda piece: None,
+            timeout=state.limits.generate_s + state.limits.timeout_s,
+        )
+
+
+@router.post(
+    "/generate/stream",
+    summary="Generate, streamed as server-sent events",
+    response_class=StreamingResponse,
+    responses={
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": (
+                '`event: token` with data {"text": piece} as each piece is written, then '
+                '`event: done` with the GenerateAnswer, or `event: error` with {"detail": ...}'
+            ),
+        }
+    },
+)
+async def generate_stream(body: GenerateRequest, request: Request):
+    state = request.app.state.qkv
+    served, limits = state.pick(body.model), state.limits
+    body = defaults(body, limits)
+    await run(request, compute.check_generation, served, limits, body.prompt, body.max_new_tokens)
+    lock = served.generation_lock()
+    await wait_turn(lock, served, limits.timeout_s)
+    loop, queue, cancelled = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+
+    def put(kind: str, payload: dict) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            cancelled.set()
+
+    def work() -> None:
+        try:
+            put(
+                "done",
+                compute.generate(
+                    served,
+                    limits,
+                    body.prompt,
+                    options(body),
+                    lambda piece: put("token", {"text": piece}),
+                    cancelled.is_set,
+                ),
+            )
+        except Exception as error:  # told to the client, which has a 200 already
+            put("error", {"detail": f"{type(error).__name__}: {error}"})
+        finally:
+            loop.call_soon_threadsafe(lock.release)
+
+    state.pool.submit(work)
+
+    async def events():
+        try:
+            while True:
+                kind, payload = await queue.get()
+                yield f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+                if kind != "token":
+                    return
+        finally:
+            cancelled.set()  # the client left, or the stream ended: stop generating
+
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+def defaults(body: GenerateRequest, limits) -> GenerateRequest:
+    if body.max_new_tokens is not None:
+        return body
+    return body.model_copy(update={"max_new_tokens": min(32, limits.max_new_tokens)})
+
+
+def options(body: GenerateRequest) -> dict:
+    return {
+        "max_new_tokens": body.max_new_tokens,
+        "temperature": body.temperature,
+        "top_k": body.top_k,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "stop": body.stop,
+        "chat": body.chat,
+    }
+
+
+@asynccontextmanager
+async def turn(served, timeout: float):
+    """Hold the model's generation lock (see qkv.serve.models)."""
+    lock = served.generation_lock()
+    await wait_turn(lock, served, timeout)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+async def wait_turn(lock: asyncio.Lock, served, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(lock.acquire(), timeout)
+    except TimeoutError:
+        raise Busy(
+            f"{served.name} has been generating for another request for {timeout:g} s "
+            "(timeout_s); try again when it is done"
+        ) from None
+
+
+async def run(request: Request, work: Callable, *args, timeout: float | None = None) -> Response:
+    """work(*args) in the app's thread pool, its answer JSON-encoded there too; TimedOut past
+    the time limit (the work is dropped if it has not started, finished unheard if it has)."""
+    state = request.app.state.qkv
+    timeout = state.limits.timeout_s if timeout is None else timeout
+    future = state.pool.submit(lambda: json.dumps(work(*args)).encode())
+    try:
+        body = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+    except TimeoutError:
+        future.cancel()
+        raise TimedOut(
+            f"the request took longer than this server's limit of {timeout:g} s (timeout_s); "
+            "ask for a shorter text, or fewer layers and heads"
+        ) from None
+    return Response(body, media_type="application/json")

@@ -1,0 +1,154 @@
+"""`create_app`: the FastAPI app of `qkv serve`, from models already loaded and its limits.
+
+The app serves the explorer page at `/` (its script, style and every asset from the
+package: no network), the JSON API under `/api` (see `qkv.serve.api`), its OpenAPI
+description at `/openapi.json` and a Swagger page at `/docs` whose files come from the
+`swagger-ui-bundle-v2` package, not a CDN. Every error is JSON `{"detail": one line}`.
+
+    import qkv
+    from qkv.serve import Limits, create_app
+
+    app = create_app({"minilm": qkv.load("minilm")}, Limits(max_tokens=64))
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from importlib.resources import files
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from qkv.serve.api import Busy, router
+from qkv.serve.limits import BodyLimit, Limits, TimedOut, TooLarge
+from qkv.serve.models import Served, served_models
+
+log = logging.getLogger("qkv.serve")
+STATIC = files("qkv.serve") / "static"
+
+
+@dataclass
+class State:
+    """What every request reads: the models, the limits and the worker threads."""
+
+    models: dict[str, Served]
+    limits: Limits
+    pool: ThreadPoolExecutor
+
+    def pick(self, name: str | None) -> Served:
+        """The model a request names (None: the first); never loads one."""
+        if name is None:
+            return next(iter(self.models.values()))
+        if name not in self.models:
+            raise ValueError(
+                f"unknown model {name!r}; this server has: {', '.join(self.models)} (models "
+                "are loaded when the server starts, never by a request)"
+            )
+        return self.models[name]
+
+
+def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
+    """The app serving `models` ({name: qkv.Pretrained}, encoders and decoders) within
+    `limits`. The models are only read; the app may be served by any ASGI server."""
+    from qkv import __version__
+
+    limits = limits or Limits()
+    state = State(
+        served_models(models),
+        limits,
+        ThreadPoolExecutor(limits.workers, thread_name_prefix="qkv-serve"),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        state.pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(
+        title="qkv serve",
+        version=__version__,
+        description="Self-attention in real pretrained models: weights, the article's steps "
+        "for a pair of words, contributions, the sense probe, next-token probabilities and "
+        "generation. Layers, heads and tokens count from 0. The page is at /.",
+        docs_url=None,  # served below from local files
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.qkv = state
+    app.include_router(router)
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+    _add_error_handlers(app)
+
+    app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
+    app.mount("/docs-assets", StaticFiles(directory=str(_swagger())), name="docs-assets")
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(str(STATIC / "index.html"), media_type="text/html")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url,
+            title="qkv serve: the API",
+            swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs-assets/swagger-ui.css",
+            swagger_favicon_url="/docs-assets/favicon-32x32.png",
+            swagger_ui_parameters={"validatorUrl": None},  # never ask validator.swagger.io
+        )
+
+    return app
+
+
+def _swagger():
+    import swagger_ui_bundle
+
+    return swagger_ui_bundle.swagger_ui_path
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def problem(status: int, detail: str) -> JSONResponse:
+        return JSONResponse({"detail": detail}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError):
+        errors = error.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            at = first.get("ctx", {}).get("error", "")
+            return problem(400, f"the body is not valid JSON ({at}); send a JSON object")
+        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        message = first.get("msg", "invalid")
+        if first.get("type") == "extra_forbidden":
+            message = "is not a field of this request (see /docs)"
+        elif first.get("type") == "missing":
+            message = "is required"
+        return problem(422, f"{where or 'the body'}: {message}{more}")
+
+    @app.exception_handler(TooLarge)
+    async def too_large(request: Request, error: TooLarge):
+        return problem(413, str(error))
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request: Request, error: ValueError):
+        return problem(422, str(error))
+
+    @app.exception_handler(TimedOut)
+    async def timed_out(request: Request, error: TimedOut):
+        return problem(504, str(error))
+
+    @app.exception_handler(Busy)
+    async def busy(request: Request, error: Busy):
+        return problem(503, str(error))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return problem(500, f"the server failed ({type(error).__name__}); its log says more")

@@ -1,0 +1,251 @@
+"""The work behind each endpoint, run in a worker thread: library calls, their answers as JSON.
+
+Nothing here computes attention itself: the weights are `Pretrained.attentions`, a pair's
+steps and contributions are `qkv.trace`, the sense probe is `qkv.inspect.probe.probe`,
+generation is `Pretrained.generate`. This module checks the request against the limits,
+takes the model's lock the call needs (see `qkv.serve.models`) and shapes the answer.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from qkv.serve.limits import Limits
+from qkv.serve.models import Served
+
+FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
+
+
+def encode(served: Served, limits: Limits, text: str, what: str = "the text"):
+    """The text's tokens, after the size limits: characters first, then tokens."""
+    limits.check_text(text, what)
+    encoded = served.pretrained.encode(text)
+    limits.check_tokens(len(encoded.ids), what)
+    return encoded
+
+
+def attention(
+    served: Served,
+    limits: Limits,
+    text: str,
+    layers: list[int] | None,
+    heads: list[int] | None,
+    fmt: str,
+) -> dict:
+    """The weights of the chosen layers and heads, (L', H', T, T), and the text's tokens."""
+    encode(served, limits, text)
+    config = served.pretrained.config
+    layers = list(range(config.num_layers)) if layers is None else layers
+    heads = list(range(config.block.num_heads)) if heads is None else heads
+    for name, chosen in (("layer", layers), ("head", heads)):
+        if not chosen:
+            raise ValueError(f"{name}s is empty; leave it out for every {name}")
+        for value in chosen:
+            served.check_index(name, value)
+    with served.guard.shared():
+        seen = served.pretrained.attentions(text)
+    weights = seen.weights[layers][:, heads].float()  # (L', H', T, T)
+    if fmt == "base64":
+        packed = [[pack_float32(matrix) for matrix in row] for row in weights.numpy()]
+    return {
+        "model": served.name,
+        "text": text,
+        "tokens": list(seen.tokens),
+        "words": words(seen.encoded),
+        "layers": layers,
+        "heads": heads,
+        "shape": list(weights.shape),
+        "format": fmt,
+        "encoding": FLOAT32 if fmt == "base64" else "lists of floats: [layer][head][query][key]",
+        "weights": packed if fmt == "base64" else weights.tolist(),
+    }
+
+
+def words(encoded) -> list[dict]:
+    """Each word of the text with its name for a trace and its tokens [start, end): a word
+    that occurs more than once is "bank#1", "bank#2", as a trace must be asked for it."""
+    found = encoded.words()
+    counts = Counter(w.text.casefold() for w in found)
+    return [
+        {
+            "word": f"{w.text}#{w.occurrence}" if counts[w.text.casefold()] > 1 else w.text,
+            "tokens": list(w.token_span),
+        }
+        for w in found
+    ]
+
+
+def trace_pair(
+    served: Served,
+    limits: Limits,
+    text: str,
+    query: str,
+    key: str,
+    layer: int | None,
+    head: int | None,
+) -> dict:
+    """`qkv.trace(...).to_dict()`: the article's steps for one pair (docs/explain.md)."""
+    from qkv.inspect.trace import trace
+
+    encode(served, limits, text)
+    with served.guard.exclusive():  # trace hooks the model's modules: see qkv.serve.models
+        traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
+    return {"model": served.name, **traced.to_dict()}
+
+
+def contributions(
+    served: Served, limits: Limits, text: str, query: str, layer: int, head: int
+) -> dict:
+    """What each token added to `query`'s new vector in one head: the trace's contributions,
+    ranked by softmax weight and by size after the output projection."""
+    from qkv.inspect.trace import trace
+
+    encode(served, limits, text)
+    served.check_index("layer", layer)
+    served.check_index("head", head)
+    with served.guard.exclusive():  # the query word as its own key: always a word it sees
+        traced = trace(served.pretrained, text, query, query, layer=layer, head=head)
+    found = [
+        {"token": c.token, "index": c.index, "weight": c.weight, "size": c.size}
+        for c in traced.contributions
+    ]
+    return {
+        "model": served.name,
+        "text": text,
+        "tokens": traced.tokens,
+        "query": query,
+        "query_index": traced.query_index,
+        "layer": layer,
+        "head": head,
+        "causal": traced.causal,
+        "contributions": found,
+        "by_weight": [c["index"] for c in sorted(found, key=lambda c: -c["weight"])],
+        "by_size": [c["index"] for c in sorted(found, key=lambda c: -c["size"])],
+    }
+
+
+def probe_word(
+    served: Served,
+    limits: Limits,
+    word: str,
+    sentences: list[str] | None,
+    labels: list[str] | None,
+    cues: list[str] | None,
+) -> dict:
+    """`probe(...).to_dict()`: the word's vectors compared across sentences (docs/probe.md)."""
+    from qkv.inspect.probe import probe
+
+    if sentences is not None:
+        if len(sentences) > limits.max_sentences:
+            from qkv.serve.limits import TooLarge
+
+            raise TooLarge(
+                f"{len(sentences)} sentences; this server probes at most {limits.max_sentences} "
+                "at once (max_sentences)"
+            )
+        for i, sentence in enumerate(sentences):
+            encode(served, limits, sentence, f"sentence {i}")
+    with served.guard.shared():
+        found = probe(served.pretrained, word, sentences, labels, cues=cues)
+    return {"model": served.name, **found.to_dict()}
+
+
+def next_tokens(served: Served, limits: Limits, text: str, top: int) -> dict:
+    """A decoder's probabilities for the token after `text`: the `top` most likely."""
+    must_generate(served)
+    encoded = encode(served, limits, text)
+    with served.guard.shared(), torch.inference_mode():
+        logits = served.pretrained.model(torch.tensor([encoded.ids])).logits[0, -1].float()
+    probabilities = logits.softmax(-1)  # (vocab,)
+    best = probabilities.topk(min(top, len(probabilities)))
+    tokenizer = served.pretrained.tokenizer
+    return {
+        "model": served.name,
+        "text": text,
+        "tokens": list(encoded.tokens),
+        "next": [
+            {
+                "id": i,
+                "token": tokenizer.id_to_token(i),
+                "text": tokenizer.decode([i]),
+                "probability": p,
+                "logit": float(logits[i]),
+            }
+            for p, i in zip(best.values.tolist(), best.indices.tolist(), strict=True)
+        ],
+    }
+
+
+def must_generate(served: Served) -> None:
+    if not served.decoder:
+        raise ValueError(
+            f"{served.name} is an encoder: next-token probabilities and generation need a "
+            "decoder model"
+        )
+
+
+def check_generation(served: Served, limits: Limits, prompt: str, max_new_tokens: int) -> None:
+    """The checks a generation passes before it starts (and before a stream is opened)."""
+    must_generate(served)
+    if max_new_tokens > limits.max_new_tokens:
+        raise ValueError(
+            f"max_new_tokens {max_new_tokens} is over this server's limit of "
+            f"{limits.max_new_tokens} (max_new_tokens)"
+        )
+    encode(served, limits, prompt, "the prompt")
+
+
+class Stopped(Exception):
+    """Raised from the stream callback to end a generation early."""
+
+
+def generate(
+    served: Served,
+    limits: Limits,
+    prompt: str,
+    options: dict,
+    emit: Callable[[str], None],
+    cancelled: Callable[[], bool] = lambda: False,
+) -> dict:
+    """Run `Pretrained.generate`, handing each piece of text to `emit`; stop at
+    max_new_tokens, the end of the text, the time limit or when `cancelled()`."""
+    deadline = time.monotonic() + limits.generate_s
+    finished = "end"  # the end-of-text token, or max_new_tokens
+    pieces: list[str] = []
+
+    def stream(row: int, piece: str) -> None:
+        nonlocal finished
+        pieces.append(piece)
+        emit(piece)
+        served.guard.pause()  # between two steps a waiting trace goes first
+        if cancelled():
+            finished = "cancelled"
+            raise Stopped
+        if time.monotonic() >= deadline:
+            finished = "time limit"
+            raise Stopped
+
+    with served.guard.shared(), contextlib.suppress(Stopped):
+        served.pretrained.generate(prompt, stream=stream, **options)
+    return {
+        "model": served.name,
+        "text": "".join(pieces),
+        "finished": finished,
+        "limit_s": limits.generate_s,
+    }
+
+
+def pack_float32(values: np.ndarray) -> str:
+    """One matrix as base64 of its little-endian float32 bytes, as the attention API sends it.
+
+    >>> pack_float32(np.array([[1.0, 0.5]]))
+    'AACAPwAAAD8='
+    """
+    return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")

@@ -1,0 +1,125 @@
+"""What one request may ask of the server, and the errors that say so.
+
+Every limit is a field of `Limits`, given to `create_app`, so a test can build an app with
+a tiny time limit and the command line can raise one. A request over a size limit gets 413,
+one with a value out of range 422, one that takes too long 504; each with a one-line
+`detail` naming the limit.
+
+>>> Limits().max_tokens, Limits(max_tokens=64).max_tokens
+(128, 64)
+>>> Limits(timeout_s=0)
+Traceback (most recent call last):
+...
+ValueError: timeout_s must be a number > 0, got 0
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The most one request may ask. Sizes are per text: a probe's sentences each count."""
+
+    max_body_bytes: int = 64 * 1024  # a request's JSON body
+    max_chars: int = 2_000  # characters in one text, prompt or sentence
+    # tokens in one text: the page draws every weight of every head, and at 128 tokens the
+    # 270 heads of SmolLM2 are already 17 MB of float32
+    max_tokens: int = 128
+    max_sentences: int = 32  # sentences in one sense probe
+    max_new_tokens: int = 128  # tokens one generation may ask for
+    timeout_s: float = 10.0  # one request, from arrival to answer, waiting included
+    generate_s: float = 60.0  # one generation: it ends there, with what it has written
+    workers: int = 4  # requests computed at once; the rest wait their turn (within timeout_s)
+
+    def __post_init__(self):
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.type == "int" and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{field.name} must be an integer >= 1, got {value!r}")
+            if field.type == "float" and not (
+                isinstance(value, int | float) and math.isfinite(value) and value > 0
+            ):
+                raise ValueError(f"{field.name} must be a number > 0, got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def check_text(self, text: str, what: str = "the text") -> None:
+        """TooLarge when `text` has more characters than max_chars."""
+        if len(text) > self.max_chars:
+            raise TooLarge(
+                f"{what} has {len(text):,} characters; this server takes at most "
+                f"{self.max_chars:,} (max_chars)"
+            )
+
+    def check_tokens(self, count: int, what: str = "the text") -> None:
+        """TooLarge when a text of `count` tokens is over max_tokens."""
+        if count > self.max_tokens:
+            raise TooLarge(
+                f"{what} has {count} tokens; this server takes at most {self.max_tokens} "
+                "(max_tokens)"
+            )
+
+
+class TooLarge(ValueError):
+    """A request over a size limit: HTTP 413."""
+
+
+class TimedOut(Exception):
+    """A request that took longer than its time limit: HTTP 504."""
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes gets 413 before any of it is used.
+
+    The declared Content-Length is checked first; a body sent in chunks is counted as it
+    arrives, so a client that declares nothing cannot send more either.
+    """
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers", [])).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._too_large(send, declared.decode("latin-1"))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._too_large(send, f"over {self.limit:,}")
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later: the disconnect a streaming response waits for
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send, size: str) -> None:
+        from starlette.responses import JSONResponse
+
+        detail = (
+            f"the request body is {size} bytes; this server takes at most {self.limit:,} "
+            "(max_body_bytes)"
+        )
+        response = JSONResponse({"detail": detail}, status_code=413)
+        await response({"type": "http"}, _nothing, send)
+
+
+async def _nothing():  # a response sent before the body was read needs no receive
+    return {"type": "http.disconnect"}

@@ -1,0 +1,297 @@
+// The explorer's state and its conversation with the API. Every request goes to this server.
+"use strict";
+import { $, drawGrid, drawHeadView, drawHeatmap, drawRow, drawTrace, esc, percent, shown }
+  from "/static/views.js";
+
+const state = {
+  models: [], model: null, seen: null,  // seen: the /api/attention answer, weights decoded
+  layer: 0, head: 0, query: null, key: null, cursor: [0, 0], overlay: false,
+};
+let shows = 0, traces = 0, generation = null;
+
+async function api(path, body) {
+  const response = await fetch(path, body === undefined ? {} : {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+  });
+  if (!response.ok) {
+    const problem = await response.json().catch(() => ({ detail: response.statusText }));
+    throw new Error(problem.detail || `HTTP ${response.status}`);
+  }
+  return response;
+}
+const post = async (path, body) => (await api(path, body)).json();
+
+function fail(error) {
+  $("error").hidden = false;
+  $("error").textContent = String(error.message || error);
+  document.body.dataset.error = $("error").textContent;
+}
+function clearError() {
+  $("error").hidden = true;
+  delete document.body.dataset.error;
+}
+
+function unpack(text) {  // base64 of little-endian float32 -> Float32Array
+  const bytes = Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
+  return new Float32Array(bytes.buffer);
+}
+
+const info = () => state.models.find((m) => m.name === state.model);
+const weights = (layer = state.layer, head = state.head) => state.seen.weights[layer][head];
+
+function options(select, count, chosen, first) {
+  select.innerHTML = Array.from({ length: count }, (_, i) =>
+    `<option value="${i}"${i === chosen ? " selected" : ""}>${i}${i ? "" : ` (${first})`}</option>`,
+  ).join("");
+}
+
+async function show() {  // the attention of every layer and head of the text
+  const ticket = ++shows, text = $("text").value, started = performance.now();
+  clearError();
+  $("status").textContent = "Reading…";
+  try {
+    const seen = await post("/api/attention", { model: state.model, text, format: "base64" });
+    if (ticket !== shows) return;
+    seen.weights = seen.weights.map((row) => row.map(unpack));  // [layer][head]: T * T
+    seen.wordOf = seen.tokens.map(() => null);
+    seen.words.forEach((w) => { for (let t = w.tokens[0]; t < w.tokens[1]; t++) seen.wordOf[t] = w; });
+    state.seen = seen;
+    const model = info();
+    state.layer = Math.min(state.layer, model.layers - 1);
+    state.head = Math.min(state.head, model.heads - 1);
+    state.query = state.key = null;
+    state.cursor = [0, 0];
+    options($("layer"), model.layers, state.layer, "the first layer");
+    options($("head"), model.heads, state.head, "the first head");
+    $("tokens").innerHTML = seen.tokens.map((t, i) =>
+      `<button type="button" class="token${seen.wordOf[i] ? "" : " special"}" data-index="${i}">`
+      + `${esc(shown(t))}</button>`).join("");
+    drawGrid($("grid"), seen.weights, seen.tokens, seen.layers, seen.heads, state);
+    render();
+    resetTrace();
+    const ms = Math.round(performance.now() - started);
+    $("status").textContent = `${model.name} (${model.kind}): ${seen.tokens.length} tokens, `
+      + `${model.layers} layers × ${model.heads} heads, answered in ${ms} ms`;
+    document.body.dataset.shown = text;
+    document.body.dataset.model = state.model;
+    if (model.generates) nextTokens(text);
+  } catch (error) {
+    if (ticket === shows) { $("status").textContent = ""; fail(error); }
+  }
+}
+
+function render() {  // the selected head's views
+  const { seen } = state;
+  if (!seen) return;
+  drawHeatmap($("heatmap"), weights(), seen.tokens, state);
+  const heads = state.overlay
+    ? seen.heads.map((h) => ({ w: weights(state.layer, h), head: h }))
+    : [{ w: weights(), head: state.head }];
+  drawHeadView($("headview"), heads, seen.tokens, state);
+  drawRow($("row"), $("row-title"), weights(), seen.tokens, state);
+  document.querySelectorAll(".token").forEach((el) =>
+    el.classList.toggle("selected", Number(el.dataset.index) === state.query));
+  document.querySelectorAll(".thumb").forEach((el) => el.classList.toggle("selected",
+    Number(el.dataset.layer) === state.layer && Number(el.dataset.head) === state.head));
+  document.body.dataset.view = [state.layer, state.head, state.query ?? "", state.key ?? ""].join(",");
+}
+
+function resetTrace() {
+  traces++;
+  delete $("trace").dataset.pair;
+  $("trace").innerHTML = "<h2>The article's steps for one pair</h2><p class=\"note\">Click a "
+    + "heatmap cell, or a query token and then a key in its list, to follow the article's "
+    + "steps with this model's numbers.</p>";
+}
+
+async function trace() {  // the article's steps for (query, key) in this layer and head
+  const { seen, query, key } = state, ticket = ++traces;
+  const q = seen.wordOf[query], k = seen.wordOf[key];
+  if (!q || !k) {
+    const which = !q ? query : key;
+    delete $("trace").dataset.pair;
+    $("trace").innerHTML = `<h2>“${esc(shown(seen.tokens[which]))}” is not a word</h2><p>`
+      + "It is a marker the tokenizer adds (token " + which + "), not a word of the text: its"
+      + ` weight is ${percent(weights()[query * seen.tokens.length + key])} in this head. The`
+      + " article's steps are traced between words; choose two.</p>";
+    return;
+  }
+  try {
+    const t = await post("/api/trace", { model: state.model, text: seen.text, query: q.word,
+      key: k.word, layer: state.layer, head: state.head });
+    if (ticket !== traces) return;
+    const first = (w, i) => (w.tokens[0] === i ? "" : ` “${w.word}” is tokens `
+      + `${w.tokens[0]}-${w.tokens[1] - 1}: traced at its first token.`);
+    drawTrace($("trace"), t, `Computed by qkv.trace with the model's own vectors.${first(q, query)}${first(k, key)}`);
+  } catch (error) {
+    if (ticket === traces) fail(error);
+  }
+}
+
+function select(query, key = null) {
+  state.query = query;
+  state.key = key;
+  if (query !== null) state.cursor = [query, key ?? state.cursor[1]];
+  render();
+  if (query !== null && key !== null) trace();
+  else resetTrace();
+}
+
+async function nextTokens(text) {
+  const list = $("next");
+  try {
+    const answer = await post("/api/next", { model: state.model, text, top: 10 });
+    list.innerHTML = answer.next.map((n) => `<li data-p="${n.probability}" data-id="${n.id}">`
+      + `<span class="bar-cell"><span style="width:${percent(n.probability)}"></span></span>`
+      + `${esc(JSON.stringify(n.text))} ${percent(n.probability)}</li>`).join("");
+  } catch (error) {
+    fail(error);
+  }
+}
+
+async function generate() {  // streamed: server-sent events read from a POST's body
+  const controller = new AbortController();
+  generation = controller;
+  $("gen-go").disabled = true;
+  $("gen-stop").disabled = false;
+  $("gen-prompt").textContent = $("text").value;
+  $("gen-new").textContent = "";
+  $("gen-status").textContent = "Writing…";
+  try {
+    const response = await api("/api/generate/stream", {
+      model: state.model, prompt: $("text").value, max_new_tokens: Number($("gen-max").value),
+      temperature: Number($("gen-temperature").value),
+    });
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    const cancel = () => reader.cancel();
+    controller.signal.addEventListener("abort", cancel);
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += value;
+      let end;
+      while ((end = buffer.indexOf("\n\n")) >= 0) {
+        const block = buffer.slice(0, end);
+        buffer = buffer.slice(end + 2);
+        const kind = /^event: (.*)$/m.exec(block)[1], data = JSON.parse(/^data: (.*)$/m.exec(block)[1]);
+        if (kind === "token") $("gen-new").textContent += data.text;
+        else if (kind === "done") $("gen-status").textContent = `Done (${data.finished}).`;
+        else throw new Error(data.detail);
+      }
+    }
+    if (controller.signal.aborted) $("gen-status").textContent = "Stopped.";
+  } catch (error) {
+    $("gen-status").textContent = "";
+    fail(error);
+  } finally {
+    $("gen-go").disabled = false;
+    $("gen-stop").disabled = true;
+    generation = null;
+  }
+}
+
+async function compare() {
+  const table = $("compare-table");
+  try {
+    const answer = await post("/api/probe", { model: state.model, word: $("compare-word").value,
+      sentences: [$("compare-a").value, $("compare-b").value] });
+    table.className = "bars";
+    table.innerHTML = "<thead><tr><th>depth</th><th>cosine of the two vectors</th></tr></thead>"
+      + answer.layers.map((name, d) => {
+        const cosine = answer.similarity[d][0][1];
+        return `<tr data-depth="${d}" data-cosine="${cosine}"><th>${esc(name)}</th>`
+          + `<td class="bar-cell"><span class="bar" style="width:${percent(Math.max(cosine, 0))}">`
+          + `</span>${cosine.toFixed(3)}</td></tr>`;
+      }).join("");
+  } catch (error) {
+    fail(error);
+  }
+}
+
+function moveCursor(event) {  // the heatmap by keyboard: arrows move, Enter traces
+  if (!state.seen) return;
+  const T = state.seen.tokens.length, [q, k] = state.cursor;
+  const moves = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
+  if (event.key in moves) {
+    const [dq, dk] = moves[event.key];
+    state.cursor = [Math.min(T - 1, Math.max(0, q + dq)), Math.min(T - 1, Math.max(0, k + dk))];
+    const [cq, ck] = state.cursor;
+    $("cell").textContent = `${shown(state.seen.tokens[cq])} (${cq}) → `
+      + `${shown(state.seen.tokens[ck])} (${ck}): ${percent(weights()[cq * T + ck])}`;
+    render();
+  } else if (event.key === "Enter" || event.key === " ") {
+    select(q, k);
+  } else {
+    return;
+  }
+  event.preventDefault();
+}
+
+function canvasCell(event) {
+  const canvas = $("heatmap-canvas"), box = canvas.getBoundingClientRect();
+  const T = state.seen.tokens.length;
+  const at = (x, size) => Math.min(T - 1, Math.max(0, Math.floor((x / size) * T)));
+  return [at(event.clientY - box.top, box.height), at(event.clientX - box.left, box.width)];
+}
+
+function wire() {
+  $("text-form").addEventListener("submit", (e) => { e.preventDefault(); show(); });
+  $("example").addEventListener("change", (e) => {
+    if (e.target.value) { $("text").value = e.target.value; show(); }
+  });
+  $("model").addEventListener("change", (e) => {
+    state.model = e.target.value;
+    $("decoder").hidden = !info().generates;
+    $("compare-table").innerHTML = "";  // its numbers were the other model's
+    show();
+  });
+  $("layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); select(state.query, state.key); });
+  $("head").addEventListener("change", (e) => { state.head = Number(e.target.value); select(state.query, state.key); });
+  $("overlay").addEventListener("change", (e) => { state.overlay = e.target.checked; render(); });
+  $("clear").addEventListener("click", () => select(null));
+  $("heatmap").addEventListener("keydown", moveCursor);
+  $("compare-form").addEventListener("submit", (e) => { e.preventDefault(); compare(); });
+  $("gen-form").addEventListener("submit", (e) => { e.preventDefault(); generate(); });
+  $("gen-stop").addEventListener("click", () => generation && generation.abort());
+  document.addEventListener("click", (e) => {
+    if (!state.seen) return;
+    const cell = e.target.closest("#heatmap-table td[data-k]");
+    const key = e.target.closest("#row button[data-k], .hv-key");
+    const query = e.target.closest(".token, .hv-query, #heatmap-table th[data-q]");
+    const thumb = e.target.closest(".thumb");
+    if (e.target.id === "heatmap-canvas") select(...canvasCell(e));
+    else if (cell) select(Number(cell.dataset.q), Number(cell.dataset.k));
+    else if (key && state.query !== null) select(state.query, Number(key.dataset.k ?? key.dataset.index));
+    else if (query) select(Number(query.dataset.index ?? query.dataset.q));
+    else if (thumb) {
+      state.layer = Number(thumb.dataset.layer);
+      state.head = Number(thumb.dataset.head);
+      $("layer").value = String(state.layer);
+      $("head").value = String(state.head);
+      select(state.query, state.key);
+    }
+  });
+}
+
+async function start() {
+  wire();
+  try {
+    const answer = await (await api("/api/models")).json();
+    state.models = answer.models;
+    state.model = answer.models[0].name;
+    $("model").innerHTML = answer.models.map((m) =>
+      `<option value="${esc(m.name)}">${esc(m.name)} (${m.kind}, ${m.layers} × ${m.heads})</option>`).join("");
+    $("example").innerHTML += answer.examples.map((s) => `<option>${esc(s)}</option>`).join("");
+    $("text").maxLength = answer.limits.max_chars;
+    $("gen-max").max = answer.limits.max_new_tokens;
+    $("text").value = answer.examples[0];
+    $("decoder").hidden = !info().generates;
+    await show();
+    window.qkvReady = true;
+  } catch (error) {
+    fail(error);
+  }
+}
+
+start();

@@ -1,0 +1,193 @@
+// Drawing: the heatmap, the head view, the grid of heads and the trace, from numbers the API
+// gave. Nothing here computes attention; it only shows the model's numbers.
+"use strict";
+
+export const $ = (id) => document.getElementById(id);
+const TABLE_MAX = 40;  // up to this many tokens the heatmap is a table of cells, then a canvas
+const VIRIDIS = [[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]];
+
+// A token as people read it: byte-level BPE's space (Ġ) and newline (Ċ), sentencepiece's (▁).
+export function shown(token) {
+  const plain = token.replaceAll("Ġ", "").replaceAll("▁", "").replaceAll("Ċ", "\\n");
+  const text = plain || token;
+  return text.trim() === "" ? JSON.stringify(text) : text;
+}
+export const short = (t) => (shown(t).length > 16 ? shown(t).slice(0, 15) + "…" : shown(t));
+export const esc = (s) => String(s).replace(/[&<>"]/g,
+  (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+export const percent = (w, digits = 2) => (100 * w).toFixed(digits) + "%";
+
+function color(x) {  // x in [0, 1] -> [r, g, b] on viridis
+  const p = Math.min(Math.max(x, 0), 1) * (VIRIDIS.length - 1);
+  const i = Math.min(Math.floor(p), VIRIDIS.length - 2), f = p - i;
+  return VIRIDIS[i].map((c, j) => Math.round(c + f * (VIRIDIS[i + 1][j] - c)));
+}
+
+const largest = (w) => w.reduce((a, v) => (v > a ? v : a), 0) || 1;
+
+function paint(canvas, w, T) {  // a T x T matrix onto a T x T canvas, scaled to its largest
+  canvas.width = canvas.height = T;
+  const context = canvas.getContext("2d"), image = context.createImageData(T, T);
+  const top = largest(w);
+  for (let i = 0; i < T * T; i++) image.data.set([...color(w[i] / top), 255], i * 4);
+  context.putImageData(image, 0, 0);
+}
+
+// The heatmap of one head: a table with data-q, data-k, data-w (the weight, every digit the
+// model gave) up to TABLE_MAX tokens, a canvas beyond.
+export function drawHeatmap(box, w, tokens, state) {
+  const T = tokens.length;
+  if (T > TABLE_MAX) {
+    box.innerHTML = '<div class="canvas-box"><canvas id="heatmap-canvas"></canvas>'
+      + '<div class="cursor-mark" id="heatmap-cursor"></div></div>';
+    paint($("heatmap-canvas"), w, T);
+    const [q, k] = state.cursor, mark = $("heatmap-cursor");
+    Object.assign(mark.style, { top: `${(100 * q) / T}%`, left: `${(100 * k) / T}%`,
+      width: `${100 / T}%`, height: `${100 / T}%` });
+    return;
+  }
+  const top = largest(w);
+  const head = tokens.map((t) => `<th scope="col">${esc(short(t))}</th>`).join("");
+  const rows = tokens.map((t, q) => {
+    const cells = tokens.map((u, k) => {
+      const v = w[q * T + k], [r, g, b] = color(v / top);
+      const marks = [q === state.query && k === state.key ? "pair" : "",
+        q === state.cursor[0] && k === state.cursor[1] ? "cursor" : ""].join(" ").trim();
+      return `<td${marks ? ` class="${marks}"` : ""} data-q="${q}" data-k="${k}" data-w="${v}"`
+        + ` title="${esc(shown(t))} → ${esc(shown(u))}: ${percent(v)}"`
+        + ` style="background:rgb(${r},${g},${b})"></td>`;
+    });
+    const selected = q === state.query ? ' class="selected"' : "";
+    return `<tr${selected}><th scope="row" data-q="${q}">${esc(short(t))}</th>${cells.join("")}</tr>`;
+  });
+  box.innerHTML = `<table id="heatmap-table"><thead><tr><th></th>${head}</tr></thead>`
+    + `<tbody>${rows.join("")}</tbody></table>`;
+}
+
+// The head view: tokens in two columns, a line from each query to each key it attends to,
+// as thick and as dark as the weight. `heads` is one matrix, or every head of the layer.
+export function drawHeadView(svg, heads, tokens, state) {
+  const T = tokens.length, ROW = 18, TOP = 14, LEFT = 150, RIGHT = 290;
+  const y = (i) => TOP + i * ROW - 4;
+  const queries = state.query === null ? tokens.map((_, q) => q) : [state.query];
+  const overlay = heads.length > 1;
+  // thin lines are left out when many are drawn: they would hide the strong ones
+  const least = state.query !== null ? 0.005 : overlay ? 0.15 : 0.05;
+  const parts = ['<g class="lines">'];
+  heads.forEach(({ w, head }) => {
+    const hue = overlay ? `hsl(${(head * 360) / heads.length}, 70%, 42%)` : null;
+    for (const q of queries) {
+      for (let k = 0; k < T; k++) {
+        const v = w[q * T + k];
+        if (v < least) continue;
+        parts.push(`<line x1="${LEFT + 6}" y1="${y(q)}" x2="${RIGHT - 6}" y2="${y(k)}"`
+          + ` data-q="${q}" data-k="${k}" data-w="${v}"${hue ? ` style="stroke:${hue}"` : ""}`
+          + ` stroke-opacity="${Math.max(v, 0.1).toFixed(3)}"`
+          + ` stroke-width="${(0.5 + 5 * v).toFixed(2)}"/>`);
+      }
+    }
+  });
+  parts.push("</g>");
+  tokens.forEach((t, i) => {
+    const q = i === state.query ? " selected" : "", k = i === state.key ? " selected" : "";
+    parts.push(`<text class="hv-query${q}" data-index="${i}" x="${LEFT}" y="${TOP + i * ROW}"`
+      + ` text-anchor="end">${esc(short(t))}</text>`);
+    parts.push(`<text class="hv-key${k}" data-index="${i}" x="${RIGHT}" y="${TOP + i * ROW}">`
+      + `${esc(short(t))}</text>`);
+  });
+  svg.setAttribute("height", TOP + T * ROW);
+  svg.innerHTML = parts.join("");
+}
+
+// Every layer and head as a small picture; each is a button that shows that head.
+export function drawGrid(box, weights, tokens, layers, heads, state) {
+  const T = tokens.length;
+  box.style.gridTemplateColumns = `max-content repeat(${heads.length}, 60px)`;
+  const parts = ['<span></span>', ...heads.map((h) => `<span class="label">head ${h}</span>`)];
+  layers.forEach((l) => {
+    parts.push(`<span class="label">layer ${l}</span>`);
+    heads.forEach((h) => {
+      const selected = l === state.layer && h === state.head ? " selected" : "";
+      parts.push(`<button type="button" class="thumb${selected}" data-layer="${l}"`
+        + ` data-head="${h}" aria-label="layer ${l}, head ${h}"><canvas></canvas></button>`);
+    });
+  });
+  box.innerHTML = parts.join("");
+  box.querySelectorAll(".thumb").forEach((button) =>
+    paint(button.firstChild, weights[button.dataset.layer][button.dataset.head], T));
+}
+
+export function drawRow(list, title, w, tokens, state) {
+  const where = `layer ${state.layer}, head ${state.head}`;
+  if (state.query === null) {
+    title.textContent = `Choose a query token to see how its attention divides (${where})`;
+    list.innerHTML = "";
+    return;
+  }
+  const T = tokens.length, q = state.query;
+  title.textContent = `Query “${shown(tokens[q])}” (token ${q}), ${where}: its weights; `
+    + "choose a key to trace the pair";
+  list.innerHTML = tokens.map((t, k) => {
+    const v = w[q * T + k];
+    return `<li${k === state.key ? ' class="key"' : ""} data-k="${k}" data-w="${v}">`
+      + `<button type="button" data-k="${k}"><span class="bar" style="width:${percent(v)}">`
+      + `</span>${esc(shown(t))}: ${percent(v)}</button></li>`;
+  }).join("");
+}
+
+const numbers = (values) => values.slice(0, 4).map((x) => (x >= 0 ? "+" : "") + x.toFixed(3));
+const norm = (values) => Math.sqrt(values.reduce((a, x) => a + x * x, 0));
+const vector = (id, values) =>  // the first 4 numbers and the norm shown, every number kept
+  `<span class="vector" id="${id}" data-values="${esc(JSON.stringify(values))}">`
+  + `[${numbers(values).join(", ")}${values.length > 4 ? ", …" : ""}] (${values.length}`
+  + ` numbers, norm ${norm(values).toFixed(3)})</span>`;
+const number = (id, value, text) =>
+  `<span class="number" id="${id}" data-values="${JSON.stringify(value)}">${text}</span>`;
+const signed = (x) => (x >= 0 ? "+" : "") + x.toFixed(4);
+
+// The article's steps, as /api/trace gave them (qkv.trace: the model's own computation).
+export function drawTrace(panel, t, note) {
+  const Q = `“${esc(shown(t.tokens[t.query_index]))}”`, K = `“${esc(shown(t.tokens[t.key_index]))}”`;
+  const D = t.head_dim, seen = t.weights.filter((_, k) => !t.causal || k <= t.query_index);
+  const difference = Math.max(...t.contextualized.map((x, d) => Math.abs(x - t.model_output[d])));
+  const group = t.num_heads / t.num_kv_heads;
+  const gqa = t.num_kv_heads === t.num_heads ? "" : ` Grouped-query attention: query heads `
+    + `${t.kv_head * group}-${t.kv_head * group + group - 1} share key/value head ${t.kv_head}.`;
+  const weight = t.masked
+    ? `<span class="masked">${K} (token ${t.key_index}) comes after ${Q}: the causal mask hides`
+      + ` it, weight ${number("t-weight", 0, "0%")}</span>`
+    : `the weight of ${K} is ${number("t-weight", t.weight, percent(t.weight))}`;
+  const rotary = t.query_unrotated ? `<li class="note">Rotary positions turn both vectors by an`
+    + ` angle that grows with the token's position (lengths unchanged): the query before was `
+    + `${vector("t-query-unrotated", t.query_unrotated)}.</li>` : "";
+  const rows = t.contributions.map((c) => `<tr data-index="${c.index}" data-w="${c.weight}"`
+    + ` data-size="${c.size}"${c.index === t.key_index ? ' class="key"' : ""}>`
+    + `<td>${c.index}</td><td>${esc(shown(c.token))}</td>`
+    + `<td class="bar-cell"><span class="bar" style="width:${percent(c.weight)}"></span>`
+    + `${percent(c.weight)}</td><td>${c.size.toFixed(3)}</td></tr>`).join("");
+  panel.dataset.pair = [t.layer, t.head, t.query_index, t.key_index].join(",");
+  panel.innerHTML = `<h2>${Q} (query, token ${t.query_index}) gets context from ${K} (key, token
+ ${t.key_index}): layer ${t.layer}, head ${t.head} of ${esc(t.model)}</h2>
+<p class="note">${esc(note)}${gqa}</p>
+<ol>
+<li>Query vector: ${Q}'s vector entering the layer times the query matrix (${t.width} → ${D}
+ numbers): ${vector("t-query", t.query_vector)}</li>
+<li>Key vector: ${K}'s vector times the key matrix: ${vector("t-key", t.key_vector)}</li>${rotary}
+<li>Attention scalar: query · key = ${number("t-scalar", t.attention_scalar, signed(t.attention_scalar))}
+ (how much ${Q} should attend to ${K})</li>
+<li>Divided by √${D} = ${Math.sqrt(D).toFixed(3)}:
+ ${number("t-scaled", t.scaled_scalar, signed(t.scaled_scalar))}; the softmax over the
+ ${seen.length} keys ${Q} sees makes weights that sum to 100%, and ${weight}.</li>
+<li>Value vector of ${K}: ${vector("t-value", t.value_vector)}</li>
+<li>Scaled value vector, the weight times the value vector: ${vector("t-scaled-value", t.scaled_value_vector)}</li>
+<li>Steps 1-6 for every key, then the sum of the ${t.tokens.length} scaled value vectors (and
+ nothing else): ${Q}'s contextualized vector in this head, ${vector("t-contextualized", t.contextualized)}.
+ The model's own attention output: ${vector("t-output", t.model_output)}; largest difference
+ ${difference.toExponential(1)}.</li>
+</ol>
+<h3>What each token added to ${Q} in this head</h3>
+<p class="note">Weight: the softmax weight (step 4). Size: the length of what it added after
+ the output projection; a large weight on a small value vector can add less than a modest one.</p>
+<table class="bars" id="t-contributions"><thead><tr><th>token</th><th></th><th>weight</th>
+<th>size</th></tr></thead><tbody>${rows}</tbody></table>`;
+}
