@@ -8,8 +8,6 @@ from fastapi.testclient import TestClient
 import qkv
 from qkv.serve import Limits, create_app
 
-SENTENCE = "The bank on the side of the river"
-
 
 @pytest.fixture(scope="session")
 def minilm():

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import SENTENCE
 
 import qkv
+from qkv.inspect.demo import SENTENCE  # the article's sentence
 from qkv.inspect.probe import probe
 
 

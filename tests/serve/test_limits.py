@@ -11,10 +11,10 @@ import threading
 import httpx
 import pytest
 import torch
-from conftest import SENTENCE
 from fastapi.testclient import TestClient
 
 import qkv
+from qkv.inspect.demo import SENTENCE  # the article's sentence
 from qkv.serve import Limits, create_app
 from qkv.serve.models import Guard
 

@@ -5,8 +5,6 @@ ask nothing of any other address. A screenshot is kept in test-artifacts/serve.p
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import matplotlib.image
@@ -14,20 +12,10 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 import qkv
+from browser import ARTIFACTS, CHROMIUM, FLAGS
 from qkv.inspect.probe import probe
 from qkv.serve import running
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"  # as in tests/viz/test_browser.py
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ARTIFACTS = Path(__file__).parents[2] / "test-artifacts"
 TEXT = "The bank of the river flooded the bank"  # two banks: the page names them bank#1, bank#2
 
 

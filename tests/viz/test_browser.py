@@ -9,7 +9,6 @@ trace, computed by the page's script, must match `qkv.trace` in Python.
 from __future__ import annotations
 
 import json
-import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -18,20 +17,10 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 import qkv
+from browser import ARTIFACTS, CHROMIUM, FLAGS
 from qkv.inspect.trace import attention_vectors
 from qkv.viz import write_html
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"  # `make test` installs it
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-ARTIFACTS = Path(__file__).parents[2] / "test-artifacts"
 SENTENCE = "The bank on the side of the river"
 
 

@@ -71,17 +71,8 @@ async def models(request: Request):
 async def attention(body: AttentionRequest, request: Request):
     """The tokens of a text and the attention weights of every layer and head (or of the
     chosen ones): row i of a head's matrix is how token i's attention divides, summing to 1."""
-    state = request.app.state.qkv
-    served = state.pick(body.model)
-    return await run(
-        request,
-        compute.attention,
-        served,
-        state.limits,
-        body.text,
-        body.layers,
-        body.heads,
-        body.format,
+    return await answer(
+        request, body.model, compute.attention, body.text, body.layers, body.heads, body.format
     )
 
 
@@ -90,13 +81,10 @@ async def trace(body: TraceRequest, request: Request) -> dict:
     """`qkv.trace(...).to_dict()`: query, key and value vectors, the attention scalar, its
     scaled value, the softmax over every key, the scaled value vector, the sum, the model's
     own output for the head, and every token's contribution. Fields: docs/explain.md."""
-    state = request.app.state.qkv
-    served = state.pick(body.model)
-    return await run(
+    return await answer(
         request,
+        body.model,
         compute.trace_pair,
-        served,
-        state.limits,
         body.text,
         body.query,
         body.key,
@@ -114,17 +102,8 @@ async def contributions(body: ContributionsRequest, request: Request):
     """In one layer and head: each token's softmax weight for the query word, and the size
     of what it added after the output projection (a large weight on a small value vector can
     add less than a modest weight on a large one)."""
-    state = request.app.state.qkv
-    served = state.pick(body.model)
-    return await run(
-        request,
-        compute.contributions,
-        served,
-        state.limits,
-        body.text,
-        body.query,
-        body.layer,
-        body.head,
+    return await answer(
+        request, body.model, compute.contributions, body.text, body.query, body.layer, body.head
     )
 
 
@@ -133,25 +112,14 @@ async def probe(body: ProbeRequest, request: Request) -> dict:
     """`probe(...).to_dict()`: the cosine similarity of the word's vectors in every pair of
     sentences at every depth; with labels, how well the senses separate. Fields:
     docs/probe.md."""
-    state = request.app.state.qkv
-    served = state.pick(body.model)
-    return await run(
-        request,
-        compute.probe_word,
-        served,
-        state.limits,
-        body.word,
-        body.sentences,
-        body.labels,
-        body.cues,
+    return await answer(
+        request, body.model, compute.probe_word, body.word, body.sentences, body.labels, body.cues
     )
 
 
 @router.post("/next", response_model=NextAnswer, summary="A decoder's next-token probabilities")
 async def next_tokens(body: NextRequest, request: Request):
-    state = request.app.state.qkv
-    served = state.pick(body.model)
-    return await run(request, compute.next_tokens, served, state.limits, body.text, body.top)
+    return await answer(request, body.model, compute.next_tokens, body.text, body.top)
 
 
 @router.post("/generate", response_model=GenerateAnswer, summary="Generate, answered at the end")
@@ -276,6 +244,12 @@ async def wait_turn(lock: asyncio.Lock, served, timeout: float) -> None:
             f"{served.name} has been generating for another request for {timeout:g} s "
             "(timeout_s); try again when it is done"
         ) from None
+
+
+async def answer(request: Request, model: str | None, work: Callable, *args) -> Response:
+    """work(served model, limits, *args) for the model a request names (see `run`)."""
+    state = request.app.state.qkv
+    return await run(request, work, state.pick(model), state.limits, *args)
 
 
 async def run(request: Request, work: Callable, *args, timeout: float | None = None) -> Response:
