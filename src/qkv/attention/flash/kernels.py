@@ -158,6 +158,25 @@ def _sequence(CU_Q, CU_K, b, Tq, Tk, VARLEN: tl.constexpr):
     return q_start, q_len, k_start, k_len
 
 
+@triton.jit
+def _query_program(CU_Q, CU_K, H, Tq, Tk, VARLEN: tl.constexpr):
+    """A program of a (query tiles, B * H) grid: its tile, batch element, head, and where
+    that batch element's queries and keys lie."""
+    b = tl.program_id(1) // H
+    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, Tq, Tk, VARLEN)
+    h = (tl.program_id(1) % H).to(tl.int64)
+    return tl.program_id(0), b.to(tl.int64), h, q_start, q_len, k_start, k_len
+
+
+@triton.jit
+def _key_stop(pid_m, k_len, causal_offset, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """One past the last key any query of tile pid_m may see."""
+    stop = k_len
+    if CAUSAL:
+        stop = tl.minimum(k_len, pid_m * BLOCK_M + BLOCK_M + causal_offset)
+    return stop
+
+
 # ---------------------------------------------------------------- the forward kernel
 
 
@@ -173,13 +192,9 @@ def forward_kernel(
     VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Out and LSE for BLOCK_M queries of one (batch, head): grid (query tiles, B * H)."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, Tq, Tk, VARLEN)
+    pid_m, b, h, q_start, q_len, k_start, k_len = _query_program(CU_Q, CU_K, H, Tq, Tk, VARLEN)
     if pid_m * BLOCK_M >= q_len:
         return
-    b, h = b.to(tl.int64), h.to(tl.int64)
     kv_h = h // GROUP  # grouped-query attention: query head h reads key/value head h // GROUP
     causal_offset = k_len - q_len  # queries are aligned to the end of the keys
 
@@ -195,14 +210,12 @@ def forward_kernel(
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Keys past the last query's horizon are never visited; below the first query's
+    # horizon, whole tiles are visible to every query of the block and skip the mask.
+    stop = _key_stop(pid_m, k_len, causal_offset, BLOCK_M, CAUSAL)
+    whole = k_len
     if CAUSAL:
-        # keys past the last query's horizon are never visited; below the first query's
-        # horizon, whole tiles are visible to every query of the block
-        stop = tl.minimum(k_len, pid_m * BLOCK_M + BLOCK_M + causal_offset)
         whole = tl.maximum(tl.minimum(k_len, pid_m * BLOCK_M + causal_offset + 1), 0)
-    else:
-        stop = k_len
-        whole = k_len
     whole = (whole // BLOCK_N) * BLOCK_N
     acc, l_i, m_i = _attend_key_tiles(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptrs, skt, svt, smk,
@@ -237,13 +250,9 @@ def backward_delta_kernel(
     VARLEN: tl.constexpr,
 ):  # fmt: skip
     """delta_i = sum_d out_id * dout_id, the term every weight's gradient subtracts."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    q_start, q_len, _, _ = _sequence(CU_Q, CU_K, b, Tq, Tq, VARLEN)
+    pid_m, b, h, q_start, q_len, _, _ = _query_program(CU_Q, CU_K, H, Tq, Tq, VARLEN)
     if pid_m * BLOCK_M >= q_len:
         return
-    b, h = b.to(tl.int64), h.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     rows = q_start + offs_m[:, None]
@@ -359,13 +368,9 @@ def backward_dq_kernel(
     VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """dQ for BLOCK_M queries of one (batch, head): grid (query tiles, B * H)."""
-    pid_m = tl.program_id(0)
-    b = tl.program_id(1) // H
-    h = tl.program_id(1) % H
-    q_start, q_len, k_start, k_len = _sequence(CU_Q, CU_K, b, Tq, Tk, VARLEN)
+    pid_m, b, h, q_start, q_len, k_start, k_len = _query_program(CU_Q, CU_K, H, Tq, Tk, VARLEN)
     if pid_m * BLOCK_M >= q_len:
         return
-    b, h = b.to(tl.int64), h.to(tl.int64)
     kv_h = h // GROUP
     causal_offset = k_len - q_len
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -381,10 +386,7 @@ def backward_dq_kernel(
     lse_ptrs = LSE + b * slb + h * slh + rows * slt
     q_t = tl.trans(q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    stop = k_len
-    if CAUSAL:
-        stop = tl.minimum(k_len, pid_m * BLOCK_M + BLOCK_M + causal_offset)
-    for start_n in range(0, stop, BLOCK_N):
+    for start_n in range(0, _key_stop(pid_m, k_len, causal_offset, BLOCK_M, CAUSAL), BLOCK_N):
         offs_n = start_n + offs_n0
         keys = k_start + offs_n[:, None]
         kv_inside = (offs_n[:, None] < k_len) & (offs_d[None, :] < HEAD_DIM)
