@@ -16,7 +16,7 @@ import triton
 from torch import Tensor
 
 from qkv.attention.flash import kernels
-from qkv.attention.flash.backend import MAX_HEAD_DIM, unsupported
+from qkv.attention.flash.backend import unsupported
 from qkv.attention.inputs import check_inputs
 
 DELTA_BLOCK = 64  # queries per program of the (memory-bound) delta kernel
@@ -87,10 +87,11 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, launch: Launch) -> tuple[Tensor, T
     def grid(meta):
         return (triton.cdiv(launch.Tq, meta["BLOCK_M"]), launch.B * launch.H)
 
+    mask, *mask_strides = launch.mask_args(q)
     kernels.forward_kernel[grid](
-        q, k, v, out, lse, launch.mask_args(q)[0], *launch.cu_args(q),
+        q, k, v, out, lse, mask, *launch.cu_args(q),
         *launch.strides(q), *launch.strides(k), *launch.strides(v), *launch.strides(out),
-        *launch.lse_strides(lse), *launch.mask_args(q)[1:],
+        *launch.lse_strides(lse), *mask_strides,
         launch.H, launch.H // launch.Hkv, launch.Tq, launch.Tk,
         launch.scale * kernels.LOG2_E, *launch.buckets(), **launch.constants(q),
     )  # fmt: skip
@@ -243,4 +244,4 @@ def flash_attention_varlen(
     return FlashAttention.apply(q, k, v, launch)
 
 
-__all__ = ["MAX_HEAD_DIM", "FlashAttention", "flash_attention", "flash_attention_varlen"]
+__all__ = ["FlashAttention", "flash_attention", "flash_attention_varlen"]
