@@ -234,24 +234,24 @@ def show(
     target's tokens down, TEXT's across (a .png only).
     """
     from qkv import load
-    from qkv.inspect.trace import attention_vectors
+    from qkv.attention.inputs import check_indices
     from qkv.models import Decoder, Encoder
     from qkv.viz import head_heatmap, model_view, write_html, write_report
 
     with user_errors():
         pretrained = load(model, backend=backend)
-        seen = pretrained.attentions(text, target=target)
         if target is not None and out.suffix.lower() != ".png":
             raise ValueError("cross-attention is drawn as PNG; use --out FILE.png")
+        seen = pretrained.attentions(text, target=target)  # the one forward pass
         L, H = seen.weights.shape[:2]
         for name, value, most in (("layer", layer, L), ("head", head, H)):
-            if value is not None and not 0 <= value < most:
-                raise ValueError(f"{name} {value} is out of range: there are {most} (0-{most - 1})")
+            if value is not None:
+                check_indices(name, [value], most, model)
         chosen = (layer or 0, head or 0) if layer is not None or head is not None else None
         common = {"title": f"{model}: {text[:60]}", "text": text, "head": chosen}
         if out.suffix.lower() == ".png" and (layers or heads):
-            model_view(seen.weights, seen.tokens, out, layers=_numbers(layers, "layers", L),
-                       heads=_numbers(heads, "heads", H),
+            model_view(seen.weights, seen.tokens, out, layers=_numbers(layers, "layers", L, model),
+                       heads=_numbers(heads, "heads", H, model),
                        query_tokens=seen.query_tokens)  # fmt: skip
         elif out.suffix.lower() == ".png":
             lh = chosen or (0, 0)
@@ -261,14 +261,14 @@ def show(
                          query_tokens=seen.query_tokens)  # fmt: skip
         else:  # a page, which traces a clicked pair from the q, k, v vectors (not cross-attention)
             traceable = isinstance(pretrained.model, Encoder | Decoder)
-            vectors = attention_vectors(pretrained, text) if traceable else None
+            vectors = seen.vectors() if traceable else None
             causal = isinstance(pretrained.model, Decoder)
             write = write_html if out.suffix.lower() in (".html", ".htm") else write_report
             write(out, seen.weights, seen.tokens, vectors=vectors, causal=causal, **common)
     typer.echo(f"wrote {out}")
 
 
-def _numbers(spec: str | None, name: str, count: int) -> list[int] | None:
+def _numbers(spec: str | None, name: str, count: int, model: str) -> list[int] | None:
     """'0,2,5' or '0-3' -> [0, 2, 5] or [0, 1, 2, 3]; None for all."""
     if spec is None:
         return None
@@ -279,10 +279,9 @@ def _numbers(spec: str | None, name: str, count: int) -> list[int] | None:
             chosen += range(int(first), int(last or first) + 1)
     except ValueError:
         raise ValueError(f"--{name} takes numbers like 0,2,5 or 0-3, got {spec!r}") from None
-    bad = [n for n in chosen if not 0 <= n < count]
-    if bad:
-        raise ValueError(f"{name[:-1]} {bad[0]} is out of range: there are {count} (0-{count - 1})")
-    return chosen
+    from qkv.attention.inputs import check_indices
+
+    return check_indices(name[:-1], chosen, count, model)
 
 
 @app.command()

@@ -112,7 +112,7 @@ def seq2seq_steps(
     if sampling.seed is not None:
         generator = torch.Generator(device=source_ids.device).manual_seed(sampling.seed)
     with torch.inference_mode():
-        encoded = model.encode(source_ids, source_mask=source_mask)
+        encoded = model.read_source(source_ids, source_mask=source_mask)
     cache = model.new_cache()
     token = torch.full((len(source_ids),), start_id, dtype=torch.long, device=source_ids.device)
     for _ in range(max_new_tokens):

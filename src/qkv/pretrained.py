@@ -9,6 +9,7 @@ torch.Size([6, 12, 7, 7])
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,20 +22,55 @@ from qkv.generate import Sampling, decode_steps, seq2seq_steps
 from qkv.io.embedded import EMBEDDED, embedded_path
 from qkv.io.families import Family, family_for
 from qkv.io.hf import Pooling, build, download, load_folder, read_pooling, save_folder, with_backend
+from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.models.config import Layers
+from qkv.nn import AttentionRecord
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
+@dataclass(eq=False)
 class Attentions:
-    """Every layer's and head's attention weights over one text, or an encoder-decoder's
-    cross-attention from a target text's tokens (rows) to the source text's (columns)."""
+    """One forward pass over one text, and what the attention of each layer asked computed.
 
-    weights: Tensor  # (L, H, T, T), cross (L, H, Tt, Ts): row i is query token i's attention
+    Or an encoder-decoder's cross-attention, from a target text's tokens (the queries) to the
+    source text's (the keys). Every number is read from the layers' records (AttentionRecord):
+    q, k, v, mask and scale as the model's backend received them.
+    """
+
+    records: dict[int, AttentionRecord]  # layer -> what its attention computed
     tokens: list[str]  # the key tokens: the text's, the source's for cross-attention
     encoded: object  # the tokenizer's Encoded of `tokens`: offsets, words, find("bank#2")
+    heads: list[int]  # the query heads `weights` shows, counted from 0
     query_tokens: list[str] | None = None  # cross-attention: the decoder's, start token first
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers recorded, counted from 0, in the order `weights` stacks them."""
+        return sorted(self.records)
+
+    @functools.cached_property
+    def weights(self) -> Tensor:
+        """(L', H', Tq, Tk) float32 for `layers` and `heads`: row i is query token i's
+        attention over the keys (T x T over one text)."""
+        return torch.stack([self.records[layer].weights(self.heads)[0] for layer in self.layers])
+
+    def vectors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Every recorded layer's and head's q, k and v over the text: (L', H, T, D) each.
+
+        The vectors attention received (after rotary rotation), with grouped key/value heads
+        repeated so that query head h sits beside the key/value head it reads: any pair's
+        steps can be redone from them (weights = softmax(q k^T * scale), masked as `allowed`).
+        """
+        qs, ks, vs = [], [], []
+        for layer in self.layers:
+            record = self.records[layer]
+            group = record.shape.group
+            qs.append(record.q[0])  # (H, T, D)
+            ks.append(record.k[0].repeat_interleave(group, dim=0))  # query head h reads h // group
+            vs.append(record.v[0].repeat_interleave(group, dim=0))
+        return torch.stack(qs), torch.stack(ks), torch.stack(vs)
 
 
 class Pretrained:
@@ -230,14 +266,23 @@ class Pretrained:
         tokens = [self.tokenizer.id_to_token(start) or str(start), *decoded.tokens]
         return ids, tokens, decoded
 
-    def attentions(self, text: str, *, target: str | None = None) -> Attentions:
-        """Every layer's and head's weights (L, H, T, T) over `text`, and its tokens.
+    def attentions(
+        self,
+        text: str,
+        *,
+        target: str | None = None,
+        layers: Layers = "all",
+        heads: Sequence[int] | None = None,
+    ) -> Attentions:
+        """One forward pass over `text`: every layer's record, and the weights (L, H, T, T).
 
-        target (encoder-decoder models only): the decoder's cross-attention instead, weights
-        (L, H, Tt, Ts) from the decoder's tokens (its start token, then `target`'s, as in
-        training) to `text`'s. Without a target an encoder-decoder shows its encoder. E.g. a
-        model that reverses sequences: attentions("a b c d", target="d c b a").query_tokens
-        == ["</s>", "d", "c", "b", "a"], and its weights lie near the anti-diagonal.
+        layers: the layers to record ("all" by default); heads: the heads `weights` shows
+        (all by default); both counted from 0. target (encoder-decoder models only): the
+        decoder's cross-attention instead, weights (L, H, Tt, Ts) from the decoder's tokens
+        (its start token, then `target`'s, as in training) to `text`'s. Without a target an
+        encoder-decoder shows its encoder. E.g. a model that reverses sequences:
+        attentions("a b c d", target="d c b a").query_tokens == ["</s>", "d", "c", "b", "a"],
+        and its weights lie near the anti-diagonal.
         """
         seq2seq = isinstance(self.model, EncoderDecoder)
         if target is not None and not seq2seq:
@@ -245,25 +290,22 @@ class Pretrained:
                 f"a target text is for encoder-decoder models' cross-attention; {self.source} "
                 f"is {self.family.name}"
             )
+        stack = self.model.decoder if target is not None else self.model
+        stack = stack.encoder if isinstance(stack, EncoderDecoder) else stack
+        L, H = stack.config.num_layers, stack.config.block.num_heads
+        layers = range(L) if layers == "all" else check_indices("layer", layers, L, self.source)
+        heads = check_indices("head", range(H) if heads is None else heads, H, self.source)
+        if not layers or not heads:
+            raise ValueError("no layer or no head asked for; leave layers and heads out for all")
         encoded = self.encode(text)
         ids = torch.tensor([encoded.ids])  # (1, Ts)
-        if target is not None and isinstance(self.model, EncoderDecoder):
-            targets, queries, _ = self.decoder_input(target)
-            stack = self.model.decoder
-            L, H = stack.config.num_layers, stack.config.block.num_heads
-            record = [(layer, head) for layer in range(L) for head in range(H)]
-            with torch.inference_mode():
-                recorded = self.model(ids, targets, record_cross=record).cross_attentions
-            weights = torch.stack([recorded[key][0] for key in record])  # (L * H, Tt, Ts)
-            return Attentions(weights.view(L, H, *weights.shape[1:]), list(encoded.tokens),
-                              encoded, queries)  # fmt: skip
-        model = self.model.encoder if seq2seq else self.model
-        L, H = model.config.num_layers, model.config.block.num_heads
-        record = [(layer, head) for layer in range(L) for head in range(H)]
         with torch.inference_mode():
-            recorded = model(ids, record=record).attentions
-        weights = torch.stack([recorded[key][0] for key in record]).view(L, H, *ids.shape[1:] * 2)
-        return Attentions(weights, list(encoded.tokens), encoded)
+            if target is not None:
+                targets, queries, _ = self.decoder_input(target)
+                records = self.model(ids, targets, cross_layers=layers).cross_records
+                return Attentions(records, list(encoded.tokens), encoded, heads, queries)
+            records = stack(ids, layers=layers, logits=False).records
+        return Attentions(records, list(encoded.tokens), encoded, heads)
 
     def save(self, folder: str | Path) -> None:
         """Export as a Hugging Face folder that `transformers` loads with equal outputs."""

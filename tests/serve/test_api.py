@@ -19,7 +19,7 @@ def test_models_lists_what_was_loaded_and_the_limits(client):
     answer = client.get("/api/models").json()
     assert [m["name"] for m in answer["models"]] == ["minilm"]
     minilm = answer["models"][0]
-    assert (minilm["kind"], minilm["layers"], minilm["heads"], minilm["head_dim"]) == (
+    assert (minilm["kind"], minilm["num_layers"], minilm["num_heads"], minilm["head_dim"]) == (
         "encoder",
         6,
         12,

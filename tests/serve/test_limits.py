@@ -1,12 +1,13 @@
 """The server's limits and its concurrency: time limits that really answer 504, generation
 that stops at its time limit, body sizes counted however they are sent, and concurrent
-requests (traces among them) that each get their own text's numbers."""
+requests (traces among them) on one model, with no lock, that each get their own numbers."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -16,15 +17,18 @@ from fastapi.testclient import TestClient
 import qkv
 from qkv.inspect.demo import SENTENCE  # the article's sentence
 from qkv.serve import Limits, create_app
-from qkv.serve.models import Guard
+from qkv.serve.compute import trace_pair
 
 
 def test_a_request_past_its_time_limit_is_504_and_the_server_goes_on(minilm):
-    app = create_app({"minilm": minilm}, Limits(timeout_s=0.2))
-    guard = app.state.qkv.models["minilm"].guard
+    app = create_app({"minilm": minilm}, Limits(timeout_s=0.2, workers=1))
     with TestClient(app) as client:
-        with guard.exclusive():  # the model is busy (as with a trace) for longer than 0.2 s
+        release = threading.Event()
+        app.state.qkv.pool.submit(release.wait, 5)  # the only worker is busy for over 0.2 s
+        try:
             answer = client.post("/api/attention", json={"text": SENTENCE})
+        finally:
+            release.set()
         assert answer.status_code == 504
         assert "longer than this server's limit of 0.2 s (timeout_s)" in answer.json()["detail"]
         assert client.post("/api/attention", json={"text": SENTENCE}).status_code == 200
@@ -79,8 +83,7 @@ def test_a_body_over_the_limit_is_413_declared_or_chunked(minilm):
 
 
 def test_concurrent_requests_each_get_their_own_texts_numbers(minilm):
-    """Attention and trace requests on one model at once: the trace's hooks must not catch
-    the other requests' forward passes (see qkv.serve.models)."""
+    """Attention and trace requests on one model at once, through the app."""
     app = create_app({"minilm": minilm}, Limits(workers=4))
     cues = {f"The bank on the side of the {place}": place for place in ("river", "lake", "pond")}
     cues |= {"I deposited money at the bank": "money", "The bank lent me a house": "house"}
@@ -108,36 +111,29 @@ def test_concurrent_requests_each_get_their_own_texts_numbers(minilm):
             assert answer["model_output"] == pytest.approx(want.model_output.tolist(), abs=1e-6)
 
 
-def test_the_guard_lets_readers_share_and_a_writer_in_alone():
-    guard, events = Guard(), []
-    reading, writer_waiting, release = threading.Event(), threading.Event(), threading.Event()
+def test_traces_from_8_threads_at_once_equal_traces_one_at_a_time(minilm, smollm2):
+    """No lock and no hooks: 8 threads trace on one model at once (each released by a barrier
+    into its forward pass together) and get exactly the numbers of the same traces run one
+    after another. Under the old hooks, the threads' forward passes overwrote each other's."""
+    served = create_app({"minilm": minilm, "smollm2": smollm2}).state.qkv.models
+    texts = [f"The bank on the side of the {place}" for place in ("river", "lake", "pond", "sea")]
+    asks = [(name, text) for name in ("minilm", "smollm2") for text in texts]  # 8 asks
+    limits = Limits()
 
-    def reader():
-        with guard.shared():
-            events.append("read")
-            reading.set()
-            release.wait(5)
-        events.append("read done")
+    def ask(name: str, text: str) -> dict:
+        return trace_pair(served[name], limits, text, text.split()[-1], "bank", None, None)
 
-    def writer():
-        writer_waiting.set()
-        with guard.exclusive():
-            events.append("write")
+    alone = [ask(name, text) for name, text in asks]
+    barrier = threading.Barrier(len(asks))
 
-    first = threading.Thread(target=reader)
-    first.start()
-    assert reading.wait(5)
-    with guard.shared():  # a second reader shares
-        events.append("second read")
-    second = threading.Thread(target=writer)
-    second.start()
-    assert writer_waiting.wait(5)
-    second.join(0.05)
-    assert second.is_alive(), "the writer went in while a reader held the guard"
-    release.set()
-    first.join(5)
-    second.join(5)
-    assert events == ["read", "second read", "read done", "write"]
+    def together(name: str, text: str) -> dict:
+        barrier.wait(30)
+        return ask(name, text)
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        at_once = list(pool.map(together, *zip(*asks, strict=True)))
+    assert at_once == alone
+    assert len({json.dumps(answer["weights"]) for answer in at_once}) == len(asks)
 
 
 def test_limits_are_checked():

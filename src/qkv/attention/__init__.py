@@ -7,7 +7,7 @@ run the inputs, and `explain_choice` says which.
 
 from qkv.attention.eager import attention_weights
 from qkv.attention.inputs import causal_mask
-from qkv.attention.loop import PairStep, QueryTrace, trace
+from qkv.attention.loop import PairStep, QuerySteps, steps
 from qkv.attention.registry import (
     BACKENDS,
     Backend,
@@ -23,12 +23,12 @@ __all__ = [
     "Backend",
     "Choice",
     "PairStep",
-    "QueryTrace",
+    "QuerySteps",
     "attend",
     "attention_weights",
     "backend_names",
     "causal_mask",
     "explain_choice",
     "register_backend",
-    "trace",
+    "steps",
 ]

@@ -111,6 +111,50 @@ def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> T
     return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=Tk - Tq)
 
 
+def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
+    """Layer or head indices as a list of ints, each in 0..count-1; otherwise a ValueError
+    that names the range. Layers and heads count from 0 everywhere.
+
+    >>> check_indices("head", (2, 0), 3, "q")
+    [2, 0]
+    >>> check_indices("layer", [6], 6, "minilm")
+    Traceback (most recent call last):
+    ...
+    ValueError: layer 6 is out of range: minilm has 6 layers (0-5)
+    """
+    chosen = [int(i) for i in indices]
+    bad = [i for i in chosen if not 0 <= i < count]
+    if bad:
+        raise ValueError(
+            f"{what} {bad[0]} is out of range: {owner} has {count} {what}s (0-{count - 1})"
+        )
+    return chosen
+
+
+def select_heads(
+    heads: list[int], q: Tensor, k: Tensor, mask: Tensor | None, *per_head: Tensor
+) -> tuple[Tensor, ...]:
+    """Some query heads of one attention call, each beside the key head it reads.
+
+    q (B, H, Tq, D), k (B, Hkv, Tk, D), mask broadcastable to (B, H, Tq, Tk) or None;
+    per_head: more tensors indexed by query head on dimension 1, e.g. the lse (B, H, Tq).
+    Returns q (B, n, Tq, D), k (B, n, Tk, D) (query head h reads key head h // (H // Hkv)),
+    the mask of those heads (a mask shared by every head stays shared), then `per_head`'s.
+
+    >>> q, k = torch.zeros(1, 4, 2, 8), torch.ones(1, 2, 3, 8)
+    >>> [tuple(t.shape) for t in select_heads([3], q, k, None)[:2]]
+    [(1, 1, 2, 8), (1, 1, 3, 8)]
+    """
+    group = q.shape[1] // k.shape[1]
+    index = torch.tensor(heads, device=q.device, dtype=torch.long)
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B?, H?, Tq?, Tk)
+        if mask.shape[1] != 1:  # one mask per head: keep the asked-for heads' masks
+            mask = mask.index_select(1, index)
+    chosen = (q.index_select(1, index), k.index_select(1, index // group), mask)
+    return chosen + tuple(t.index_select(1, index) for t in per_head)
+
+
 def allowed_keys(mask: Tensor | None, causal: bool, Tq: int, Tk: int, device) -> Tensor | None:
     """The mask and the causal rule combined, broadcastable to (B, H, Tq, Tk); None if neither."""
     if not causal:

@@ -34,7 +34,7 @@ class PairStep:
 
 
 @dataclass(frozen=True)
-class QueryTrace:
+class QuerySteps:
     """Every intermediate for one query word of one head: the article's steps 1-7."""
 
     batch: int
@@ -106,7 +106,7 @@ def contextualize(
     return contextualized, pairs
 
 
-def trace(
+def steps(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -114,13 +114,14 @@ def trace(
     mask: Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
-) -> list[QueryTrace]:
+) -> list[QuerySteps]:
     """Run the article over every (batch, head, query) and keep every intermediate.
 
-    Shapes as in `attend`. Returns B * H * Tq traces in (batch, head, query) order.
+    Shapes as in `attend`. Returns B * H * Tq steps in (batch, head, query) order. (A real
+    model's steps for one word pair are `qkv.trace`, which runs this on a layer's record.)
 
     >>> q = k = v = torch.eye(2).view(1, 1, 2, 2)
-    >>> [round(w, 3) for w in trace(q, k, v)[0].weights.tolist()]
+    >>> [round(w, 3) for w in steps(q, k, v)[0].weights.tolist()]
     [0.67, 0.33]
     """
     shape, scale = check_inputs(q, k, v, mask, scale)
@@ -129,7 +130,7 @@ def trace(
         allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     allowed = allowed.expand(shape.B, shape.H, shape.Tq, shape.Tk).tolist()
     q, k, v = q.double(), k.double(), v.double()
-    traces = []
+    found = []
     for b in range(shape.B):
         for h in range(shape.H):
             kv_head = h // shape.group  # grouped-query attention: heads share keys and values
@@ -137,8 +138,8 @@ def trace(
                 contextualized, pairs = contextualize(
                     q[b, h, i], k[b, kv_head], v[b, kv_head], allowed[b][h][i], scale
                 )
-                traces.append(QueryTrace(b, h, i, q[b, h, i], pairs, contextualized))
-    return traces
+                found.append(QuerySteps(b, h, i, q[b, h, i], pairs, contextualized))
+    return found
 
 
 def attend(
@@ -151,7 +152,7 @@ def attend(
     scale: float | None = None,
 ) -> Tensor:
     """The `loop` backend: (B, H, Tq, D) out, computed in float64, returned in q's dtype."""
-    traces = trace(q, k, v, mask=mask, causal=causal, scale=scale)
+    every = steps(q, k, v, mask=mask, causal=causal, scale=scale)
     B, H, Tq, D = q.shape
-    out = torch.stack([t.contextualized for t in traces]).view(B, H, Tq, D)
+    out = torch.stack([s.contextualized for s in every]).view(B, H, Tq, D)
     return out.to(q.dtype)

@@ -40,7 +40,8 @@ def article_walk(out: Path) -> Iterator[str]:
         f'The article asks how a model knows that "bank" in "{SENTENCE}" is a river bank.\n'
         "Here is MiniLM (all-MiniLM-L6-v2, a 6-layer BERT) answering it with its own numbers."
     )
-    traced = trace(minilm, SENTENCE, "bank", "river")
+    seen = minilm.attentions(SENTENCE)  # the one forward pass over the sentence
+    traced = trace(minilm, SENTENCE, "bank", "river", attentions=seen)
     yield "1. " + tokens_line(traced)
     yield '2. The article\'s steps, query word "bank", key word "river":\n' + narrate(traced)
     yield "3. " + contributions(traced)
@@ -50,9 +51,7 @@ def article_walk(out: Path) -> Iterator[str]:
         '5. Context pulls the two senses of "bank" apart: the same word in 8 river and 8 money\n'
         "   sentences, its vector before attention and after each layer.\n" + probe_lines(senses)
     )
-    seen = minilm.attentions(SENTENCE)
     folder = free_folder(out)
-    from qkv.inspect.trace import attention_vectors
     from qkv.viz import write_report
 
     write_report(
@@ -64,7 +63,7 @@ def article_walk(out: Path) -> Iterator[str]:
         head=(traced.layer, traced.head),
         query=traced.query_index,
         extra={"explained": f"bank <- river, layer {traced.layer}, head {traced.head}"},
-        vectors=attention_vectors(minilm, SENTENCE),
+        vectors=seen.vectors(),
         causal=False,  # MiniLM is an encoder: every token sees every other
     )
     probe_plot(senses, folder / "bank_senses.png")

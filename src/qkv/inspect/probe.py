@@ -120,7 +120,7 @@ def probe(
     cue_spans = _cue_spans(pretrained, sentences, cues) if cues is not None else None
 
     L, H = len(model.blocks), model.config.block.num_heads
-    record = [(layer, head) for layer in range(L) for head in range(H)] if cues else None
+    layers = "all" if cues else None  # the cue attention reads every layer's record
     hits = torch.zeros(L, H)  # sentences in which the word attends most to its cue
     depths: list[list[Tensor]] = [[] for _ in range(L + 1)]  # per depth, (C,) per sentence
     with torch.inference_mode():
@@ -129,13 +129,14 @@ def probe(
             # Right padding keeps each sentence's tokens at the positions `encode` gave them.
             ids, mask = pretrained.tokenizer.encode_batch(rows, padding_side="right")  # (B, T)
             extra = {"logits": False} if isinstance(model, Decoder) else {}
-            out = model(ids, attention_mask=mask, hidden_states=True, record=record, **extra)
+            out = model(ids, attention_mask=mask, hidden_states=True, layers=layers, **extra)
             states = out.hidden_states
-            for (layer, head), weights in out.attentions.items():  # (B, T, T) each
+            for layer, record in out.records.items():
+                weights = record.weights()  # (B, H, T, T)
                 for b, (first, last) in enumerate(spans[start : start + batch_size]):
                     cue_first, cue_last = cue_spans[start + b]
-                    top = int(weights[b, first:last].float().mean(0).argmax())
-                    hits[layer, head] += cue_first <= top < cue_last
+                    top = weights[b, :, first:last].float().mean(1).argmax(-1)  # (H,)
+                    hits[layer] += (cue_first <= top) & (top < cue_last)
             assert len(states) == L + 1, "a model must return the embeddings and every layer"
             for depth, hidden in enumerate(states):  # hidden: (B, T, C)
                 for b, (first, last) in enumerate(spans[start : start + batch_size]):

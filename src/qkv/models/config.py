@@ -9,10 +9,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
+from qkv.attention.inputs import check_indices
 from qkv.nn import BlockConfig, Embeddings, RotaryEmbedding
 from qkv.nn.layers import Position
 
@@ -128,33 +130,23 @@ def init_weights(module: nn.Module, std: float = 0.02) -> None:
         nn.init.normal_(module.weight, std=std)
 
 
-def heads_by_layer(
-    record: Iterable[tuple[int, int]] | None, num_layers: int, num_heads: int, what="layer"
-) -> dict[int, list[int]]:
-    """(layer, head) pairs to {layer: [heads]}; a clear error for one out of range."""
-    wanted: dict[int, list[int]] = {}
-    for layer, head in record or ():
-        if not 0 <= layer < num_layers:
-            raise ValueError(
-                f"{what} {layer} is out of range: the model has {num_layers} layers "
-                f"(0-{num_layers - 1})"
-            )
-        if not 0 <= head < num_heads:
-            raise ValueError(
-                f"head {head} is out of range: each layer has {num_heads} heads (0-{num_heads - 1})"
-            )
-        wanted.setdefault(layer, [])
-        if head not in wanted[layer]:
-            wanted[layer].append(head)
-    return wanted
+Layers = Iterable[int] | Literal["all"] | None  # which layers' AttentionRecords to return
 
 
-def store_weights(
-    into: dict[tuple[int, int], Tensor], layer: int, heads: list[int] | None, weights
-) -> None:
-    """Put one layer's recorded weights (B, len(heads), Tq, Tk) under (layer, head)."""
-    for i, head in enumerate(heads or ()):
-        into[(layer, head)] = weights[:, i]
+def recorded_layers(layers: Layers, num_layers: int) -> set[int]:
+    """The layer indices asked for: none for None, every one for "all"; a clear error for a
+    layer out of range.
+
+    >>> sorted(recorded_layers("all", 3)), sorted(recorded_layers([2, 0, 2], 3))
+    ([0, 1, 2], [0, 2])
+    """
+    if layers is None:
+        return set()
+    if isinstance(layers, str):
+        if layers != "all":
+            raise ValueError(f"layers must be layer indices or 'all', got {layers!r}")
+        return set(range(num_layers))
+    return set(check_indices("layer", layers, num_layers, "the model"))
 
 
 def key_padding(attention_mask: Tensor | None) -> Tensor | None:

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from qkv.models.config import (
-    DecoderConfig,
-    heads_by_layer,
-    init_weights,
-    key_padding,
-    store_weights,
-)
-from qkv.nn import DecoderBlock, KVCache
+from qkv.models.config import DecoderConfig, Layers, init_weights, key_padding, recorded_layers
+from qkv.nn import AttentionRecord, DecoderBlock, KVCache
 from qkv.nn.position import positions_for
 
 
@@ -22,8 +15,8 @@ from qkv.nn.position import positions_for
 class DecoderOutput:
     logits: Tensor | None  # (B, T, vocab) scores for the next token after each position
     hidden: Tensor  # (B, T, C) the last block's output (after the final norm)
-    attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, Tk)
-    cross_attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, S)
+    records: dict[int, AttentionRecord] = field(default_factory=dict)  # the layers asked
+    cross_records: dict[int, AttentionRecord] = field(default_factory=dict)  # cross-attention
     # with hidden_states=True: the embeddings, then each block's output, (B, T, C) each
     hidden_states: list[Tensor] = field(default_factory=list)
 
@@ -55,9 +48,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = config
         self.embed = config.embeddings()
-        rotary = config.rotary()
+        self.rotary = config.rotary()  # shared by every block: one rotation per forward
         self.blocks = nn.ModuleList(
-            DecoderBlock(config.block, rotary, config.cross_attention)
+            DecoderBlock(config.block, self.rotary, config.cross_attention)
             for _ in range(config.num_layers)
         )
         self.norm = config.block.make_norm() if config.has_final_norm else None
@@ -82,8 +75,8 @@ class Decoder(nn.Module):
         cache: DecoderCache | None = None,
         context: Tensor | None = None,
         context_mask: Tensor | None = None,
-        record: Iterable[tuple[int, int]] | None = None,
-        record_cross: Iterable[tuple[int, int]] | None = None,
+        layers: Layers = None,
+        cross_layers: Layers = None,
         logits: bool = True,
         hidden_states: bool = False,
     ) -> DecoderOutput:
@@ -93,41 +86,42 @@ class Decoder(nn.Module):
           new tokens together.
         positions (T,) or (B, T): defaults to the positions after the cached tokens.
         context (B, S, C), context_mask (B, S): the encoder's output, for cross-attention.
-        record, record_cross: (layer, head) pairs whose weights to return.
+        layers, cross_layers: the layers whose self- and cross-attention AttentionRecord to
+          return (indices, or "all").
         logits: False skips the LM head (the caller applies it to the positions it needs).
         hidden_states: also return every layer's input and the last one's output.
         """
         cfg = self.config
-        wanted = heads_by_layer(record, cfg.num_layers, cfg.block.num_heads)
-        wanted_cross = heads_by_layer(record_cross, cfg.num_layers, cfg.block.num_heads)
+        wanted = recorded_layers(layers, cfg.num_layers)
+        wanted_cross = recorded_layers(cross_layers, cfg.num_layers)
         if wanted_cross and not cfg.cross_attention:
-            raise ValueError("record_cross needs a decoder with cross-attention")
+            raise ValueError("cross_layers needs a decoder with cross-attention")
         if positions is None:
             offset = cache.length if cache is not None else 0
             positions = positions_for(input_ids.shape[1], offset, input_ids.device)
         x = self.embed(input_ids, positions)  # (B, T, C)
+        rotation = self.rotary.rotation(positions, x.dtype) if self.rotary else None
         padding = key_padding(attention_mask)
         context_padding = key_padding(context_mask)
-        attentions: dict[tuple[int, int], Tensor] = {}
-        cross_attentions: dict[tuple[int, int], Tensor] = {}
-        states = [x] if hidden_states else []
+        out = DecoderOutput(None, x, hidden_states=[x] if hidden_states else [])
         for layer, block in enumerate(self.blocks):
-            x, weights, cross_weights = block(
+            x, kept, kept_cross = block(
                 x,
                 context,
                 key_padding_mask=padding,
                 context_mask=context_padding,
-                positions=positions,
+                rotation=rotation,
                 cache=cache.layers[layer] if cache is not None else None,
                 cross_cache=cache.cross[layer] if cache is not None and cache.cross else None,
-                heads=wanted.get(layer),
-                cross_heads=wanted_cross.get(layer),
+                record=layer in wanted,
+                record_cross=layer in wanted_cross,
             )
-            store_weights(attentions, layer, wanted.get(layer), weights)
-            store_weights(cross_attentions, layer, wanted_cross.get(layer), cross_weights)
+            if kept is not None:
+                out.records[layer] = kept
+            if kept_cross is not None:
+                out.cross_records[layer] = kept_cross
             if hidden_states:
-                states.append(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        scores = self.lm_head(x) if logits else None
-        return DecoderOutput(scores, x, attentions, cross_attentions, states)
+                out.hidden_states.append(x)
+        out.hidden = x if self.norm is None else self.norm(x)
+        out.logits = self.lm_head(out.hidden) if logits else None
+        return out

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from qkv.models.config import (
-    EncoderConfig,
-    heads_by_layer,
-    init_weights,
-    key_padding,
-    store_weights,
-)
-from qkv.nn import EncoderBlock
+from qkv.models.config import EncoderConfig, Layers, init_weights, key_padding, recorded_layers
+from qkv.nn import AttentionRecord, EncoderBlock
 from qkv.nn.layers import _ACTIVATIONS, Activation
 from qkv.nn.position import positions_for
 
@@ -22,7 +15,7 @@ from qkv.nn.position import positions_for
 @dataclass
 class EncoderOutput:
     hidden: Tensor  # (B, T, C) the contextualized vector of every token
-    attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, T) each
+    records: dict[int, AttentionRecord] = field(default_factory=dict)  # the layers asked
     # with hidden_states=True: the embeddings, then each block's output, (B, T, C) each
     hidden_states: list[Tensor] = field(default_factory=list)
     # with logits=True: the MLM head's scores (B, T, vocab) for the token at each position
@@ -59,9 +52,9 @@ class Encoder(nn.Module):
     >>> import torch
     >>> from qkv.nn import BlockConfig
     >>> cfg = EncoderConfig(vocab_size=50, num_layers=2, block=BlockConfig(width=16, num_heads=4))
-    >>> out = Encoder(cfg)(torch.tensor([[1, 2, 3]]), record=[(1, 0)])
-    >>> out.hidden.shape, out.attentions[(1, 0)].shape
-    (torch.Size([1, 3, 16]), torch.Size([1, 3, 3]))
+    >>> out = Encoder(cfg)(torch.tensor([[1, 2, 3]]), layers=[1])
+    >>> out.hidden.shape, out.records[1].weights([0]).shape  # (B, heads, T, T)
+    (torch.Size([1, 3, 16]), torch.Size([1, 1, 3, 3]))
 
     With mlm_head=True it also scores every position over the vocabulary, as BERT's
     masked-language-model pretraining does:
@@ -76,9 +69,9 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = config
         self.embed = config.embeddings()
-        rotary = config.rotary()
+        self.rotary = config.rotary()  # shared by every block: one rotation per forward
         self.blocks = nn.ModuleList(
-            EncoderBlock(config.block, rotary) for _ in range(config.num_layers)
+            EncoderBlock(config.block, self.rotary) for _ in range(config.num_layers)
         )
         self.norm = config.block.make_norm() if config.has_final_norm else None
         self.mlm: MaskedLMHead | None = None
@@ -101,13 +94,13 @@ class Encoder(nn.Module):
         *,
         attention_mask: Tensor | None = None,
         token_type_ids: Tensor | None = None,
-        record: Iterable[tuple[int, int]] | None = None,
+        layers: Layers = None,
         hidden_states: bool = False,
         logits: bool = False,
     ) -> EncoderOutput:
         """attention_mask (B, T): 1 for real tokens, 0 for padding, which no token attends to.
 
-        record: (layer, head) pairs whose attention weights (B, T, T) to return.
+        layers: the layers whose AttentionRecord to return (indices, or "all").
         hidden_states: also return every layer's input and the last one's output.
         logits: also return the MLM head's logits (B, T, vocab); needs mlm_head=True.
         """
@@ -116,19 +109,21 @@ class Encoder(nn.Module):
                 "logits=True needs the masked-language-model head: build the encoder with "
                 "EncoderConfig(mlm_head=True), or load a BertForMaskedLM checkpoint"
             )
-        wanted = heads_by_layer(record, self.config.num_layers, self.config.block.num_heads)
+        wanted = recorded_layers(layers, self.config.num_layers)
         positions = positions_for(input_ids.shape[1], device=input_ids.device)
         x = self.embed(input_ids, positions, token_type_ids)  # (B, T, C)
+        rotation = self.rotary.rotation(positions, x.dtype) if self.rotary else None
         padding = key_padding(attention_mask)
         mask = None if padding is None else padding[:, None, None, :]  # (B, 1, 1, T)
-        attentions: dict[tuple[int, int], Tensor] = {}
+        records: dict[int, AttentionRecord] = {}
         states = [x] if hidden_states else []
         for layer, block in enumerate(self.blocks):
-            x, weights = block(x, mask=mask, positions=positions, heads=wanted.get(layer))
-            store_weights(attentions, layer, wanted.get(layer), weights)
+            x, kept = block(x, mask=mask, rotation=rotation, record=layer in wanted)
+            if kept is not None:
+                records[layer] = kept
             if hidden_states:
                 states.append(x)
         if self.norm is not None:
             x = self.norm(x)
         scores = self.mlm(x) if logits else None  # (B, T, vocab)
-        return EncoderOutput(x, attentions, states, scores)
+        return EncoderOutput(x, records, states, scores)

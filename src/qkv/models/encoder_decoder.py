@@ -6,23 +6,25 @@ decoder), while the key and value words come from a second sequence (the encoder
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from qkv.models.config import EncoderDecoderConfig
+from qkv.models.config import EncoderDecoderConfig, Layers
 from qkv.models.decoder import Decoder, DecoderCache
 from qkv.models.encoder import Encoder, EncoderOutput
+from qkv.nn import AttentionRecord
 
 
 @dataclass
 class Seq2SeqOutput:
     logits: Tensor  # (B, T, vocab) for the target tokens
     encoder_hidden: Tensor  # (B, S, C)
-    encoder_attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, S, S)
-    decoder_attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, T)
-    cross_attentions: dict[tuple[int, int], Tensor] = field(default_factory=dict)  # (B, T, S)
+    # the AttentionRecords of the layers asked: the encoder's, the decoder's self-attention
+    # (T queries over T keys) and its cross-attention (T queries over the S source tokens)
+    encoder_records: dict[int, AttentionRecord] = field(default_factory=dict)
+    decoder_records: dict[int, AttentionRecord] = field(default_factory=dict)
+    cross_records: dict[int, AttentionRecord] = field(default_factory=dict)
 
 
 class EncoderDecoder(nn.Module):
@@ -49,14 +51,11 @@ class EncoderDecoder(nn.Module):
             self.decoder.embed.tokens.weight = self.encoder.embed.tokens.weight
             self.decoder.lm_head.weight = self.encoder.embed.tokens.weight
 
-    def encode(
-        self,
-        source_ids: Tensor,
-        *,
-        source_mask: Tensor | None = None,
-        record: Iterable[tuple[int, int]] | None = None,
+    def read_source(
+        self, source_ids: Tensor, *, source_mask: Tensor | None = None, layers: Layers = None
     ) -> EncoderOutput:
-        return self.encoder(source_ids, attention_mask=source_mask, record=record)
+        """The encoder's pass over the source (B, S), which every decoding step reads."""
+        return self.encoder(source_ids, attention_mask=source_mask, layers=layers)
 
     def new_cache(self) -> DecoderCache:
         return self.decoder.new_cache()
@@ -70,30 +69,29 @@ class EncoderDecoder(nn.Module):
         target_mask: Tensor | None = None,
         encoded: EncoderOutput | None = None,
         cache: DecoderCache | None = None,
-        record_encoder: Iterable[tuple[int, int]] | None = None,
-        record_decoder: Iterable[tuple[int, int]] | None = None,
-        record_cross: Iterable[tuple[int, int]] | None = None,
+        encoder_layers: Layers = None,
+        layers: Layers = None,
+        cross_layers: Layers = None,
     ) -> Seq2SeqOutput:
         """source_mask (B, S), target_mask (B, T): 1 for real tokens, 0 for padding.
+
+        encoder_layers, layers, cross_layers: the layers whose AttentionRecord to return, of
+        the encoder, the decoder's self-attention and its cross-attention (indices, or "all").
 
         encoded: the encoder's output from an earlier call (decoding step by step), so the
         source is encoded once; cache: the decoder's KV cache for that decoding.
         """
         if encoded is None:
-            encoded = self.encode(source_ids, source_mask=source_mask, record=record_encoder)
+            encoded = self.read_source(source_ids, source_mask=source_mask, layers=encoder_layers)
         decoded = self.decoder(
             target_ids,
             attention_mask=target_mask,
             cache=cache,
             context=encoded.hidden,
             context_mask=source_mask,
-            record=record_decoder,
-            record_cross=record_cross,
+            layers=layers,
+            cross_layers=cross_layers,
         )
         return Seq2SeqOutput(
-            decoded.logits,
-            encoded.hidden,
-            encoded.attentions,
-            decoded.attentions,
-            decoded.cross_attentions,
+            decoded.logits, encoded.hidden, encoded.records, decoded.records, decoded.cross_records
         )

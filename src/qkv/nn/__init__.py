@@ -3,10 +3,18 @@
 from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.blocks import BlockConfig, DecoderBlock, EncoderBlock
 from qkv.nn.layers import MLP, Embeddings, RMSNorm, SwiGLU, make_norm
-from qkv.nn.position import LearnedPositions, RotaryEmbedding, SinusoidalPositions, rotate_half
+from qkv.nn.position import (
+    LearnedPositions,
+    RotaryEmbedding,
+    Rotation,
+    SinusoidalPositions,
+    rotate_half,
+)
+from qkv.nn.record import AttentionRecord
 
 __all__ = [
     "MLP",
+    "AttentionRecord",
     "BlockConfig",
     "DecoderBlock",
     "Embeddings",
@@ -16,6 +24,7 @@ __all__ = [
     "MultiHeadAttention",
     "RMSNorm",
     "RotaryEmbedding",
+    "Rotation",
     "SinusoidalPositions",
     "SwiGLU",
     "make_norm",

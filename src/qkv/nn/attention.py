@@ -8,14 +8,15 @@ and mixed by an output projection.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.attention import attend, attention_weights, backend_names, flash
-from qkv.nn.position import RotaryEmbedding, positions_for
+from qkv.attention import attend, backend_names, flash
+from qkv.nn.position import RotaryEmbedding, Rotation, positions_for
+from qkv.nn.record import AttentionRecord
 
 
 class KVCache:
@@ -61,8 +62,8 @@ class MultiHeadAttention(nn.Module):
     keys and values from context: cross-attention. `backend` picks the `attend` backend.
 
     >>> mha = MultiHeadAttention(width=16, num_heads=4)
-    >>> out, weights = mha(torch.randn(2, 5, 16), heads=[0, 3])
-    >>> out.shape, weights.shape
+    >>> out, record = mha(torch.randn(2, 5, 16), record=True)
+    >>> out.shape, record.weights([0, 3]).shape
     (torch.Size([2, 5, 16]), torch.Size([2, 2, 5, 5]))
     """
 
@@ -102,6 +103,7 @@ class MultiHeadAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
         self.rotary = rotary
+        self.scale = 1.0 / math.sqrt(head_dim)  # the article's side note: divide by sqrt(D)
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.sizes = (q_size, kv_size, kv_size)
         if fused_qkv:
@@ -143,10 +145,11 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         positions: Tensor | None = None,
+        rotation: Rotation | None = None,
         cache: KVCache | None = None,
-        heads: Sequence[int] | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Contextualize x; return (out (B, T, C), weights of `heads` or None).
+        record: bool = False,
+    ) -> tuple[Tensor, AttentionRecord | None]:
+        """Contextualize x; return (out (B, T, C), this call's AttentionRecord or None).
 
         mask: boolean, True = may attend, broadcastable to (B, H, T, Tk).
         key_padding_mask: (B, Tk), True where the key is a real token (not padding);
@@ -154,12 +157,14 @@ class MultiHeadAttention(nn.Module):
         causal: each word sees only itself and the words before it.
         positions: (T,) or (B, T) positions of x's tokens for rotary embeddings; by
           default they follow the tokens already in the cache.
+        rotation: the rotary cos and sin of those positions, made once per forward pass by
+          the model (`RotaryEmbedding.rotation`) and shared by every layer; overrides positions.
         cache: self-attention appends this step's keys and values and attends to all of
           them; cross-attention computes the context's keys and values once and reuses them.
-        heads: query heads whose weights (B, len(heads), T, Tk) to return, computed the way
-          the `eager` backend computes them, whatever backend runs.
+        record: also return what attention received and computed (see AttentionRecord).
         """
         B, T, _ = x.shape
+        q_plain = k_plain = None
         if context is None:  # self-attention: queries, keys and values all from x
             if hasattr(self, "qkv"):
                 q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # one matmul for all three
@@ -169,9 +174,12 @@ class MultiHeadAttention(nn.Module):
             k = self.split_heads(k, self.num_kv_heads)  # (B, Hkv, T, D)
             v = self.split_heads(v, self.num_kv_heads)
             if self.rotary is not None:
-                if positions is None:
-                    positions = positions_for(T, cache.length if cache else 0, x.device)
-                q, k = self.rotary(q, positions), self.rotary(k, positions)
+                if rotation is None:
+                    if positions is None:
+                        positions = positions_for(T, cache.length if cache else 0, x.device)
+                    rotation = self.rotary.rotation(positions, q.dtype)
+                q_plain, k_plain = q, k
+                q, k = rotation.apply(q), rotation.apply(k)
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, Hkv, Tk, D), earlier tokens first
         else:  # cross-attention: queries from x, keys and values from the context
@@ -186,35 +194,15 @@ class MultiHeadAttention(nn.Module):
             padding = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, Tk)
             mask = padding if mask is None else mask & padding
         lse = None
-        if heads is not None and self.backend == "flash":
-            # the kernel's log-sum-exp turns q and k into the asked-for weights directly
-            out, lse = flash.flash_attention(q, k, v, mask=mask, causal=causal)  # (B, H, T, D)
+        if record and self.backend == "flash":
+            # the kernel's log-sum-exp turns q and k into any head's weights directly
+            out, lse = flash.flash_attention(q, k, v, mask=mask, causal=causal, scale=self.scale)
         else:
-            out = attend(q, k, v, mask=mask, causal=causal, backend=self.backend)  # (B, H, T, D)
+            out = attend(q, k, v, mask=mask, causal=causal, scale=self.scale, backend=self.backend)
+        kept = None  # (B, H, T, D) out, and the rest, as attend saw them
+        if record:
+            kept = AttentionRecord(
+                q, k, v, out, mask, causal, self.scale, self.backend, lse, q_plain, k_plain
+            )
         out = self.out(out.transpose(1, 2).reshape(B, T, -1))  # concatenate heads, (B, T, C)
-        weights = None if heads is None else self.weights_of(heads, q, k, mask, causal, lse)
-        return out, weights
-
-    def weights_of(self, heads: Sequence[int], q, k, mask, causal, lse=None) -> Tensor:
-        """Recompute the attention weights of some query heads from this layer's q and k
-        (and, after the `flash` kernel, the log-sum-exp (B, H, T) it returned)."""
-        heads = list(heads)
-        bad = [h for h in heads if not 0 <= h < self.num_heads]
-        if bad:
-            raise ValueError(
-                f"head {bad[0]} is out of range: this layer has {self.num_heads} heads "
-                f"(0-{self.num_heads - 1})"
-            )
-        if lse is not None:
-            return flash.attention_weights_from_lse(
-                q, k, lse, heads=heads, mask=mask, causal=causal
-            )
-        group = self.num_heads // self.num_kv_heads
-        index = torch.tensor(heads, device=q.device)
-        if mask is not None:
-            mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B?, H?, T, Tk)
-            if mask.shape[1] != 1:  # one mask per head: keep the asked-for heads' masks
-                mask = mask.index_select(1, index)
-        q = q.index_select(1, index)  # (B, n, T, D)
-        k = k.index_select(1, index // group)  # the key head each of them reads
-        return attention_weights(q, k, mask=mask, causal=causal)
+        return out, kept

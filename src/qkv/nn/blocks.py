@@ -8,7 +8,6 @@ after each residual sum.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -16,7 +15,8 @@ from torch import Tensor, nn
 
 from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.layers import MLP, Activation, NormKind, SwiGLU, make_norm
-from qkv.nn.position import RotaryEmbedding
+from qkv.nn.position import RotaryEmbedding, Rotation
+from qkv.nn.record import AttentionRecord
 
 
 @dataclass(frozen=True)
@@ -89,19 +89,14 @@ class _Block(nn.Module):
         self.pre_norm = config.norm_position == "pre"
         self.dropout = nn.Dropout(config.dropout)
 
-    def _residual(self, x: Tensor, norm: nn.Module, sublayer) -> tuple[Tensor, Tensor | None]:
-        """x plus sublayer(x), normalized before the sublayer (pre-norm) or after the sum.
+    def sublayer_input(self, x: Tensor, norm: nn.Module) -> Tensor:
+        """What a sublayer reads: x normalized (pre-norm), or x itself (post-norm)."""
+        return norm(x) if self.pre_norm else x
 
-        sublayer returns (output, attention weights or None); the weights pass through.
-        """
-        if self.pre_norm:
-            out, weights = sublayer(norm(x))
-            return x + self.dropout(out), weights
-        out, weights = sublayer(x)
-        return norm(x + self.dropout(out)), weights
-
-    def _feed_forward(self, x: Tensor) -> Tensor:
-        return self._residual(x, self.mlp_norm, lambda h: (self.mlp(h), None))[0]
+    def residual(self, x: Tensor, out: Tensor, norm: nn.Module) -> Tensor:
+        """x plus a sublayer's output, normalized after the sum in a post-norm block."""
+        x = x + self.dropout(out)
+        return x if self.pre_norm else norm(x)
 
 
 class EncoderBlock(_Block):
@@ -117,19 +112,18 @@ class EncoderBlock(_Block):
         x: Tensor,
         *,
         mask: Tensor | None = None,
-        positions: Tensor | None = None,
-        heads: Sequence[int] | None = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """x (B, T, C) -> (B, T, C), and the weights of `heads` (see MultiHeadAttention).
+        rotation: Rotation | None = None,
+        record: bool = False,
+    ) -> tuple[Tensor, AttentionRecord | None]:
+        """x (B, T, C) -> (B, T, C), and the attention's record if asked (MultiHeadAttention).
 
         mask: any mask `attend` takes, e.g. key padding (B, 1, 1, T).
         """
-
-        def self_attend(h):
-            return self.attn(h, mask=mask, positions=positions, heads=heads)
-
-        x, weights = self._residual(x, self.attn_norm, self_attend)
-        return self._feed_forward(x), weights
+        h = self.sublayer_input(x, self.attn_norm)
+        attended, kept = self.attn(h, mask=mask, rotation=rotation, record=record)
+        x = self.residual(x, attended, self.attn_norm)
+        x = self.residual(x, self.mlp(self.sublayer_input(x, self.mlp_norm)), self.mlp_norm)
+        return x, kept
 
 
 class DecoderBlock(_Block):
@@ -152,38 +146,32 @@ class DecoderBlock(_Block):
         *,
         key_padding_mask: Tensor | None = None,
         context_mask: Tensor | None = None,
-        positions: Tensor | None = None,
+        rotation: Rotation | None = None,
         cache: KVCache | None = None,
         cross_cache: KVCache | None = None,
-        heads: Sequence[int] | None = None,
-        cross_heads: Sequence[int] | None = None,
-    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """x (B, T, C) -> (B, T, C), self-attention weights, cross-attention weights.
+        record: bool = False,
+        record_cross: bool = False,
+    ) -> tuple[Tensor, AttentionRecord | None, AttentionRecord | None]:
+        """x (B, T, C) -> (B, T, C), the self- and the cross-attention's records if asked.
 
         key_padding_mask: (B, Tk), True for the decoder's real tokens (cached ones too).
         context: the encoder's output (B, S, C), with context_mask (B, S) True for real
         tokens; needed on every step when the block has cross-attention.
         """
-
-        def self_attend(h):
-            return self.attn(
-                h,
-                key_padding_mask=key_padding_mask,
-                causal=True,
-                positions=positions,
-                cache=cache,
-                heads=heads,
-            )
-
-        def cross_attend(h):
-            return self.cross_attn(
-                h, context, key_padding_mask=context_mask, cache=cross_cache, heads=cross_heads
-            )
-
-        x, weights = self._residual(x, self.attn_norm, self_attend)
-        cross_weights = None
+        h = self.sublayer_input(x, self.attn_norm)
+        attended, kept = self.attn(
+            h, key_padding_mask=key_padding_mask, causal=True, rotation=rotation, cache=cache,
+            record=record,
+        )  # fmt: skip
+        x = self.residual(x, attended, self.attn_norm)
+        kept_cross = None
         if self.cross_attn is not None:
             if context is None:
                 raise ValueError("this decoder block has cross-attention: pass the encoder output")
-            x, cross_weights = self._residual(x, self.cross_norm, cross_attend)
-        return self._feed_forward(x), weights, cross_weights
+            h = self.sublayer_input(x, self.cross_norm)
+            attended, kept_cross = self.cross_attn(
+                h, context, key_padding_mask=context_mask, cache=cross_cache, record=record_cross
+            )
+            x = self.residual(x, attended, self.cross_norm)
+        x = self.residual(x, self.mlp(self.sublayer_input(x, self.mlp_norm)), self.mlp_norm)
+        return x, kept, kept_cross

@@ -9,6 +9,8 @@ product depends on how far apart the two words are.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor, nn
 
@@ -68,6 +70,19 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+class Rotation(NamedTuple):
+    """The cos and sin of every position's angles, made once per forward pass and applied to
+    the queries and keys of every layer: (T, D) for positions (T,), (B, 1, T, D) for (B, T)."""
+
+    cos: Tensor
+    sin: Tensor
+
+    def apply(self, x: Tensor) -> Tensor:
+        """Rotate x (B, H, T, D); computed in x's dtype."""
+        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)  # no-ops unless under autocast
+        return x * cos + rotate_half(x) * sin
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary positions in the half-rotation layout of Llama-family checkpoints.
 
@@ -93,12 +108,16 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)  # (…, T, D)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
-        """Rotate x (B, H, T, D) by its positions, (T,) or (B, T)."""
-        cos, sin = self.cos_sin(positions, x.dtype)
+    def rotation(self, positions: Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation of positions (T,) or (B, T), for q and k of every layer alike."""
+        cos, sin = self.cos_sin(positions, dtype)
         if cos.dim() == 3:  # (B, T, D): one row of positions per sequence
             cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
-        return x * cos + rotate_half(x) * sin
+        return Rotation(cos, sin)
+
+    def forward(self, x: Tensor, positions: Tensor) -> Tensor:
+        """Rotate x (B, H, T, D) by its positions, (T,) or (B, T)."""
+        return self.rotation(positions, x.dtype).apply(x)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"

@@ -3,7 +3,8 @@
 Nothing here computes attention itself: the weights are `Pretrained.attentions`, a pair's
 steps and contributions are `qkv.trace`, the sense probe is `qkv.inspect.probe.probe`,
 generation is `Pretrained.generate`. This module checks the request against the limits,
-takes the model's lock the call needs (see `qkv.serve.models`) and shapes the answer.
+and shapes the answer. Requests share a model with no lock: each forward pass returns the
+records its numbers come from (see `qkv.serve.models`).
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ def attention(
             raise ValueError(f"{name}s is empty; leave it out for every {name}")
         for value in chosen:
             served.check_index(name, value)
-    with served.guard.shared():
-        seen = served.pretrained.attentions(text)
-    weights = seen.weights[layers][:, heads].float()  # (L', H', T, T)
+    seen = served.pretrained.attentions(text, layers=layers, heads=heads)
+    weights = seen.weights[[seen.layers.index(layer) for layer in layers]]  # (L', H', T, T)
     if fmt == "base64":
         packed = [[pack_float32(matrix) for matrix in row] for row in weights.numpy()]
     return {
@@ -95,8 +95,7 @@ def trace_pair(
     from qkv.inspect.trace import trace
 
     encode(served, limits, text)
-    with served.guard.exclusive():  # trace hooks the model's modules: see qkv.serve.models
-        traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
+    traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
     return {"model": served.name, **traced.to_dict()}
 
 
@@ -110,8 +109,8 @@ def contributions(
     encode(served, limits, text)
     served.check_index("layer", layer)
     served.check_index("head", head)
-    with served.guard.exclusive():  # the query word as its own key: always a word it sees
-        traced = trace(served.pretrained, text, query, query, layer=layer, head=head)
+    # the query word as its own key: always a word it sees
+    traced = trace(served.pretrained, text, query, query, layer=layer, head=head)
     found = [
         {"token": c.token, "index": c.index, "weight": c.weight, "size": c.size}
         for c in traced.contributions
@@ -152,8 +151,7 @@ def probe_word(
             )
         for i, sentence in enumerate(sentences):
             encode(served, limits, sentence, f"sentence {i}")
-    with served.guard.shared():
-        found = probe(served.pretrained, word, sentences, labels, cues=cues)
+    found = probe(served.pretrained, word, sentences, labels, cues=cues)
     return {"model": served.name, **found.to_dict()}
 
 
@@ -161,7 +159,7 @@ def next_tokens(served: Served, limits: Limits, text: str, top: int) -> dict:
     """A decoder's probabilities for the token after `text`: the `top` most likely."""
     must_generate(served)
     encoded = encode(served, limits, text)
-    with served.guard.shared(), torch.inference_mode():
+    with torch.inference_mode():
         logits = served.pretrained.model(torch.tensor([encoded.ids])).logits[0, -1].float()
     probabilities = logits.softmax(-1)  # (vocab,)
     best = probabilities.topk(min(top, len(probabilities)))
@@ -224,7 +222,6 @@ def generate(
         nonlocal finished
         pieces.append(piece)
         emit(piece)
-        served.guard.pause()  # between two steps a waiting trace goes first
         if cancelled():
             finished = "cancelled"
             raise Stopped
@@ -232,7 +229,7 @@ def generate(
             finished = "time limit"
             raise Stopped
 
-    with served.guard.shared(), contextlib.suppress(Stopped):
+    with contextlib.suppress(Stopped):
         served.pretrained.generate(prompt, stream=stream, **options)
     return {
         "model": served.name,

@@ -104,9 +104,9 @@ class ModelInfo(BaseModel):
     name: str
     kind: Literal["encoder", "decoder"]
     family: str
-    layers: int
-    heads: int
-    kv_heads: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
     head_dim: int
     width: int
     context_window: int

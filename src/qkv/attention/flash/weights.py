@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from qkv.attention.inputs import allowed_keys, check_inputs
+from qkv.attention.inputs import allowed_keys, check_indices, check_inputs, select_heads
 
 
 def attention_weights_from_lse(
@@ -42,20 +42,22 @@ def attention_weights_from_lse(
         raise ValueError(
             f"lse must be (B, H, Tq) = {(shape.B, shape.H, shape.Tq)}, got {tuple(lse.shape)}"
         )
-    heads = list(range(shape.H)) if heads is None else list(heads)
-    bad = [h for h in heads if not 0 <= h < shape.H]
-    if bad:
-        raise ValueError(f"head {bad[0]} is out of range: q has {shape.H} heads (0-{shape.H - 1})")
-    index = torch.tensor(heads, device=q.device, dtype=torch.long)
-    q = q.index_select(1, index).float()  # (B, n, Tq, D)
-    k = k.index_select(1, index // shape.group).float()  # the key head each query head reads
-    lse = lse.index_select(1, index).float()  # (B, n, Tq)
-    scores = (q @ k.transpose(-1, -2)) * scale  # (B, n, Tq, Tk)
-    allowed = allowed_keys(mask, causal, shape.Tq, shape.Tk, q.device)
+    chosen = check_indices("head", range(shape.H) if heads is None else heads, shape.H, "q")
+    q, k, mask, lse = select_heads(chosen, q, k, mask, lse)  # (B, n, …) each
+    return weights_from_lse(q, k, lse, mask=mask, causal=causal, scale=scale)
+
+
+def weights_from_lse(
+    q: Tensor, k: Tensor, lse: Tensor, *, mask: Tensor | None, causal: bool, scale: float
+) -> Tensor:
+    """The weights (B, n, Tq, Tk), float32, of n query heads q (B, n, Tq, D) over the keys
+    k (B, n, Tk, D) each reads, given their lse (B, n, Tq) and the mask they saw."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale  # (B, n, Tq, Tk)
+    allowed = allowed_keys(mask, causal, Tq, Tk, q.device)
     if allowed is not None:
-        if allowed.dim() == 4 and allowed.shape[1] != 1:  # one mask per head: the asked-for
-            allowed = allowed.index_select(1, index)
         scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = lse.float()
     seen = torch.isfinite(lse)[..., None]  # (B, n, Tq, 1)
     # exp(-inf - lse) is 0 for a hidden key; a blind row's lse of -inf is replaced by 0 so
     # its hidden keys give exp(-inf) = 0 too rather than NaN

@@ -57,12 +57,12 @@ async function show() {  // the attention of every layer and head of the text
     seen.words.forEach((w) => { for (let t = w.tokens[0]; t < w.tokens[1]; t++) seen.wordOf[t] = w; });
     state.seen = seen;
     const model = info();
-    state.layer = Math.min(state.layer, model.layers - 1);
-    state.head = Math.min(state.head, model.heads - 1);
+    state.layer = Math.min(state.layer, model.num_layers - 1);
+    state.head = Math.min(state.head, model.num_heads - 1);
     state.query = state.key = null;
     state.cursor = [0, 0];
-    options($("layer"), model.layers, state.layer, "the first layer");
-    options($("head"), model.heads, state.head, "the first head");
+    options($("layer"), model.num_layers, state.layer, "the first layer");
+    options($("head"), model.num_heads, state.head, "the first head");
     $("tokens").innerHTML = seen.tokens.map((t, i) =>
       `<button type="button" class="token${seen.wordOf[i] ? "" : " special"}" data-index="${i}">`
       + `${esc(shown(t))}</button>`).join("");
@@ -71,7 +71,7 @@ async function show() {  // the attention of every layer and head of the text
     resetTrace();
     const ms = Math.round(performance.now() - started);
     $("status").textContent = `${model.name} (${model.kind}): ${seen.tokens.length} tokens, `
-      + `${model.layers} layers × ${model.heads} heads, answered in ${ms} ms`;
+      + `${model.num_layers} layers × ${model.num_heads} heads, answered in ${ms} ms`;
     document.body.dataset.shown = text;
     document.body.dataset.model = state.model;
     if (model.generates) nextTokens(text);
@@ -281,7 +281,7 @@ async function start() {
     state.models = answer.models;
     state.model = answer.models[0].name;
     $("model").innerHTML = answer.models.map((m) =>
-      `<option value="${esc(m.name)}">${esc(m.name)} (${m.kind}, ${m.layers} × ${m.heads})</option>`).join("");
+      `<option value="${esc(m.name)}">${esc(m.name)} (${m.kind}, ${m.num_layers} × ${m.num_heads})</option>`).join("");
     $("example").innerHTML += answer.examples.map((s) => `<option>${esc(s)}</option>`).join("");
     $("text").maxLength = answer.limits.max_chars;
     $("gen-max").max = answer.limits.max_new_tokens;

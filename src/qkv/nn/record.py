@@ -1,0 +1,98 @@
+"""What one attention layer computed, kept as an output of its forward pass.
+
+A `MultiHeadAttention` asked to keep its record returns an `AttentionRecord`: the q, k and v
+its backend received (after rotary positions and whatever else the layer does to them), the
+mask and the causal rule it applied, the scale, the backend's output per head and, from a
+fused kernel that has one, the log-sum-exp. Every number qkv shows about attention is
+computed from records by the functions here: the weights (`weights`), the article's steps
+for one query (`steps`), so what a learner sees cannot drift from what the model computed,
+and inspection needs no hooks, no second forward pass and no lock.
+
+>>> import torch
+>>> from qkv.nn import MultiHeadAttention
+>>> mha = MultiHeadAttention(width=16, num_heads=4, num_kv_heads=2)
+>>> out, record = mha(torch.randn(1, 5, 16), causal=True, record=True)
+>>> record.weights([0, 3]).shape  # (B, heads asked, Tq, Tk)
+torch.Size([1, 2, 5, 5])
+>>> record.steps(head=3, query=1).pairs[2].allowed  # the causal mask hides key 2 from query 1
+False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qkv.attention import attention_weights, loop
+from qkv.attention.flash.weights import weights_from_lse
+from qkv.attention.inputs import Shape, allowed_keys, check_indices, select_heads
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionRecord:
+    """One attention call of one layer, exactly as its backend ran it.
+
+    q (B, H, Tq, D), k and v (B, Hkv, Tk, D) as `attend` received them; out (B, H, Tq, D) as
+    it returned them (before the heads are concatenated and projected); mask and causal as
+    it applied them (see `allowed`); scale the factor on every dot product; lse (B, H, Tq)
+    the log-sum-exp of each query's scaled scores, from a backend that returns it.
+    q_before_rotary (B, H, Tq, D) and k_before_rotary (B, Hkv, Tq, D): in a layer with rotary
+    positions, this call's queries and keys before they were turned (k: the new tokens only).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    out: Tensor
+    mask: Tensor | None
+    causal: bool
+    scale: float
+    backend: str
+    lse: Tensor | None = None
+    q_before_rotary: Tensor | None = None
+    k_before_rotary: Tensor | None = None
+
+    @property
+    def shape(self) -> Shape:
+        (B, H, Tq, D), (Hkv, Tk) = self.q.shape, self.k.shape[1:3]
+        return Shape(B, H, Hkv, Tq, Tk, D)
+
+    @property
+    def allowed(self) -> Tensor:
+        """(B or 1, H or 1, Tq, Tk) boolean: True where a query saw a key, the mask and the
+        causal rule (aligned to the end of the keys, as in cached decoding) combined."""
+        s = self.shape
+        allowed = allowed_keys(self.mask, self.causal, s.Tq, s.Tk, self.q.device)
+        if allowed is None:
+            return torch.ones(1, 1, s.Tq, s.Tk, dtype=torch.bool, device=self.q.device)
+        return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+
+    def weights(self, heads: Sequence[int] | None = None) -> Tensor:
+        """The attention weights (B, len(heads), Tq, Tk) of query heads `heads` (all if None),
+        float32 (float64 for float64 inputs): what the `eager` backend computes, whichever
+        backend ran. Rows sum to 1, or to 0 for a query that saw no key."""
+        H = self.shape.H
+        chosen = check_indices("head", range(H) if heads is None else heads, H, "this layer")
+        if self.lse is not None:  # a fused kernel's lse: one product and an exp per weight
+            q, k, mask, lse = select_heads(chosen, self.q, self.k, self.mask, self.lse)
+            return weights_from_lse(q, k, lse, mask=mask, causal=self.causal, scale=self.scale)
+        q, k, mask = select_heads(chosen, self.q, self.k, self.mask)
+        return attention_weights(q, k, mask=mask, causal=self.causal, scale=self.scale)
+
+    def steps(self, head: int, query: int, batch: int = 0) -> loop.QuerySteps:
+        """The article's steps for one query of one head, by the `loop` backend (float64):
+        every (query, key) pair's scalar, scaled scalar, weight and scaled value vector, under
+        this record's own mask and scale."""
+        s = self.shape
+        (head,) = check_indices("head", [head], s.H, "this layer")
+        (query,) = check_indices("query", [query], s.Tq, "this record")
+        (batch,) = check_indices("batch", [batch], s.B, "this record")
+        allowed = self.allowed.expand(s.B, s.H, s.Tq, s.Tk)[batch, head, query].tolist()
+        kv_head = head // s.group  # grouped-query attention: heads share keys and values
+        k, v = self.k[batch, kv_head].double(), self.v[batch, kv_head].double()  # (Tk, D)
+        query_vector = self.q[batch, head, query].double()  # (D,)
+        contextualized, pairs = loop.contextualize(query_vector, k, v, allowed, self.scale)
+        return loop.QuerySteps(batch, head, query, query_vector, pairs, contextualized)
