@@ -74,7 +74,7 @@ def test_show_and_demo_refuse_bad_input_in_one_line(tmp_path):
     bad = run("show", SENTENCE, "--layer", "6", "--out", str(tmp_path / "x.html"))
     assert (
         bad.returncode == 2
-        and bad.stderr.strip() == "error: layer 6 is out of range: there are 6 (0-5)"
+        and bad.stderr.strip() == "error: layer 6 is out of range: minilm has 6 layers (0-5)"
     )
     assert not (tmp_path / "x.html").exists()
     empty = run("show", "   ", "--out", str(tmp_path / "y.html"))

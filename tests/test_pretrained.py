@@ -42,10 +42,9 @@ def test_minilm_every_layer_and_head_matches_transformers(minilm_hf, backend):
     with torch.no_grad():
         want = model(**batch, output_attentions=True, output_hidden_states=True)
     L, H = ours.config.num_layers, ours.config.block.num_heads
-    record = [(layer, head) for layer in range(L) for head in range(H)]
     with torch.inference_mode():
         got = ours.model(
-            batch["input_ids"], attention_mask=batch["attention_mask"], record=record,
+            batch["input_ids"], attention_mask=batch["attention_mask"], layers="all",
             token_type_ids=batch["token_type_ids"], hidden_states=True,
         )  # fmt: skip
     real = batch["attention_mask"].bool()
@@ -54,11 +53,15 @@ def test_minilm_every_layer_and_head_matches_transformers(minilm_hf, backend):
         torch.testing.assert_close(
             mine[real], theirs[real], atol=1e-5, rtol=0, msg=f"layer {layer}"
         )
-    for layer, head in record:
-        theirs = want.attentions[layer][:, head]  # (B, T, T)
-        mine = got.attentions[(layer, head)]
+    assert sorted(got.records) == list(range(L))
+    for layer in range(L):
+        theirs = want.attentions[layer]  # (B, H, T, T)
+        mine = got.records[layer].weights()
+        assert mine.shape == theirs.shape == (len(SENTENCES), H, *theirs.shape[2:])
         for b in range(len(SENTENCES)):  # rows of padding queries are not compared
-            torch.testing.assert_close(mine[b][real[b]], theirs[b][real[b]], atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                mine[b][:, real[b]], theirs[b][:, real[b]], atol=1e-5, rtol=0
+            )
 
 
 def test_minilm_sentence_embeddings_match_the_mean_pooling_recipe(minilm, minilm_hf):

@@ -18,7 +18,7 @@ from qkv.attention import (
     explain_choice,
     loop,
     register_backend,
-    trace,
+    steps,
 )
 from qkv.attention import eager as eager_backend
 
@@ -114,12 +114,12 @@ def test_gradients_match_float64_autograd_of_loop(backend, inputs):
 
 @settings(max_examples=30, deadline=None)
 @given(inputs=attention_inputs(dtypes=(torch.float64, torch.float32)))
-def test_eager_weights_match_the_loop_trace(inputs):
+def test_eager_weights_match_the_loop_steps(inputs):
     q, k, v, mask, causal, scale = inputs
     out, weights = eager_backend.attend(
         q, k, v, mask=mask, causal=causal, scale=scale, return_weights=True
     )
-    traces = trace(q, k, v, mask=mask, causal=causal, scale=scale)
+    traces = steps(q, k, v, mask=mask, causal=causal, scale=scale)
     traced = torch.stack([t.weights for t in traces])
     contextualized = torch.stack([t.contextualized for t in traces]).view(q.shape)
     torch.testing.assert_close(out.double(), contextualized, atol=1e-5, rtol=0)
@@ -133,11 +133,11 @@ def test_eager_weights_match_the_loop_trace(inputs):
     torch.testing.assert_close(sums, (~blind).to(sums.dtype))
 
 
-def test_trace_follows_the_article_step_by_step():
+def test_steps_follow_the_article_step_by_step():
     torch.manual_seed(1)
     B, H, Hkv, T, D = 1, 4, 2, 5, 8
     q, k, v = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D)
-    traces = trace(q, k, v)
+    traces = steps(q, k, v)
     assert len(traces) == B * H * T
     one = traces[3 * T + 2]  # batch 0, head 3 (reads key head 1), query 2
     assert (one.batch, one.head, one.query_index) == (0, 3, 2)

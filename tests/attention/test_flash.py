@@ -208,16 +208,18 @@ def test_an_encoder_and_cross_attention_on_flash_train_like_sdpa():
 def test_a_decoder_on_flash_decodes_with_its_cache_and_reports_its_weights():
     sdpa, flash = pair(Decoder, LLAMA_LIKE)
     ids = torch.randint(0, 61, (1, 12))
-    record = [(0, 0), (1, 5), (1, 2)]
     with torch.no_grad():
-        want = sdpa(ids, record=record)
-        got = flash(ids, record=record)
+        want = sdpa(ids, layers="all")
+        got = flash(ids, layers="all")
         cache = flash.new_cache()
         steps = [flash(ids[:, :5], cache=cache).logits]
         steps += [flash(ids[:, t : t + 1], cache=cache).logits for t in range(5, 12)]
     torch.testing.assert_close(torch.cat(steps, 1), want.logits, rtol=0, atol=2e-5)
-    for key in record:  # weights recomputed from the kernel's lse equal the eager ones
-        torch.testing.assert_close(got.attentions[key], want.attentions[key], rtol=0, atol=1e-6)
+    for layer, record in got.records.items():  # from the kernel's lse, equal to the eager ones
+        assert record.lse is not None and record.backend == "flash"
+        want_weights = want.records[layer].weights()  # (B, H, T, T)
+        torch.testing.assert_close(record.weights(), want_weights, rtol=0, atol=1e-6)
+        torch.testing.assert_close(record.weights([5, 2]), want_weights[:, [5, 2]], rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------- the interpreter's fixes

@@ -24,13 +24,13 @@ def test_tiny_models_match_transformers(name, backend, tmp_path):
     with torch.no_grad():
         if name == "bert":
             want = theirs(ids, attention_mask=mask, output_attentions=True)
-            got = ours(ids, attention_mask=mask, record=[(1, 2)])
+            got = ours(ids, attention_mask=mask, layers=[1])
             real = mask.bool()
             torch.testing.assert_close(
                 got.hidden[real], want.last_hidden_state[real], atol=1e-5, rtol=0
             )
             torch.testing.assert_close(
-                got.attentions[(1, 2)][0], want.attentions[1][0, 2], atol=1e-5, rtol=0
+                got.records[1].weights([2])[0, 0], want.attentions[1][0, 2], atol=1e-5, rtol=0
             )
         elif name == "bart":
             target = torch.randint(0, 99, (2, 5))

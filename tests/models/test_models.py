@@ -87,7 +87,7 @@ def test_encoder_decoder_decodes_step_by_step_like_the_full_forward():
     source_mask = torch.ones(2, 7, dtype=torch.long)
     source_mask[1, 5:] = 0
     full = model(source, target, source_mask=source_mask).logits
-    encoded = model.encode(source, source_mask=source_mask)
+    encoded = model.read_source(source, source_mask=source_mask)
     cache = model.new_cache()
     steps = [
         model(source, target[:, t : t + 1], source_mask=source_mask, encoded=encoded, cache=cache)
@@ -120,18 +120,18 @@ def test_an_encoder_without_positions_cannot_tell_word_order(position, equivaria
 @pytest.mark.parametrize("backend", ["loop", "eager", "sdpa", "auto"])
 def test_recorded_weights_are_the_eager_weights_whatever_the_backend(backend):
     ids, real = torch.randint(0, 61, (2, 6)), torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
-    record = [(0, 0), (2, 5), (2, 1)]
     eager = build(Decoder, with_backend(LLAMA_LIKE, "eager"))
     model = build(Decoder, with_backend(LLAMA_LIKE, backend))
-    want = eager(ids, attention_mask=real, record=record)
-    got = model(ids, attention_mask=real, record=record)
-    assert sorted(got.attentions) == sorted(record)
+    want = eager(ids, attention_mask=real, layers=[0, 2])
+    got = model(ids, attention_mask=real, layers=[2, 0])
+    assert sorted(got.records) == [0, 2]
     torch.testing.assert_close(got.logits, want.logits)
-    for key, weights in got.attentions.items():
-        assert weights.shape == (2, 6, 6)
-        torch.testing.assert_close(weights, want.attentions[key], rtol=0, atol=0)
+    for layer, heads in ((0, [0]), (2, [5, 1])):
+        weights = got.records[layer].weights(heads)
+        assert weights.shape == (2, len(heads), 6, 6)
+        torch.testing.assert_close(weights, want.records[layer].weights(heads), rtol=0, atol=0)
         assert (weights.triu(1) == 0).all(), "a decoder never attends to later tokens"
-        torch.testing.assert_close(weights.sum(-1), torch.ones(2, 6, dtype=weights.dtype))
+        torch.testing.assert_close(weights.sum(-1), torch.ones(2, len(heads), 6).to(weights))
 
 
 def test_encoder_decoder_records_all_three_kinds_of_attention():
@@ -139,13 +139,16 @@ def test_encoder_decoder_records_all_three_kinds_of_attention():
     out = model(
         torch.randint(0, 61, (1, 7)),
         torch.randint(0, 61, (1, 4)),
-        record_encoder=[(1, 2)],
-        record_decoder=[(0, 0)],
-        record_cross=[(1, 3)],
+        encoder_layers=[1],
+        layers=[0],
+        cross_layers="all",
     )
-    assert out.encoder_attentions[(1, 2)].shape == (1, 7, 7)
-    assert out.decoder_attentions[(0, 0)].shape == (1, 4, 4)
-    assert out.cross_attentions[(1, 3)].shape == (1, 4, 7)
+    assert list(out.encoder_records) == [1] and list(out.decoder_records) == [0]
+    assert list(out.cross_records) == list(range(ORIGINAL.decoder_layers))
+    assert out.encoder_records[1].weights([2]).shape == (1, 1, 7, 7)
+    assert out.decoder_records[0].weights([0]).shape == (1, 1, 4, 4)
+    assert out.cross_records[1].weights([3]).shape == (1, 1, 4, 7)
+    assert out.decoder_records[0].causal and not out.cross_records[1].causal
 
 
 def test_layers_and_heads_out_of_range_say_how_many_there_are():
@@ -154,11 +157,13 @@ def test_layers_and_heads_out_of_range_say_how_many_there_are():
     with pytest.raises(
         ValueError, match=r"layer 2 is out of range: the model has 2 layers \(0-1\)"
     ):
-        model(ids, record=[(2, 0)])
-    with pytest.raises(ValueError, match=r"head 4 is out of range: each layer has 4 heads \(0-3\)"):
-        model(ids, record=[(0, 4)])
+        model(ids, layers=[2])
+    with pytest.raises(ValueError, match=r"head 4 is out of range: this layer has 4 heads \(0-3\)"):
+        model(ids, layers=[0]).records[0].weights([4])
+    with pytest.raises(ValueError, match="layers must be layer indices or 'all', got 'every'"):
+        model(ids, layers="every")
     with pytest.raises(ValueError, match="needs a decoder with cross-attention"):
-        build(Decoder, GPT_LIKE)(ids, record_cross=[(0, 0)])
+        build(Decoder, GPT_LIKE)(ids, cross_layers=[0])
     with pytest.raises(ValueError, match="position must be"):
         replace(BERT_LIKE, position="absolute")
 

@@ -54,7 +54,8 @@ def test_self_attention_with_padding_and_causal_matches_torch(backend, fused):
         want, want_weights = theirs(
             x, x, x, key_padding_mask=~real, attn_mask=blocked, average_attn_weights=False
         )
-        got, weights = ours(x, key_padding_mask=real, causal=causal, heads=[0, 1, 2, 3])
+        got, record = ours(x, key_padding_mask=real, causal=causal, record=True)
+        weights = record.weights([0, 1, 2, 3])
         torch.testing.assert_close(got, want)
         torch.testing.assert_close(weights, want_weights)
 
@@ -68,7 +69,8 @@ def test_cross_attention_matches_torch(backend):
     want, want_weights = theirs(
         x, context, context, key_padding_mask=~real, average_attn_weights=False
     )
-    got, weights = ours(x, context, key_padding_mask=real, heads=[3, 1])
+    got, record = ours(x, context, key_padding_mask=real, record=True)
+    weights = record.weights([3, 1])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(weights, want_weights[:, [3, 1]])
     assert (weights[0, :, :, 6:] == 0).all(), "padding gets no attention"
@@ -89,7 +91,8 @@ def test_recorded_weights_equal_eager_weights_for_every_backend(backend):
     mha.rotary = RotaryEmbedding(4)
     x = torch.randn(2, 6, 32, dtype=torch.float64)
     real = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]], dtype=torch.bool)
-    out, weights = mha(x, key_padding_mask=real, causal=True, heads=range(8))
+    out, record = mha(x, key_padding_mask=real, causal=True, record=True)
+    weights = record.weights(range(8))
     # the same q, k, v by hand, through eager, which materializes the weights itself
     q, k, v = mha.qkv(x).split(mha.sizes, dim=-1)
     q, k, v = mha.split_heads(q, 8), mha.split_heads(k, 2), mha.split_heads(v, 2)
@@ -100,6 +103,12 @@ def test_recorded_weights_equal_eager_weights_for_every_backend(backend):
     )
     torch.testing.assert_close(weights, eager_weights, rtol=0, atol=1e-12)
     torch.testing.assert_close(out, mha.out(eager_out.transpose(1, 2).reshape(2, 6, 32)))
+    # the record holds what the backend received and returned: rotated q and k, the mask
+    torch.testing.assert_close(record.q, q, rtol=0, atol=0)
+    torch.testing.assert_close(record.k, k, rtol=0, atol=0)
+    torch.testing.assert_close(record.out, eager_out, rtol=0, atol=1e-12)
+    assert record.causal and record.scale == 0.5 and record.backend == backend
+    assert (record.allowed == (real[:, None, None, :] & causal_mask(6, 6))).all()
 
 
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])
@@ -145,7 +154,7 @@ def test_without_positions_self_attention_is_permutation_equivariant(backend):
 def test_bad_heads_and_shapes_are_reported():
     mha = MultiHeadAttention(16, 4, num_kv_heads=2)
     with pytest.raises(ValueError, match=r"head 4 is out of range: this layer has 4 heads \(0-3\)"):
-        mha(torch.randn(1, 3, 16), heads=[4])
+        mha(torch.randn(1, 3, 16), record=True)[1].weights([4])
     with pytest.raises(ValueError, match="not divisible by 3 heads"):
         MultiHeadAttention(16, 3)
     with pytest.raises(ValueError, match="cannot share 3 key/value heads"):
@@ -160,8 +169,8 @@ def test_recorded_weights_of_some_heads_keep_each_heads_own_mask(mask_shape):
     mha = MultiHeadAttention(16, 4, num_kv_heads=2, backend="sdpa").double()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     mask = torch.rand(mask_shape) > 0.3
-    _, every = mha(x, mask=mask, heads=[0, 1, 2, 3])
-    _, some = mha(x, mask=mask, heads=[3, 0])
+    _, record = mha(x, mask=mask, record=True)
+    every, some = record.weights([0, 1, 2, 3]), record.weights([3, 0])
     torch.testing.assert_close(some, every[:, [3, 0]], rtol=0, atol=0)
     blocked = ~mask.expand(2, 4, 5, 5)
     assert (every[blocked] == 0).all()

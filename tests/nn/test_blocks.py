@@ -80,8 +80,10 @@ def test_decoder_block_matches_transformer_decoder_layer(norm_position):
     want = theirs(
         x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=~memory_real
     )
-    got, _, cross = ours(x, memory, context_mask=memory_real, cross_heads=[0, 2])
+    got, kept, kept_cross = ours(x, memory, context_mask=memory_real, record_cross=True)
     torch.testing.assert_close(got, want)
+    cross = kept_cross.weights([0, 2])
+    assert kept is None, "only the cross-attention's record was asked for"
     assert cross.shape == (2, 2, 5, 8) and (cross[0, :, :, 5:] == 0).all()
 
 

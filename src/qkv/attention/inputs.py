@@ -125,8 +125,9 @@ def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
     chosen = [int(i) for i in indices]
     bad = [i for i in chosen if not 0 <= i < count]
     if bad:
+        many = {"query": "queries", "batch": "batches"}.get(what, f"{what}s")
         raise ValueError(
-            f"{what} {bad[0]} is out of range: {owner} has {count} {what}s (0-{count - 1})"
+            f"{what} {bad[0]} is out of range: {owner} has {count} {many} (0-{count - 1})"
         )
     return chosen
 

@@ -1,0 +1,115 @@
+"""AttentionRecord: what a layer's backend received and returned, and the weights and steps
+read from it, checked against the eager backend and the article's loop on fresh inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from qkv.attention import attend, causal_mask, loop
+from qkv.attention import eager as eager_backend
+from qkv.nn import KVCache, MultiHeadAttention, RotaryEmbedding
+
+BACKENDS = ["loop", "eager", "sdpa", "flash"]  # flash runs in Triton's interpreter on a CPU
+
+
+def layer(backend: str, dtype=torch.float32, seed: int = 0) -> MultiHeadAttention:
+    torch.manual_seed(seed)
+    mha = MultiHeadAttention(48, 6, num_kv_heads=2, rotary=RotaryEmbedding(8), backend=backend)
+    return mha.to(dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_record_is_what_the_backend_received_and_its_weights_are_eagers(backend):
+    mha = layer(backend)
+    x = torch.randn(2, 7, 48)
+    real = torch.ones(2, 7, dtype=torch.bool)
+    real[1, 5:] = False  # padding: the second text is 5 tokens long
+    seen = []
+
+    def spy(q, k, v, **kwargs):  # what attend is given, to compare with the record
+        seen.append((q, k, v, kwargs))
+        return attend(q, k, v, **kwargs)
+
+    torch.manual_seed(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("qkv.nn.attention.attend", spy)
+        out, record = mha(x, key_padding_mask=real, causal=True, record=True)
+    if backend != "flash":  # flash with a record goes to the kernel itself, for its lse
+        (q, k, v, kwargs), = seen
+        assert record.q is q and record.k is k and record.v is v
+        assert record.mask is kwargs["mask"] and record.scale == kwargs["scale"] == 1 / math.sqrt(8)
+    assert (record.lse is not None) == (backend == "flash")
+    # the record's weights are the eager backend's on the same q, k, v, mask and scale
+    want_out, want = eager_backend.attend(
+        record.q, record.k, record.v, mask=real[:, None, None, :], causal=True,
+        return_weights=True,
+    )  # fmt: skip
+    tolerance = 1e-6 if backend != "loop" else 1e-7
+    torch.testing.assert_close(record.weights(), want, rtol=0, atol=tolerance)
+    torch.testing.assert_close(record.weights([5, 0]), want[:, [5, 0]], rtol=0, atol=tolerance)
+    torch.testing.assert_close(record.out, want_out, rtol=0, atol=2e-6)
+    assert not record.weights()[1, :, :, 5:].any(), "padding is hidden from every query"
+    assert (record.allowed == (real[:, None, None, :] & causal_mask(7, 7))).all()
+    # rotary: the record keeps q and k before the turn, and the turn is the layer's own
+    torch.testing.assert_close(mha.rotary(record.q_before_rotary, torch.arange(7)), record.q)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_steps_are_the_loop_backend_on_the_record(backend):
+    mha = layer(backend, seed=2)
+    x = torch.randn(1, 6, 48)
+    mask = torch.rand(6, 6) > 0.3  # any mask: a query may even see no key
+    mask[4] = False
+    _, record = mha(x, mask=mask, causal=True, record=True)
+    every = loop.steps(record.q, record.k, record.v, mask=mask, causal=True, scale=record.scale)
+    weights = record.weights()
+    for head in (0, 3, 5):
+        for query in range(6):
+            got = record.steps(head, query)
+            want = every[head * 6 + query]
+            assert (got.head, got.query_index) == (head, query)
+            torch.testing.assert_close(got.contextualized, want.contextualized, rtol=0, atol=0)
+            allowed = [p.allowed for p in got.pairs]
+            assert allowed == (mask[query] & causal_mask(6, 6)[query]).tolist()
+            torch.testing.assert_close(got.weights.float(), weights[0, head, query], atol=1e-6,
+                                       rtol=0)  # fmt: skip
+    assert not record.steps(1, 4).weights.any(), "a query that sees no key gets zeros"
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "flash"])
+def test_a_cached_steps_record_has_the_causal_offset_of_decoding(backend):
+    mha = layer(backend, seed=3)
+    x = torch.randn(1, 9, 48)
+    _, full = mha(x, causal=True, record=True)
+    cache = KVCache()
+    mha(x[:, :8], causal=True, cache=cache)
+    _, last = mha(x[:, 8:], causal=True, cache=cache, record=True)
+    assert last.shape.Tq == 1 and last.shape.Tk == 9
+    assert last.allowed.all(), "the newest token sees every cached token and itself"
+    torch.testing.assert_close(last.weights(), full.weights()[:, :, 8:], rtol=0, atol=1e-5)
+    assert last.k_before_rotary.shape[2] == 1, "before rotary: this call's new key only"
+
+
+def test_cross_attention_records_the_contexts_keys():
+    torch.manual_seed(4)
+    mha = MultiHeadAttention(16, 4).double()
+    x, context = torch.randn(2, 3, 16).double(), torch.randn(2, 5, 16).double()
+    real = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    _, record = mha(x, context, key_padding_mask=real, record=True)
+    assert record.shape.Tq == 3 and record.shape.Tk == 5 and not record.causal
+    assert record.q_before_rotary is None
+    weights = record.weights()
+    assert not weights[1, :, :, 2:].any()
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, 3).double())
+
+
+def test_bad_heads_and_queries_name_the_range():
+    _, record = layer("eager")(torch.randn(1, 4, 48), record=True)
+    with pytest.raises(ValueError, match=r"head 6 is out of range: this layer has 6 heads \(0-5\)"):
+        record.weights([0, 6])
+    with pytest.raises(ValueError, match=r"query 4 is out of range: this record has 4 queries"):
+        record.steps(0, 4)
+    assert layer("eager")(torch.randn(1, 4, 48))[1] is None, "no record unless asked"
