@@ -262,9 +262,9 @@ def show(
         else:  # a page, which traces a clicked pair from the q, k, v vectors (not cross-attention)
             traceable = isinstance(pretrained.model, Encoder | Decoder)
             vectors = seen.vectors() if traceable else None
-            causal = isinstance(pretrained.model, Decoder)
             write = write_html if out.suffix.lower() in (".html", ".htm") else write_report
-            write(out, seen.weights, seen.tokens, vectors=vectors, causal=causal, **common)
+            write(out, seen.weights, seen.tokens, vectors=vectors, causal=seen.causal,
+                  scale=seen.scale, **common)  # fmt: skip
     typer.echo(f"wrote {out}")
 
 

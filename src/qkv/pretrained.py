@@ -56,6 +56,22 @@ class Attentions:
         attention over the keys (T x T over one text)."""
         return torch.stack([self.records[layer].weights(self.heads)[0] for layer in self.layers])
 
+    @property
+    def scale(self) -> float:
+        """The factor every recorded layer put on its dot products (1/sqrt(D) in the article)."""
+        return self._same("scale")
+
+    @property
+    def causal(self) -> bool:
+        """Whether every recorded layer hid the keys after each query (a decoder)."""
+        return self._same("causal")
+
+    def _same(self, name: str):
+        found = {getattr(record, name) for record in self.records.values()}
+        if len(found) != 1:
+            raise ValueError(f"the layers differ in {name} ({sorted(found)}); ask one layer's")
+        return found.pop()
+
     def vectors(self) -> tuple[Tensor, Tensor, Tensor]:
         """Every recorded layer's and head's q, k and v over the text: (L', H, T, D) each.
 

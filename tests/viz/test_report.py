@@ -81,11 +81,11 @@ def embedded(page: str) -> dict:
 
 
 def stored_weights(data: dict) -> np.ndarray:
-    """(L, H, T, T) uint16 ten-thousandths, decoded here without qkv's own reader."""
+    """(L, H, T, T) float32, decoded here without qkv's own reader."""
     T = len(data["tokens"])
 
     def unpack(text: str) -> np.ndarray:
-        return np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype="<u2").reshape(T, T)
+        return np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype="<f4").reshape(T, T)
 
     return np.array([[unpack(head) for head in layer] for layer in data["weights"]["heads"]])
 
@@ -121,17 +121,29 @@ def test_the_page_reaches_for_nothing_outside_itself(page):
 def test_the_embedded_weights_are_the_models_own_numbers(att, page):
     data = embedded(page)
     assert data["tokens"] == att.tokens
-    assert (data["layers"], data["heads"]) == tuple(att.weights.shape[:2])
+    assert (data["num_layers"], data["num_heads"]) == tuple(att.weights.shape[:2])
     stored = stored_weights(data)  # (L, H, T, T)
-    assert stored.shape == tuple(att.weights.shape)
-    ours = torch.from_numpy(stored.astype(np.float32) / data["weights"]["scale"])
-    torch.testing.assert_close(ours, att.weights, atol=1e-4, rtol=0)
-    # rounded and nothing else: not renormalised, not clipped
-    np.testing.assert_array_equal(stored, np.rint(att.weights.numpy() * 10_000))
+    # exactly the model's float32 numbers: not rounded, not renormalised, not clipped
+    np.testing.assert_array_equal(stored, att.weights.numpy())
     weights, tokens = read_weights(page)
-    np.testing.assert_array_equal(weights, ours.numpy())
+    np.testing.assert_array_equal(weights, att.weights.numpy())
     assert tokens == att.tokens
-    assert "rounded to 4 decimal places and not renormalised" in " ".join(page.split())
+    assert "stored here exactly (float32) and not renormalised" in " ".join(page.split())
+
+
+def test_near_ties_keep_their_order_on_the_page(att, tmp_path):
+    """DESIGN.md: no rounding that changes a ranking. Two keys a float32 step apart, and two
+    tiny weights far below any fixed number of decimals, keep their order when read back."""
+    weights = att.weights.clone()  # (L, H, T, T)
+    row = weights[2, 7, 3]
+    a = torch.tensor(0.30001, dtype=torch.float32)
+    row[0], row[1] = a, torch.nextafter(a, torch.tensor(1.0))  # the nearest tie float32 has
+    row[2], row[3] = 3e-9, 2e-9  # both 0.0000 to four decimals
+    page = write_html(tmp_path / "ties.html", weights, att.tokens).read_text(encoding="utf-8")
+    stored = torch.from_numpy(read_weights(page)[0])
+    got = stored[2, 7, 3]
+    assert got[1] > got[0] and got[2] > got[3] > 0
+    assert (stored.argsort(stable=True) == weights.argsort(stable=True)).all()
 
 
 def test_rows_are_stored_as_given_never_renormalised(att, tmp_path):
@@ -140,7 +152,8 @@ def test_rows_are_stored_as_given_never_renormalised(att, tmp_path):
     weights[:, :, 4] = 0.0  # a query whose keys were all masked: a row of zeros
     page = write_html(tmp_path / "rows.html", weights, att.tokens).read_text(encoding="utf-8")
     stored = stored_weights(embedded(page))
-    np.testing.assert_array_equal(stored, np.rint(weights.numpy() * 10_000))
+    np.testing.assert_array_equal(stored, weights.numpy())
+    assert stored[:, :, 3].sum(-1) == pytest.approx(0.5, abs=1e-6)
     assert stored[:, :, 4].max() == 0
 
 
@@ -261,21 +274,21 @@ def test_write_html_is_one_file_and_refuses_other_extensions(att, tmp_path):
         write_html(tmp_path / "bank.png", att.weights, att.tokens)
 
 
-def test_512_tokens_make_a_page_of_reasonable_size(tmp_path):
-    # minilm's longest text: 6 layers x 12 heads x 512 x 512 = 18.9 million weights. As JSON
-    # text they would take ~130 MB, as raw uint16 in base64 50 MB; compressed they must fit in
-    # 30 MB, a page a browser opens in about a second. Random softmax rows are the hard case:
-    # real attention, mostly near 0, compresses better (about 18 MB).
+def test_512_tokens_make_a_page_no_larger_than_their_float32_bits(tmp_path):
+    # minilm's longest text: 6 layers x 12 heads x 512 x 512 = 18.9 million weights, stored
+    # exactly (float32) so no ranking can change. As JSON text they would take ~300 MB; their
+    # raw bits in base64 take 101 MB, and zlib must not add to that. Random softmax rows are
+    # the hard case (about 94 MB); real attention, mostly near 0, compresses a little better.
     L, H, T = 6, 12, 512
     generator = torch.Generator().manual_seed(0)
     weights = torch.softmax(2 * torch.randn(L, H, T, T, generator=generator), dim=-1)
     tokens = [f"w{i}" for i in range(T)]
     folder = write_report(tmp_path / "long", weights, tokens, title="long")
     size = (folder / "index.html").stat().st_size
-    assert 10e6 < size < 30e6
+    assert 50e6 < size < 4 * L * H * T * T * 4 / 3 + 1e6
     stored = stored_weights(embedded((folder / "index.html").read_text()))
     assert stored.shape == (L, H, T, T)
-    np.testing.assert_array_equal(stored[3, 7], np.rint(weights[3, 7].numpy() * 10_000))
+    np.testing.assert_array_equal(stored[3, 7], weights[3, 7].numpy())
 
 
 def test_the_page_script_is_valid_javascript(page, tmp_path):

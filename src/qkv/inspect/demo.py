@@ -64,7 +64,8 @@ def article_walk(out: Path) -> Iterator[str]:
         query=traced.query_index,
         extra={"explained": f"bank <- river, layer {traced.layer}, head {traced.head}"},
         vectors=seen.vectors(),
-        causal=False,  # MiniLM is an encoder: every token sees every other
+        scale=seen.scale,
+        causal=seen.causal,  # False: MiniLM is an encoder, every token sees every other
     )
     probe_plot(senses, folder / "bank_senses.png")
     files = "\n".join(f"   {path}" for path in sorted(folder.iterdir()))

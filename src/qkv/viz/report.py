@@ -10,16 +10,17 @@ data-index) makes it the query and lists its row as percentages in id="row". The
 `window.qkvReady = true` once it has drawn.
 
 Given `vectors` = (q, k, v), every layer's and head's query, key and value vectors as attention
-received them (`qkv.inspect.trace.attention_vectors`), the page also traces a pair: clicking a
+received them (`Attentions.vectors()`), and the `scale` on their dot products (1/sqrt(D) by
+default, the records' `scale`), the page also traces a pair: clicking a
 heatmap cell (query i, key j), or a key in the query's row, redoes the article's steps for it
 in the panel id="trace" (#t-scalar, #t-scaled, #t-weight, #t-contextualized, ..., each with
 its full value as JSON in data-values). They are stored exactly (float32, zlib, base64, one
 string per head) for texts up to 128 tokens; longer pages leave them out and say so.
 
-The weights are stored as the model gave them, rounded to 4 decimals (uint16 ten-thousandths,
-zlib, base64, one string per head) and never renormalised: `read_weights` decodes them.
-A 6-layer, 12-head model over 512 tokens makes a page of about 15-25 MB, where the same
-numbers as JSON text would take over 100 MB.
+The weights are stored exactly as the model gave them (float32, zlib, base64, one string per
+head), never rounded or renormalised, so no ranking of two weights can change on the page:
+`read_weights` decodes them. A 6-layer, 12-head model over 500 tokens makes a page of about
+80 MB (the float32 bits barely compress); over 128 tokens, about 5 MB.
 
 Example, with a real model::
 
@@ -28,11 +29,9 @@ Example, with a real model::
 
 and with the pairs' traces (`causal=True` for decoders, whose keys after a query are masked)::
 
-    from qkv.inspect.trace import attention_vectors
-
     minilm = qkv.load("minilm")
-    write_html("bank.html", att.weights, att.tokens,
-               vectors=attention_vectors(minilm, att.encoded.text), causal=False)
+    att = minilm.attentions("The bank on the side of the river")
+    write_html("bank.html", att.weights, att.tokens, vectors=att.vectors(), causal=False)
 """
 
 from __future__ import annotations
@@ -41,6 +40,7 @@ import base64
 import dataclasses
 import html
 import json
+import math
 import os
 import re
 import shutil
@@ -55,8 +55,7 @@ import numpy as np
 from qkv.io.files import fsync_folder, write_atomically
 from qkv.viz.heatmap import check_weights, head_heatmap, model_view
 
-SCALE = 10_000  # weights are stored in ten-thousandths: 4 decimals
-ENCODING = "uint16 ten-thousandths, little-endian, row-major T x T, zlib, base64; one per head"
+ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
 # Above this many bytes of float32 q, k, v (3 x L x H x T x D x 4) the vectors are left out:
 # they barely compress, and a page of tens of MB is slow to open.
 VECTORS_MAX_BYTES = 8 * 2**20
@@ -75,14 +74,15 @@ def write_html(
     query: int | None = None,
     vectors=None,
     causal: bool = False,
+    scale: float | None = None,
 ) -> Path:
     """Write the interactive page of (L, H, T, T) `weights` over `tokens` as one .html file.
 
     `head` = (layer, head) is the one shown first (by default the `strongest_head`), `query`
     the token selected first (none by default), `extra` a JSON-able dict shown as a list of
     keys and values and embedded with the data. `vectors` = (q, k, v), each (L, H, T, D), lets
-    the page trace a clicked pair (`causal`: keys after the query are masked, as in decoders).
-    Returns the path written.
+    the page trace a clicked pair (`causal`: keys after the query are masked, as in decoders;
+    `scale`: the factor on each dot product, 1/sqrt(D) if None). Returns the path written.
     """
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
@@ -90,7 +90,7 @@ def write_html(
         raise ValueError(f"{path}: the extension must be .html, not {got}")
     page = render_page(
         weights, tokens, title=title, text=text, extra=extra, head=head, query=query,
-        vectors=vectors, causal=causal,
+        vectors=vectors, causal=causal, scale=scale,
     )  # fmt: skip
     write_atomically(path, lambda file: file.write(page))
     return path
@@ -108,11 +108,12 @@ def write_report(
     query: int | None = None,
     vectors=None,
     causal: bool = False,
+    scale: float | None = None,
 ) -> Path:
     """Write a report folder: index.html (the page of `write_html`), model_view.png (every
     layer and head) and head_L{l}_H{h}.png (the head shown first, by default the
     `strongest_head`). All or nothing: the folder is built beside the target and renamed.
-    `vectors` and `causal` are as in `write_html`.
+    `vectors`, `causal` and `scale` are as in `write_html`.
 
     The target must not exist or be an empty folder. Returns the folder.
     """
@@ -123,7 +124,7 @@ def write_report(
     layer, chosen = head if head is not None else strongest_head(stack)
     page = render_page(
         stack, tokens, title=title, text=text, extra=extra, head=(layer, chosen), query=query,
-        vectors=vectors, causal=causal,
+        vectors=vectors, causal=causal, scale=scale,
     )  # fmt: skip
     why = "chosen" if head is not None else "the strongest weight from one token to another"
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -176,10 +177,10 @@ def read_weights(page: str) -> tuple[np.ndarray, list[str]]:
     data = json.loads(found.group(1))
     T = len(data["tokens"])
     heads = [
-        [np.frombuffer(zlib.decompress(base64.b64decode(h)), "<u2").reshape(T, T) for h in layer]
+        [np.frombuffer(zlib.decompress(base64.b64decode(h)), "<f4").reshape(T, T) for h in layer]
         for layer in data["weights"]["heads"]
     ]
-    return np.array(heads, dtype=np.float32) / data["weights"]["scale"], data["tokens"]
+    return np.array(heads, dtype=np.float32), data["tokens"]
 
 
 def render_page(
@@ -193,6 +194,7 @@ def render_page(
     query: int | None,
     vectors=None,
     causal: bool = False,
+    scale: float | None = None,
 ) -> bytes:
     """The page's HTML, UTF-8 encoded; every argument is checked before anything is built."""
     tokens = [str(token) for token in tokens]
@@ -233,22 +235,23 @@ def render_page(
             "a key in its list below the heatmap, to see the article's steps for that pair."
         )
 
-    stored = np.rint(np.clip(stack, 0.0, 1.0) * SCALE).astype("<u2")  # (L, H, T, T)
+    if scale is not None and not (isinstance(scale, int | float) and 0 < scale < float("inf")):
+        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    stored = stack.astype("<f4")  # (L, H, T, T): the model's own numbers, nothing rounded
     data = {
-        "format": "qkv-attention/1",
+        "format": "qkv-attention/2",
         "title": title,
         "text": text,
         "tokens": tokens,
-        "layers": L,
-        "heads": H,
+        "num_layers": L,
+        "num_heads": H,
         "weights": {
-            "scale": SCALE,
             "encoding": ENCODING,
             "heads": [[_pack(matrix) for matrix in heads] for heads in stored],
         },
         "selected": {"layer": int(layer), "head": int(chosen), "query": _maybe_int(query)},
         "causal": bool(causal),
-        "vectors": None if kept is None else _vectors_data(kept),
+        "vectors": None if kept is None else _vectors_data(kept, scale),
         "extra": extra,
     }
     slots = {
@@ -296,17 +299,20 @@ def _check_vectors(vectors, shape: tuple[int, int, int]) -> list[np.ndarray]:
     return arrays
 
 
-def _vectors_data(vectors: list[np.ndarray]) -> dict:
-    """The page's "vectors": q, k and v as one packed (T, D) float32 matrix per layer and head."""
+def _vectors_data(vectors: list[np.ndarray], scale: float | None) -> dict:
+    """The page's "vectors": q, k and v as one packed (T, D) float32 matrix per layer and head,
+    and the scale on their dot products."""
     packed = {
         name: [[_pack(matrix.astype("<f4")) for matrix in heads] for heads in array]
         for name, array in zip(("query", "key", "value"), vectors, strict=True)
     }
-    return {"encoding": VECTOR_ENCODING, "size": int(vectors[0].shape[-1]), **packed}
+    D = int(vectors[0].shape[-1])
+    scale = 1 / math.sqrt(D) if scale is None else float(scale)
+    return {"encoding": VECTOR_ENCODING, "size": D, "scale": scale, **packed}
 
 
 def _pack(matrix: np.ndarray) -> str:
-    """One head's matrix ((T, T) uint16 weights or (T, D) float32 vectors) as base64 of its
+    """One head's matrix ((T, T) weights or (T, D) vectors, float32) as base64 of its
     zlib-compressed bytes."""
     # level 1: 2-3x smaller on real attention, and ten times faster than level 9 for ~10% more
     return base64.b64encode(zlib.compress(matrix.tobytes(), 1)).decode("ascii")
