@@ -35,11 +35,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import httpx
 import torch
 
-import qkv
 from qkv.inspect.bank_sentences import SENTENCES
 from qkv.inspect.demo import SENTENCE
 
@@ -54,7 +56,9 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
+def start_server(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`qkv serve --model minilm` on a free loopback port: (the process, its URL). env: the
+    server's environment (default: this one's), e.g. a PYTHONPATH naming another checkout."""
     command = [
         sys.executable,
         "-m",
@@ -66,42 +70,102 @@ def start_server() -> tuple[subprocess.Popen, str]:
         "0",
         "--quiet",
     ]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in server.stdout], daemon=True).start()
-    first = lines.get(timeout=120)
+    try:
+        first = lines.get(timeout=120)
+    except queue.Empty:
+        stop_server(server)
+        raise RuntimeError("the server did not start within 120 s") from None
     if not first.startswith("qkv serve: http://127.0.0.1:"):
+        stop_server(server)
         raise RuntimeError(f"the server said {first!r}")
     return server, first.split()[2]
 
 
-async def load(url: str, count: int, in_flight: int, offset: int = 0) -> tuple[list, list]:
-    """`count` requests, at most `in_flight` at once: (latencies in s, problems)."""
+def stop_server(server: subprocess.Popen) -> None:
+    """Ctrl-C, then kill if it has not stopped within 30 s."""
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+@contextmanager
+def running_server(env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, str]]:
+    """The server for the block, stopped whatever happens in it."""
+    server, url = start_server(env)
+    try:
+        yield server, url
+    finally:
+        stop_server(server)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request of a load: its kind (for the latency of each kind), the path and JSON
+    body to POST, and a check of the answer's JSON that returns a problem or None."""
+
+    kind: str
+    path: str
+    body: dict
+    check: Callable[[dict], str | None]
+
+
+def attention_call(text: str) -> Call:
+    """POST /api/attention for every layer and head of `text`."""
+
+    def check(body: dict) -> str | None:
+        rows = torch.tensor(body["weights"]).sum(-1)  # (L, H, T)
+        if body["text"] != text or not torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
+            return "the answer is not its text's weights"
+        return None
+
+    return Call("attention", "/api/attention", {"text": text}, check)
+
+
+async def load(url: str, calls: list[Call], in_flight: int) -> tuple[dict[str, list], list]:
+    """Every call, at most `in_flight` at once: (latencies in s by kind, problems)."""
     gate = asyncio.Semaphore(in_flight)
-    latencies, problems = [], []
+    latencies: dict[str, list[float]] = {call.kind: [] for call in calls}
+    problems = []
     limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
 
-        async def one(i: int) -> None:
-            text = TEXTS[(offset + i) % len(TEXTS)]
+        async def one(i: int, call: Call) -> None:
             async with gate:
                 start = time.perf_counter()
                 try:
-                    answer = await client.post("/api/attention", json={"text": text})
+                    answer = await client.post(call.path, json=call.body)
                 except httpx.HTTPError as error:
-                    problems.append(f"request {i}: {type(error).__name__}")
+                    problems.append(f"request {i} ({call.kind}): {type(error).__name__}")
                     return
-                latencies.append(time.perf_counter() - start)
+                latencies[call.kind].append(time.perf_counter() - start)
             if answer.status_code != 200:
-                problems.append(f"request {i}: {answer.status_code} {answer.text[:100]}")
+                problems.append(
+                    f"request {i} ({call.kind}): {answer.status_code} {answer.text[:100]}"
+                )
                 return
-            body = answer.json()
-            rows = torch.tensor(body["weights"]).sum(-1)  # (L, H, T)
-            if body["text"] != text or not torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
-                problems.append(f"request {i}: the answer is not its text's weights")
+            problem = call.check(answer.json())
+            if problem:
+                problems.append(f"request {i} ({call.kind}): {problem}")
 
-        await asyncio.gather(*(one(i) for i in range(count)))
+        await asyncio.gather(*(one(i, call) for i, call in enumerate(calls)))
     return latencies, problems
+
+
+def attention_calls(count: int, offset: int = 0) -> list[Call]:
+    """`count` attention requests over the texts in turn, from text number `offset`."""
+    return [attention_call(TEXTS[(offset + i) % len(TEXTS)]) for i in range(count)]
+
+
+def percentile(values: list[float], share: float) -> float:
+    """The nearest-rank percentile: percentile([1, 2, 3, 4], 0.95) == 4."""
+    ordered = sorted(values)
+    return ordered[max(0, round(share * len(ordered)) - 1)]
 
 
 def in_process(minilm, count: int, offset: int) -> float:
@@ -119,10 +183,11 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, default=16)
     args = parser.parse_args()
 
-    server, url = start_server()
-    try:
+    import qkv
+
+    with running_server() as (server, url):
         idle = rss_kib(server.pid)
-        _, problems = asyncio.run(load(url, 50, args.in_flight))  # warm-up
+        _, problems = asyncio.run(load(url, attention_calls(50), args.in_flight))  # warm-up
         if problems:
             raise RuntimeError(f"warm-up failed: {problems[:3]}")
         before = rss_kib(server.pid)
@@ -131,22 +196,16 @@ def main() -> None:
         rounds = 10
         for r in range(rounds):
             count = args.requests // rounds + (r < args.requests % rounds)
+            calls = attention_calls(count, offset=50 + r * count)
             start = time.perf_counter()
-            got, bad = asyncio.run(load(url, count, args.in_flight, offset=50 + r * count))
+            got, bad = asyncio.run(load(url, calls, args.in_flight))
             wall += time.perf_counter() - start
-            latencies, problems = latencies + got, problems + bad
+            latencies, problems = latencies + got["attention"], problems + bad
             alone += in_process(minilm, count, offset=50 + r * count)
         after = rss_kib(server.pid)
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
     ms = sorted(1000 * t for t in latencies)
-    p95 = ms[max(0, round(0.95 * len(ms)) - 1)]
+    p95 = percentile(ms, 0.95)
     lost = args.requests - len(latencies)  # no answer at all
     growth = after / before - 1
     print(

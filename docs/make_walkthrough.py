@@ -9,6 +9,7 @@ walkthrough can never go stale.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,7 +38,9 @@ SECTIONS = [
     (
         "Multiple heads",
         "Each head has its own query, key and value matrices and so its own pattern. "
-        "`qkv show` draws all of them; here one head's weights as JSON, head 3 of layer 0.",
+        "`qkv show` draws all of them; here one head's weights as JSON, head 3 of layer 0 "
+        "(the command prints every digit of float32; shown here to 4 significant digits, "
+        "beyond which the last additions' order on a given CPU decides).",
         [
             "explain",
             SENTENCE,
@@ -117,6 +120,22 @@ def run(args: list[str]) -> str:
     return result.stdout.rstrip()
 
 
+def four_digits(value):
+    """Every float in a JSON value to 4 significant digits: the digits after those differ
+    from one CPU to another (float32 sums in another order), and this file must not.
+
+    >>> four_digits({"w": [0.36934924125671387, -1.2476122379302979e-05, 3], "n": "x"})
+    {'w': [0.3693, -1.248e-05, 3], 'n': 'x'}
+    """
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, list):
+        return [four_digits(v) for v in value]
+    if isinstance(value, dict):
+        return {k: four_digits(v) for k, v in value.items()}
+    return value
+
+
 def shown(args: list[str]) -> str:
     return "qkv " + " ".join(f'"{a}"' if " " in a else a for a in args)
 
@@ -132,8 +151,10 @@ def walkthrough() -> str:
     ]
     for title, words, args in SECTIONS:
         output = run(args)
-        if "--json" in args and len(output) > 1500:
-            output = output[:1500] + " ..."
+        if "--json" in args:
+            output = json.dumps(four_digits(json.loads(output)), ensure_ascii=False)
+            if len(output) > 1500:
+                output = output[:1500] + " ..."
         parts += [f"## {title}", "", words, "", "```", f"$ {shown(args)}", output, "```", ""]
     parts.append(CROSS_ATTENTION)
     return "\n".join(parts)

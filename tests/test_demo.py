@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
@@ -34,8 +33,7 @@ def test_demo_walks_the_article_with_minilms_own_numbers(tmp_path, minilm):
     traced = qkv.trace(minilm, SENTENCE, "bank", "river")
     assert f'"river" gets {100 * traced.weight:.1f}%' in out
     assert f"Layer {traced.layer}, head {traced.head} of minilm" in out
-    difference = float(re.search(r"largest difference (\S+):", out).group(1))
-    assert difference < 1e-5
+    assert "largest difference below 1e-6:" in out  # the trace's sum is the model's output
     files = sorted(p.name for p in (tmp_path / "report").iterdir())
     assert files == ["bank_senses.png", f"head_L{traced.layer}_H{traced.head}.png", "index.html",
                      "model_view.png"]  # fmt: skip

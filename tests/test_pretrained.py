@@ -204,6 +204,42 @@ def test_a_missing_embedded_model_names_the_pip_command(monkeypatch):
         qkv.load("smollm2")
 
 
+# Short prompts of several kinds (a story, facts, a recipe, code) for the int4 model to follow.
+INT4_PROMPTS = [
+    "The bank on the side of the river",
+    "I deposited my savings at the bank",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The capital of France is",
+    "To make a cup of tea, first",
+    "def add(a, b):",
+    "The weather today is",
+    "Water boils at a temperature of",
+]
+
+
+def teacher_forced_logits(want_model, got_model, prompts: list[str], new_tokens: int = 16):
+    """Both models' logits at each position that predicts a token of want_model's greedy
+    continuation of each prompt (the prompt's last position included): (want, got), each
+    (B, new_tokens, vocab). Both read the same tokens, so where got_model picks another
+    token once, every later position is still asked about the same text. One left-padded
+    batch: each forward reads the weights once for every prompt."""
+    from qkv.generate import Sampling, decode_steps
+
+    ids, mask = want_model.tokenizer.encode_batch(prompts, padding_side="left")  # (B, T)
+    with torch.inference_mode():
+        new = torch.stack(
+            list(decode_steps(want_model.model, ids, mask, Sampling(), new_tokens)), 1
+        )
+        text = torch.cat([ids, new[:, :-1]], 1)  # (B, T + new - 1)
+        mask = torch.cat([mask, mask.new_ones(new[:, :-1].shape)], 1)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # from each row's first token
+        want, got = (
+            m.model(text, attention_mask=mask, positions=positions).logits[:, ids.shape[1] - 1 :]
+            for m in (want_model, got_model)
+        )  # (B, new, vocab)
+    return want, got
+
+
 def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2):
     from qkv.io.gguf import read_int4
     from qkv.nn.quantized import Int4Linear
@@ -217,13 +253,22 @@ def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2)
     rebuilt = (q.float() - 8).view(*q.shape[:1], -1, 32) * scale[..., None] + zero[..., None]
     dense = smollm2.model.blocks[3].attn.k.weight
     torch.testing.assert_close(rebuilt.view_as(dense), dense, atol=1e-6, rtol=0)
-    ids = torch.tensor([smollm2.tokenizer.encode("The bank on the side of the river").ids])
-    with torch.inference_mode():
-        want, got = smollm2.model(ids).logits, fast.model(ids).logits
-    assert (got - want).abs().max() < 0.05 * want.abs().max()
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
-    prompt = "Once upon a time, in a small village by the sea, there lived"
-    assert fast.generate(prompt, 24) == smollm2.generate(prompt, 24)
+    # int4 differs from float32 only by rounding (bfloat16 inputs, scales and zeros), and the
+    # sums' order, which depends on the CPU: so no exact continuation, but the same next
+    # token almost everywhere and logits close to float32's, measured over their spread.
+    want, got = teacher_forced_logits(smollm2, fast, INT4_PROMPTS)  # (8, 16, vocab)
+    same, asked = int((got.argmax(-1) == want.argmax(-1)).sum()), want.shape[0] * want.shape[1]
+    spread = want.amax(-1) - want.amin(-1)  # (8, 16)
+    worst = float(((got - want).abs().amax(-1) / spread).max())
+    # Measured on an Intel Xeon, with AVX-512 and again held to AVX2 (ATEN_CPU_CAPABILITY,
+    # MKL_ENABLE_INSTRUCTIONS): the same token at 126 and 127 of the 128 positions, the
+    # largest difference 1.2% of the spread. Allowed, for other CPUs: 3 times the differing
+    # choices (95%), 2.5 times the difference (3%). Scales 2% too large (an int4 that is
+    # wrong but still talks sense) give 91% and 9.9%; zeros off by a tenth of a step, 63% and
+    # 63%. Errors as small as bfloat16's own rounding of the scales are for the layer's exact
+    # test to find (tests/nn/test_quantized.py).
+    assert same / asked >= 0.95, f"int4 chose float32's next token at {same} of {asked}"
+    assert worst < 0.03, f"int4's logits differ by {worst:.1%} of their spread"
     with pytest.raises(ValueError, match="cannot be exported"):
         fast.save("never-written")
 

@@ -231,7 +231,7 @@ def test_bfloat16_is_rounded_and_multiplied_as_a_gpu_does():
     import triton
     import triton.language as tl
 
-    import qkv.attention.flash.kernels  # noqa: F401  (applies the fixes)
+    from qkv.attention.flash.kernels import launching  # the fixes, as for qkv's launches
 
     @triton.jit
     def product(A, B, Out, Rounded, N: tl.constexpr):
@@ -245,7 +245,8 @@ def test_bfloat16_is_rounded_and_multiplied_as_a_gpu_does():
     a, b = torch.randn(2, 16, 16, device=device).bfloat16()
     out = torch.empty(16, 16, device=device)
     rounded = torch.empty(16, 16, device=device, dtype=bf16)
-    product[(1,)](a, b, out, rounded, 16)
+    with launching():
+        product[(1,)](a, b, out, rounded, 16)
     exact = a.float() @ b.float()
     torch.testing.assert_close(out, exact, rtol=0, atol=1e-5)
     assert torch.equal(rounded, exact.bfloat16()), "float32 -> bfloat16 rounds to nearest even"

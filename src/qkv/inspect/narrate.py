@@ -100,10 +100,23 @@ def narrate(trace: Trace) -> str:
         "own embedding) is",
         f"   {q}'s contextualized vector in this head: {vector(t.contextualized)}",
         f"   The model's own attention output for this head and word: {vector(t.model_output)}",
-        f"   (largest difference {(t.contextualized - t.model_output).abs().max().item():.1e}: "
+        f"   ({roundoff((t.contextualized - t.model_output).abs().max().item())}: "
         "the walk-through is the model's computation).",
     ]
     return "\n".join(lines)
+
+
+def roundoff(difference: float) -> str:
+    """A difference that is only round-off, as a bound: its digits depend on the CPU's order
+    of additions, not on the model (float32 round-off of values near 1 is about 1e-7). A
+    larger one is shown as it is.
+
+    >>> roundoff(6.6e-08), roundoff(3.2e-04)
+    ('largest difference below 1e-6', 'largest difference 3.2e-04')
+    """
+    if difference < 1e-6:
+        return "largest difference below 1e-6"
+    return f"largest difference {difference:.1e}"
 
 
 def contributions(trace: Trace, top: int = 4) -> str:

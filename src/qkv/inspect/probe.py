@@ -306,9 +306,8 @@ def probe_plot(probe: Probe, path: str | os.PathLike[str], layer: int | None = N
             "(the embeddings are always drawn beside it)"
         )
 
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: never open a window
+    # a Figure of its own, saved by its own canvas: no pyplot, no backend chosen for the
+    # whole process, nothing left open
     from matplotlib.figure import Figure
 
     names = [_short(i, s, probe.labels) for i, s in enumerate(probe.sentences)]

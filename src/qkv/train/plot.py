@@ -31,9 +31,8 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
     records = read_metrics(run)
     out = png_path(Path(run) / "loss.png" if out is None else out)
 
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: never open a window
+    # a Figure of its own, saved by its own canvas: no pyplot, no backend chosen for the
+    # whole process, nothing left open
     from matplotlib.figure import Figure
 
     steps = [r["step"] for r in records]

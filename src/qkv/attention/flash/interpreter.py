@@ -1,4 +1,4 @@
-"""Three fixes to Triton's CPU interpreter (TRITON_INTERPRET=1), applied only when it runs.
+"""Three fixes to Triton's CPU interpreter (TRITON_INTERPRET=1), applied around qkv's launches.
 
 The interpreter is how the kernels run without a GPU: in the tests, in CI, and for anyone
 who wants to step through them. Triton 3.6's has three faults that the compiled
@@ -12,11 +12,19 @@ kernels do not share:
 - `x.to(tl.bfloat16)` from float32 truncates the mantissa (half of all values land one
   step low, all towards zero) where a GPU rounds to the nearest even; done here as a GPU
   does, so that the tests see the kernel's real bfloat16 error, not twice it.
+
+The fixes replace attributes of Triton's interpreter module, which the whole process shares:
+they are in place only inside `fixed_interpreter()`, which qkv enters around each of its own
+kernel launches, so that anyone else's Triton kernel in the same process runs on Triton as
+it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 
 import numpy as np
 import triton.language as tl
@@ -65,10 +73,39 @@ def _patch_dot(original):
     return create_dot
 
 
-@functools.cache
-def fix_interpreter() -> None:
-    """Apply the three fixes once per process."""
-    interpreter._patch_lang_tensor = _patch_tensor(interpreter._patch_lang_tensor)
-    builder = interpreter.InterpreterBuilder
-    builder.create_dot = _patch_dot(builder.create_dot)
-    builder.cast_impl = _patch_cast(builder.cast_impl)
+# (owner, attribute, fix): what fixed_interpreter() replaces while it is entered
+FIXES = [
+    (interpreter, "_patch_lang_tensor", _patch_tensor),
+    (interpreter.InterpreterBuilder, "create_dot", _patch_dot),
+    (interpreter.InterpreterBuilder, "cast_impl", _patch_cast),
+]
+
+_lock = threading.Lock()
+_entered = 0  # fixed_interpreter() blocks open now, in every thread
+_originals: list[object] = []  # Triton's own attributes while the fixes are in place
+
+
+@contextlib.contextmanager
+def fixed_interpreter() -> Iterator[None]:
+    """Triton's interpreter with the three fixes inside the block, and as it was after it.
+
+    Re-entrant and shared by threads: the fixes go in when the first block opens and come
+    out when the last one closes, so one thread's launch never loses them half-way because
+    another's ended.
+    """
+    global _entered
+    with _lock:
+        if _entered == 0:
+            _originals[:] = [vars(owner)[name] for owner, name, _ in FIXES]
+            for (owner, name, fix), original in zip(FIXES, _originals, strict=True):
+                setattr(owner, name, fix(original))
+        _entered += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _entered -= 1
+            if _entered == 0:
+                for (owner, name, _), original in zip(FIXES, _originals, strict=True):
+                    setattr(owner, name, original)
+                _originals.clear()

@@ -24,6 +24,8 @@ offsets `cu_seqlens` (batch stride 0): a padded token is never loaded or compute
 
 from __future__ import annotations
 
+import contextlib
+
 import triton
 import triton.language as tl
 
@@ -48,10 +50,14 @@ AUTOTUNE_KEY = ["HEAD_DIM", "CAUSAL", "HAS_MASK", "VARLEN", "TQ_BUCKET", "TK_BUC
 interpreting = interpreter_on  # TRITON_INTERPRET=1: the kernels run on the CPU, as in tests
 
 
-if interpreting():
-    from qkv.attention.flash.interpreter import fix_interpreter
+def launching() -> contextlib.AbstractContextManager:
+    """The block to launch a kernel in: under the interpreter, with qkv's fixes to it (see
+    interpreter.py) for that launch only; on a GPU, nothing."""
+    if not interpreting():
+        return contextlib.nullcontext()
+    from qkv.attention.flash.interpreter import fixed_interpreter
 
-    fix_interpreter()
+    return fixed_interpreter()
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
