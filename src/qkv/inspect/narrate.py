@@ -78,8 +78,13 @@ def narrate(trace: Trace) -> str:
     lines += [
         f"3. Attention scalar: query . key = {t.attention_scalar:+.4f}  (how much {q} should "
         f"attend to {k})",
-        f"   Divided by sqrt({D}) = {math.sqrt(D):.3f}: {t.scaled_scalar:+.4f}  (the side note: "
-        "keeps softmax from saturating)",
+        (
+            f"   Divided by sqrt({D}) = {math.sqrt(D):.3f}: {t.scaled_scalar:+.4f}  (the side "
+            "note: keeps softmax from saturating)"
+            if math.isclose(t.scale * math.sqrt(D), 1.0, rel_tol=1e-12)
+            else f"   Times this layer's scale {t.scale:.6g} (not the article's 1/sqrt({D})): "
+            f"{t.scaled_scalar:+.4f}"
+        ),
     ]
     if t.masked:
         lines.append(

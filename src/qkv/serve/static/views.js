@@ -175,7 +175,7 @@ export function drawTrace(panel, t, note) {
 <li>Key vector: ${K}'s vector times the key matrix: ${vector("t-key", t.key_vector)}</li>${rotary}
 <li>Attention scalar: query · key = ${number("t-scalar", t.attention_scalar, signed(t.attention_scalar))}
  (how much ${Q} should attend to ${K})</li>
-<li>Divided by √${D} = ${Math.sqrt(D).toFixed(3)}:
+<li>${Math.abs(t.scale * Math.sqrt(D) - 1) < 1e-12 ? `Divided by √${D} = ${Math.sqrt(D).toFixed(3)}` : `Times this layer's scale ${t.scale.toPrecision(6)}`}:
  ${number("t-scaled", t.scaled_scalar, signed(t.scaled_scalar))}; the softmax over the
  ${seen.length} keys ${Q} sees makes weights that sum to 100%, and ${weight}.</li>
 <li>Value vector of ${K}: ${vector("t-value", t.value_vector)}</li>
@@ -183,7 +183,7 @@ export function drawTrace(panel, t, note) {
 <li>Steps 1-6 for every key, then the sum of the ${t.tokens.length} scaled value vectors (and
  nothing else): ${Q}'s contextualized vector in this head, ${vector("t-contextualized", t.contextualized)}.
  The model's own attention output: ${vector("t-output", t.model_output)}; largest difference
- ${difference.toExponential(1)}.</li>
+ ${difference < 1e-6 ? "below 1e-6" : difference.toExponential(1)}.</li>
 </ol>
 <h3>What each token added to ${Q} in this head</h3>
 <p class="note">Weight: the softmax weight (step 4). Size: the length of what it added after
