@@ -18,11 +18,11 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from qkv.attention.inputs import check_indices
 from qkv.generate import Sampling, decode_steps, seq2seq_steps
 from qkv.io.embedded import EMBEDDED, embedded_path
 from qkv.io.families import Family, family_for
 from qkv.io.hf import Pooling, build, download, load_folder, read_pooling, save_folder, with_backend
-from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.models.config import Layers
 from qkv.nn import AttentionRecord

@@ -219,7 +219,9 @@ def test_a_decoder_on_flash_decodes_with_its_cache_and_reports_its_weights():
         assert record.lse is not None and record.backend == "flash"
         want_weights = want.records[layer].weights()  # (B, H, T, T)
         torch.testing.assert_close(record.weights(), want_weights, rtol=0, atol=1e-6)
-        torch.testing.assert_close(record.weights([5, 2]), want_weights[:, [5, 2]], rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            record.weights([5, 2]), want_weights[:, [5, 2]], rtol=0, atol=1e-6
+        )
 
 
 # ---------------------------------------------------------------- the interpreter's fixes

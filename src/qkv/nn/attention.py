@@ -132,9 +132,9 @@ class MultiHeadAttention(nn.Module):
             return kv.split(self.sizes[1:], dim=-1)
         return self.k(source), self.v(source)
 
-    def split_heads(self, x: Tensor, heads: int) -> Tensor:
+    def split_heads(self, x: Tensor, num_heads: int) -> Tensor:
         B, T, _ = x.shape
-        return x.view(B, T, heads, self.head_dim).transpose(1, 2)  # (B, heads, T, D)
+        return x.view(B, T, num_heads, self.head_dim).transpose(1, 2)  # (B, num_heads, T, D)
 
     def forward(
         self,
