@@ -36,6 +36,4 @@ def family_named(name: str) -> Family:
     for family in FAMILIES:
         if family.name == name:
             return family
-    raise ValueError(
-        f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}"
-    )
+    raise ValueError(f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")

@@ -21,9 +21,7 @@ from qkv.nn import BlockConfig
 
 def config(hf: dict) -> DecoderConfig:
     """A config.json -> the qkv config of the same decoder."""
-    require(
-        hf, "GPT-2", scale_attn_by_inverse_layer_idx=(False,), reorder_and_upcast_attn=(False,)
-    )
+    require(hf, "GPT-2", scale_attn_by_inverse_layer_idx=(False,), reorder_and_upcast_attn=(False,))
     width = hf["n_embd"]
     return DecoderConfig(
         vocab_size=hf["vocab_size"],
