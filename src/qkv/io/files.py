@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,9 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     which is fsynced and renamed onto it.
 
     A writer that takes only a path (safetensors' save_file) writes to `file.name`, the
-    temporary file's path: the fsync here covers it too.
+    temporary file's path. It may replace the file (safetensors writes a private file of
+    its own and renames it over): the file is fsynced by its path, and given back the
+    permissions of a new file.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as folder:
@@ -40,9 +43,9 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     temp = _beside(path, "tmp")
     try:
         with open(temp, "xb") as file:
+            usual = stat.S_IMODE(os.fstat(file.fileno()).st_mode)  # 0666 less the umask
             write(file)
-            file.flush()
-            os.fsync(file.fileno())
+        _settle(temp, usual)
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
@@ -67,7 +70,7 @@ def write_folder_atomically(
     os.mkdir(staging)  # honours the umask, unlike mkdtemp's 0700
     try:
         write(staging)
-        _fsync_tree(staging)
+        _settle_tree(staging, stat.S_IMODE(os.stat(staging).st_mode))
         if folder.exists():
             # only an empty folder can be renamed over; move the old one aside first
             old = _beside(folder, "old")
@@ -98,11 +101,23 @@ def read_lines(path: Path) -> list[str]:
     return lines[:-1]  # after the last newline: "" for a whole log, else the torn line
 
 
-def _fsync_tree(folder: Path) -> None:
-    for root, _, files in os.walk(folder):
+def _settle(path: Path, mode: int) -> None:
+    """fsync a file by its path and give it `mode` if its writer chose another."""
+    if stat.S_IMODE(os.stat(path).st_mode) != mode:
+        os.chmod(path, mode)
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+
+
+def _settle_tree(folder: Path, folder_mode: int) -> None:
+    """Give every file and folder under `folder` the usual permissions (those of `folder`,
+    made by os.mkdir, less the execute bits for files) and fsync them all."""
+    for root, folders, files in os.walk(folder):
         for name in files:
-            with open(os.path.join(root, name), "rb") as file:
-                os.fsync(file.fileno())
+            _settle(Path(root, name), folder_mode & 0o666)
+        for name in folders:
+            if stat.S_IMODE(os.stat(Path(root, name)).st_mode) != folder_mode:
+                os.chmod(Path(root, name), folder_mode)
         fsync_folder(Path(root))
 
 
