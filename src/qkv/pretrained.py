@@ -20,14 +20,11 @@ from torch import Tensor, nn
 
 from qkv.attention.inputs import check_indices
 from qkv.generate import Sampling, decode_steps, seq2seq_steps
-from qkv.io.embedded import EMBEDDED, embedded_path
-from qkv.io.families import Family, family_for
-from qkv.io.hf import Pooling, build, download, load_folder, read_pooling, save_folder, with_backend
+from qkv.io.families import Family
+from qkv.io.hf import Pooling, save_folder
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.models.config import Layers
 from qkv.nn import AttentionRecord
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(eq=False)
@@ -333,24 +330,6 @@ class Pretrained:
                     self.tokenizer)  # fmt: skip
 
 
-def _use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) -> None:
-    """Swap each Linear whose checkpoint matrix is 4-bit for an Int4Linear of its bits."""
-    from qkv.nn.quantized import Int4Linear, int4_available
-
-    if not int4_available():
-        raise ValueError(f"int4 needs torch >= 2.6 (this is {torch.__version__})")
-    parameter_of = {weight.names[0]: weight.qkv for weight in family.weights(config)}
-    swapped = 0
-    for hf_name, (q, scale, zero) in groups.items():
-        owner, _, attribute = parameter_of.get(hf_name, "").rpartition(".")  # e.g. blocks.0.attn.q
-        parent, _, child = owner.rpartition(".")
-        if attribute == "weight" and isinstance(model.get_submodule(owner), nn.Linear):
-            setattr(model.get_submodule(parent), child, Int4Linear(q, scale, zero))
-            swapped += 1
-    if not swapped:
-        raise ValueError(f"{name} has no Q4_0 or Q4_1 matrices to keep in 4 bits")
-
-
 class _Continuation:
     """The text one sequence has generated so far, cut at the first stop string.
 
@@ -414,64 +393,22 @@ def load(
 
     source: "minilm" or "smollm2" (embedded, no network), a Hugging Face folder
     (config.json, model.safetensors or pytorch_model.bin, tokenizer.json), a .gguf file,
-    or a Hugging Face model id such as "gpt2" or "org/name" (downloaded once, then cached;
-    offline mode is respected). backend: the attention backend the model runs on.
+    a Hugging Face model id such as "gpt2" or "org/name" (downloaded once, then cached;
+    offline mode is respected), or a qkv training-run folder (its last checkpoint; the
+    run's config is `.run`). backend: the attention backend the model runs on.
     int4: keep a .gguf file's Q4_0/Q4_1 matrices in 4 bits and run them with torch's CPU
     int4 kernel (inputs rounded to bfloat16): faster decoding, slightly different numbers.
     """
-    from qkv.io.tokenizer import Tokenizer
+    from qkv.io.load import load_source
 
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    name = str(source)
-    path = embedded_path(name) if name in EMBEDDED else Path(name).expanduser()
-    if path.suffix == ".gguf" or (path.is_file() and name.endswith(".gguf")):
-        return _load_gguf(path, name, dtype, backend, int4)
-    if int4:
-        raise ValueError(f"int4 keeps the 4-bit weights of a .gguf file; {name} is not one")
-    if not path.exists():
-        if path.suffix or name.startswith((".", "/", "~")) or name.count("/") > 1:
-            raise ValueError(
-                f"{name} does not exist; give an embedded model ({', '.join(EMBEDDED)}), "
-                "a Hugging Face folder, a .gguf file or a Hugging Face model id"
-            )
-        path = download(name)
-    if not path.is_dir():
-        raise ValueError(f"{name} is neither a folder nor a .gguf file")
-    run = None
-    if (path / "config.toml").is_file() and not (path / "config.json").exists():
-        path, run = _run_checkpoint(path)
-    model, family, config, hf_config = load_folder(path, dtype, backend)
-    tokenizer = Tokenizer.from_folder(path)
-    pretrained = Pretrained(model, tokenizer, config, family=family, hf_config=hf_config,
-                            source=name, pooling=read_pooling(path))  # fmt: skip
-    pretrained.run = run
+    loaded = load_source(source, dtype=dtype, backend=backend, int4=int4)
+    pretrained = Pretrained(loaded.model, loaded.tokenizer, loaded.config, family=loaded.family,
+                            hf_config=loaded.hf_config, source=loaded.source,
+                            pooling=loaded.pooling)  # fmt: skip
+    if loaded.run is not None:
+        # io finds a run's checkpoint; its RunConfig is train's to parse (io never imports train)
+        from qkv.io.runs import CONFIG
+        from qkv.train.config import RunConfig
+
+        pretrained.run = RunConfig.from_toml(loaded.run / CONFIG)
     return pretrained
-
-
-def _run_checkpoint(run: Path):
-    """A qkv training run folder: its last checkpoint (a Hugging Face folder) and config."""
-    from qkv.train.checkpoint import checkpoints
-    from qkv.train.config import RunConfig
-
-    found = checkpoints(run)
-    if not found:
-        raise ValueError(f"the training run {run} has no checkpoint yet")
-    return found[-1], RunConfig.from_toml(run / "config.toml")
-
-
-def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -> Pretrained:
-    from qkv.io.gguf import read_gguf, read_int4
-    from qkv.io.tokenizer import Tokenizer
-
-    contents = read_gguf(path)
-    family = family_for(contents.config)
-    config = with_backend(family.config(contents.config), backend)
-    model = build(family, config, contents.state_dict, dtype)
-    if int4:
-        _use_int4(model, family, config, read_int4(path), name)
-    tokenizer = Tokenizer(contents.tokenizer, **contents.tokenizer_config)
-    return Pretrained(model, tokenizer, config, family=family, hf_config=contents.config,
-                      source=name)  # fmt: skip

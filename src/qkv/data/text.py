@@ -14,8 +14,6 @@ import json
 import os
 import random
 import re
-import secrets
-import shutil
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from qkv.io.files import fsync_folder
+from qkv.io.files import write_folder_atomically
 
 if TYPE_CHECKING:
     from qkv.io.tokenizer import Tokenizer
@@ -182,32 +180,17 @@ def write_shards(
         raise ValueError(f"{', '.join(map(str, paths))}: the corpus is empty")
     splits = _assign(documents, val_fraction, seed)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # mkdir, unlike mkdtemp's private 0o700, gives the folder the user's usual permissions
-    building = out_dir.parent / f".{out_dir.name}.{secrets.token_hex(4)}.partial"
-    building.mkdir()
-    try:
-        meta: dict[str, Any] = {
-            "dtype": dtype.name,
-            "vocab_size": tokenizer.vocab_size,
-            "eos_id": eos,
-            "splits": {
-                split: _write_split(building, split, splits[split], shard_tokens)
-                for split in SPLITS
-            },
+    meta: dict[str, Any] = {"dtype": dtype.name, "vocab_size": tokenizer.vocab_size, "eos_id": eos}
+
+    def write(folder: Path) -> None:
+        meta["splits"] = {
+            split: _write_split(folder, split, splits[split], shard_tokens) for split in SPLITS
         }
-        with open(building / "shards.json", "w", encoding="utf-8") as file:
+        with open(folder / "shards.json", "w", encoding="utf-8") as file:
             json.dump(meta, file, indent=2)
             file.write("\n")
-            _sync(file)
-        fsync_folder(building)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, as checked above; only POSIX renames over a folder
-        building.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
-    fsync_folder(out_dir.parent)
+
+    write_folder_atomically(out_dir, write)
     return meta
 
 
@@ -238,17 +221,11 @@ def _write_split(
     shards = []
     for index, start in enumerate(range(0, len(stream), size)):
         name = f"{split}-{index:05d}.bin"
-        with open(folder / name, "wb") as file:
+        with open(folder / name, "wb") as file:  # fsynced with its folder
             file.write(stream[start : start + size].tobytes())
-            _sync(file)
         shards.append({"file": name, "tokens": len(stream[start : start + size])})
     documents_meta = [{**record, "tokens": len(ids)} for record, ids in documents]
     return {"tokens": len(stream), "shards": shards, "documents": documents_meta}
-
-
-def _sync(file: Any) -> None:
-    file.flush()
-    os.fsync(file.fileno())
 
 
 class TokenShards:

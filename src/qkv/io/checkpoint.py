@@ -52,9 +52,15 @@ def _read_safetensors(path: Path) -> dict[str, Tensor]:
 
 
 def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -> None:
-    """Copy checkpoint tensors into the model's parameters through the family's map."""
+    """Put checkpoint tensors into the model's parameters through the family's map.
+
+    Each parameter becomes its checkpoint tensor in the parameter's dtype (assigned, not
+    copied, so the model may be built on the meta device, with shapes and no values); tied
+    weights are tied again, and buffers computed at construction (rotary frequencies) are
+    computed again where the meta device left them empty.
+    """
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
-    filled: set[str] = set()
+    state: dict[str, Tensor] = {}
     used: set[str] = set()
     for weight in family.weights(config):
         present = [name for name in weight.names if name in tensors]
@@ -73,9 +79,7 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
                 f"{present[0]} has shape {tuple(value.shape)} but the model built from "
                 f"config.json needs {tuple(target.shape)} for {weight.qkv}"
             )
-        with torch.no_grad():
-            target.copy_(value)
-        filled.add(weight.qkv)
+        state[weight.qkv] = value.to(target.dtype)
     unused = [
         name
         for name in tensors
@@ -86,9 +90,18 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
             f"{len(unused)} checkpoint tensors are not used by qkv's {family.name} model, "
             f"e.g. {', '.join(sorted(unused)[:3])}"
         )
-    unfilled = sorted(set(params) - filled)
+    unfilled = sorted(set(params) - set(state))
     if unfilled:
         raise ValueError(f"the checkpoint leaves these weights unfilled: {', '.join(unfilled[:5])}")
+    with torch.no_grad():
+        # strict=False: a tied weight's second name is absent; tie_weights restores it
+        model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    for module in model.modules():
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            module.reset_buffers()
+    empty = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not empty, f"left on the meta device after filling: {empty[:5]}"
 
 
 def export(model: nn.Module, family: Family, config) -> dict[str, Tensor]:

@@ -25,7 +25,6 @@ import mmap
 import os
 import re
 import struct
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
@@ -36,6 +35,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from torch import Tensor
 
+from qkv.io.files import write_atomically
 from qkv.io.gguf_tokenizer import gguf_tokenizer
 from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
 
@@ -360,26 +360,12 @@ def _load_cache(cache: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Te
 
 
 def _save_cache(cache: Path, state_dict: dict[str, Tensor], source: Path) -> None:
-    """Write atomically: a temporary file in the same folder, fsync, rename. A cache that cannot
-    be written is only logged: the caller has its weights either way."""
+    """Write the cache all or nothing. A cache that cannot be written is only logged: the
+    caller has its weights either way."""
     from safetensors.torch import save_file
 
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.stem}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(state_dict, temp, metadata={"format": _CACHE_FORMAT, "source": source.name})
-            with open(temp, "rb+") as file:
-                os.fsync(file.fileno())
-            os.replace(temp, cache)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
-        folder = os.open(cache.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)  # the rename itself survives a crash
-        finally:
-            os.close(folder)
+    metadata = {"format": _CACHE_FORMAT, "source": source.name}
+    try:  # safetensors writes only to a path: the temporary file's
+        write_atomically(cache, lambda file: save_file(state_dict, file.name, metadata=metadata))
     except OSError as error:
         logger.warning("could not write the GGUF cache %s: %s", cache, error)

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -15,6 +11,7 @@ from torch import Tensor, nn
 
 from qkv.io.checkpoint import export, fill, read_checkpoint
 from qkv.io.families import Family, family_for
+from qkv.io.files import write_folder_atomically
 
 # what a model needs from a hub repository; everything else there is left alone
 HUB_FILES = ["*.json", "*.safetensors", "pytorch_model.bin", "1_Pooling/*", "*.txt"]
@@ -45,27 +42,15 @@ def with_backend(config, backend: str | None):
     return replace(config, block=replace(config.block, backend=backend))
 
 
-_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_",
-          "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_")  # fmt: skip
-
-
-@contextmanager
-def uninitialized():
-    """Build modules without initializing their parameters: a checkpoint fills every one
-    (`fill` checks that), so a random init would be time thrown away."""
-    saved = {name: getattr(nn.init, name) for name in _INITS}
-    try:
-        for name in saved:
-            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(nn.init, name, function)
-
-
 def build(family: Family, config, tensors: dict[str, Tensor], dtype: torch.dtype) -> nn.Module:
-    """A model of `family` holding `tensors`."""
-    with uninitialized():
+    """A model of `family` holding `tensors`, in `dtype` and eval mode.
+
+    The model is built on the meta device (shapes, no values), so no time or memory goes
+    to a random init that the checkpoint replaces; `fill` then puts the checkpoint's
+    tensors in. torch.device is a per-thread context, so nothing process-wide changes: a
+    model built meanwhile on another thread is initialized as usual.
+    """
+    with torch.device("meta"):
         model = family.model(config)
     fill(model, family, config, tensors)
     return model.to(dtype).eval()
@@ -114,25 +99,17 @@ def save_folder(
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    if folder.exists() and any(folder.iterdir()):
+    if folder.exists() and any(folder.iterdir()):  # before the work of exporting
         raise ValueError(f"{folder} exists and is not empty; choose a new folder")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-    try:
+
+    def write(staging: Path) -> None:
         tensors = {k: v.to(torch.float32) for k, v in export(model, family, config).items()}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         hf = {k: v for k, v in hf_config.items() if k != "quantization_config"}
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         tokenizer.save(staging)
-        for path in staging.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        if folder.exists():
-            folder.rmdir()
-        os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    write_folder_atomically(folder, write)
 
 
 def load_folder(folder: Path, dtype: torch.dtype, backend: str | None):

@@ -29,6 +29,7 @@ import tokenizers
 import torch
 from tokenizers import processors
 
+from qkv.io.files import write_atomically
 from qkv.io.words import Encoded
 
 logger = logging.getLogger(__name__)
@@ -213,7 +214,8 @@ class Tokenizer:
         so that `from_folder` and transformers' AutoTokenizer load this same tokenizer."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        self.backend.save(str(folder / "tokenizer.json"))
+        tokenizer_json = self.backend.to_str(pretty=True).encode()
+        write_atomically(folder / "tokenizer.json", lambda file: file.write(tokenizer_json))
         config: dict[str, Any] = {
             # The generic class reads tokenizer.json as it is; model classes may rebuild it.
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -226,7 +228,7 @@ class Tokenizer:
         }
         config = {k: v for k, v in config.items() if v is not None}
         text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
-        (folder / "tokenizer_config.json").write_text(text, encoding="utf-8")
+        write_atomically(folder / "tokenizer_config.json", lambda file: file.write(text.encode()))
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)

@@ -54,6 +54,10 @@ class SinusoidalPositions(nn.Module):
         self.width, self.base = width, base
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
+    def reset_buffers(self) -> None:
+        """Compute inv_freq again: a model built on the meta device has no values in it."""
+        self.inv_freq = self._inv_freq()
+
     def _inv_freq(self) -> Tensor:
         exponents = torch.arange(0, self.width, 2, dtype=torch.float64) / self.width
         return (self.base**-exponents).float()
@@ -96,6 +100,10 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
         self.head_dim, self.base = head_dim, base
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Compute inv_freq again: a model built on the meta device has no values in it."""
+        self.inv_freq = self._inv_freq()
 
     def _inv_freq(self) -> Tensor:
         # computed as Llama checkpoints' reference code does, so the angles match exactly

@@ -1,8 +1,11 @@
-"""The model a run trains, described as a Hugging Face config.json of its family.
+"""The model a run trains: a qkv config built from the run's `ModelSpec`, written as the
+config.json of its Hugging Face family.
 
 A run's model is always one a Hugging Face family can hold (GPT-2, Llama, BERT with its
 masked-LM head, BART), so every checkpoint is a Hugging Face folder: `qkv.load` reads it
-like any other, and `transformers` loads its export with equal logits.
+like any other, and `transformers` loads its export with equal logits. The config.json
+comes from the family itself (`Family.hf_config`), so it cannot drift from what loading
+reads back.
 """
 
 from __future__ import annotations
@@ -12,61 +15,71 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from qkv.io.families import Family, family_for
+from qkv.io.families import Family, family_for, family_named
+from qkv.models import DecoderConfig, EncoderConfig, EncoderDecoderConfig
+from qkv.nn import BlockConfig
 from qkv.train.config import RunConfig
 
 
-def hf_config(config: RunConfig, tokenizer) -> dict:
-    """The config.json of the run's model, for a tokenizer of `tokenizer.vocab_size`."""
+def model_config(config: RunConfig, vocab_size: int):
+    """The qkv config of the run's model for a vocabulary of `vocab_size` tokens.
+
+    >>> from qkv.train import preset
+    >>> cfg = model_config(preset("bank"), 100)
+    >>> type(cfg).__name__, cfg.mlm_head, cfg.block.norm_position
+    ('EncoderConfig', True, 'post')
+    """
     m = config.model
-    mlp = m.mlp or 4 * m.width
-    vocab = tokenizer.vocab_size
-    ids = {
-        "bos_token_id": tokenizer.bos_id,
-        "eos_token_id": tokenizer.eos_id,
-        "pad_token_id": tokenizer.pad_id,
-    }
+    shared = {"width": m.width, "num_heads": m.heads, "mlp_hidden": m.mlp or 4 * m.width,
+              "dropout": m.dropout, "backend": m.backend}  # fmt: skip
     if m.arch == "gpt2":
-        return {
-            "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
-            "n_layer": m.layers, "n_head": m.heads, "n_embd": m.width, "n_inner": mlp,
-            "n_positions": m.context, "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, **ids,
-            "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": 0.0,
-        }  # fmt: skip
+        return DecoderConfig(
+            vocab_size=vocab_size, num_layers=m.layers, max_positions=m.context,
+            position="learned", tie_embeddings=True,
+            block=BlockConfig(**shared, mlp="gelu_tanh", norm_eps=1e-5, fused_qkv=True),
+        )  # fmt: skip
     if m.arch == "llama":
-        return {
-            "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
-            "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
-            "num_key_value_heads": m.kv_heads or m.heads, "hidden_size": m.width,
-            "intermediate_size": mlp, "max_position_embeddings": m.context,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-            "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False, **ids,
-        }  # fmt: skip
+        return DecoderConfig(
+            vocab_size=vocab_size, num_layers=m.layers, max_positions=m.context,
+            position="rotary", rope_base=10000.0, tie_embeddings=True,
+            block=BlockConfig(**shared, num_kv_heads=m.kv_heads or m.heads,
+                              head_dim=m.width // m.heads, mlp="swiglu", norm="rmsnorm",
+                              norm_eps=1e-5, bias=False),
+        )  # fmt: skip
     if m.arch == "bert":
-        return {
-            "model_type": "bert", "architectures": ["BertForMaskedLM"], "vocab_size": vocab,
-            "num_hidden_layers": m.layers, "num_attention_heads": m.heads,
-            "hidden_size": m.width, "intermediate_size": mlp, "hidden_act": "gelu",
-            "max_position_embeddings": m.context, "type_vocab_size": 2,
-            "layer_norm_eps": 1e-12, "position_embedding_type": "absolute",
-            "hidden_dropout_prob": m.dropout, "attention_probs_dropout_prob": 0.0,
-            "pad_token_id": tokenizer.pad_id,
-        }  # fmt: skip
-    return {  # bart
-        "model_type": "bart", "architectures": ["BartForConditionalGeneration"],
-        "vocab_size": vocab, "d_model": m.width, "encoder_layers": m.layers,
-        "decoder_layers": m.layers, "encoder_attention_heads": m.heads,
-        "decoder_attention_heads": m.heads, "encoder_ffn_dim": mlp, "decoder_ffn_dim": mlp,
-        "activation_function": "gelu", "max_position_embeddings": m.context,
-        "scale_embedding": False, "dropout": m.dropout, "attention_dropout": 0.0,
-        "activation_dropout": 0.0, **ids, "decoder_start_token_id": tokenizer.eos_id,
-        "forced_eos_token_id": tokenizer.eos_id, "is_encoder_decoder": True,
-    }  # fmt: skip
+        return EncoderConfig(
+            vocab_size=vocab_size, num_layers=m.layers, max_positions=m.context,
+            position="learned", type_vocab_size=2, embed_norm=True, final_norm=False,
+            mlm_head=True,
+            block=BlockConfig(**shared, mlp="gelu", norm_eps=1e-12, norm_position="post"),
+        )  # fmt: skip
+    return EncoderDecoderConfig(  # bart
+        vocab_size=vocab_size, encoder_layers=m.layers, decoder_layers=m.layers,
+        max_positions=m.context, position="learned", embed_norm=True, embed_scale=False,
+        final_norm=False, tie_embeddings=True, lm_head_bias=True,
+        block=BlockConfig(**shared, mlp="gelu", norm_eps=1e-5, norm_position="post"),
+    )  # fmt: skip
+
+
+def hf_config(config: RunConfig, tokenizer) -> dict:
+    """The config.json of the run's model, for a tokenizer of `tokenizer.vocab_size`: the
+    family's, with the tokenizer's special ids (BERT's pad only; BART starts decoding at
+    its end-of-sequence token)."""
+    family = family_named(config.model.arch)
+    hf = family.hf_config(model_config(config, tokenizer.vocab_size))
+    if config.model.arch == "bert":
+        return {**hf, "pad_token_id": tokenizer.pad_id}
+    hf.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+              pad_token_id=tokenizer.pad_id)  # fmt: skip
+    if config.model.arch == "bart":
+        hf.update(decoder_start_token_id=tokenizer.eos_id, forced_eos_token_id=tokenizer.eos_id)
+    return hf
 
 
 def build_model(config: RunConfig, hf: dict) -> tuple[nn.Module, Family, object]:
-    """A freshly initialized model (seeded by train.seed), its family and qkv config."""
+    """A freshly initialized model (seeded by train.seed), its family and qkv config, read
+    back from `hf` as `qkv.load` will read the checkpoints; dropout and the attention
+    backend are the run's (config.json does not decide them)."""
     family = family_for(hf)
     model_config = family.config(hf)
     block = replace(model_config.block, dropout=config.model.dropout, backend=config.model.backend)

@@ -11,33 +11,18 @@ leaves the previous checkpoint as it was. The last `keep` checkpoints are kept.
 from __future__ import annotations
 
 import json
-import os
 import random
-import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from qkv.io.checkpoint import export, fill, read_checkpoint
-from qkv.io.files import fsync_folder
+from qkv.io.files import write_folder_atomically
+from qkv.io.runs import STEP, checkpoint_folder, checkpoints, step_of
 
-STEP = re.compile(r"step-(\d+)")
-
-
-def checkpoints(run: Path) -> list[Path]:
-    """The run's complete checkpoints, oldest first."""
-    folder = Path(run) / "checkpoints"
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if p.is_dir() and STEP.fullmatch(p.name)]
-    return sorted(found, key=step_of)
-
-
-def step_of(checkpoint: Path) -> int:
-    return int(STEP.fullmatch(Path(checkpoint).name).group(1))
+__all__ = ["STEP", "checkpoints", "load_trainer", "load_weights", "save", "step_of"]
 
 
 def rng_state() -> dict:
@@ -74,36 +59,26 @@ def save(
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    folder = Path(run) / "checkpoints"
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"step-{step:06d}"
+    final = checkpoint_folder(run, step)
     previous = checkpoints(run)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=folder))
-    try:
+
+    def write(staging: Path) -> None:
         shadow.load_state_dict(state)
         tensors = {k: v.to(torch.float32) for k, v in export(shadow, family, model_config).items()}
         save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
         tokenizer.save(staging)
         torch.save(trainer, staging / "trainer.pt")
-        for path in staging.iterdir():
-            with open(path, "rb") as file:
-                os.fsync(file.fileno())
-        if final.exists():  # a checkpoint of this step from before a resume: replace it
-            shutil.rmtree(final)
-        os.replace(staging, final)
-        fsync_folder(folder)
+
+    try:  # a checkpoint of this step from before a resume is replaced
+        write_folder_atomically(final, write, replace=True)
     except (OSError, SafetensorError, RuntimeError) as error:  # a full disk, a size limit...
-        shutil.rmtree(staging, ignore_errors=True)
         last = f"step {step_of(previous[-1])}" if previous else "none"
         reason = getattr(error, "strerror", None) or str(error).splitlines()[0]
         raise ValueError(
-            f"could not write checkpoint step {step} in {folder}: {reason}; "
+            f"could not write checkpoint step {step} in {final.parent}: {reason}; "
             f"the last checkpoint ({last}) is intact"
         ) from None
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     for old in checkpoints(run)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

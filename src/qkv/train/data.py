@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qkv.io.files import write_folder_atomically
 from qkv.train.batches import Examples
 from qkv.train.config import RunConfig
 
@@ -97,16 +98,6 @@ def _generated(config: RunConfig):
 
 
 def _save_tokenizer(tokenizer, folder: Path) -> None:
-    """Save into a staging folder, then rename: a reader never sees half a tokenizer."""
-    import shutil
-    import tempfile
-
-    staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
-    try:
-        tokenizer.save(staging)
-        if folder.exists():  # left by a run killed before its shards were written
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    """All or nothing, so a reader never sees half a tokenizer; one left by a run killed
+    before its shards were written is replaced."""
+    write_folder_atomically(folder, tokenizer.save, replace=True)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.io.files import write_atomically
+from qkv.io.files import append_line, read_lines, write_atomically
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.train import checkpoint as ckpt
 from qkv.train.arch import build_model, hf_config
@@ -344,14 +344,13 @@ def _fully_shard(model: nn.Module) -> nn.Module:
 
 
 def _append(path: Path, record: dict) -> None:
-    with open(path, "a", encoding="utf-8") as file:
-        file.write(json.dumps(record) + "\n")
+    append_line(path, json.dumps(record))
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
     """Drop the lines of steps after `step` (written after the checkpoint a run resumes)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    kept = [line for line in read_lines(path) if json.loads(line)["step"] <= step]
     text = "".join(line + "\n" for line in kept)
     write_atomically(path, lambda file: file.write(text.encode()))

@@ -1,0 +1,39 @@
+"""Model families: one module each, holding its config.json both ways and its weight map.
+
+A family module defines `config` (config.json -> qkv config), `hf_config` (qkv config ->
+config.json, refusing by name what the family cannot hold), `weights` (the weight map, as
+templates expanded by `common.expand`) and `FAMILY`. Adding a family is one module and one
+line in `FAMILIES`.
+
+>>> family_for({"model_type": "mistral"}).name
+'llama'
+"""
+
+from __future__ import annotations
+
+from qkv.io.families import bart, bert, gpt2, llama
+from qkv.io.families.common import Family, Weight
+
+FAMILIES = [bert.FAMILY, gpt2.FAMILY, llama.FAMILY, bart.FAMILY]
+
+bert_hf_config = bert.hf_config  # the name tests and older callers use
+
+__all__ = ["FAMILIES", "Family", "Weight", "bert_hf_config", "family_for"]
+
+
+def family_for(hf_config: dict) -> Family:
+    """The family that reads a config.json, or a ValueError listing those supported."""
+    model_type = hf_config.get("model_type")
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    supported = sorted(t for f in FAMILIES for t in f.model_types)
+    raise ValueError(f"unknown model family {model_type!r}; supported: {', '.join(supported)}")
+
+
+def family_named(name: str) -> Family:
+    """The family called `name` ("bert", "gpt2", "llama", "bart"), as a run's model.arch."""
+    for family in FAMILIES:
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown model family {name!r}; known: {', '.join(f.name for f in FAMILIES)}")

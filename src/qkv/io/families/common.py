@@ -1,0 +1,160 @@
+"""What every family module uses: `Weight`, `Family`, the weight-map template expander, and
+the checks that say which config a family can read or write.
+
+A weight map is a list of (qkv name, checkpoint name) templates, litgpt's style: `{}` stands
+for the layer index, and `expand` writes one `Weight` per layer. A third element, a layout,
+says how a tensor turns between the two (GPT-2's Conv1D stores its matrices transposed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _transposed(t: Tensor) -> Tensor:
+    return t.t().contiguous()  # GPT-2's Conv1D stores (in, out); Linear wants (out, in)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor turns from its checkpoint layout to qkv's (`load`) and back (`save`)."""
+
+    load: Callable[[Tensor], Tensor] = _same
+    save: Callable[[Tensor], Tensor] = _same
+
+
+SAME = Layout()
+TRANSPOSED = Layout(_transposed, _transposed)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One qkv parameter and where it lives in a checkpoint."""
+
+    qkv: str
+    names: tuple[str, ...]  # checkpoint names; the first is canonical (written on export)
+    load: Callable[[Tensor], Tensor] = _same
+    save: Callable[[Tensor], Tensor] = _same
+
+
+# (qkv template, checkpoint template or several aliases[, layout]); `{}` is the layer index
+Template = tuple[str, str | tuple[str, ...]] | tuple[str, str | tuple[str, ...], Layout]
+
+
+def expand(
+    templates: Iterable[Template], num_layers: int, *, prefixes: Sequence[str] = ("",)
+) -> list[Weight]:
+    """One Weight per template, per layer for templates with `{}`.
+
+    Each checkpoint name is tried under every prefix in turn (sentence-transformers folders
+    drop BertModel's "bert."): the first prefix is the one written on export.
+
+    >>> [(w.qkv, w.names) for w in expand([("blocks.{}.q", "h.{}.q")], 2, prefixes=("t.", ""))]
+    [('blocks.0.q', ('t.h.0.q', 'h.0.q')), ('blocks.1.q', ('t.h.1.q', 'h.1.q'))]
+    """
+    templates = list(templates)
+    once = [t for t in templates if "{}" not in t[0]]
+    layered = [t for t in templates if "{}" in t[0]]
+    weights = []
+    for i, (qkv, names, *layout) in [(0, t) for t in once] + [
+        (i, t) for i in range(num_layers) for t in layered
+    ]:
+        aliases = (names,) if isinstance(names, str) else names
+        how = layout[0] if layout else SAME
+        checkpoint = tuple(p + name.format(i) for name in aliases for p in prefixes)
+        weights.append(Weight(qkv.format(i), checkpoint, how.load, how.save))
+    return weights
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Hugging Face model family: its config.json both ways, and its weight map."""
+
+    name: str
+    model_types: tuple[str, ...]  # Hugging Face `model_type` values this family reads
+    model: type  # the qkv model class: Encoder, Decoder or EncoderDecoder
+    config: Callable[[dict], object]  # config.json -> qkv config, refusing what qkv lacks
+    hf_config: Callable[[object], dict]  # qkv config -> config.json, refusing what it lacks
+    weights: Callable[[object], list[Weight]]
+    # checkpoint keys that hold no weights qkv uses (buffers, heads it does not have)
+    ignored: tuple[str, ...] = field(default=())
+
+
+def with_biases(pairs: Iterable[tuple[str, str]], layout: Layout = SAME) -> list[Template]:
+    """(module, checkpoint module) pairs -> templates of their weights and biases; the
+    layout turns the weights only (a bias is the same vector both ways)."""
+    return [t for q, h in pairs for t in ((f"{q}.weight", f"{h}.weight", layout),
+                                          (f"{q}.bias", f"{h}.bias"))]  # fmt: skip
+
+
+# ---- config.json -> qkv config ------------------------------------------------------------
+
+ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+    "silu": "silu",
+    "swish": "silu",
+}
+
+
+def activation(hf: dict, key: str) -> str:
+    name = hf.get(key, "gelu")
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; supported: {list(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def require(hf: dict, family: str, **expected) -> None:
+    """Refuse a config.json value qkv does not compute; the first allowed is the default."""
+    for key, allowed in expected.items():
+        value = hf.get(key, allowed[0])
+        if value not in allowed:
+            raise ValueError(f"{family} checkpoints with {key}={value!r} are not supported")
+
+
+# ---- qkv config -> config.json --------------------------------------------------------------
+
+
+def hf_activation(mlp: str, family: str, gelu_tanh: str = "gelu_pytorch_tanh") -> str:
+    """The config.json name of a qkv activation (the family's own spelling of tanh-gelu)."""
+    names = {"gelu": "gelu", "gelu_tanh": gelu_tanh, "relu": "relu", "silu": "silu"}
+    if mlp not in names:
+        raise ValueError(
+            f"a {family} config.json cannot hold mlp={mlp!r}; it holds {', '.join(names)}"
+        )
+    return names[mlp]
+
+
+def fits(family: str, cfg, **needed) -> None:
+    """Refuse a qkv config that the family's config.json cannot describe, naming each field
+    that does not fit. needed: a dotted field of `cfg` (block__norm is block.norm) and the
+    one value the family holds."""
+    wrong = []
+    for key, want in needed.items():
+        value = cfg
+        for part in key.split("__"):
+            value = getattr(value, part)
+        if value != want:
+            wrong.append(f"{key.replace('__', '.')}={value!r} (it has {want!r})")
+    if wrong:
+        raise ValueError(f"a {family} config.json cannot hold this model: {', '.join(wrong)}")
+
+
+def one_head_size(family: str, block) -> None:
+    """Families whose config.json has no head_dim: heads are width / num_heads wide, and
+    every query head has its own key and value heads."""
+    if block.head_size * block.num_heads != block.width or block.kv_heads != block.num_heads:
+        raise ValueError(
+            f"a {family} config.json cannot hold head_dim={block.head_size} with "
+            f"num_kv_heads={block.kv_heads}: its heads are width / num_heads "
+            f"({block.width // block.num_heads}) wide, one key and value head per query head"
+        )

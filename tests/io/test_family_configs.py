@@ -1,0 +1,95 @@
+"""Each family's config.json both ways: a qkv config written as the family's config.json
+reads back equal, and a qkv config the family cannot hold is refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from qkv.io.families import FAMILIES, family_for, family_named
+from qkv.models import DecoderConfig, EncoderConfig, EncoderDecoderConfig
+from qkv.nn import BlockConfig
+from tiny_models import TINY
+
+FAMILY = {f.name: f for f in FAMILIES}
+
+BERT = EncoderConfig(
+    vocab_size=50, num_layers=2, max_positions=20, position="learned", type_vocab_size=2,
+    embed_norm=True, final_norm=False,
+    block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, mlp="gelu", norm_eps=1e-12,
+                      norm_position="post"),
+)  # fmt: skip
+GPT2 = DecoderConfig(
+    vocab_size=50, num_layers=2, max_positions=20, position="learned",
+    block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, mlp="gelu_tanh", norm_eps=1e-5,
+                      fused_qkv=True),
+)  # fmt: skip
+LLAMA = DecoderConfig(
+    vocab_size=50, num_layers=2, max_positions=64, position="rotary", rope_base=500.0,
+    tie_embeddings=False,
+    block=BlockConfig(width=16, num_heads=4, num_kv_heads=2, head_dim=4, mlp_hidden=24,
+                      mlp="swiglu", norm="rmsnorm", norm_eps=1e-6, bias=False),
+)  # fmt: skip
+BART = EncoderDecoderConfig(
+    vocab_size=50, encoder_layers=2, decoder_layers=1, max_positions=20, position="learned",
+    embed_norm=True, embed_scale=True, final_norm=False, tie_embeddings=True,
+    lm_head_bias=True,
+    block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, mlp="gelu", norm_position="post"),
+)  # fmt: skip
+ROUND_TRIPS = {
+    "bert": [BERT, replace(BERT, mlm_head=True)],
+    "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
+    "llama": [LLAMA, replace(LLAMA, block=replace(LLAMA.block, head_dim=8))],  # D != C / H
+    "bart": [BART, replace(BART, embed_scale=False)],
+}
+
+
+@pytest.mark.parametrize("name, config", [(n, c) for n, cs in ROUND_TRIPS.items() for c in cs])
+def test_a_qkv_config_written_as_config_json_reads_back_equal(name, config):
+    family = FAMILY[name]
+    hf = family.hf_config(config)
+    assert family_for(hf) is family
+    assert family.config(hf) == config
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "llama-tied", "bart"])
+def test_a_transformers_config_json_round_trips_through_qkv(name):
+    """transformers' own config.json -> qkv -> config.json -> qkv: the same model."""
+    hf = TINY[name][1].to_dict()
+    family = family_for(hf)
+    config = family.config(hf)
+    assert family.config(family.hf_config(config)) == config
+
+
+def test_every_family_is_tested_both_ways():
+    assert set(ROUND_TRIPS) == set(FAMILY)
+    assert family_named("llama") is FAMILY["llama"]
+    with pytest.raises(ValueError, match="unknown model family 't5'; known: bert, gpt2"):
+        family_named("t5")
+
+
+REFUSED = [
+    ("bert", replace(BERT, block=replace(BERT.block, norm_position="pre")),
+     r"a BERT config.json cannot hold this model: block.norm_position='pre' \(it has 'post'\)"),
+    ("bert", replace(BERT, type_vocab_size=0), "cannot hold type_vocab_size=0"),
+    ("gpt2", replace(GPT2, position="rotary"),
+     r"a GPT-2 config.json cannot hold this model: position='rotary' \(it has 'learned'\)"),
+    ("gpt2", replace(GPT2, block=replace(GPT2.block, mlp="swiglu")),
+     "a GPT-2 config.json cannot hold mlp='swiglu'; it holds gelu, gelu_tanh, relu, silu"),
+    ("gpt2", replace(GPT2, block=replace(GPT2.block, num_kv_heads=2)),
+     r"GPT-2 config.json cannot hold head_dim=4 with num_kv_heads=2: its heads are width"),
+    ("llama", replace(LLAMA, block=replace(LLAMA.block, bias=True, norm="layernorm")),
+     r"block.norm='layernorm' \(it has 'rmsnorm'\), block.bias=True \(it has False\)"),
+    ("bart", replace(BART, block=replace(BART.block, norm_eps=1e-6)),
+     r"a BART config.json cannot hold this model: block.norm_eps=1e-06 \(it has 1e-05\)"),
+    ("bart", replace(BART, tie_embeddings=False, lm_head_bias=False),
+     r"tie_embeddings=False \(it has True\), lm_head_bias=False \(it has True\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, config, message", REFUSED)
+def test_a_config_the_family_cannot_hold_is_refused_by_name(name, config, message):
+    with pytest.raises(ValueError, match=message) as error:
+        FAMILY[name].hf_config(config)
+    assert "\n" not in str(error.value)
