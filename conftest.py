@@ -19,6 +19,22 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(scope="session")
+def minilm():
+    """The embedded MiniLM, loaded once for the whole run: tests only read it."""
+    import qkv
+
+    return qkv.load("minilm")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2 (its GGUF file dequantized, about 2.5 s), loaded once: read only."""
+    import qkv
+
+    return qkv.load("smollm2")
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf():
     """transformers' own load of the embedded SmolLM2 GGUF file: (model, tokenizer).
 

@@ -18,11 +18,6 @@ def run(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def minilm():
-    return qkv.load("minilm")
-
-
 def test_demo_walks_the_article_with_minilms_own_numbers(tmp_path, minilm):
     result = run("demo", "--out", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr

@@ -18,20 +18,10 @@ SENTENCES = [
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    return qkv.load("minilm")
-
-
-@pytest.fixture(scope="module")
 def minilm_hf():
     folder = embedded_path("minilm")
     model = hf.AutoModel.from_pretrained(folder, attn_implementation="eager").eval()
     return model, hf.AutoTokenizer.from_pretrained(folder)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return qkv.load("smollm2")
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "eager"])

@@ -8,14 +8,8 @@ import re
 import pytest
 import torch
 
-import qkv
 from qkv.inspect.bank_sentences import LABELS, SENTENCES
 from qkv.inspect.probe import Probe, probe, probe_plot
-
-
-@pytest.fixture(scope="module")
-def minilm():
-    return qkv.load("minilm")
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,6 @@ SRC = Path(qkv.__file__).parent
 HOOKS = ("register_forward_hook", "register_forward_pre_hook", "register_module_forward")
 
 
-@pytest.fixture(scope="module")
-def minilm():
-    return qkv.load("minilm")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return qkv.load("smollm2")
-
-
 def test_no_module_of_qkv_registers_a_forward_hook():
     found = [
         f"{path.relative_to(SRC)}: {name}"

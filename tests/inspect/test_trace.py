@@ -17,16 +17,6 @@ from qkv.io.embedded import embedded_path
 SENTENCE = "The bank on the side of the river"
 
 
-@pytest.fixture(scope="module")
-def minilm():
-    return qkv.load("minilm")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return qkv.load("smollm2")
-
-
 def test_minilm_trace_is_the_models_computation_and_matches_transformers(minilm):
     traced = qkv.trace(minilm, SENTENCE, "bank", "river")
     folder = embedded_path("minilm")

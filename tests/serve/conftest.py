@@ -1,22 +1,12 @@
-"""Shared fixtures of the server tests: each model loaded once, one app for most tests."""
+"""Shared fixtures of the server tests: one app for most tests (the models are the run-wide
+fixtures of the root conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
 
-import qkv
 from qkv.serve import Limits, create_app
-
-
-@pytest.fixture(scope="session")
-def minilm():
-    return qkv.load("minilm")
-
-
-@pytest.fixture(scope="session")
-def smollm2():
-    return qkv.load("smollm2")  # about 2.5 s: only the tests that need a decoder ask for it
 
 
 @pytest.fixture(scope="session")

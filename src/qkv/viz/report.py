@@ -41,10 +41,7 @@ import dataclasses
 import html
 import json
 import math
-import os
 import re
-import shutil
-import uuid
 import zlib
 from collections.abc import Sequence
 from importlib.resources import files
@@ -52,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkv.io.files import fsync_folder, write_atomically
+from qkv.io.files import write_atomically, write_folder_atomically
 from qkv.viz.heatmap import check_weights, head_heatmap, model_view
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
@@ -127,10 +124,8 @@ def write_report(
         vectors=vectors, causal=causal, scale=scale,
     )  # fmt: skip
     why = "chosen" if head is not None else "the strongest weight from one token to another"
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = folder.with_name(f".{folder.name}.{uuid.uuid4().hex[:8]}.tmp")
-    staging.mkdir()
-    try:
+
+    def write(staging: Path) -> None:
         write_atomically(staging / "index.html", lambda file: file.write(page))
         model_view(stack, tokens, staging / "model_view.png")
         head_heatmap(
@@ -139,14 +134,8 @@ def write_report(
             staging / f"head_L{layer}_H{chosen}.png",
             title=f"L{layer} H{chosen} (from 0), {why}",
         )
-        if folder.exists():
-            folder.rmdir()  # empty, as checked above
-        os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    fsync_folder(folder.parent)
-    return folder
+
+    return write_folder_atomically(folder, write)
 
 
 def strongest_head(weights) -> tuple[int, int]:
