@@ -3,6 +3,8 @@ process-wide changes while loading, and tied weights and computed buffers come b
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -102,3 +104,19 @@ def test_sinusoidal_positions_built_on_meta_reset_to_the_real_table():
         p.reset_buffers()
     torch.testing.assert_close(positions[0].inv_freq, SinusoidalPositions(8).inv_freq)
     assert positions[0](torch.tensor([0]))[0].tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("name", ["llama", "bart"])  # rotary and learned positions
+def test_building_on_meta_runs_no_python_reference_kernel(name, tmp_path):
+    """On the meta device, random inits and arithmetic on Python scalars run through torch's
+    Python reference kernels, whose first use imports torch._dynamo (~1.5 s on every `qkv`
+    command that loads a model). A fresh process loads a checkpoint without importing it."""
+    save_tiny(name, tmp_path)
+    code = (
+        "import sys, torch; from qkv.io.hf import load_folder; "
+        f"load_folder({str(tmp_path)!r}, torch.float32, None); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120, check=True)  # fmt: skip
+    assert found.stdout.strip() == "False"

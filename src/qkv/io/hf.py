@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from qkv.io.checkpoint import export, fill, read_checkpoint
 from qkv.io.families import Family, family_for
@@ -42,15 +43,31 @@ def with_backend(config, backend: str | None):
     return replace(config, block=replace(config.block, backend=backend))
 
 
+class _NoRandomInit(TorchFunctionMode):
+    """Random initializers return their tensor untouched (on the meta device they would give
+    it no values anyway, but their Python meta kernels import torch._dynamo, about 1.5 s, on
+    a process's first load). A TorchFunctionMode holds for its own thread only."""
+
+    SKIPPED = frozenset({
+        torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_,
+        nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
+    })  # fmt: skip
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.SKIPPED:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def build(family: Family, config, tensors: dict[str, Tensor], dtype: torch.dtype) -> nn.Module:
     """A model of `family` holding `tensors`, in `dtype` and eval mode.
 
     The model is built on the meta device (shapes, no values), so no time or memory goes
     to a random init that the checkpoint replaces; `fill` then puts the checkpoint's
-    tensors in. torch.device is a per-thread context, so nothing process-wide changes: a
-    model built meanwhile on another thread is initialized as usual.
+    tensors in. torch.device and torch function modes are per-thread contexts, so nothing
+    process-wide changes: a model built meanwhile on another thread is initialized as usual.
     """
-    with torch.device("meta"):
+    with torch.device("meta"), _NoRandomInit():
         model = family.model(config)
     fill(model, family, config, tensors)
     return model.to(dtype).eval()

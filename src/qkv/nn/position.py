@@ -59,8 +59,10 @@ class SinusoidalPositions(nn.Module):
         self.inv_freq = self._inv_freq()
 
     def _inv_freq(self) -> Tensor:
-        exponents = torch.arange(0, self.width, 2, dtype=torch.float64) / self.width
-        return (self.base**-exponents).float()
+        with torch.device("cpu"):  # see RotaryEmbedding._inv_freq
+            exponents = torch.arange(0, self.width, 2, dtype=torch.float64) / self.width
+            inv_freq = (self.base**-exponents).float()
+        return inv_freq.to(torch.get_default_device())
 
     def forward(self, positions: Tensor) -> Tensor:
         angles = positions.float()[..., None] * self.inv_freq  # (…, T, C/2)
@@ -106,9 +108,14 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = self._inv_freq()
 
     def _inv_freq(self) -> Tensor:
-        # computed as Llama checkpoints' reference code does, so the angles match exactly
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-        return 1.0 / (self.base**exponents)
+        # computed as Llama checkpoints' reference code does (on the CPU), so the angles match
+        # exactly; then put where the model is being built. On the meta device (loading) the
+        # arithmetic itself would run through torch's Python reference kernels, whose first
+        # use imports torch._dynamo (about 1.5 s); the loader computes the buffer again after.
+        with torch.device("cpu"):
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
+            inv_freq = 1.0 / (self.base**exponents)
+        return inv_freq.to(torch.get_default_device())
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and sin, (…, T, D), for positions (T,) or (B, T); made in float32."""
