@@ -46,6 +46,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/encode.py
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/serve_load.py
+	$(PY) benchmarks/inspect_speed.py --tree .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

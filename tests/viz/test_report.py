@@ -275,20 +275,21 @@ def test_write_html_is_one_file_and_refuses_other_extensions(att, tmp_path):
 
 
 def test_512_tokens_make_a_page_no_larger_than_their_float32_bits(tmp_path):
-    # minilm's longest text: 6 layers x 12 heads x 512 x 512 = 18.9 million weights, stored
-    # exactly (float32) so no ranking can change. As JSON text they would take ~300 MB; their
-    # raw bits in base64 take 101 MB, and zlib must not add to that. Random softmax rows are
-    # the hard case (about 94 MB); real attention, mostly near 0, compresses a little better.
-    L, H, T = 6, 12, 512
+    # minilm's longest text, 512 tokens; 2 of its 6 layers keep the test quick (a page grows
+    # with the layers). The weights are stored exactly (float32) so no ranking can change: as
+    # JSON text 2 x 12 x 512 x 512 of them would take ~100 MB; their raw bits in base64 take
+    # 34 MB, and zlib must not add to that. Random softmax rows are the hard case (about
+    # 31 MB); real attention, mostly near 0, compresses a little better.
+    L, H, T = 2, 12, 512
     generator = torch.Generator().manual_seed(0)
     weights = torch.softmax(2 * torch.randn(L, H, T, T, generator=generator), dim=-1)
     tokens = [f"w{i}" for i in range(T)]
     folder = write_report(tmp_path / "long", weights, tokens, title="long")
     size = (folder / "index.html").stat().st_size
-    assert 50e6 < size < 4 * L * H * T * T * 4 / 3 + 1e6
+    assert 15e6 < size < 4 * L * H * T * T * 4 / 3 + 1e6
     stored = stored_weights(embedded((folder / "index.html").read_text()))
     assert stored.shape == (L, H, T, T)
-    np.testing.assert_array_equal(stored[3, 7], weights[3, 7].numpy())
+    np.testing.assert_array_equal(stored[1, 7], weights[1, 7].numpy())
 
 
 def test_the_page_script_is_valid_javascript(page, tmp_path):
