@@ -111,29 +111,30 @@ def test_concurrent_requests_each_get_their_own_texts_numbers(minilm):
             assert answer["model_output"] == pytest.approx(want.model_output.tolist(), abs=1e-6)
 
 
-def test_traces_from_8_threads_at_once_equal_traces_one_at_a_time(minilm, smollm2):
-    """No lock and no hooks: 8 threads trace on one model at once (each released by a barrier
-    into its forward pass together) and get exactly the numbers of the same traces run one
-    after another. Under the old hooks, the threads' forward passes overwrote each other's."""
-    served = create_app({"minilm": minilm, "smollm2": smollm2}).state.qkv.models
-    texts = [f"The bank on the side of the {place}" for place in ("river", "lake", "pond", "sea")]
-    asks = [(name, text) for name in ("minilm", "smollm2") for text in texts]  # 8 asks
+@pytest.mark.parametrize("name", ["minilm", "smollm2"])
+def test_traces_from_8_threads_at_once_equal_traces_one_at_a_time(name, request):
+    """No lock and no hooks: 8 threads trace on one model at once (released together by a
+    barrier into their forward passes) and get exactly the numbers of the same traces run
+    one after another. Under the old hooks, the threads' passes overwrote each other's."""
+    served = create_app({name: request.getfixturevalue(name)}).state.qkv.models[name]
+    places = ("river", "lake", "pond", "sea", "stream", "canal", "road", "hill")
+    texts = [f"The bank on the side of the {place}" for place in places]  # 8 texts
     limits = Limits()
 
-    def ask(name: str, text: str) -> dict:
-        return trace_pair(served[name], limits, text, text.split()[-1], "bank", None, None)
+    def ask(text: str) -> dict:  # the last word's attention to "bank": it differs by text
+        return trace_pair(served, limits, text, text.split()[-1], "bank", None, None)
 
-    alone = [ask(name, text) for name, text in asks]
-    barrier = threading.Barrier(len(asks))
+    alone = [ask(text) for text in texts]
+    barrier = threading.Barrier(len(texts))
 
-    def together(name: str, text: str) -> dict:
+    def together(text: str) -> dict:
         barrier.wait(30)
-        return ask(name, text)
+        return ask(text)
 
-    with ThreadPoolExecutor(len(asks)) as pool:
-        at_once = list(pool.map(together, *zip(*asks, strict=True)))
+    with ThreadPoolExecutor(len(texts)) as pool:
+        at_once = list(pool.map(together, texts))
     assert at_once == alone
-    assert len({json.dumps(answer["weights"]) for answer in at_once}) == len(asks)
+    assert len({json.dumps(answer["weights"]) for answer in at_once}) == len(texts)
 
 
 def test_limits_are_checked():
