@@ -289,8 +289,8 @@ class Pretrained:
     ) -> Attentions:
         """One forward pass over `text`: every layer's record, and the weights (L, H, T, T).
 
-        layers: the layers to record ("all" by default); heads: the heads `weights` shows
-        (all by default); both counted from 0. target (encoder-decoder models only): the
+        layers: the layers to record (all by default: "all" or None); heads: the heads
+        `weights` shows (all by default); both counted from 0. target (encoder-decoder models only): the
         decoder's cross-attention instead, weights (L, H, Tt, Ts) from the decoder's tokens
         (its start token, then `target`'s, as in training) to `text`'s. Without a target an
         encoder-decoder shows its encoder. E.g. a model that reverses sequences:
@@ -306,7 +306,8 @@ class Pretrained:
         stack = self.model.decoder if target is not None else self.model
         stack = stack.encoder if isinstance(stack, EncoderDecoder) else stack
         L, H = stack.config.num_layers, stack.config.block.num_heads
-        layers = range(L) if layers == "all" else check_indices("layer", layers, L, self.source)
+        every = layers is None or (isinstance(layers, str) and layers == "all")
+        layers = range(L) if every else check_indices("layer", layers, L, self.source)
         heads = check_indices("head", range(H) if heads is None else heads, H, self.source)
         if not layers or not heads:
             raise ValueError("no layer or no head asked for; leave layers and heads out for all")

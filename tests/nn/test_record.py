@@ -112,4 +112,7 @@ def test_bad_heads_and_queries_name_the_range():
         record.weights([0, 6])
     with pytest.raises(ValueError, match=r"query 4 is out of range: this record has 4 queries"):
         record.steps(0, 4)
+    for bad in ("03", [0.5]):  # a string is not a list of heads, nor is a fraction a head
+        with pytest.raises(ValueError, match=r"heads are whole numbers counted from 0 \(0-5\)"):
+            record.weights(bad)
     assert layer("eager")(torch.randn(1, 4, 48))[1] is None, "no record unless asked"

@@ -8,6 +8,7 @@ the causal rule into one (…, Tq, Tk) tensor, True where a query may attend to 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -122,7 +123,14 @@ def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
     ...
     ValueError: layer 6 is out of range: minilm has 6 layers (0-5)
     """
-    chosen = [int(i) for i in indices]
+    try:
+        if isinstance(indices, str | bytes):
+            raise TypeError
+        chosen = [operator.index(i) for i in indices]
+    except TypeError:
+        raise ValueError(
+            f"{what}s are whole numbers counted from 0 (0-{count - 1}), got {indices!r}"
+        ) from None
     bad = [i for i in chosen if not 0 <= i < count]
     if bad:
         many = {"query": "queries", "batch": "batches"}.get(what, f"{what}s")
