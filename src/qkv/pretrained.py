@@ -290,12 +290,12 @@ class Pretrained:
         """One forward pass over `text`: every layer's record, and the weights (L, H, T, T).
 
         layers: the layers to record (all by default: "all" or None); heads: the heads
-        `weights` shows (all by default); both counted from 0. target (encoder-decoder models only): the
-        decoder's cross-attention instead, weights (L, H, Tt, Ts) from the decoder's tokens
-        (its start token, then `target`'s, as in training) to `text`'s. Without a target an
-        encoder-decoder shows its encoder. E.g. a model that reverses sequences:
-        attentions("a b c d", target="d c b a").query_tokens == ["</s>", "d", "c", "b", "a"],
-        and its weights lie near the anti-diagonal.
+        `weights` shows (all by default); both counted from 0.
+        target (encoder-decoder models only): the decoder's cross-attention instead, weights
+        (L, H, Tt, Ts) from the decoder's tokens (its start token, then `target`'s, as in
+        training) to `text`'s. Without a target an encoder-decoder shows its encoder. E.g. a
+        model that reverses sequences: attentions("a b c d", target="d c b a").query_tokens
+        == ["</s>", "d", "c", "b", "a"], and its weights lie near the anti-diagonal.
         """
         seq2seq = isinstance(self.model, EncoderDecoder)
         if target is not None and not seq2seq:
