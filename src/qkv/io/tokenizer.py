@@ -351,51 +351,20 @@ class Tokenizer:
                 raise ValueError(
                     f"each message needs a 'role', like {{'role': 'user'}}: {message!r}"
                 )
-        import jinja2
+        from qkv.io.chat_template import compile_chat_template, render_chat_template
 
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
+            self._template = compile_chat_template(self.chat_template)
         # Like transformers: keys whose value is None are dropped, special tokens are variables.
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        try:
-            return self._template.render(
-                messages=plain,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-            )
-        except jinja2.TemplateError as error:
-            raise ValueError(f"the chat template rejected the messages: {error}") from error
-
-
-def _compile_template(source: str) -> Any:
-    """Compile a chat template in the sandbox transformers uses, with the same helpers."""
-    import datetime
-
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-        # Jinja's own tojson escapes HTML characters, which chat templates do not want.
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        return render_chat_template(
+            self._template,
+            messages=plain,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **self.special_tokens,
         )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as error:
-        raise ValueError(f"the chat template is not valid Jinja: {error}") from error
 
 
 def _read_json(path: Path) -> dict[str, Any]:
