@@ -181,7 +181,12 @@ class Tokenizer:
             raise ValueError(
                 f"{path} not found: qkv reads Hugging Face fast tokenizers (a tokenizer.json file)"
             )
-        backend = tokenizers.Tokenizer.from_file(str(path))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as error:  # the Rust library raises a bare Exception: not JSON, ...
+            raise ValueError(
+                f"{path} is not a tokenizer the tokenizers library can read: {error}"
+            ) from None
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         # transformers lets special_tokens_map.json win only for configs without an
@@ -198,6 +203,11 @@ class Tokenizer:
             elif token is not None:
                 special[name] = token
         max_length = config.get("model_max_length")
+        if max_length is not None and not isinstance(max_length, (int, float)):
+            raise ValueError(
+                f"{folder / 'tokenizer_config.json'}: model_max_length should be a number, "
+                f"not {max_length!r}"
+            )
         return cls(
             backend,
             **{name: special.get(name) for name in _SPECIAL_NAMES},
@@ -278,6 +288,7 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise ValueError(f"encode takes a str, not {type(text).__name__}; use encode_batch")
+        check_unicode(text, "the text")
         encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
         return self._wrap(text, encoding)
 
@@ -298,6 +309,8 @@ class Tokenizer:
         side = padding_side or self.padding_side
         if side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', not {side!r}")
+        for i, text in enumerate(texts):
+            check_unicode(text, f"text {i} (counted from 0)")
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         rows = [e.ids for e in encodings]
         pad = next((i for i in (self.pad_id, self.eos_id) if i is not None), 0)
@@ -346,11 +359,14 @@ class Tokenizer:
             )
         if isinstance(messages, (str, Mapping)) or not messages:
             raise ValueError("messages must be a non-empty list like [{'role': 'user', ...}]")
-        for message in messages:
+        for i, message in enumerate(messages):
             if not isinstance(message, Mapping) or "role" not in message:
                 raise ValueError(
                     f"each message needs a 'role', like {{'role': 'user'}}: {message!r}"
                 )
+            for key, value in message.items():  # where the user wrote it, not the prompt made
+                if isinstance(value, str):
+                    check_unicode(value, f"message {i}'s {key!r}")
         from qkv.io.chat_template import compile_chat_template, render_chat_template
 
         if self._template is None:
@@ -367,13 +383,38 @@ class Tokenizer:
         )
 
 
+def check_unicode(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode: a lone surrogate (U+D800..U+DFFF), which no
+    encoding can write. Python makes them from bytes that are not UTF-8 (a command line's
+    argv, a file read with errors="surrogateescape"); the tokenizer would fail on them.
+
+    >>> check_unicode("river bank", "the text")
+    >>> check_unicode("bank\\udcff", "the text")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: the text is not valid Unicode: character 4 is '\\udcff', which stands for ...
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        i, bad = error.start, text[error.start]
+        what = f"{what} is not valid Unicode: character {i}"
+        if 0xDC80 <= ord(bad) <= 0xDCFF:  # Python's stand-in for a byte it could not decode
+            raise ValueError(
+                f"{what} is {bad!r}, which stands for the byte {ord(bad) - 0xDC00:#04x} that is "
+                "not UTF-8 (a lone surrogate); give UTF-8 text"
+            ) from None
+        raise ValueError(f"{what} is a lone surrogate {bad!r}; give UTF-8 text") from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} should hold a JSON object, not {type(data).__name__}")
     return data
@@ -390,7 +431,10 @@ def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
     """chat_template.jinja wins over tokenizer_config.json's chat_template, as in transformers."""
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{jinja_file} is not UTF-8 text: {error}") from None
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
