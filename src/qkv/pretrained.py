@@ -10,6 +10,7 @@ torch.Size([6, 12, 7, 7])
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from qkv.io.hf import Pooling, save_folder
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.models.config import Layers
 from qkv.nn import AttentionRecord
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -223,6 +226,9 @@ class Pretrained:
         Sentences are sorted by length and batched, so padding costs little. precision
         "bfloat16" runs the matrix products in bfloat16 (norms, softmax and pooling stay
         float32): about twice as fast on CPUs with bfloat16 instructions, slower on others.
+        A sentence longer than the model reads (`max_tokens`: a sentence-transformers
+        folder's max_seq_length, else the context window) is cut there, its [CLS] ... [SEP]
+        kept, as sentence-transformers cuts it; a warning is logged saying which were cut.
         """
         if not isinstance(self.model, Encoder):
             raise ValueError(f"embed needs an encoder model; {self.source} is {self.family.name}")
@@ -231,18 +237,32 @@ class Pretrained:
         if isinstance(sentences, str):
             sentences = [sentences]
         pooling = self.pooling or Pooling()
-        order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
+        rows_ids, lengths = self.tokenizer.encode_ids(sentences, max_length=self.max_tokens)
+        cut = [i for i, n in enumerate(lengths) if n > self.max_tokens]
+        if cut:
+            logger.warning(
+                "%s reads %d tokens of a sentence; %d of %d sentences were longer and were cut "
+                "there (sentences %s, counted from 0)", self.source, self.max_tokens, len(cut),
+                len(sentences), ", ".join(map(str, cut[:10])) + (" ..." if len(cut) > 10 else ""),
+            )  # fmt: skip
+        order = sorted(range(len(sentences)), key=lambda i: -len(rows_ids[i]))
         out = torch.empty(len(sentences), self.config.block.width)
         lower = precision == "bfloat16"
         with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=lower):
             for start in range(0, len(order), batch_size):
                 rows = order[start : start + batch_size]
-                ids, mask = self.tokenizer.encode_batch([sentences[i] for i in rows])
-                ids, mask = ids[:, : self.context_window], mask[:, : self.context_window]
+                ids, mask = self.tokenizer.pad([rows_ids[i] for i in rows])  # (B, T)
                 padded = None if bool(mask.all()) else mask  # unpadded: the unmasked kernel
                 hidden = self.model(ids, attention_mask=padded).hidden.float()  # (B, T, C)
                 out[rows] = pool(hidden, mask, pooling)
         return out
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens `embed` reads of a sentence: a sentence-transformers folder's
+        max_seq_length (256 for MiniLM, trained so), else the context window."""
+        limit = self.pooling.max_length if self.pooling is not None else None
+        return min(limit or self.context_window, self.context_window)
 
     # ------------------------------------------------------------------ inspection
 

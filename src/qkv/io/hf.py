@@ -24,6 +24,7 @@ class Pooling:
 
     mode: str = "mean"  # "mean", "cls" or "max"
     normalize: bool = False  # scale each sentence vector to length 1
+    max_length: int | None = None  # sentence_bert_config.json's max_seq_length: tokens read
 
 
 def read_config(folder: Path) -> dict:
@@ -74,15 +75,24 @@ def build(family: Family, config, tensors: dict[str, Tensor], dtype: torch.dtype
 
 
 def read_pooling(folder: Path) -> Pooling | None:
-    """The pooling a sentence-transformers folder declares (modules.json), if any."""
-    modules_file = Path(folder) / "modules.json"
+    """The pooling a sentence-transformers folder declares (modules.json), if any, with the
+    tokens it reads per sentence (sentence_bert_config.json's max_seq_length).
+
+    Every file read lies in a folder inside `folder` (symlinks resolved): modules.json is
+    data, and may not send qkv elsewhere. The files may be links, as the hub's cache makes.
+    """
+    folder = Path(folder)
+    modules_file = folder / "modules.json"
     if not modules_file.exists():
         return None
-    pooling, normalize = Pooling(), False
-    for module in json.loads(modules_file.read_text()):
-        kind = module.get("type", "")
+    modules = _read_module_json(modules_file, list)
+    if not all(isinstance(m, dict) for m in modules):
+        raise ValueError(f"{modules_file} should hold a list of modules like {{'path': ...}}")
+    pooling, normalize, max_length = Pooling(), False, None
+    for module in modules:
+        kind = str(module.get("type", ""))
         if kind.endswith("Pooling"):
-            settings = json.loads((Path(folder) / module["path"] / "config.json").read_text())
+            settings = _read_module_json(_module_folder(folder, module) / "config.json")
             modes = [m for m in ("cls", "max", "mean") if settings.get(f"pooling_mode_{m}_token")
                      or settings.get(f"pooling_mode_{m}_tokens")]  # fmt: skip
             if len(modes) != 1:
@@ -90,7 +100,50 @@ def read_pooling(folder: Path) -> Pooling | None:
             pooling = Pooling(mode=modes[0])
         elif kind.endswith("Normalize"):
             normalize = True
-    return replace(pooling, normalize=normalize)
+        elif kind.endswith("Transformer"):
+            settings_file = _module_folder(folder, module) / "sentence_bert_config.json"
+            if settings_file.exists():
+                max_length = _read_module_json(settings_file).get("max_seq_length")
+                if max_length is not None and (type(max_length) is not int or max_length < 1):
+                    raise ValueError(
+                        f"{settings_file}: max_seq_length should be a whole number >= 1, "
+                        f"not {max_length!r}"
+                    )
+    return replace(pooling, normalize=normalize, max_length=max_length)
+
+
+_MODULE_FILE_LIMIT = 2**20  # modules.json and the settings beside it are small
+
+
+def _module_folder(folder: Path, module: dict) -> Path:
+    """A module's folder as modules.json names it, refused unless it lies inside `folder`."""
+    name = module.get("path", "")
+    if not isinstance(name, str):
+        raise ValueError(f"{folder / 'modules.json'} names a module path that is no text: {name!r}")
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise ValueError(
+            f"{folder / 'modules.json'} names the path {name!r}, which lies outside the model "
+            f"folder {folder} (at {path.resolve()}); a module must be inside it"
+        )
+    return path
+
+
+def _read_module_json(path: Path, kind: type = dict):
+    """A sentence-transformers JSON file: a ValueError naming it if it is missing, too large,
+    not a plain file (a device such as /dev/zero never ends) or not JSON."""
+    if not path.is_file():
+        raise ValueError(f"{path} is missing or not a file; modules.json asks for it")
+    if path.stat().st_size > _MODULE_FILE_LIMIT:
+        raise ValueError(f"{path} is over {_MODULE_FILE_LIMIT:,} bytes; is it the right file?")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, kind):
+        what = "an object" if kind is dict else "a list"
+        raise ValueError(f"{path} should hold {what}, not {type(data).__name__}")
+    return data
 
 
 def download(model_id: str) -> Path:

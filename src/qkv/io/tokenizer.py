@@ -298,21 +298,57 @@ class Tokenizer:
         *,
         add_special_tokens: bool = True,
         padding_side: Literal["left", "right"] | None = None,
+        max_length: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode texts into ids (B, T) and attention_mask (B, T), both long, 1 = real token.
 
         Rows are padded to the longest with the pad id (else EOS, else 0) on `padding_side`
         (default: the tokenizer's own). Left padding suits generation: every row ends at T-1.
+        max_length: cut longer texts, as `encode_ids` does.
+        """
+        rows, _ = self.encode_ids(
+            texts, add_special_tokens=add_special_tokens, max_length=max_length
+        )
+        return self.pad(rows, padding_side=padding_side)
+
+    def encode_ids(
+        self,
+        texts: Sequence[str],
+        *,
+        add_special_tokens: bool = True,
+        max_length: int | None = None,
+    ) -> tuple[list[list[int]], list[int]]:
+        """Each text's token ids, and each text's length in tokens before any cut.
+
+        max_length cuts a longer text to that many tokens, the model's own markers kept
+        ([CLS] ... [SEP]), as transformers' truncation=True and sentence-transformers do.
         """
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise ValueError("encode_batch takes a list of str; use encode for a single text")
-        side = padding_side or self.padding_side
-        if side not in ("left", "right"):
-            raise ValueError(f"padding_side must be 'left' or 'right', not {side!r}")
         for i, text in enumerate(texts):
             check_unicode(text, f"text {i} (counted from 0)")
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-        rows = [e.ids for e in encodings]
+        rows, lengths = [e.ids for e in encodings], [len(e.ids) for e in encodings]
+        if max_length is None:
+            return rows, lengths
+        markers = self.backend.num_special_tokens_to_add(False) if add_special_tokens else 0
+        if max_length <= markers:
+            raise ValueError(f"max_length must be more than the {markers} special tokens")
+        for b, text in enumerate(texts):
+            if lengths[b] > max_length:  # cut the text's tokens, then add the markers again
+                bare = self.backend.encode(text, add_special_tokens=False)
+                bare.truncate(max_length - markers)
+                cut = self.backend.post_process(bare, add_special_tokens=add_special_tokens)
+                rows[b] = cut.ids
+        return rows, lengths
+
+    def pad(
+        self, rows: Sequence[Sequence[int]], *, padding_side: Literal["left", "right"] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of ids -> ids (B, T) and attention_mask (B, T), padded as in encode_batch."""
+        side = padding_side or self.padding_side
+        if side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', not {side!r}")
         pad = next((i for i in (self.pad_id, self.eos_id) if i is not None), 0)
         T = max((len(row) for row in rows), default=0)
         ids = torch.full((len(rows), T), pad, dtype=torch.long)  # (B, T)
