@@ -55,11 +55,13 @@ EXPECTED = {
 
 RENDER_ALL = """
 import json, sys
-from qkv.io.chat_template import compile_chat_template, render_chat_template
+from tokenizers import Tokenizer as Backend, models
+from qkv.io.tokenizer import Tokenizer
+backend = Backend(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
 messages = [{"role": "user", "content": "hi"}] * 40
 for name, source in json.loads(sys.argv[1]).items():
     try:
-        out = render_chat_template(compile_chat_template(source), messages=messages)
+        out = Tokenizer(backend, chat_template=source).apply_chat_template(messages)
         print(json.dumps([name, "rendered %d characters" % len(out)]), flush=True)
     except ValueError as error:
         print(json.dumps([name, "ValueError: %s" % error]), flush=True)

@@ -324,7 +324,9 @@ class Tokenizer:
         ([CLS] ... [SEP]), as transformers' truncation=True and sentence-transformers do.
         """
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
-            raise ValueError("encode_batch takes a list of str; use encode for a single text")
+            raise ValueError(
+                "encode_batch and encode_ids take a list of str; use encode for one text"
+            )
         for i, text in enumerate(texts):
             check_unicode(text, f"text {i} (counted from 0)")
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
