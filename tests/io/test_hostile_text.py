@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # -- chat templates: bounded steps, size and time -------------------------------------------
 
 NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
-HOSTILE_TEMPLATES = {
-    "nested loops writing": NESTED_LOOPS,
+HOSTILE_TEMPLATES = {  # NESTED_LOOPS itself runs through the command line, below
     "nested loops, empty": "{% for i in range(100000) %}{% for j in range(100000) %}"
     "{% endfor %}{% endfor %}",
     "loops over messages nested": "{% for a in messages %}{% for b in messages %}"
@@ -44,7 +43,6 @@ LIMITS = {  # what each refusal must name
     "size": "chat template would build more than",
 }
 EXPECTED = {
-    "nested loops writing": "steps",
     "nested loops, empty": "steps",
     "loops over messages nested": "steps",
     "string multiplication": "size",
