@@ -290,18 +290,30 @@ def _read_sentences(path: Path) -> tuple[list[str], list[str] | None, list[str] 
 
 
 def _check_out(out: Path, suffixes: tuple[str, ...] | None = None) -> None:
-    """Refuse an --out that cannot be written before the model loads, leaving nothing behind:
-    a wrong suffix, a file where a folder belongs, a folder this user cannot write in. (Some
-    writes fail only when tried, e.g. in /proc as root; `user_errors` words those.)"""
+    """Try --out before the model loads, leaving nothing behind: a wrong suffix, a file where
+    a folder belongs, a folder that cannot be made or written in (read-only, /proc, another
+    user's) is refused now. The folders it needs are made and a file staged beside it, as
+    qkv.io.files would stage it, then both are removed; `user_errors` words what failed."""
+    if not out.name:
+        raise ValueError(f"--out {out} names no file; give one, e.g. --out attention.html")
     if suffixes and out.suffix.lower() not in suffixes:
         raise ValueError(f"--out {out} must end in {' or '.join(suffixes)}")
-    folder = out.absolute().parent
-    while not folder.exists():  # the folders the write would create
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ValueError(f"cannot write {out}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write {out}: the folder {folder} is not writable")
+    missing = [folder for folder in out.absolute().parents if not folder.exists()]
+    existing = out.absolute().parents[len(missing)]
+    if not existing.is_dir():
+        raise ValueError(f"cannot write {out}: {existing} is a file, not a folder")
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        trial = out.with_name(f".{out.name}.{os.urandom(4).hex()}.tmp")  # a staging name
+        with open(trial, "xb"):
+            pass
+        trial.unlink()
+    finally:
+        for folder in reversed(made):
+            folder.rmdir()
 
 
 @app.command()
