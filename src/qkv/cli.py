@@ -55,13 +55,15 @@ def _file_error(error: OSError, out: Path | None) -> str:
     if error.filename is None:
         return reason
     path = Path(os.fsdecode(error.filename))
-    staged = Path(*(_STAGING.sub(r"\1", part) for part in path.parts))  # the path it stands in for
-    if out is not None and staged != path and out in (staged, *staged.parents):
-        return f"cannot write {out}: {reason}"
-    if out is not None and path in out.parents:
-        return f"cannot create the folder {path} for {out}: {reason}"
-    if out is not None and (path == out or out in path.parents):
-        return f"cannot write {path}: {reason}"
+    if out is not None:  # compared as absolute paths, named as the user wrote them
+        failed, target = Path(os.path.abspath(path)), Path(os.path.abspath(out))
+        staged = Path(*(_STAGING.sub(r"\1", part) for part in failed.parts))  # what it stands for
+        if staged != failed and target in (staged, *staged.parents):
+            return f"cannot write {out}: {reason}"
+        if failed in target.parents:
+            return f"cannot create the folder {path} for {out}: {reason}"
+        if failed == target or target in failed.parents:
+            return f"cannot write {path}: {reason}"
     return f"cannot read {path}: {reason}"
 
 
