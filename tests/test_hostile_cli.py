@@ -106,7 +106,7 @@ def layers_range_of_a_billion(tmp: Path):
     return args, ["layer 1000000000 is out of range", "6 layers"]
 
 
-def heads_range_backwards(tmp: Path):  # was an empty grid, drawn without a word
+def heads_range_backwards(tmp: Path):  # was "no heads chosen": 3-1 read as no heads at all
     args = ["show", "the river bank", "--out", tmp / "x.png", "--layers", "0", "--heads", "3-1"]
     return args, ["--heads 3-1 runs backwards", "1-3"]
 
