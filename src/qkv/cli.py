@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,13 +27,68 @@ Backend = Annotated[
 
 
 @contextmanager
-def user_errors():
-    """A ValueError is the user's to fix: one line on stderr, exit code 2."""
+def user_errors(out: Path | None = None):
+    """What the user can fix is one line on stderr and exit code 2: a ValueError, a file
+    that cannot be read or written (an OSError; `out`, the path the verb writes, tells a
+    write from a read) and memory that ran out. Anything else is a bug in qkv: it keeps its
+    traceback."""
     try:
         yield
+        return
     except ValueError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2) from None
+        message = " ".join(line.strip() for line in str(error).splitlines())
+    except MemoryError as error:
+        message = _out_of_memory(error)
+    except OSError as error:
+        message = _out_of_memory(error) if error.errno == errno.ENOMEM else _file_error(error, out)
+    except RuntimeError as error:  # torch's allocators raise RuntimeErrors
+        if not _is_out_of_memory(error):
+            raise
+        message = _out_of_memory(error)
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def _file_error(error: OSError, out: Path | None) -> str:
+    """'cannot write OUT: Permission denied', 'cannot read PATH: Is a directory'."""
+    reason = error.strerror or " ".join(str(error).split())
+    if error.filename is None:
+        return reason
+    path = Path(os.fsdecode(error.filename))
+    if out is not None:  # compared as absolute paths, named as the user wrote them
+        failed, target = Path(os.path.abspath(path)), Path(os.path.abspath(out))
+        staged = Path(*(_STAGING.sub(r"\1", part) for part in failed.parts))  # what it stands for
+        if staged != failed and target in (staged, *staged.parents):
+            return f"cannot write {out}: {reason}"
+        if failed in target.parents:
+            return f"cannot create the folder {path} for {out}: {reason}"
+        if failed == target or target in failed.parents:
+            return f"cannot write {path}: {reason}"
+    return f"cannot read {path}: {reason}"
+
+
+# qkv.io.files stages a write to NAME as .NAME.<8 hex>.tmp (a folder: .partial, .old) beside it
+_STAGING = re.compile(r"^\.(.+)\.[0-9a-f]{8}\.(?:tmp|partial|old)$")
+
+
+def _is_out_of_memory(error: RuntimeError) -> bool:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(error, torch.OutOfMemoryError):
+        return True
+    return any(sign in str(error) for sign in ("can't allocate memory", "out of memory"))
+
+
+def _out_of_memory(error: BaseException) -> str:
+    """'out of memory: tried to allocate 108.0 MiB more; ...', one line whatever raised it."""
+    text = " ".join(str(error).split())
+    size = re.search(r"[Tt]ried to allocate (\d+) bytes", text)
+    if size:
+        detail = f"tried to allocate {int(size[1]) / 2**20:.1f} MiB more"
+    elif found := re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", text):
+        detail = f"tried to allocate {found[1]} more"
+    else:
+        detail = "an allocation failed" if isinstance(error, MemoryError) else text[:200]
+    return f"out of memory: {detail}; give a smaller input or model, or run with more memory"
 
 
 @app.callback()
@@ -82,6 +140,12 @@ def generate(
     from qkv import load
 
     with user_errors():
+        if not prompt.strip():
+            raise ValueError(
+                "the prompt is empty; give the text to continue, e.g. qkv generate 'The river bank'"
+            )
+        if seed is not None and not 0 <= seed < 2**64:
+            raise ValueError(f"--seed must be a whole number from 0 to 2**64-1, got {seed}")
         pretrained = load(model, backend=backend, int4=int4)
 
         def show(row: int, piece: str) -> None:
@@ -177,11 +241,13 @@ def probe(
     from qkv.inspect.probe import probe as run_probe
     from qkv.inspect.probe import probe_plot
 
-    with user_errors():
+    with user_errors(out):
         texts, labels, cues = _read_sentences(sentences) if sentences else (None, None, None)
+        if out is not None:
+            _check_out(out, (".png",))
         result = run_probe(load(model), word, texts, labels, cues=cues)
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
+            out.parent.mkdir(parents=True, exist_ok=True)  # as `qkv show` makes its folders
             probe_plot(result, out)
     if as_json:
         typer.echo(json.dumps(result.to_dict()))
@@ -193,18 +259,63 @@ def probe(
 
 def _read_sentences(path: Path) -> tuple[list[str], list[str] | None, list[str] | None]:
     """One sentence a line: 'sentence', 'label<TAB>sentence' or 'label<TAB>cue<TAB>sentence'
-    (the cue: the word that tells the sense)."""
-    if not path.is_file():
+    (the cue: the word that tells the sense), the same on every line; blank lines skipped."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; --sentences takes a text file, one sentence a line")
+    if not path.exists():
         raise ValueError(f"{path} does not exist")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    columns = {line.count("\t") for line in lines}
-    if columns == {2}:
-        labels, cues, texts = zip(*(line.split("\t") for line in lines), strict=True)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path} is not UTF-8 text (byte {error.start}: {error.reason})") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"{path} is empty; write one sentence a line, two at least")
+    forms = "'sentence', 'label<TAB>sentence' or 'label<TAB>cue<TAB>sentence'"
+    first, columns = lines[0][0], lines[0][1].count("\t") + 1
+    for n, line in lines:
+        found = line.count("\t") + 1
+        if found != columns or found > 3:
+            raise ValueError(
+                f"{path} line {n} has {found} tab-separated columns"
+                + (f", line {first} has {columns}" if n != first else "")
+                + f"; give every line the same form: {forms}"
+            )
+    rows = [line.split("\t") for _, line in lines]
+    if columns == 3:
+        labels, cues, texts = zip(*rows, strict=True)
         return list(texts), [label.strip() for label in labels], [cue.strip() for cue in cues]
-    if columns == {1}:
-        labels, texts = zip(*(line.split("\t", 1) for line in lines), strict=True)
+    if columns == 2:
+        labels, texts = zip(*rows, strict=True)
         return list(texts), [label.strip() for label in labels], None
-    return lines, None, None
+    return [line for _, line in lines], None, None
+
+
+def _check_out(out: Path, suffixes: tuple[str, ...] | None = None) -> None:
+    """Try --out before the model loads, leaving nothing behind: a wrong suffix, a file where
+    a folder belongs, a folder that cannot be made or written in (read-only, /proc, another
+    user's) is refused now. The folders it needs are made and a file staged beside it, as
+    qkv.io.files would stage it, then both are removed; `user_errors` words what failed."""
+    if not out.name:
+        raise ValueError(f"--out {out} names no file; give one, e.g. --out attention.html")
+    if suffixes and out.suffix.lower() not in suffixes:
+        raise ValueError(f"--out {out} must end in {' or '.join(suffixes)}")
+    missing = [folder for folder in out.absolute().parents if not folder.exists()]
+    existing = out.absolute().parents[len(missing)]
+    if not existing.is_dir():
+        raise ValueError(f"cannot write {out}: {existing} is a file, not a folder")
+    made: list[Path] = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            made.append(folder)
+        trial = out.with_name(f".{out.name}.{os.urandom(4).hex()}.tmp")  # a staging name
+        with open(trial, "xb"):
+            pass
+        trial.unlink()
+    finally:
+        for folder in reversed(made):
+            folder.rmdir()
 
 
 @app.command()
@@ -238,10 +349,11 @@ def show(
     from qkv.models import Decoder, Encoder
     from qkv.viz import head_heatmap, model_view, write_html, write_report
 
-    with user_errors():
-        pretrained = load(model, backend=backend)
+    with user_errors(out):
         if target is not None and out.suffix.lower() != ".png":
             raise ValueError("cross-attention is drawn as PNG; use --out FILE.png")
+        _check_out(out)
+        pretrained = load(model, backend=backend)
         seen = pretrained.attentions(text, target=target)  # the one forward pass
         L, H = seen.weights.shape[:2]
         for name, value, most in (("layer", layer, L), ("head", head, H)):
@@ -269,19 +381,24 @@ def show(
 
 
 def _numbers(spec: str | None, name: str, count: int, model: str) -> list[int] | None:
-    """'0,2,5' or '0-3' -> [0, 2, 5] or [0, 1, 2, 3]; None for all."""
+    """'0,2,5' or '0-3' -> [0, 2, 5] or [0, 1, 2, 3]; None for all. Each range's ends are
+    checked before it is listed: '0-1000000000' is refused, not built."""
     if spec is None:
         return None
-    chosen: list[int] = []
-    try:
-        for part in spec.split(","):
-            first, _, last = part.strip().partition("-")
-            chosen += range(int(first), int(last or first) + 1)
-    except ValueError:
-        raise ValueError(f"--{name} takes numbers like 0,2,5 or 0-3, got {spec!r}") from None
     from qkv.attention.inputs import check_indices
 
-    return check_indices(name[:-1], chosen, count, model)
+    chosen: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        try:
+            ends = [int(first), int(last or first)]
+        except ValueError:
+            raise ValueError(f"--{name} takes numbers like 0,2,5 or 0-3, got {spec!r}") from None
+        check_indices(name[:-1], ends, count, model)
+        if ends[0] > ends[1]:
+            raise ValueError(f"--{name} {part.strip()} runs backwards; write {last}-{first}")
+        chosen += range(ends[0], ends[1] + 1)
+    return chosen
 
 
 @app.command()
@@ -307,7 +424,7 @@ def train(
     from qkv.train import train as run_training
     from qkv.train.report import summary
 
-    with user_errors():
+    with user_errors(out):
         name = preset or (config.stem if config else None)
         if out is None:
             if name is None:
@@ -338,7 +455,7 @@ def plot(
     """Draw a training run's loss curves (and learning rate) to a PNG."""
     from qkv.train.plot import plot_run
 
-    with user_errors():
+    with user_errors(out):
         typer.echo(f"wrote {plot_run(run, out)}")
 
 
@@ -349,7 +466,7 @@ def demo(
     """The article's walk on its own sentence, with the embedded MiniLM's real numbers."""
     from qkv.inspect.demo import SENTENCE, article_walk
 
-    with user_errors():
+    with user_errors(out):
         for section in article_walk(out):
             typer.echo(section + "\n")
     typer.echo(f"(sentence: {SENTENCE!r}; every number above is MiniLM's own)")
@@ -373,11 +490,19 @@ def serve(
     """The attention explorer: a local web page and its JSON API (/docs), until Ctrl-C."""
     from qkv import load
     from qkv.io.embedded import EMBEDDED
-    from qkv.serve import Limits, bind, create_app
-    from qkv.serve import serve as run_server
-    from qkv.serve.server import address
 
     with user_errors():
+        try:
+            from qkv.serve import Limits, bind, create_app
+            from qkv.serve import serve as run_server
+            from qkv.serve.server import address
+        except ModuleNotFoundError as error:
+            if (error.name or "").partition(".")[0] not in _SERVE_EXTRA:
+                raise
+            raise ValueError(
+                f"qkv serve needs the [serve] extra ({error.name} is missing); "
+                "install it with: pip install 'qkv[serve]'"
+            ) from None
         names = list(dict.fromkeys(model or EMBEDDED))  # each once, in the order given
         limits = Limits(max_tokens=max_tokens, timeout_s=timeout)
         sock = bind(host, port)  # a port in use fails now, not after the models load
@@ -394,6 +519,10 @@ def serve(
     typer.echo(f"qkv serve: {address(sock)} (models: {', '.join(names)}); Ctrl-C stops it")
     run_server(served, sock, quiet=quiet)
     typer.echo("stopped")
+
+
+# what `pip install 'qkv[serve]'` brings (pyproject.toml), with fastapi's own starlette, pydantic
+_SERVE_EXTRA = {"fastapi", "uvicorn", "swagger_ui_bundle", "starlette", "pydantic"}
 
 
 def main() -> None:
