@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from qkv.io.words import _parse_word
+from qkv.io.words import parse_word
 from qkv.models import Decoder, Encoder, EncoderDecoder
 
 
@@ -112,7 +112,7 @@ def probe(
         raise ValueError(f"probe supports encoders and decoders; {pretrained.source} is neither")
     if not isinstance(word, str) or not word.strip():
         raise ValueError("the word to probe is empty; give a word such as 'bank'")
-    _parse_word(word)  # the "bank#2" form, checked where it is defined: "bank#0" is refused
+    parse_word(word)  # the "bank#2" form, checked where it is defined: "bank#0" is refused
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if sentences is None and cues is None:

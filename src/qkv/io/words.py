@@ -104,7 +104,7 @@ class Encoded:
         Case is ignored. Raises ValueError naming the words there are when the word is not
         in the text, or how many there are when the occurrence asked for is past the last.
         """
-        name, occurrence = _parse_word(word)
+        name, occurrence = parse_word(word)
         words = self.words()
         matches = [w for w in words if w.text.casefold() == name.casefold()]
         if not matches:
@@ -130,7 +130,7 @@ class Encoded:
         return self.text[min(s for s, _ in spans) : max(e for _, e in spans)]
 
 
-def _parse_word(word: str) -> tuple[str, int]:
+def parse_word(word: str) -> tuple[str, int]:
     """ "bank" -> ("bank", 1), "bank#2" -> ("bank", 2), "C#" -> ("C#", 1)."""
     name, sep, number = word.rpartition("#")
     if not (sep and name and number.isdigit()):
