@@ -70,8 +70,15 @@ def _read_pickle(path: Path) -> dict[str, Tensor]:
     try:
         tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as error:  # torch raises several kinds for a damaged file
-        message = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-        raise ValueError(f"{path} is truncated or corrupt: {message}") from None
+        text = str(error)
+        if "Weights only load failed" in text:  # a pickle that would build other objects
+            found = re.search(r"unsupported (GLOBAL|global|operand) [^\s]+", text)
+            raise ValueError(
+                f"{path} holds more than tensors ({found[0] if found else 'refused by torch'}); "
+                "qkv unpickles only tensors, so that a file cannot run code when loaded"
+            ) from None
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        raise ValueError(f"{path} is truncated or corrupt: {first}") from None
     if not isinstance(tensors, dict) or not all(
         isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items()
     ):
