@@ -132,7 +132,7 @@ def _open(path: Path) -> tuple[mmap.mmap | bytes, Header, dict[str, Any]]:
     header = read_header(data, path)
     arch = header.metadata.get("general.architecture")
     if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: llama")
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: llama")
     config, names = _llama_config(header)
     if "rms_norm_eps" not in config:  # llama.cpp requires it too: no default is safe
         raise ValueError(f"{path}: the header has no {names['rms_norm_eps']}")
@@ -216,7 +216,10 @@ def _check_tensors(header: Header, cfg: DecoderConfig, path: Path) -> None:
     without listing what they would need."""
     kept = [info for info in header.tensors if info.name not in _SKIPPED]
     for info in kept:
-        _hf_name(info.name)  # unknown names are refused by name
+        try:
+            _hf_name(info.name)  # unknown names are refused by name
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
     needed = 2 + (not cfg.tie_embeddings) + 9 * cfg.num_layers
     if len(kept) != needed:
         raise ValueError(

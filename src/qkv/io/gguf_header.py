@@ -107,7 +107,12 @@ def read_header(data: mmap.mmap | bytes, path: Path) -> Header:
         if item == V.ARRAY and depth + 1 >= MAX_DEPTH:
             raise corrupt(f"{key} nests arrays more than {MAX_DEPTH} deep")
         each = struct.calcsize("<" + _SCALAR[item]) if item in _SCALAR else 8
-        elements += count(f"the array {key} of length", n, MAX_ELEMENTS - elements, each)
+        if elements + n > MAX_ELEMENTS:
+            raise corrupt(
+                f"the array {key} of length {n:,} takes the header past {MAX_ELEMENTS:,} array "
+                "elements, more than any model has"
+            )
+        elements += count(f"the array {key} of length", n, MAX_ELEMENTS, each)
         if item in _SCALAR:
             return list(take(f"{n}{_SCALAR[item]}"))
         return [value(item, key, depth + 1) for _ in range(n)]
