@@ -148,6 +148,8 @@ METADATA = [  # (what changes, what the refusal says)
      "llama.embedding_length must be a whole number >= 1, got nothing"),
     ({"llama.attention.head_count_kv": (V.UINT32, 3)},
      r"llama.attention.head_count_kv \(3\) must divide num_attention_heads \(4\)"),
+    ({"llama.embedding_length": (V.UINT64, 2**31)},
+     r"token_embd.weight has shape \(8, 32\), but the header's config needs \(8, 2147483648\)"),
     ({"llama.vocab_size": (V.UINT64, 2**31)},
      r"token_embd.weight has shape \(8, 32\), but the header's config needs \(2147483648, 32\)"),
     ({"general.nested": NESTED}, "is corrupt: general.nested nests arrays more than 2 deep"),
@@ -158,7 +160,21 @@ METADATA = [  # (what changes, what the refusal says)
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("changes, says", METADATA, ids=[s[:40] for _, s in METADATA])
+METADATA_IDS = [
+    "0-heads",
+    "0-kv-heads",
+    "string-blocks",
+    "no-width",
+    "kv-not-dividing",
+    "2^31-wide",
+    "2^31-vocab",
+    "nested-arrays",
+    "negative-bos",
+    "short-scores",
+]
+
+
+@pytest.mark.parametrize("changes, says", METADATA, ids=METADATA_IDS)
 def test_bad_gguf_metadata_is_refused_by_key_and_caches_nothing(tmp_path, cache, changes, says):
     path = gguf_file(tmp_path / "bad.gguf", llama_metadata(**changes))
     with pytest.raises(ValueError, match=says) as error:
