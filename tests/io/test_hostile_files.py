@@ -359,7 +359,10 @@ VALUES = [
 ]
 
 
-@pytest.mark.parametrize("key, value, says", VALUES, ids=[f"{k}={v!r}" for k, v, _ in VALUES])
+VALUE_IDS = [f"{k}={'missing' if v is _DROP else repr(v)}" for k, v, _ in VALUES]
+
+
+@pytest.mark.parametrize("key, value, says", VALUES, ids=VALUE_IDS)
 def test_a_bad_config_json_value_is_refused_naming_the_file_and_key(
     tmp_path, tiny_llama, key, value, says
 ):
