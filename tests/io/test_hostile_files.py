@@ -421,3 +421,14 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path, tiny_llama, zipped):
     with pytest.raises(ValueError, match="holds more than tensors .*posix.system"):
         _load(folder)
     assert not marker.exists()
+
+
+def test_a_shard_index_naming_a_file_outside_its_folder_is_refused(tmp_path, tiny_llama):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    shutil.copy(tiny_llama / "config.json", folder)
+    shutil.copy(tiny_llama / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    index = {"weight_map": {"model.embed_tokens.weight": "../elsewhere.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="names the shard '../elsewhere.safetensors'; a shard"):
+        _load(folder)
