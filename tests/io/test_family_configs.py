@@ -3,6 +3,7 @@ reads back equal, and a qkv config the family cannot hold is refused by name."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -93,3 +94,17 @@ def test_a_config_the_family_cannot_hold_is_refused_by_name(name, config, messag
     with pytest.raises(ValueError, match=message) as error:
         FAMILY[name].hf_config(config)
     assert "\n" not in str(error.value)
+
+
+WIDTH_KEYS = {"bert": "hidden_size", "gpt2": "n_embd", "llama": "hidden_size", "bart": "d_model"}
+
+
+@pytest.mark.parametrize("name", list(WIDTH_KEYS))
+@pytest.mark.parametrize("value", ["32", 32.5, None, [32], True, 0])
+def test_every_family_refuses_a_width_that_is_not_a_whole_number_by_its_key(name, value):
+    """Each family reads its config.json through the one check (qkv.io.families.checks)."""
+    key = WIDTH_KEYS[name]
+    hf = TINY[name][1].to_dict() | {key: value}
+    says = re.escape(f"{key} must be a whole number >= 1, got {value!r}")
+    with pytest.raises(ValueError, match=says):
+        family_for(hf).config(hf)

@@ -18,25 +18,72 @@ from qkv.io.families import Family
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
 
-def read_checkpoint(folder: Path) -> dict[str, Tensor]:
-    """The tensors of a Hugging Face folder: model.safetensors (sharded or not), else
-    pytorch_model.bin. A truncated or corrupt file is reported as such."""
+def weight_files(folder: Path) -> list[Path]:
+    """The files `read_checkpoint` reads: model.safetensors, the shards its index names, or
+    pytorch_model.bin. A shard must be a file in the folder itself."""
     folder = Path(folder)
     single, index, pickle = (folder / name for name in WEIGHT_FILES)
     if single.exists():
-        return _read_safetensors(single)
+        return [single]
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        tensors: dict[str, Tensor] = {}
-        for shard in shards:
-            tensors.update(_read_safetensors(folder / shard))
-        return tensors
-    if pickle.exists():
         try:
-            return torch.load(pickle, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as error:  # torch raises several kinds for a damaged zip
-            raise ValueError(f"{pickle} is truncated or corrupt: {error}") from None
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ValueError(
+                f"{index} is corrupt: it must be JSON with a weight_map of tensor names to "
+                "shard files"
+            ) from None
+        for shard in shards:
+            if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+                raise ValueError(f"{index} names the shard {shard!r}; a shard is a file beside it")
+        return [folder / shard for shard in shards]
+    if pickle.exists():
+        return [pickle]
     raise ValueError(f"{folder} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def weight_bytes(folder: Path) -> int:
+    """The size of the folder's weight files, which bounds the model its config may claim."""
+    return sum(path.stat().st_size for path in weight_files(folder) if path.exists())
+
+
+def read_checkpoint(folder: Path) -> dict[str, Tensor]:
+    """The tensors of a Hugging Face folder: model.safetensors (sharded or not), else
+    pytorch_model.bin. A truncated or corrupt file is reported as such."""
+    files = weight_files(folder)
+    if files[0].name == "pytorch_model.bin":
+        return _read_pickle(files[0])
+    tensors: dict[str, Tensor] = {}
+    for path in files:
+        tensors.update(_read_safetensors(path))
+    return tensors
+
+
+def _read_pickle(path: Path) -> dict[str, Tensor]:
+    """A torch.save'd state dict, unpickled with weights_only (a pickle that would run code
+    is refused). The zip format is memory-mapped; the legacy format, which cannot be, is
+    read whole."""
+    import zipfile
+
+    zipped = zipfile.is_zipfile(path)
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except Exception as error:  # torch raises several kinds for a damaged file
+        text = str(error)
+        if "Weights only load failed" in text:  # a pickle that would build other objects
+            found = re.search(r"unsupported (GLOBAL|global|operand) [^\s]+", text)
+            raise ValueError(
+                f"{path} holds more than tensors ({found[0] if found else 'refused by torch'}); "
+                "qkv unpickles only tensors, so that a file cannot run code when loaded"
+            ) from None
+        first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        raise ValueError(f"{path} is truncated or corrupt: {first}") from None
+    if not isinstance(tensors, dict) or not all(
+        isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items()
+    ):
+        raise ValueError(f"{path} holds a {type(tensors).__name__}, not a state dict of tensors")
+    return tensors
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:

@@ -38,6 +38,7 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> tuple[Tokenizer, dict[st
     kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
     if kind not in ("gpt2", "llama") or not tokens:
         raise ValueError(f"{path} has tokenizer model {kind!r}; supported: gpt2, llama")
+    _check_vocabulary(meta, path)
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     named = {}
     for name, key in [("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")]:
@@ -87,6 +88,37 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> tuple[Tokenizer, dict[st
         special_tokens=[(t, tokenizer.token_to_id(t)) for t in bos + eos],
     )
     return tokenizer, config
+
+
+def _check_vocabulary(meta: dict[str, Any], path: Path) -> None:
+    """The header's vocabulary is lists of the right kinds and lengths, and its token ids
+    are whole numbers; an id past the vocabulary names no token (as transformers reads it)."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not all(type(t) is str for t in tokens):
+        raise ValueError(f"{path}: tokenizer.ggml.tokens must be an array of strings")
+    per_token = [("token_type", (int,), "whole numbers"), ("scores", (int, float), "numbers")]
+    for key, kinds, what in per_token:
+        values = meta.get(f"tokenizer.ggml.{key}")
+        if values is not None and (
+            not isinstance(values, list)
+            or len(values) != len(tokens)
+            or not all(type(v) in kinds for v in values)
+        ):
+            raise ValueError(
+                f"{path}: tokenizer.ggml.{key} must be an array of {len(tokens)} {what}, one "
+                "per token"
+            )
+    merges = meta.get("tokenizer.ggml.merges")
+    if merges is not None and (
+        not isinstance(merges, list) or not all(type(m) is str and " " in m for m in merges)
+    ):
+        raise ValueError(f"{path}: tokenizer.ggml.merges must be an array of 'left right' strings")
+    for key in ("bos", "eos", "padding", "unknown"):
+        index = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if index is not None and (type(index) is not int or index < 0):
+            raise ValueError(
+                f"{path}: tokenizer.ggml.{key}_token_id must be a whole number >= 0, got {index!r}"
+            )
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -10,8 +10,9 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from qkv.io.checkpoint import export, fill, read_checkpoint
+from qkv.io.checkpoint import export, fill, read_checkpoint, weight_bytes
 from qkv.io.families import Family, family_for
+from qkv.io.families.checks import check_weight_bytes, family_config
 from qkv.io.files import write_folder_atomically
 
 # what a model needs from a hub repository; everything else there is left alone
@@ -32,9 +33,12 @@ def read_config(folder: Path) -> dict:
     if not path.exists():
         raise ValueError(f"{folder} is not a Hugging Face model folder: config.json is missing")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} holds a JSON {type(hf).__name__}; a config is a JSON object")
+    return hf
 
 
 def with_backend(config, backend: str | None):
@@ -186,6 +190,7 @@ def load_folder(folder: Path, dtype: torch.dtype, backend: str | None):
     """(model, family, qkv config, Hugging Face config) from a Hugging Face folder."""
     hf_config = read_config(folder)
     family = family_for(hf_config)
-    config = with_backend(family.config(hf_config), backend)
+    config = with_backend(family_config(family, hf_config, Path(folder) / "config.json"), backend)
+    check_weight_bytes(config, weight_bytes(folder), Path(folder) / "config.json")
     model = build(family, config, read_checkpoint(folder), dtype)
     return model, family, config, hf_config

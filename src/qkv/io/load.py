@@ -16,6 +16,7 @@ from torch import nn
 from qkv.io import runs
 from qkv.io.embedded import EMBEDDED, embedded_path
 from qkv.io.families import Family, family_for
+from qkv.io.families.checks import family_config
 from qkv.io.hf import Pooling, build, download, load_folder, read_pooling, with_backend
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +84,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -
 
     contents = read_gguf(path)
     family = family_for(contents.config)
-    config = with_backend(family.config(contents.config), backend)
+    config = with_backend(family_config(family, contents.config, path), backend)
     model = build(family, config, contents.state_dict, dtype)
     if int4:
         use_int4(model, family, config, read_int4(path), name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qkv.io.families.checks import divides, flag, whole
 from qkv.io.families.common import (
     Family,
     Layout,
@@ -29,24 +30,26 @@ def config(hf: dict) -> EncoderDecoderConfig:
     """A config.json -> the qkv config of the same encoder-decoder."""
     for a, b in [("encoder_attention_heads", "decoder_attention_heads"),
                  ("encoder_ffn_dim", "decoder_ffn_dim")]:  # fmt: skip
-        if hf[a] != hf[b]:
+        if whole(hf, a) != whole(hf, b):
             raise ValueError(f"BART checkpoints with {a} != {b} are not supported")
     require(hf, "BART", add_final_layer_norm=(False,), normalize_before=(False,))
+    width, heads = whole(hf, "d_model"), whole(hf, "encoder_attention_heads")
+    divides(hf, "encoder_attention_heads", "d_model", heads, width)
     return EncoderDecoderConfig(
-        vocab_size=hf["vocab_size"],
-        encoder_layers=hf["encoder_layers"],
-        decoder_layers=hf["decoder_layers"],
-        max_positions=hf["max_position_embeddings"],
+        vocab_size=whole(hf, "vocab_size"),
+        encoder_layers=whole(hf, "encoder_layers"),
+        decoder_layers=whole(hf, "decoder_layers"),
+        max_positions=whole(hf, "max_position_embeddings"),
         position="learned",
         embed_norm=True,
-        embed_scale=bool(hf.get("scale_embedding", False)),
+        embed_scale=flag(hf, "scale_embedding", False),
         final_norm=False,
         tie_embeddings=True,
         lm_head_bias=True,
         block=BlockConfig(
-            width=hf["d_model"],
-            num_heads=hf["encoder_attention_heads"],
-            mlp_hidden=hf["encoder_ffn_dim"],
+            width=width,
+            num_heads=heads,
+            mlp_hidden=whole(hf, "encoder_ffn_dim"),
             mlp=activation(hf, "activation_function"),
             norm_eps=NORM_EPS,
             norm_position="post",

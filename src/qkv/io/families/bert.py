@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from qkv.io.families.checks import divides, real, whole
 from qkv.io.families.common import (
     Family,
     Weight,
@@ -28,21 +29,23 @@ def config(hf: dict) -> EncoderConfig:
     mlm_head = MLM in (hf.get("architectures") or ())
     if mlm_head:  # qkv's head always decodes with the token matrix
         require(hf, MLM, tie_word_embeddings=(True,))
+    width, heads = whole(hf, "hidden_size"), whole(hf, "num_attention_heads")
+    divides(hf, "num_attention_heads", "hidden_size", heads, width)
     return EncoderConfig(
-        vocab_size=hf["vocab_size"],
-        num_layers=hf["num_hidden_layers"],
-        max_positions=hf["max_position_embeddings"],
+        vocab_size=whole(hf, "vocab_size"),
+        num_layers=whole(hf, "num_hidden_layers"),
+        max_positions=whole(hf, "max_position_embeddings"),
         position="learned",
-        type_vocab_size=hf.get("type_vocab_size", 2),
+        type_vocab_size=whole(hf, "type_vocab_size", 2, minimum=0),
         embed_norm=True,
         final_norm=False,
         mlm_head=mlm_head,
         block=BlockConfig(
-            width=hf["hidden_size"],
-            num_heads=hf["num_attention_heads"],
-            mlp_hidden=hf["intermediate_size"],
+            width=width,
+            num_heads=heads,
+            mlp_hidden=whole(hf, "intermediate_size"),
             mlp=activation(hf, "hidden_act"),
-            norm_eps=hf.get("layer_norm_eps", 1e-12),
+            norm_eps=real(hf, "layer_norm_eps", 1e-12),
             norm_position="post",
         ),
     )

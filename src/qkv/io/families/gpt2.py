@@ -3,6 +3,7 @@ stored by its Conv1D layers transposed."""
 
 from __future__ import annotations
 
+from qkv.io.families.checks import divides, flag, real, whole
 from qkv.io.families.common import (
     TRANSPOSED,
     Family,
@@ -22,19 +23,20 @@ from qkv.nn import BlockConfig
 def config(hf: dict) -> DecoderConfig:
     """A config.json -> the qkv config of the same decoder."""
     require(hf, "GPT-2", scale_attn_by_inverse_layer_idx=(False,), reorder_and_upcast_attn=(False,))
-    width = hf["n_embd"]
+    width, heads = whole(hf, "n_embd"), whole(hf, "n_head")
+    divides(hf, "n_head", "n_embd", heads, width)
     return DecoderConfig(
-        vocab_size=hf["vocab_size"],
-        num_layers=hf["n_layer"],
-        max_positions=hf["n_positions"],
+        vocab_size=whole(hf, "vocab_size"),
+        num_layers=whole(hf, "n_layer"),
+        max_positions=whole(hf, "n_positions"),
         position="learned",
-        tie_embeddings=hf.get("tie_word_embeddings", True),
+        tie_embeddings=flag(hf, "tie_word_embeddings", True),
         block=BlockConfig(
             width=width,
-            num_heads=hf["n_head"],
-            mlp_hidden=hf.get("n_inner") or 4 * width,
+            num_heads=heads,
+            mlp_hidden=whole(hf, "n_inner", None) or 4 * width,
             mlp=activation(hf, "activation_function"),
-            norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+            norm_eps=real(hf, "layer_norm_epsilon", 1e-5),
             fused_qkv=True,
         ),
     )

@@ -3,6 +3,7 @@ no biases, and grouped key/value heads."""
 
 from __future__ import annotations
 
+from qkv.io.families.checks import divides, flag, real, whole
 from qkv.io.families.common import Family, Weight, expand, fits, require
 from qkv.models import Decoder, DecoderConfig
 from qkv.nn import BlockConfig
@@ -10,32 +11,41 @@ from qkv.nn import BlockConfig
 
 def _rope_theta(hf: dict) -> float:
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_scaling must be an object like {{'rope_type': ...}}, got {rope!r}")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise ValueError(f"rope scaling {kind!r} is not supported; supported: 'default'")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "rope_theta" in rope:
+        return real(rope, "rope_theta", positive=True)
+    return real(hf, "rope_theta", 10000.0, positive=True)
 
 
 def config(hf: dict) -> DecoderConfig:
     """A config.json -> the qkv config of the same decoder."""
     require(hf, "Llama", attention_bias=(False,), mlp_bias=(False,), hidden_act=("silu",))
-    heads = hf["num_attention_heads"]
+    width, heads = whole(hf, "hidden_size"), whole(hf, "num_attention_heads")
+    kv_heads = whole(hf, "num_key_value_heads", heads)
+    divides(hf, "num_key_value_heads", "num_attention_heads", kv_heads, heads)
+    head_dim = whole(hf, "head_dim", None)
+    if head_dim is None:
+        divides(hf, "num_attention_heads", "hidden_size", heads, width)
     return DecoderConfig(
-        vocab_size=hf["vocab_size"],
-        num_layers=hf["num_hidden_layers"],
-        max_positions=hf.get("max_position_embeddings", 2048),
+        vocab_size=whole(hf, "vocab_size"),
+        num_layers=whole(hf, "num_hidden_layers"),
+        max_positions=whole(hf, "max_position_embeddings", 2048),
         position="rotary",
         rope_base=_rope_theta(hf),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
+        tie_embeddings=flag(hf, "tie_word_embeddings", False),
         block=BlockConfig(
-            width=hf["hidden_size"],
+            width=width,
             num_heads=heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            mlp_hidden=hf["intermediate_size"],
+            num_kv_heads=kv_heads,
+            head_dim=head_dim or width // heads,
+            mlp_hidden=whole(hf, "intermediate_size"),
             mlp="swiglu",
             norm="rmsnorm",
-            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            norm_eps=real(hf, "rms_norm_eps", 1e-6),
             bias=False,
         ),
     )
