@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
 from qkv.serve.limits import Limits, TooLarge
 
@@ -48,6 +48,13 @@ def some_text(value: str) -> str:
     return value
 
 
+def whole(value):
+    """JSON's whole numbers: 2 and 2.0 (JSON Schema's integers both), not 2.5, "2" or false."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value  # then strictly an int: a bool or a string is refused
+
+
 def once_each(values: list[int]) -> list[int]:
     """Refuse a repeat: each layer or head is sent once, so an answer's size is known."""
     seen: set[int] = set()
@@ -59,6 +66,7 @@ def once_each(values: list[int]) -> list[int]:
 
 
 String = Annotated[str, AfterValidator(readable)]  # every string: at most max_chars
+WHOLE = BeforeValidator(whole)  # after a whole number's Field, so its bounds are in its schema
 Text = Annotated[
     String,
     AfterValidator(some_text),
@@ -83,8 +91,8 @@ GeneratingModel = Annotated[
     Field(description="a decoder this server loaded (GET /api/models: generates); default: "
           "the first of them"),
 ]  # fmt: skip
-Layer = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "layer"}, description="from 0")]
-Head = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "head"}, description="from 0")]
+Layer = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "layer"}, description="from 0"), WHOLE]
+Head = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "head"}, description="from 0"), WHOLE]
 Layers = Annotated[
     list[Layer],
     Field(min_length=1, json_schema_extra={"uniqueItems": True, LIMIT: "layers"}),
@@ -173,22 +181,24 @@ class ProbeRequest(Request):
 class NextRequest(Request):
     model: GeneratingModel = None
     text: Annotated[Text, Field(examples=["The bank on the side of the"])]
-    top: int = Field(10, ge=1, le=100, description="how many of the most likely tokens")
+    top: Annotated[int, Field(ge=1, le=100), WHOLE] = Field(
+        10, description="how many of the most likely tokens"
+    )
 
 
 class GenerateRequest(Request):
     model: GeneratingModel = None
     prompt: Annotated[Text, Field(examples=["The bank on the side of the river"])]
-    max_new_tokens: int | None = Field(
-        None,
-        ge=1,
-        json_schema_extra={LIMIT: "max_new_tokens"},
-        description="at most the server's max_new_tokens; default: 32, or that",
+    max_new_tokens: (
+        Annotated[int, Field(ge=1, json_schema_extra={LIMIT: "max_new_tokens"}), WHOLE] | None
+    ) = Field(None, description="at most the server's max_new_tokens; default: 32, or that")
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] = Field(
+        0.0, description="0 is greedy"
     )
-    temperature: float = Field(0.0, ge=0, allow_inf_nan=False, description="0 is greedy")
-    top_k: int | None = Field(None, ge=1)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    top_k: Annotated[int, Field(ge=1), WHOLE] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
+    # at most 2**32 - 1: a bound a client reading JSON numbers as doubles reads exactly
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1), WHOLE] | None = None
     stop: list[String] = Field([], max_length=8, description="end at any of these strings")
     chat: bool = Field(False, description="wrap the prompt in the model's chat template")
 
