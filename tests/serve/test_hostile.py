@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -219,3 +220,41 @@ def test_the_openapi_schema_states_this_servers_limits_and_models(server):
     assert probe["sentences"]["anyOf"][0]["maxItems"] == LIMITS.max_sentences
     assert probe["word"]["minLength"] if "minLength" in probe["word"] else probe["word"]["pattern"]
     assert "x-qkv-limit" not in json.dumps(schemas)
+
+
+# ------------------------------------------------------------------ schemathesis
+
+SCHEMATHESIS = """
+# Statuses a request may get beyond schemathesis's defaults, and why.
+[checks.negative_data_rejection]
+# a string or list over this server's max_chars or max_sentences is 413, the size limits' code
+expected-statuses = ["400", "413", "422"]
+
+[[operations]]
+# what no schema can say: a word of the text, a layer or head of the model chosen (the schema
+# gives the largest model's), one label per sentence
+include-path = ["/api/attention", "/api/trace", "/api/contributions", "/api/probe"]
+checks.positive_data_acceptance.expected-statuses = ["200", "422"]
+
+[[operations]]
+# the same request and the same checks as /api/generate, whose coverage cases (each a
+# generation) are the slowest of the run; its examples and fuzzing still run
+include-path = "/api/generate/stream"
+phases.coverage.enabled = false
+"""
+
+
+def test_schemathesis_finds_nothing_the_schema_does_not_promise(minilm, smollm2, tmp_path):
+    """Every default check (no server error, documented statuses and bodies, data the schema
+    refuses is refused, data it allows is answered) on every endpoint, with small limits so
+    each case is fast: the 12 characters of a text are at most 50 of SmolLM2's tokens."""
+    limits = Limits(max_chars=12, max_new_tokens=1, max_sentences=2)
+    app = create_app({"minilm": minilm, "smollm2": smollm2}, limits)
+    (tmp_path / "schemathesis.toml").write_text(SCHEMATHESIS)
+    command = [str(Path(sys.executable).parent / "schemathesis"), "--no-color"]
+    command += ["--config-file", str(tmp_path / "schemathesis.toml"), "run"]
+    with running(app) as url:
+        command += [url + "/openapi.json", "--max-examples", "2", "--seed", "14", "--no-shrink"]
+        result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert re.search(r"\d+ generated, \d+ passed", result.stdout), result.stdout[-3000:]
