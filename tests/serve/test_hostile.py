@@ -185,20 +185,18 @@ def test_a_tiny_temperature_samples_the_most_likely_tokens(server, smollm2, path
 # ------------------------------------------------------------------ the time limit
 
 
-def test_work_past_its_time_limit_stops_and_frees_its_worker(smollm2, minilm, caplog):
-    """One worker, a 0.5 s limit, and an answer that takes seconds to compute and encode
+def test_work_past_its_time_limit_stops_instead_of_running_on(smollm2, caplog):
+    """One worker, a 0.25 s limit, and an answer that takes seconds to compute and encode
     (all 270 heads of SmolLM2 at 123 tokens, as lists): 504, and its work stops at its next
-    step instead of running on; the next request then has the worker."""
-    app = create_app({"smollm2": smollm2, "minilm": minilm}, Limits(timeout_s=0.5, workers=1))
+    step (the old code ran it to the end, holding the worker, after the 504)."""
+    app = create_app({"smollm2": smollm2}, Limits(timeout_s=0.25, workers=1))
     text = " ".join(["bank river money"] * 41)
     with caplog.at_level(logging.INFO, "qkv.serve"), running(app) as url:
         answer = httpx.post(url + "/api/attention", json={"text": text}, timeout=60)
-        refused(answer, 504, "longer than this server's limit of 0.5 s", "was stopped")
+        refused(answer, 504, "longer than this server's limit of 0.25 s", "was stopped")
         app.state.qkv.pool.submit(lambda: None).result(60)  # the worker is free again
-        stopped = [r for r in caplog.records if "stopped at its time limit" in r.getMessage()]
-        assert [r.getMessage() for r in stopped] == ["/api/attention stopped at its time limit"]
-        small = {"model": "minilm", "text": "a bank", "layers": [0], "heads": [0]}
-        assert httpx.post(url + "/api/attention", json=small, timeout=60).status_code == 200
+    stopped = [r.getMessage() for r in caplog.records if "time limit" in r.getMessage()]
+    assert stopped == ["/api/attention stopped at its time limit"]
 
 
 # ------------------------------------------------------------------ the schema says it all

@@ -119,12 +119,8 @@ class Request(BaseModel):
         for name, value in self:
             strings = value if isinstance(value, list) else [value]
             for i, string in enumerate(strings):
-                if isinstance(string, str) and len(string) > limits.max_chars:
-                    what = f"{name}[{i}]" if isinstance(value, list) else name
-                    raise TooLarge(
-                        f"{what} has {len(string):,} characters; this server takes at most "
-                        f"{limits.max_chars:,} (max_chars)"
-                    )
+                if isinstance(string, str):
+                    limits.check_text(string, f"{name}[{i}]" if isinstance(value, list) else name)
 
 
 class AttentionRequest(Request):
