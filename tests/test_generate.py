@@ -70,3 +70,20 @@ def test_stop_strings_cut_the_text_and_the_stream_never_shows_what_is_cut(
     assert continuation.text == text
     assert "".join(shown) == text
     assert shown[: len(streamed)] == streamed
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45, 1e-8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_any_tiny_temperature_samples_the_most_likely_tokens_never_nan(temperature, dtype):
+    logits = torch.randn(3, 50).to(dtype)
+    logits[1, [7, 30]] = logits[1].max() + 1  # a tie for the most likely: both are drawn
+    generator = torch.Generator().manual_seed(0)
+    for sampling in (Sampling(temperature), Sampling(temperature, top_k=5, top_p=0.9)):
+        drawn = [sampling.pick(logits, generator).tolist() for _ in range(200)]
+        assert {row[0] for row in drawn} == {int(logits[0].argmax())}
+        assert {row[1] for row in drawn} == {7, 30}
+        assert {row[2] for row in drawn} == {int(logits[2].argmax())}
+
+
+def test_a_huge_temperature_is_near_uniform():
+    assert draws(Sampling(temperature=1e308)) == {0, 1, 2, 3, 4}

@@ -39,10 +39,16 @@ class Sampling:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
     def pick(self, logits: Tensor, generator: torch.Generator | None) -> Tensor:
-        """logits (B, vocab) -> next token ids (B,)."""
+        """logits (B, vocab) -> next token ids (B,).
+
+        Any finite temperature > 0 samples: the logits' gaps to their largest are divided in
+        float64, so a tiny temperature sends every gap to -inf (probability 0) and the most
+        likely token (or a tie among them) is drawn, never NaN; a huge one is near uniform.
+        """
         if self.temperature == 0:
             return logits.argmax(dim=-1)
-        logits = logits.float() / self.temperature
+        logits = logits.double()
+        logits = (logits - logits.max(dim=-1, keepdim=True).values) / self.temperature
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = logits.topk(self.top_k, dim=-1).values[:, -1:]  # (B, 1)
             logits = logits.masked_fill(logits < kth, float("-inf"))

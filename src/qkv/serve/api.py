@@ -1,24 +1,28 @@
 """The JSON API's routes: each picks its model, then runs its `compute` function in a worker.
 
-Work runs in the app's thread pool, never on the event loop, so a slow request delays
-no other; each is bounded by `Limits.timeout_s` (504 past it, the wait for a worker
-included). A generation first awaits its model's turn (503 if it does not come within
-timeout_s), then runs until max_new_tokens, the end of the text or `Limits.generate_s`.
+Each request is checked where it enters: by its schema (`qkv.serve.schemas`), then its
+strings against the server's limits (`Request.check`), before any work. Work runs in the
+app's thread pool, never on the event loop, so a slow request delays no other; each is
+bounded by `Limits.timeout_s` (504 past it, the wait for a worker included), and past it
+its work is told to stop and does, at its next step. A generation first awaits its model's
+turn (503 if it does not come within timeout_s), then runs until max_new_tokens, the end of
+the text or `Limits.generate_s`; the turn passes on when its work has really stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import threading
 from collections.abc import Callable
-from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from qkv.serve import compute
-from qkv.serve.limits import TimedOut
+from qkv.serve.limits import Cancelled, TimedOut
 from qkv.serve.schemas import (
     AttentionAnswer,
     AttentionRequest,
@@ -38,14 +42,16 @@ ERRORS = {
     code: {"model": Problem, "description": why}
     for code, why in {
         400: "the body is not JSON",
-        413: "over a size limit: body, characters, tokens or sentences",
+        413: "over a size limit: body, characters, tokens, sentences or weights",
         422: "a value not allowed: empty text, unknown model or word, layer or head out of "
-        "range, an encoder asked to generate",
-        504: "the request took longer than the time limit",
+        "range or repeated, an encoder asked to generate",
+        503: "the model is generating for another request for longer than the time limit",
+        504: "the request took longer than the time limit; its work was stopped",
     }.items()
 }
 
 router = APIRouter(prefix="/api", tags=["attention"], responses=ERRORS)
+log = logging.getLogger("qkv.serve")
 
 
 class Busy(Exception):
@@ -72,7 +78,7 @@ async def attention(body: AttentionRequest, request: Request):
     """The tokens of a text and the attention weights of every layer and head (or of the
     chosen ones): row i of a head's matrix is how token i's attention divides, summing to 1."""
     return await answer(
-        request, body.model, compute.attention, body.text, body.layers, body.heads, body.format
+        request, body, compute.attention, body.text, body.layers, body.heads, body.format
     )
 
 
@@ -83,7 +89,7 @@ async def trace(body: TraceRequest, request: Request) -> dict:
     own output for the head, and every token's contribution. Fields: docs/explain.md."""
     return await answer(
         request,
-        body.model,
+        body,
         compute.trace_pair,
         body.text,
         body.query,
@@ -103,7 +109,7 @@ async def contributions(body: ContributionsRequest, request: Request):
     of what it added after the output projection (a large weight on a small value vector can
     add less than a modest weight on a large one)."""
     return await answer(
-        request, body.model, compute.contributions, body.text, body.query, body.layer, body.head
+        request, body, compute.contributions, body.text, body.query, body.layer, body.head
     )
 
 
@@ -113,34 +119,27 @@ async def probe(body: ProbeRequest, request: Request) -> dict:
     sentences at every depth; with labels, how well the senses separate. Fields:
     docs/probe.md."""
     return await answer(
-        request, body.model, compute.probe_word, body.word, body.sentences, body.labels, body.cues
+        request, body, compute.probe_word, body.word, body.sentences, body.labels, body.cues
     )
 
 
 @router.post("/next", response_model=NextAnswer, summary="A decoder's next-token probabilities")
 async def next_tokens(body: NextRequest, request: Request):
-    return await answer(request, body.model, compute.next_tokens, body.text, body.top)
+    return await answer(request, body, compute.next_tokens, body.text, body.top)
 
 
 @router.post("/generate", response_model=GenerateAnswer, summary="Generate, answered at the end")
 async def generate(body: GenerateRequest, request: Request):
-    state = request.app.state.qkv
-    served = state.pick(body.model)
-    body = defaults(body, state.limits)
-    await run(
-        request, compute.check_generation, served, state.limits, body.prompt, body.max_new_tokens
-    )
-    async with turn(served, state.limits.timeout_s):
-        return await run(
-            request,
-            compute.generate,
-            served,
-            state.limits,
-            body.prompt,
-            options(body),
-            lambda piece: None,
-            timeout=state.limits.generate_s + state.limits.timeout_s,
-        )
+    served, limits = await checked_generation(body, request)
+    body = defaults(body, limits)
+    lock = served.generation_lock()
+    await wait_turn(lock, served, limits.timeout_s)
+
+    def work(stop: threading.Event) -> dict:
+        return compute.generate(served, limits, body.prompt, options(body), lambda _: None, stop)
+
+    timeout = limits.generate_s + limits.timeout_s
+    return await run(request, work, timeout=timeout, then=lock.release)
 
 
 @router.post(
@@ -159,9 +158,8 @@ async def generate(body: GenerateRequest, request: Request):
 )
 async def generate_stream(body: GenerateRequest, request: Request):
     state = request.app.state.qkv
-    served, limits = state.pick(body.model), state.limits
+    served, limits = await checked_generation(body, request)
     body = defaults(body, limits)
-    await run(request, compute.check_generation, served, limits, body.prompt, body.max_new_tokens)
     lock = served.generation_lock()
     await wait_turn(lock, served, limits.timeout_s)
     loop, queue, cancelled = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
@@ -182,7 +180,7 @@ async def generate_stream(body: GenerateRequest, request: Request):
                     body.prompt,
                     options(body),
                     lambda piece: put("token", {"text": piece}),
-                    cancelled.is_set,
+                    cancelled,
                 ),
             )
         except Exception as error:  # told to the client, which has a 200 already
@@ -207,6 +205,20 @@ async def generate_stream(body: GenerateRequest, request: Request):
     )
 
 
+async def checked_generation(body: GenerateRequest, request: Request):
+    """The model and limits of a generation that passed its checks (before any stream)."""
+    state = request.app.state.qkv
+    body.check(state.limits)
+    served, limits = state.pick(body.model, generating=True), state.limits
+    max_new_tokens = defaults(body, limits).max_new_tokens
+
+    def check(stop: threading.Event) -> None:
+        compute.check_generation(served, limits, body.prompt, max_new_tokens)
+
+    await run(request, check)
+    return served, limits
+
+
 def defaults(body: GenerateRequest, limits) -> GenerateRequest:
     if body.max_new_tokens is not None:
         return body
@@ -225,17 +237,6 @@ def options(body: GenerateRequest) -> dict:
     }
 
 
-@asynccontextmanager
-async def turn(served, timeout: float):
-    """Hold the model's generation lock (see qkv.serve.models)."""
-    lock = served.generation_lock()
-    await wait_turn(lock, served, timeout)
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 async def wait_turn(lock: asyncio.Lock, served, timeout: float) -> None:
     try:
         await asyncio.wait_for(lock.acquire(), timeout)
@@ -246,24 +247,59 @@ async def wait_turn(lock: asyncio.Lock, served, timeout: float) -> None:
         ) from None
 
 
-async def answer(request: Request, model: str | None, work: Callable, *args) -> Response:
-    """work(served model, limits, *args) for the model a request names (see `run`)."""
+async def answer(request: Request, body, work: Callable, *args) -> Response:
+    """work(served model, limits, *args, stop=...) for the model a request names, once the
+    request's strings are within the limits (see `run`)."""
     state = request.app.state.qkv
-    return await run(request, work, state.pick(model), state.limits, *args)
+    body.check(state.limits)
+    served = state.pick(body.model, generating=isinstance(body, NextRequest))
+    return await run(request, lambda stop: work(served, state.limits, *args, stop=stop))
 
 
-async def run(request: Request, work: Callable, *args, timeout: float | None = None) -> Response:
-    """work(*args) in the app's thread pool, its answer JSON-encoded there too; TimedOut past
-    the time limit (the work is dropped if it has not started, finished unheard if it has)."""
+async def run(
+    request: Request,
+    work: Callable[[threading.Event], object],
+    *,
+    timeout: float | None = None,
+    then: Callable[[], None] | None = None,
+) -> Response:
+    """work(stop) in the app's thread pool, its answer JSON-encoded there too (bytes are
+    sent as they are). Past the time limit, TimedOut, and `stop` is set: the work never
+    starts, or stops at its next step. then(): called on the event loop when the work has
+    ended, however it ended (a generation's turn passes on then, not at the 504)."""
     state = request.app.state.qkv
     timeout = state.limits.timeout_s if timeout is None else timeout
-    future = state.pool.submit(lambda: json.dumps(work(*args)).encode())
+    loop, stop = asyncio.get_running_loop(), threading.Event()
+
+    def encoded() -> bytes:
+        try:
+            answer = work(stop)
+        except Cancelled:
+            log.info("%s stopped at its time limit", request.url.path)
+            raise
+        return answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+
+    def ended(_) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop has closed, its lock too
+            loop.call_soon_threadsafe(then)
+
+    try:
+        future = state.pool.submit(encoded)
+    except RuntimeError:  # the pool has shut down: the server is stopping
+        if then is not None:
+            then()
+        raise
+    if then is not None:
+        future.add_done_callback(ended)
     try:
         body = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
     except TimeoutError:
-        future.cancel()
         raise TimedOut(
-            f"the request took longer than this server's limit of {timeout:g} s (timeout_s); "
-            "ask for a shorter text, or fewer layers and heads"
+            f"the request took longer than this server's limit of {timeout:g} s (timeout_s) "
+            "and was stopped; ask for a shorter text, or fewer layers and heads"
         ) from None
+    finally:
+        if not future.done():  # past the time limit, or the server is stopping
+            stop.set()
+            future.cancel()
     return Response(body, media_type="application/json")

@@ -3,7 +3,8 @@
 The app serves the explorer page at `/` (its script, style and every asset from the
 package: no network), the JSON API under `/api` (see `qkv.serve.api`), its OpenAPI
 description at `/openapi.json` and a Swagger page at `/docs` whose files come from the
-`swagger-ui-bundle-v2` package, not a CDN. Every error is JSON `{"detail": one line}`.
+`swagger-ui-bundle-v2` package, not a CDN. The description states this server's own limits
+and models (`qkv.serve.schemas.with_limits`). Every error is JSON `{"detail": one line}`.
 
     import qkv
     from qkv.serve import Limits, create_app
@@ -28,6 +29,7 @@ from fastapi.staticfiles import StaticFiles
 from qkv.serve.api import Busy, router
 from qkv.serve.limits import BodyLimit, Limits, TimedOut, TooLarge
 from qkv.serve.models import Served, served_models
+from qkv.serve.schemas import with_limits
 
 log = logging.getLogger("qkv.serve")
 STATIC = files("qkv.serve") / "static"
@@ -41,8 +43,17 @@ class State:
     limits: Limits
     pool: ThreadPoolExecutor
 
-    def pick(self, name: str | None) -> Served:
-        """The model a request names (None: the first); never loads one."""
+    def pick(self, name: str | None, generating: bool = False) -> Served:
+        """The model a request names (None: the first, or the first decoder for a request
+        that generates); never loads one."""
+        if name is None and generating:
+            decoders = [served for served in self.models.values() if served.decoder]
+            if not decoders:
+                raise ValueError(
+                    f"this server has no decoder ({', '.join(self.models)}: encoders); "
+                    "next-token probabilities and generation need one"
+                )
+            return decoders[0]
         if name is None:
             return next(iter(self.models.values()))
         if name not in self.models:
@@ -81,6 +92,14 @@ def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.qkv = state
+    plain = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = with_limits(plain(), limits, state.models)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.include_router(router)
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
     _add_error_handlers(app)
@@ -114,6 +133,8 @@ def _swagger():
 
 def _add_error_handlers(app: FastAPI) -> None:
     def problem(status: int, detail: str) -> JSONResponse:
+        # a detail may quote the request; what it quotes is sent escaped, never unsendable
+        detail = detail.encode("utf-8", "backslashreplace").decode("utf-8")
         return JSONResponse({"detail": detail}, status_code=status)
 
     @app.exception_handler(RequestValidationError)
@@ -123,9 +144,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             at = first.get("ctx", {}).get("error", "")
             return problem(400, f"the body is not valid JSON ({at}); send a JSON object")
-        where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+        where = "".join(
+            f"[{part}]" if isinstance(part, int) else f".{part}"
+            for part in first.get("loc", ())
+            if part != "body"
+        ).removeprefix(".")  # layers[2], stop[0]
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        message = first.get("msg", "invalid")
+        message = first.get("msg", "invalid").removeprefix("Value error, ")
         if first.get("type") == "extra_forbidden":
             message = "is not a field of this request (see /docs)"
         elif first.get("type") == "missing":

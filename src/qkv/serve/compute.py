@@ -2,15 +2,19 @@
 
 Nothing here computes attention itself: the weights are `Pretrained.attentions`, a pair's
 steps and contributions are `qkv.trace`, the sense probe is `qkv.inspect.probe.probe`,
-generation is `Pretrained.generate`. This module checks the request against the limits,
-and shapes the answer. Requests share a model with no lock: each forward pass returns the
-records its numbers come from (see `qkv.serve.models`).
+generation is `Pretrained.generate`. This module checks what only a model can tell (tokens,
+layers and heads in range, an answer's size) and shapes the answer. Requests share a model
+with no lock: each forward pass returns the records its numbers come from (see
+`qkv.serve.models`). Each function takes `stop`, an event the server sets when the request's
+time is up; the work checks it between its expensive steps (`going`) and stops there.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import json
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -18,15 +22,20 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from qkv.serve.limits import Limits
+from qkv.serve.limits import Cancelled, Limits, TooLarge
 from qkv.serve.models import Served
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
 
 
+def going(stop: threading.Event | None) -> None:
+    """Cancelled when the request's time is up: called between a work's expensive steps."""
+    if stop is not None and stop.is_set():
+        raise Cancelled
+
+
 def encode(served: Served, limits: Limits, text: str, what: str = "the text"):
-    """The text's tokens, after the size limits: characters first, then tokens."""
-    limits.check_text(text, what)
+    """The text's tokens, within max_tokens (its characters were checked on arrival)."""
     encoded = served.pretrained.encode(text)
     limits.check_tokens(len(encoded.ids), what)
     return encoded
@@ -39,9 +48,11 @@ def attention(
     layers: list[int] | None,
     heads: list[int] | None,
     fmt: str,
-) -> dict:
-    """The weights of the chosen layers and heads, (L', H', T, T), and the text's tokens."""
-    encode(served, limits, text)
+    stop: threading.Event | None = None,
+) -> bytes:
+    """The weights of the chosen layers and heads, (L', H', T, T), and the text's tokens, as
+    JSON. Its size, L' x H' x T x T, is checked against max_weights before the forward pass."""
+    T = len(encode(served, limits, text).ids)
     config = served.pretrained.config
     layers = list(range(config.num_layers)) if layers is None else layers
     heads = list(range(config.block.num_heads)) if heads is None else heads
@@ -50,11 +61,21 @@ def attention(
             raise ValueError(f"{name}s is empty; leave it out for every {name}")
         for value in chosen:
             served.check_index(name, value)
+    size = len(layers) * len(heads) * T * T
+    if size > limits.max_weights:
+        raise TooLarge(
+            f"{len(layers)} layers x {len(heads)} heads x {T} x {T} tokens are {size:,} "
+            f"weights; this server sends at most {limits.max_weights:,} in one answer "
+            "(max_weights): ask for fewer layers or heads, or a shorter text"
+        )
+    going(stop)
     seen = served.pretrained.attentions(text, layers=layers, heads=heads)
     weights = seen.weights[[seen.layers.index(layer) for layer in layers]]  # (L', H', T, T)
-    if fmt == "base64":
-        packed = [[pack_float32(matrix) for matrix in row] for row in weights.numpy()]
-    return {
+    rows = []  # one layer's JSON at a time: the slow part of a large answer, so it can stop
+    for row in weights.numpy():  # (H', T, T)
+        going(stop)
+        rows.append(json.dumps([pack_float32(m) for m in row] if fmt == "base64" else row.tolist()))
+    answer = {
         "model": served.name,
         "text": text,
         "tokens": list(seen.tokens),
@@ -64,8 +85,8 @@ def attention(
         "shape": list(weights.shape),
         "format": fmt,
         "encoding": FLOAT32 if fmt == "base64" else "lists of floats: [layer][head][query][key]",
-        "weights": packed if fmt == "base64" else weights.tolist(),
     }
+    return (json.dumps(answer)[:-1] + ', "weights": [' + ", ".join(rows) + "]}").encode()
 
 
 def words(encoded) -> list[dict]:
@@ -90,17 +111,25 @@ def trace_pair(
     key: str,
     layer: int | None,
     head: int | None,
+    stop: threading.Event | None = None,
 ) -> dict:
     """`qkv.trace(...).to_dict()`: the article's steps for one pair (docs/explain.md)."""
     from qkv.inspect.trace import trace
 
     encode(served, limits, text)
+    going(stop)
     traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
     return {"model": served.name, **traced.to_dict()}
 
 
 def contributions(
-    served: Served, limits: Limits, text: str, query: str, layer: int, head: int
+    served: Served,
+    limits: Limits,
+    text: str,
+    query: str,
+    layer: int,
+    head: int,
+    stop: threading.Event | None = None,
 ) -> dict:
     """What each token added to `query`'s new vector in one head: the trace's contributions,
     ranked by softmax weight and by size after the output projection."""
@@ -109,6 +138,7 @@ def contributions(
     encode(served, limits, text)
     served.check_index("layer", layer)
     served.check_index("head", head)
+    going(stop)
     # the query word as its own key: always a word it sees
     traced = trace(served.pretrained, text, query, query, layer=layer, head=head)
     found = [
@@ -137,28 +167,25 @@ def probe_word(
     sentences: list[str] | None,
     labels: list[str] | None,
     cues: list[str] | None,
+    stop: threading.Event | None = None,
 ) -> dict:
     """`probe(...).to_dict()`: the word's vectors compared across sentences (docs/probe.md)."""
     from qkv.inspect.probe import probe
 
-    if sentences is not None:
-        if len(sentences) > limits.max_sentences:
-            from qkv.serve.limits import TooLarge
-
-            raise TooLarge(
-                f"{len(sentences)} sentences; this server probes at most {limits.max_sentences} "
-                "at once (max_sentences)"
-            )
-        for i, sentence in enumerate(sentences):
-            encode(served, limits, sentence, f"sentence {i}")
+    for i, sentence in enumerate(sentences or []):
+        encode(served, limits, sentence, f"sentence {i}")
+    going(stop)
     found = probe(served.pretrained, word, sentences, labels, cues=cues)
     return {"model": served.name, **found.to_dict()}
 
 
-def next_tokens(served: Served, limits: Limits, text: str, top: int) -> dict:
+def next_tokens(
+    served: Served, limits: Limits, text: str, top: int, stop: threading.Event | None = None
+) -> dict:
     """A decoder's probabilities for the token after `text`: the `top` most likely."""
     must_generate(served)
     encoded = encode(served, limits, text)
+    going(stop)
     with torch.inference_mode():
         logits = served.pretrained.model(torch.tensor([encoded.ids])).logits[0, -1].float()
     probabilities = logits.softmax(-1)  # (vocab,)
@@ -210,10 +237,11 @@ def generate(
     prompt: str,
     options: dict,
     emit: Callable[[str], None],
-    cancelled: Callable[[], bool] = lambda: False,
+    stop: threading.Event | None = None,
 ) -> dict:
     """Run `Pretrained.generate`, handing each piece of text to `emit`; stop at
-    max_new_tokens, the end of the text, the time limit or when `cancelled()`."""
+    max_new_tokens, the end of the text, generate_s or when `stop` is set (the client left,
+    or the request's time is up), between one token and the next."""
     deadline = time.monotonic() + limits.generate_s
     finished = "end"  # the end-of-text token, or max_new_tokens
     pieces: list[str] = []
@@ -222,7 +250,7 @@ def generate(
         nonlocal finished
         pieces.append(piece)
         emit(piece)
-        if cancelled():
+        if stop is not None and stop.is_set():
             finished = "cancelled"
             raise Stopped
         if time.monotonic() >= deadline:

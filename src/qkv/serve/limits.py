@@ -3,7 +3,9 @@
 Every limit is a field of `Limits`, given to `create_app`, so a test can build an app with
 a tiny time limit and the command line can raise one. A request over a size limit gets 413,
 one with a value out of range 422, one that takes too long 504; each with a one-line
-`detail` naming the limit.
+`detail` naming the limit. Sizes are checked before any work, so an answer's size is known
+before it is computed; a request past its time limit is told 504 and its work is stopped
+(`Cancelled`) at its next step, not left running.
 
 >>> Limits().max_tokens, Limits(max_tokens=64).max_tokens
 (128, 64)
@@ -29,6 +31,9 @@ class Limits:
     # 270 heads of SmolLM2 are already 17 MB of float32
     max_tokens: int = 128
     max_sentences: int = 32  # sentences in one sense probe
+    # weights in one attention answer, layers x heads x T x T, counted before the forward
+    # pass: all 270 heads of SmolLM2 at 128 tokens are 4.4 million (18 MB of float32)
+    max_weights: int = 5_000_000
     max_new_tokens: int = 128  # tokens one generation may ask for
     timeout_s: float = 10.0  # one request, from arrival to answer, waiting included
     generate_s: float = 60.0  # one generation: it ends there, with what it has written
@@ -70,6 +75,10 @@ class TooLarge(ValueError):
 
 class TimedOut(Exception):
     """A request that took longer than its time limit: HTTP 504."""
+
+
+class Cancelled(Exception):
+    """Raised in a request's work when its time is up: the work stops there, between steps."""
 
 
 class BodyLimit:
