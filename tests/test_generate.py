@@ -87,3 +87,17 @@ def test_any_tiny_temperature_samples_the_most_likely_tokens_never_nan(temperatu
 
 def test_a_huge_temperature_is_near_uniform():
     assert draws(Sampling(temperature=1e308)) == {0, 1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, True, 1.0])
+def test_a_seed_torch_would_wrap_or_overflow_on_is_refused(seed):
+    # torch.Generator.manual_seed(-1) wraps to 2**64-1 silently; 2**64 overflows with
+    # "Overflow when unpacking long long"
+    with pytest.raises(ValueError, match=r"seed must be a whole number from 0 to 2\*\*64-1"):
+        Sampling(temperature=1.0, seed=seed)
+    Sampling(temperature=1.0, seed=2**64 - 1)  # the largest torch takes
+
+
+def test_a_prompt_with_no_tokens_is_refused_by_name(smollm2):
+    with pytest.raises(ValueError, match=r"prompt 1 \(counted from 0\) is empty"):
+        smollm2.generate(["The river", ""], 2)

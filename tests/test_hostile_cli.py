@@ -137,7 +137,7 @@ def probe_occurrence_zero(tmp: Path):
 
 def seed_past_64_bits(tmp: Path):
     args = ["generate", "hi", "--temperature", "1", "--seed", "99999999999999999999"]
-    return args, ["--seed", "0 to 2**64-1", "99999999999999999999"]
+    return args, ["seed", "0 to 2**64-1", "99999999999999999999"]
 
 
 def sentences_with_mixed_columns(tmp: Path):

@@ -144,8 +144,9 @@ def generate(
             raise ValueError(
                 "the prompt is empty; give the text to continue, e.g. qkv generate 'The river bank'"
             )
-        if seed is not None and not 0 <= seed < 2**64:
-            raise ValueError(f"--seed must be a whole number from 0 to 2**64-1, got {seed}")
+        from qkv.generate import Sampling
+
+        Sampling(temperature, top_k, top_p, seed)  # checked before the model loads
         pretrained = load(model, backend=backend, int4=int4)
 
         def show(row: int, piece: str) -> None:

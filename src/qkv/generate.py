@@ -35,8 +35,9 @@ class Sampling:
         p = self.top_p
         if p is not None and not (isinstance(p, int | float) and 0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1] or None, got {p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        seed = self.seed  # torch's generators take 0..2**64-1 and wrap a negative silently
+        if seed is not None and not (type(seed) is int and 0 <= seed < 2**64):
+            raise ValueError(f"seed must be a whole number from 0 to 2**64-1, got {seed!r}")
 
     def pick(self, logits: Tensor, generator: torch.Generator | None) -> Tensor:
         """logits (B, vocab) -> next token ids (B,).

@@ -158,7 +158,13 @@ class Pretrained:
         ids, mask = self.tokenizer.encode_batch(
             prompts, add_special_tokens=not chat, padding_side="left"
         )
-        longest = int(mask.sum(-1).max())
+        lengths = mask.sum(-1).tolist()
+        if 0 in lengths:
+            raise ValueError(
+                f"prompt {lengths.index(0)} (counted from 0) is empty: it has no tokens to "
+                "continue; give some text"
+            )
+        longest = int(max(lengths))
         if longest + max_new_tokens > self.context_window:
             raise ValueError(
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
