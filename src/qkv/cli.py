@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import re
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from qkv.cli_errors import check_out, user_errors
 
 app = typer.Typer(
     help="qkv: the transformer's self-attention mechanism, real, fast and inspectable.",
@@ -24,71 +22,6 @@ Backend = Annotated[
     str | None,
     typer.Option(help="attention backend: auto, flash, sdpa, eager, loop (see `qkv backends`)"),
 ]
-
-
-@contextmanager
-def user_errors(out: Path | None = None):
-    """What the user can fix is one line on stderr and exit code 2: a ValueError, a file
-    that cannot be read or written (an OSError; `out`, the path the verb writes, tells a
-    write from a read) and memory that ran out. Anything else is a bug in qkv: it keeps its
-    traceback."""
-    try:
-        yield
-        return
-    except ValueError as error:
-        message = " ".join(line.strip() for line in str(error).splitlines())
-    except MemoryError as error:
-        message = _out_of_memory(error)
-    except OSError as error:
-        message = _out_of_memory(error) if error.errno == errno.ENOMEM else _file_error(error, out)
-    except RuntimeError as error:  # torch's allocators raise RuntimeErrors
-        if not _is_out_of_memory(error):
-            raise
-        message = _out_of_memory(error)
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
-
-
-def _file_error(error: OSError, out: Path | None) -> str:
-    """'cannot write OUT: Permission denied', 'cannot read PATH: Is a directory'."""
-    reason = error.strerror or " ".join(str(error).split())
-    if error.filename is None:
-        return reason
-    path = Path(os.fsdecode(error.filename))
-    if out is not None:  # compared as absolute paths, named as the user wrote them
-        failed, target = Path(os.path.abspath(path)), Path(os.path.abspath(out))
-        staged = Path(*(_STAGING.sub(r"\1", part) for part in failed.parts))  # what it stands for
-        if staged != failed and target in (staged, *staged.parents):
-            return f"cannot write {out}: {reason}"
-        if failed in target.parents:
-            return f"cannot create the folder {path} for {out}: {reason}"
-        if failed == target or target in failed.parents:
-            return f"cannot write {path}: {reason}"
-    return f"cannot read {path}: {reason}"
-
-
-# qkv.io.files stages a write to NAME as .NAME.<8 hex>.tmp (a folder: .partial, .old) beside it
-_STAGING = re.compile(r"^\.(.+)\.[0-9a-f]{8}\.(?:tmp|partial|old)$")
-
-
-def _is_out_of_memory(error: RuntimeError) -> bool:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(error, torch.OutOfMemoryError):
-        return True
-    return any(sign in str(error) for sign in ("can't allocate memory", "out of memory"))
-
-
-def _out_of_memory(error: BaseException) -> str:
-    """'out of memory: tried to allocate 108.0 MiB more; ...', one line whatever raised it."""
-    text = " ".join(str(error).split())
-    size = re.search(r"[Tt]ried to allocate (\d+) bytes", text)
-    if size:
-        detail = f"tried to allocate {int(size[1]) / 2**20:.1f} MiB more"
-    elif found := re.search(r"[Tt]ried to allocate ([\d.]+ \w+)", text):
-        detail = f"tried to allocate {found[1]} more"
-    else:
-        detail = "an allocation failed" if isinstance(error, MemoryError) else text[:200]
-    return f"out of memory: {detail}; give a smaller input or model, or run with more memory"
 
 
 @app.callback()
@@ -245,7 +178,7 @@ def probe(
     with user_errors(out):
         texts, labels, cues = _read_sentences(sentences) if sentences else (None, None, None)
         if out is not None:
-            _check_out(out, (".png",))
+            check_out(out, (".png",))
         result = run_probe(load(model), word, texts, labels, cues=cues)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)  # as `qkv show` makes its folders
@@ -292,33 +225,6 @@ def _read_sentences(path: Path) -> tuple[list[str], list[str] | None, list[str] 
     return [line for _, line in lines], None, None
 
 
-def _check_out(out: Path, suffixes: tuple[str, ...] | None = None) -> None:
-    """Try --out before the model loads, leaving nothing behind: a wrong suffix, a file where
-    a folder belongs, a folder that cannot be made or written in (read-only, /proc, another
-    user's) is refused now. The folders it needs are made and a file staged beside it, as
-    qkv.io.files would stage it, then both are removed; `user_errors` words what failed."""
-    if not out.name:
-        raise ValueError(f"--out {out} names no file; give one, e.g. --out attention.html")
-    if suffixes and out.suffix.lower() not in suffixes:
-        raise ValueError(f"--out {out} must end in {' or '.join(suffixes)}")
-    missing = [folder for folder in out.absolute().parents if not folder.exists()]
-    existing = out.absolute().parents[len(missing)]
-    if not existing.is_dir():
-        raise ValueError(f"cannot write {out}: {existing} is a file, not a folder")
-    made: list[Path] = []
-    try:
-        for folder in reversed(missing):
-            folder.mkdir()
-            made.append(folder)
-        trial = out.with_name(f".{out.name}.{os.urandom(4).hex()}.tmp")  # a staging name
-        with open(trial, "xb"):
-            pass
-        trial.unlink()
-    finally:
-        for folder in reversed(made):
-            folder.rmdir()
-
-
 @app.command()
 def show(
     text: str,
@@ -353,7 +259,7 @@ def show(
     with user_errors(out):
         if target is not None and out.suffix.lower() != ".png":
             raise ValueError("cross-attention is drawn as PNG; use --out FILE.png")
-        _check_out(out)
+        check_out(out)
         pretrained = load(model, backend=backend)
         seen = pretrained.attentions(text, target=target)  # the one forward pass
         L, H = seen.weights.shape[:2]

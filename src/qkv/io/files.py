@@ -10,6 +10,7 @@ less the umask, like any file they make.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import uuid
@@ -18,9 +19,23 @@ from pathlib import Path
 from typing import IO
 
 
-def _beside(path: Path, kind: str) -> Path:
-    """A hidden name next to `path` for staging it (same folder, so renaming is atomic)."""
+def beside(path: Path, kind: str) -> Path:
+    """A hidden name next to `path` for staging it (same folder, so renaming is atomic):
+    .NAME.<8 hex>.tmp for a file, .partial and .old for a folder."""
     return path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.{kind}")
+
+
+_STAGED = re.compile(r"^\.(.+)\.[0-9a-f]{8}\.(?:tmp|partial|old)$")
+
+
+def staged_for(path: Path) -> Path:
+    """The path a staging path (`beside`'s, or one inside a staged folder) stands for;
+    any other path as it is.
+
+    >>> staged_for(Path("out/.page.html.0a1b2c3d.tmp")), staged_for(Path("out/page.html"))
+    (PosixPath('out/page.html'), PosixPath('out/page.html'))
+    """
+    return Path(*(_STAGED.sub(r"\1", part) for part in path.parts))
 
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
@@ -40,7 +55,7 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = _beside(path, "tmp")
+    temp = beside(path, "tmp")
     try:
         with open(temp, "xb") as file:
             usual = stat.S_IMODE(os.fstat(file.fileno()).st_mode)  # 0666 less the umask
@@ -66,14 +81,14 @@ def write_folder_atomically(
     if folder.exists() and not replace and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"{folder} exists and is not empty; choose a new folder")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = _beside(folder, "partial")
+    staging = beside(folder, "partial")
     os.mkdir(staging)  # honours the umask, unlike mkdtemp's 0700
     try:
         write(staging)
         _settle_tree(staging, stat.S_IMODE(os.stat(staging).st_mode))
         if folder.exists():
             # only an empty folder can be renamed over; move the old one aside first
-            old = _beside(folder, "old")
+            old = beside(folder, "old")
             os.replace(folder, old)
             os.replace(staging, folder)
             shutil.rmtree(old, ignore_errors=True)
