@@ -13,9 +13,9 @@ normalized by the global count of tokens, so N processes compute what one would.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
+import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -25,13 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.io.files import append_line, read_lines, write_atomically
+from qkv.io.files import write_atomically
+from qkv.io.runs import staging_leftovers
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.train import checkpoint as ckpt
 from qkv.train.arch import build_model, hf_config
 from qkv.train.batches import IGNORE, Batches, shard
 from qkv.train.config import RESUMABLE, RunConfig
 from qkv.train.data import prepare
+from qkv.train.metrics import append_record, truncate_records
 from qkv.train.progress import Progress
 
 
@@ -78,20 +80,64 @@ def train(
 
     A new run needs `run` absent or empty; resuming needs a run folder whose config matches
     (only RESUMABLE keys such as train.steps may change). Returns the losses measured.
+    A new run that fails before its first checkpoint leaves `run` as it found it, so the
+    same command can be run again; a loss that stops being finite stops the run.
     """
     config.check()
     run = Path(run)
     dist = _distributed(config)
-    start = _open_run(config, run, resume, dist)
+    made = None if resume else _first_missing(run)  # what this call creates, if anything
+    was_empty = not resume and run.is_dir() and not any(run.iterdir())
     try:
+        start = _open_run(config, run, resume, dist)
         return _Trainer(config, run, dist, quiet).fit(start)
+    except BaseException:
+        if dist.main and not resume and not ckpt.checkpoints(run):
+            _undo_start(run, made, was_empty)
+        raise
     finally:
         if dist.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
+def _first_missing(run: Path) -> Path | None:
+    """The outermost folder of `run`'s path that does not exist yet (mkdir makes it)."""
+    missing = None
+    for folder in (run, *run.parents):
+        if folder.exists():
+            break
+        missing = folder
+    return missing
+
+
+def _undo_start(run: Path, made: Path | None, was_empty: bool) -> None:
+    """Remove what a failed start wrote: the folders it made, or, in a folder that was
+    empty, everything (it was all written by this call)."""
+    if made is not None:
+        shutil.rmtree(made, ignore_errors=True)
+    elif was_empty and run.is_dir():
+        _remove(list(run.iterdir()))
+
+
 def _open_run(config: RunConfig, run: Path, resume: bool, dist: Distributed) -> Path | None:
-    """Check the folder and write config.toml; return the checkpoint to resume from."""
+    """Check the folder and write config.toml; return the checkpoint to resume from.
+
+    The first writes are here, so a folder that cannot be written is refused here, by name.
+    """
+    try:
+        return _check_and_write_config(config, run, resume, dist)
+    except OSError as error:  # not writable, a file in the way, a read-only disk...
+        where = Path(error.filename) if error.filename else run
+        at = "" if where == run or run in where.parents else f" ({where})"
+        raise ValueError(
+            f"cannot write the run folder {run}: {error.strerror or error}{at}; choose a "
+            "folder you can write"
+        ) from None
+
+
+def _check_and_write_config(
+    config: RunConfig, run: Path, resume: bool, dist: Distributed
+) -> Path | None:
     saved = run / "config.toml"
     if resume:
         if not saved.is_file():
@@ -108,13 +154,15 @@ def _open_run(config: RunConfig, run: Path, resume: bool, dist: Distributed) -> 
         found = ckpt.checkpoints(run)
         dist.barrier()
         if dist.main:
+            _remove_leftovers(run)
             write_atomically(saved, lambda file: file.write(config.to_toml().encode()))
         return found[-1] if found else None
-    if run.exists() and (not run.is_dir() or any(run.iterdir())):
+    if run.exists() and (not run.is_dir() or set(run.iterdir()) - set(staging_leftovers(run))):
         raise ValueError(f"{run} exists and is not empty; choose a new folder or resume it")
     dist.barrier()  # every process has looked before the first one writes
     if dist.main:
         run.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(run)  # a start killed while writing config.toml left only these
         write_atomically(saved, lambda file: file.write(config.to_toml().encode()))
     dist.barrier()
     return None
@@ -172,21 +220,23 @@ class _Trainer:
         result = RunResult(self.run, step)
         metrics = self.run / "metrics.jsonl"
         if self.dist.main:
-            _truncate_metrics(metrics, step)
+            truncate_records(metrics, step)
         began_run = time.perf_counter()
         with Progress(t.steps, step, quiet=self.quiet) as progress:
             while step < t.steps:
                 began = time.perf_counter()
                 loss, tokens = self._step(step)
                 step += 1
+                self._stop_unless_finite(step, "loss", loss)
                 elapsed = time.perf_counter() - began
                 record = {"step": step, "loss": loss, "lr": self.schedule.get_last_lr()[0],
                           "tokens": tokens, "tokens_per_s": tokens / elapsed}  # fmt: skip
                 result.losses[step] = loss
                 if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
                     record["val_loss"] = result.val_losses[step] = self.evaluate()
+                    self._stop_unless_finite(step, "validation loss", record["val_loss"])
                 if self.dist.main:
-                    _append(metrics, record)
+                    append_record(metrics, record)
                 progress.update(step, record)
                 if step == t.steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
                     result.checkpoint = self._save(step)
@@ -195,6 +245,21 @@ class _Trainer:
         result.steps = step
         result.seconds = time.perf_counter() - began_run
         return result
+
+    def _stop_unless_finite(self, step: int, what: str, value: float) -> None:
+        """A NaN or infinite loss means the weights are lost: stop before it is logged or
+        checkpointed (every process sees the same global value, so all stop together)."""
+        if not math.isfinite(value):
+            raise self._diverged(step, f"the {what} is {value}")
+
+    def _diverged(self, step: int, what: str) -> ValueError:
+        found = ckpt.checkpoints(self.run)
+        last = f"step {ckpt.step_of(found[-1])}" if found else "none yet"
+        t = self.config.train
+        return ValueError(
+            f"training diverged at step {step}: {what}; stopped, and the last checkpoint "
+            f"({last}) is intact; try a smaller train.lr (now {t.lr:g}) or train.clip"
+        )
 
     def _step(self, step: int) -> tuple[float, int]:
         """One optimizer step; returns the global mean loss and the tokens read."""
@@ -252,6 +317,10 @@ class _Trainer:
 
     def _save(self, step: int) -> Path | None:
         model_state, optimizer_state = self._full_state()
+        # a finite loss can still come with an update that overflowed the weights
+        broken = sum(not bool(torch.isfinite(v).all()) for v in model_state.values())
+        if self.dist.sum(float(broken)):  # under FSDP only the first process holds them
+            raise self._diverged(step, "the update made weights NaN or infinite")
         path = None
         if self.dist.main:
             trainer = {
@@ -343,14 +412,14 @@ def _fully_shard(model: nn.Module) -> nn.Module:
     return model
 
 
-def _append(path: Path, record: dict) -> None:
-    append_line(path, json.dumps(record))
+def _remove_leftovers(run: Path) -> None:
+    """Remove the staging files and folders of writes a kill cut short (qkv's names only)."""
+    _remove(staging_leftovers(run))
 
 
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop the lines of steps after `step` (written after the checkpoint a run resumes)."""
-    if not path.exists():
-        return
-    kept = [line for line in read_lines(path) if json.loads(line)["step"] <= step]
-    text = "".join(line + "\n" for line in kept)
-    write_atomically(path, lambda file: file.write(text.encode()))
+def _remove(paths: list[Path]) -> None:
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
