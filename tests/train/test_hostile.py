@@ -197,9 +197,7 @@ def test_a_resume_removes_what_kills_mid_write_left_and_nothing_else(tmp_path):
     for name in mine:
         (run / name).mkdir()
 
-    result = run_qkv("train", "--resume", "--out", run, "--set", "train.steps=6", "--quiet",
-                     env=ENV)  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    assert train(config.override(["train.steps=6"]), run, resume=True, quiet=True).steps == 6
     after = leftovers(run)
     assert not [p for p in after if p.startswith(tuple(staged))], after
     assert all(name in after for name in mine)
@@ -213,6 +211,10 @@ def test_a_start_that_fails_leaves_nothing_and_the_same_out_works(tmp_path):
     failed = run_qkv("train", toml, "--out", out, "--quiet", env=ENV)
     assert_one_line_error(failed, "model.context 8 must be at least")
     assert leftovers(tmp_path) == ["short.toml"]  # runs/ was made by that call: gone too
+    (tmp_path / "runs" / "other").mkdir(parents=True)  # another run starting beside it
+    with pytest.raises(ValueError, match="model.context 8 must be at least"):
+        train(too_short, tmp_path / "runs" / "new" / "short", quiet=True)
+    assert leftovers(tmp_path / "runs") == ["other"]
     (tmp_path / "empty").mkdir()  # a folder the user made stays, empty as it was
     with pytest.raises(ValueError, match="model.context 8 must be at least"):
         train(too_short, tmp_path / "empty", quiet=True)

@@ -111,10 +111,18 @@ def _first_missing(run: Path) -> Path | None:
 
 
 def _undo_start(run: Path, made: Path | None, was_empty: bool) -> None:
-    """Remove what a failed start wrote: the folders it made, or, in a folder that was
-    empty, everything (it was all written by this call)."""
+    """Remove what a failed start wrote: the run folder if it made it, with the parents it
+    made while nothing else is in them (another run may be starting there), or else, in a
+    folder that was empty, everything (all written by this call)."""
     if made is not None:
-        shutil.rmtree(made, ignore_errors=True)
+        shutil.rmtree(run, ignore_errors=True)
+        for folder in run.parents:
+            if folder == made.parent:
+                break
+            try:
+                folder.rmdir()  # only if empty
+            except OSError:
+                break
     elif was_empty and run.is_dir():
         _remove(list(run.iterdir()))
 
