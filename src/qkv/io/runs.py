@@ -14,6 +14,11 @@ from pathlib import Path
 
 STEP = re.compile(r"step-(\d+)")
 CONFIG = "config.toml"  # the run's RunConfig, as TOML
+# The staging names io.files gives what it writes (".NAME.<8 hex>.tmp|partial|old"), for
+# the names a run writes: a kill mid-write leaves them behind, and only these are cleaned.
+_STAGED = r"\.{}\.[0-9a-f]{{8}}\.(?:tmp|partial|old)"
+STAGED_IN_RUN = re.compile(_STAGED.format(r"(?:config\.toml|metrics\.jsonl|tokenizer|data)"))
+STAGED_CHECKPOINT = re.compile(_STAGED.format(r"step-\d+"))
 
 
 def is_run(folder: Path) -> bool:
@@ -32,6 +37,21 @@ def checkpoints(run: Path) -> list[Path]:
         return []
     found = [p for p in folder.iterdir() if p.is_dir() and STEP.fullmatch(p.name)]
     return sorted(found, key=step_of)
+
+
+def staging_leftovers(run: Path) -> list[Path]:
+    """What writes cut short by a kill left in the run folder: hidden staging files and
+    folders of qkv's own names, in it and in its checkpoints folder (nothing else).
+
+    >>> staging_leftovers(Path("no-such-run"))
+    []
+    """
+    found = []
+    for folder, pattern in ((Path(run), STAGED_IN_RUN),
+                            (Path(run) / "checkpoints", STAGED_CHECKPOINT)):  # fmt: skip
+        if folder.is_dir():
+            found += [p for p in folder.iterdir() if pattern.fullmatch(p.name)]
+    return sorted(found)
 
 
 def step_of(checkpoint: Path) -> int:

@@ -17,6 +17,7 @@ ValueError: unknown config key 'train.lr8'; did you mean train.lr or train.min_l
 from __future__ import annotations
 
 import difflib
+import math
 import tomllib
 import types
 import typing
@@ -27,6 +28,8 @@ from typing import Any
 ARCHS = ("gpt2", "llama", "bert", "bart")  # the Hugging Face family each run exports as
 OBJECTIVES = {"gpt2": "causal", "llama": "causal", "bert": "masked", "bart": "seq2seq"}
 DATA_KINDS = ("text", "bank", "reverse", "swap", "copy")
+SEEDS = (0, 2**64 - 1)  # what torch.manual_seed takes
+LARGEST_INT = 2**63 - 1  # torch's int64: a larger size or count overflows inside torch
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,7 @@ class RunConfig:
 
     def check(self) -> RunConfig:
         """Raise ValueError for any value out of range; return self."""
+        _numbers_in_range(self.flat())
         self.model.check()
         self.data.check(self.model)
         self.train.check()
@@ -287,6 +291,20 @@ def _toml_value(value: Any) -> str:
 def _toml_string(text: str) -> str:
     escaped = text.replace("\\", "\\\\").replace('"', '\\"')
     return f'"{escaped}"'
+
+
+def _numbers_in_range(flat: dict[str, Any]) -> None:
+    """Every float finite (lr=inf trains NaN) and every int one torch can hold: checked here
+    once, for every key, wherever the value came from (TOML, --set, Python)."""
+    for key, value in flat.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value}")
+        if key == "train.seed":
+            low, high = SEEDS
+            if not low <= value <= high:
+                raise ValueError(f"train.seed must be in {low}..2**64-1 ({high}), got {value}")
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) > LARGEST_INT:
+            raise ValueError(f"{key} must be at most 2**63-1 ({LARGEST_INT}), got {value}")
 
 
 def _one_of(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -13,7 +13,6 @@ normalized by the global count of tokens, so N processes compute what one would.
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 import time
@@ -25,13 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.io.files import append_line, read_lines, write_atomically
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.train import checkpoint as ckpt
 from qkv.train.arch import build_model, hf_config
 from qkv.train.batches import IGNORE, Batches, shard
-from qkv.train.config import RESUMABLE, RunConfig
+from qkv.train.config import RunConfig
 from qkv.train.data import prepare
+from qkv.train.folder import open_run, undone_if_it_fails
+from qkv.train.metrics import append_record, truncate_records
 from qkv.train.progress import Progress
 
 
@@ -78,46 +78,19 @@ def train(
 
     A new run needs `run` absent or empty; resuming needs a run folder whose config matches
     (only RESUMABLE keys such as train.steps may change). Returns the losses measured.
+    A new run that fails before its first checkpoint leaves `run` as it found it, so the
+    same command can be run again; a loss that stops being finite stops the run.
     """
     config.check()
     run = Path(run)
     dist = _distributed(config)
-    start = _open_run(config, run, resume, dist)
     try:
-        return _Trainer(config, run, dist, quiet).fit(start)
+        with undone_if_it_fails(run, resume, dist.main):
+            start = open_run(config, run, resume, dist)
+            return _Trainer(config, run, dist, quiet).fit(start)
     finally:
         if dist.world > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def _open_run(config: RunConfig, run: Path, resume: bool, dist: Distributed) -> Path | None:
-    """Check the folder and write config.toml; return the checkpoint to resume from."""
-    saved = run / "config.toml"
-    if resume:
-        if not saved.is_file():
-            raise ValueError(f"{run} holds no run to resume (no config.toml); start a new one")
-        differences = [
-            d for d in RunConfig.from_toml(saved).differences(config)
-            if d.split(":")[0] not in RESUMABLE
-        ]  # fmt: skip
-        if differences:
-            raise ValueError(
-                f"cannot resume {run} with a different config ({'; '.join(differences)}); "
-                f"only {', '.join(sorted(RESUMABLE))} may change"
-            )
-        found = ckpt.checkpoints(run)
-        dist.barrier()
-        if dist.main:
-            write_atomically(saved, lambda file: file.write(config.to_toml().encode()))
-        return found[-1] if found else None
-    if run.exists() and (not run.is_dir() or any(run.iterdir())):
-        raise ValueError(f"{run} exists and is not empty; choose a new folder or resume it")
-    dist.barrier()  # every process has looked before the first one writes
-    if dist.main:
-        run.mkdir(parents=True, exist_ok=True)
-        write_atomically(saved, lambda file: file.write(config.to_toml().encode()))
-    dist.barrier()
-    return None
 
 
 class _Trainer:
@@ -172,21 +145,23 @@ class _Trainer:
         result = RunResult(self.run, step)
         metrics = self.run / "metrics.jsonl"
         if self.dist.main:
-            _truncate_metrics(metrics, step)
+            truncate_records(metrics, step)
         began_run = time.perf_counter()
         with Progress(t.steps, step, quiet=self.quiet) as progress:
             while step < t.steps:
                 began = time.perf_counter()
                 loss, tokens = self._step(step)
                 step += 1
+                self._stop_unless_finite(step, "loss", loss)
                 elapsed = time.perf_counter() - began
                 record = {"step": step, "loss": loss, "lr": self.schedule.get_last_lr()[0],
                           "tokens": tokens, "tokens_per_s": tokens / elapsed}  # fmt: skip
                 result.losses[step] = loss
                 if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
                     record["val_loss"] = result.val_losses[step] = self.evaluate()
+                    self._stop_unless_finite(step, "validation loss", record["val_loss"])
                 if self.dist.main:
-                    _append(metrics, record)
+                    append_record(metrics, record)
                 progress.update(step, record)
                 if step == t.steps or (t.checkpoint_every and step % t.checkpoint_every == 0):
                     result.checkpoint = self._save(step)
@@ -195,6 +170,21 @@ class _Trainer:
         result.steps = step
         result.seconds = time.perf_counter() - began_run
         return result
+
+    def _stop_unless_finite(self, step: int, what: str, value: float) -> None:
+        """A NaN or infinite loss means the weights are lost: stop before it is logged or
+        checkpointed (every process sees the same global value, so all stop together)."""
+        if not math.isfinite(value):
+            raise self._diverged(step, f"the {what} is {value}")
+
+    def _diverged(self, step: int, what: str) -> ValueError:
+        found = ckpt.checkpoints(self.run)
+        last = f"step {ckpt.step_of(found[-1])}" if found else "none yet"
+        t = self.config.train
+        return ValueError(
+            f"training diverged at step {step}: {what}; stopped, and the last checkpoint "
+            f"({last}) is intact; try a smaller train.lr (now {t.lr:g}) or train.clip"
+        )
 
     def _step(self, step: int) -> tuple[float, int]:
         """One optimizer step; returns the global mean loss and the tokens read."""
@@ -252,6 +242,10 @@ class _Trainer:
 
     def _save(self, step: int) -> Path | None:
         model_state, optimizer_state = self._full_state()
+        # a finite loss can still come with an update that overflowed the weights
+        broken = sum(not bool(torch.isfinite(v).all()) for v in model_state.values())
+        if self.dist.sum(float(broken)):  # under FSDP only the first process holds them
+            raise self._diverged(step, "the update made weights NaN or infinite")
         path = None
         if self.dist.main:
             trainer = {
@@ -341,16 +335,3 @@ def _fully_shard(model: nn.Module) -> nn.Module:
                 fully_shard(block)
     fully_shard(model)
     return model
-
-
-def _append(path: Path, record: dict) -> None:
-    append_line(path, json.dumps(record))
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop the lines of steps after `step` (written after the checkpoint a run resumes)."""
-    if not path.exists():
-        return
-    kept = [line for line in read_lines(path) if json.loads(line)["step"] <= step]
-    text = "".join(line + "\n" for line in kept)
-    write_atomically(path, lambda file: file.write(text.encode()))

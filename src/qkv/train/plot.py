@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from qkv.train.metrics import read_records
 
 
 def read_metrics(run: str | Path) -> list[dict]:
@@ -11,12 +12,7 @@ def read_metrics(run: str | Path) -> list[dict]:
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise ValueError(f"{run} has no metrics.jsonl; is it a qkv training run folder?")
-    records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            raise ValueError(f"{path} line {number} is not JSON") from None
+    records = read_records(path)
     if not records:
         raise ValueError(f"{path} is empty: the run has not finished a step yet")
     return records
