@@ -28,6 +28,16 @@ def beside(path: Path, kind: str) -> Path:
 _STAGED = re.compile(r"^\.(.+)\.[0-9a-f]{8}\.(?:tmp|partial|old)$")
 
 
+def staged_name(name: str) -> str | None:
+    """The name a staging name of `beside`'s stands for; None for any other name.
+
+    >>> staged_name(".page.html.0a1b2c3d.tmp"), staged_name("page.html")
+    ('page.html', None)
+    """
+    found = _STAGED.fullmatch(name)
+    return found[1] if found else None
+
+
 def staged_for(path: Path) -> Path:
     """The path a staging path (`beside`'s, or one inside a staged folder) stands for;
     any other path as it is.
@@ -35,7 +45,7 @@ def staged_for(path: Path) -> Path:
     >>> staged_for(Path("out/.page.html.0a1b2c3d.tmp")), staged_for(Path("out/page.html"))
     (PosixPath('out/page.html'), PosixPath('out/page.html'))
     """
-    return Path(*(_STAGED.sub(r"\1", part) for part in path.parts))
+    return Path(*(staged_name(part) or part for part in path.parts))
 
 
 def write_atomically(path: Path, write: Callable[[IO[bytes]], object]) -> None:

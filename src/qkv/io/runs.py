@@ -12,13 +12,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from qkv.io.files import staged_name
+
 STEP = re.compile(r"step-(\d+)")
 CONFIG = "config.toml"  # the run's RunConfig, as TOML
-# The staging names io.files gives what it writes (".NAME.<8 hex>.tmp|partial|old"), for
-# the names a run writes: a kill mid-write leaves them behind, and only these are cleaned.
-_STAGED = r"\.{}\.[0-9a-f]{{8}}\.(?:tmp|partial|old)"
-STAGED_IN_RUN = re.compile(_STAGED.format(r"(?:config\.toml|metrics\.jsonl|tokenizer|data)"))
-STAGED_CHECKPOINT = re.compile(_STAGED.format(r"step-\d+"))
+# what a run writes beside config.toml: a kill mid-write leaves their staging names behind
+RUN_FILES = {CONFIG, "metrics.jsonl", "tokenizer", "data"}
 
 
 def is_run(folder: Path) -> bool:
@@ -47,10 +46,10 @@ def staging_leftovers(run: Path) -> list[Path]:
     []
     """
     found = []
-    for folder, pattern in ((Path(run), STAGED_IN_RUN),
-                            (Path(run) / "checkpoints", STAGED_CHECKPOINT)):  # fmt: skip
+    for folder, written in ((Path(run), RUN_FILES.__contains__),
+                            (Path(run) / "checkpoints", STEP.fullmatch)):  # fmt: skip
         if folder.is_dir():
-            found += [p for p in folder.iterdir() if pattern.fullmatch(p.name)]
+            found += [p for p in folder.iterdir() if written(staged_name(p.name) or "")]
     return sorted(found)
 
 
