@@ -9,6 +9,7 @@ asks for the one-line error.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import subprocess
@@ -25,16 +26,21 @@ def run_qkv(
     timeout: float = 120,
     cwd: str | os.PathLike | None = None,
     env: dict[str, str] | None = None,
+    command: list[str] | None = None,
+    as_user: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`python -m qkv.cli ARGS` in a child process, its address space capped at memory_gb."""
+    """`python -m qkv.cli ARGS` (or `command`) in a child process, its address space capped
+    at memory_gb; with as_user, as a user whom file modes bind (see `as_a_user`)."""
 
     def limit() -> None:
         if memory_gb is not None:
             size = int(memory_gb * 2**30)
             resource.setrlimit(resource.RLIMIT_AS, (size, size))
+        if as_user:
+            as_a_user()
 
     return subprocess.run(
-        [sys.executable, "-m", "qkv.cli", *map(str, args)],
+        command or [sys.executable, "-m", "qkv.cli", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -42,6 +48,17 @@ def run_qkv(
         env={**os.environ, **(env or {})},
         preexec_fn=limit,
     )
+
+
+def as_a_user() -> None:
+    """In a child before it starts: for root, drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH
+    from the capabilities every program it runs may have, so a chmod binds it as it binds
+    any user (test machines often run as root, which reads and writes through any mode)."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for capability in (1, 2):  # PR_CAPBSET_DROP (24) of DAC_OVERRIDE, DAC_READ_SEARCH
+            if libc.prctl(24, capability, 0, 0, 0) != 0:
+                os._exit(99)
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *says: str) -> str:

@@ -12,7 +12,6 @@ and `_read_sentences` (one form of line throughout a --sentences file).
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,24 +19,6 @@ import torch
 
 from hostile import assert_one_line_error, run_qkv
 from qkv.io.embedded import embedded_path
-
-
-def _chmod_binds() -> bool:
-    """Whether a mode stops this process: not for root (os.geteuid() == 0), which reads and
-    writes through any chmod, unless it runs without CAP_DAC_OVERRIDE."""
-    with tempfile.TemporaryDirectory() as folder:
-        locked = Path(folder, "locked")
-        locked.mkdir(mode=0)
-        try:
-            os.listdir(locked)
-            return False
-        except PermissionError:
-            return True
-        finally:
-            locked.chmod(0o700)
-
-
-CHMOD_BINDS = _chmod_binds()
 
 
 def minilm_copy(folder: Path) -> Path:
@@ -164,18 +145,19 @@ CASES = {
     )
 }  # fmt: skip
 MEMORY_GB = {"model_too_big_for_memory": 1.0}
-CHMOD = {"model_folder_unreadable", "out_folder_read_only"}  # a mode that root reads through
+# the modes these cases set bind the child (run_qkv drops root's override): shown first
+CHMOD = {"model_folder_unreadable": ["ls", "model"], "out_folder_read_only": ["touch", "ro/x"]}
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_hostile_input_is_one_line_and_exit_2(name, tmp_path):
-    if name in CHMOD and not CHMOD_BINDS:
-        pytest.skip("running as root, which a chmod does not stop; model_config_is_a_folder "
-                    "and out_in_proc fail the same way for root")  # fmt: skip
     args, says, *env = CASES[name](tmp_path)
     try:
+        if name in CHMOD:
+            probe = run_qkv(command=CHMOD[name], cwd=tmp_path, as_user=True)
+            assert probe.returncode != 0, "the mode does not bind the child"
         result = run_qkv(*args, memory_gb=MEMORY_GB.get(name, 4), cwd=tmp_path,
-                         env=env[0] if env else None)  # fmt: skip
+                         env=env[0] if env else None, as_user=name in CHMOD)  # fmt: skip
     finally:
         for folder in (tmp_path / "model", tmp_path / "ro"):  # let pytest clean up
             if folder.exists():

@@ -4,14 +4,10 @@ failed or killed run leaves never blocks the next one."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
-import resource
 import signal
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +16,7 @@ import torch
 from conftest import REPO, metrics, tiny, write_toml
 
 import qkv
-from hostile import DEFAULT_MEMORY_GB, assert_one_line_error, leftovers, run_qkv
+from hostile import assert_one_line_error, leftovers, run_qkv
 from qkv.io.files import write_atomically, write_folder_atomically
 from qkv.io.runs import checkpoint_folder
 from qkv.train import RunConfig, train
@@ -224,18 +220,6 @@ def test_a_start_that_fails_leaves_nothing_and_the_same_out_works(tmp_path):
     assert train(tinier(), tmp_path / "empty", quiet=True).steps == 4
 
 
-def _without_root_override() -> None:
-    """In the child: the memory cap of run_qkv, and, for root, no CAP_DAC_OVERRIDE (nor
-    CAP_DAC_READ_SEARCH), so that a folder's permissions hold for it as for any user."""
-    size = int(DEFAULT_MEMORY_GB * 2**30)
-    resource.setrlimit(resource.RLIMIT_AS, (size, size))
-    if os.geteuid() == 0:
-        libc = ctypes.CDLL(None, use_errno=True)
-        for capability in (1, 2):  # PR_CAPBSET_DROP: gone from every program it execs
-            if libc.prctl(24, capability, 0, 0, 0) != 0:
-                os._exit(99)
-
-
 @pytest.mark.parametrize("where", ["inside", "itself"])
 def test_a_run_folder_that_cannot_be_written_is_one_line_naming_it(where, tmp_path):
     locked = tmp_path / "locked"
@@ -244,14 +228,9 @@ def test_a_run_folder_that_cannot_be_written_is_one_line_naming_it(where, tmp_pa
     out = locked / "run" if where == "inside" else locked
     locked.chmod(0o555)
     try:
-        probe = subprocess.run(["touch", str(locked / "probe")], capture_output=True,
-                               preexec_fn=_without_root_override)  # fmt: skip
+        probe = run_qkv(command=["touch", str(locked / "probe")], as_user=True)
         assert probe.returncode == 1, "the child can still write a read-only folder"
-        result = subprocess.run(
-            [sys.executable, "-m", "qkv.cli", "train", str(toml), "--out", str(out), "--quiet"],
-            capture_output=True, text=True, timeout=120, env={**os.environ, **ENV},
-            preexec_fn=_without_root_override,
-        )  # fmt: skip
+        result = run_qkv("train", toml, "--out", out, "--quiet", env=ENV, as_user=True)
     finally:
         locked.chmod(0o755)
     assert_one_line_error(result, f"cannot write the run folder {out}: Permission denied")
