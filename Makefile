@@ -33,8 +33,10 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
+# two processes, each test file in one (pytest-xdist): the suite's subprocesses and model
+# loads leave a core idle in one process
 test: $(STAMP) $(CHROMIUM)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks docs

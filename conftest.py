@@ -50,3 +50,21 @@ def smollm2_hf():
         path.parent, dtype=torch.float32, attn_implementation="eager", **kwargs
     ).eval()
     return model, transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
+
+
+# `make test` runs the files in two processes (pytest-xdist, --dist loadfile: each file in one,
+# so a module's fixtures are built once). The slowest files go first, so that none of them
+# starts last and runs on alone while the other process is idle.
+SLOWEST_FIRST = (
+    "tests/train/test_presets.py",  # trains the bank and reverse presets
+    "tests/io/test_gguf.py",  # transformers' own load of SmolLM2 from GGUF
+    "tests/test_demo.py",
+    "tests/test_walkthrough.py",
+    "tests/train/test_loop.py",
+    "tests/train/test_distributed.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))
