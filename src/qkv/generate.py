@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from qkv.models import Decoder, EncoderDecoder
+from qkv.models.decoder import cap_logits
 
 
 @dataclass(frozen=True)
@@ -137,4 +138,5 @@ def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, position
         input_ids, attention_mask=attention_mask, positions=positions, cache=cache, logits=False
     )
     logits = out.hidden[:, -1] @ head.to(out.hidden.dtype)  # (B, vocab)
-    return logits if bias is None else logits + bias
+    logits = logits if bias is None else logits + bias
+    return cap_logits(logits, model.config.logit_softcap)

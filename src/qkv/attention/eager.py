@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qkv.attention.inputs import Shape, allowed_keys, check_inputs
+from qkv.attention.inputs import (
+    Shape,
+    allowed_keys,
+    capped,
+    check_inputs,
+    check_variants,
+    check_window,
+    with_window,
+)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -33,7 +41,9 @@ def weights_from_scores(scores: Tensor, allowed: Tensor | None) -> Tensor:
     return weights.masked_fill(blind, 0.0) if blind.any() else weights
 
 
-def _weights(q: Tensor, k: Tensor, mask, causal, scale: float, shape: Shape) -> Tensor:
+def _weights(
+    q: Tensor, k: Tensor, mask, causal, scale: float, shape: Shape, softcap=None, bias=None
+) -> Tensor:
     B, H, Hkv, Tq, Tk, D = shape.B, shape.H, shape.Hkv, shape.Tq, shape.Tk, shape.D
     dtype = compute_dtype(q.dtype)
     # Query head h reads key head h // group: view the queries as (B, Hkv, group, Tq, D)
@@ -41,18 +51,32 @@ def _weights(q: Tensor, k: Tensor, mask, causal, scale: float, shape: Shape) -> 
     q = (q.to(dtype) * scale).reshape(B, Hkv, shape.group, Tq, D)
     k = k.to(dtype).unsqueeze(2)  # (B, Hkv, 1, Tk, D)
     scores = (q @ k.transpose(-1, -2)).reshape(B, H, Tq, Tk)  # every query . every key
+    scores = capped(scores, softcap)
+    if bias is not None:
+        scores = scores + bias.to(dtype)
     return weights_from_scores(scores, allowed_keys(mask, causal, Tq, Tk, q.device))
 
 
 def forward(
-    q: Tensor, k: Tensor, v: Tensor, *, mask, causal: bool, scale: float, shape: Shape
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask,
+    causal: bool,
+    scale: float,
+    shape: Shape,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """Backend entry for the registry: inputs already checked."""
-    return _forward(q, k, v, mask, causal, scale, shape)[0]
+    """Backend entry for the registry: inputs already checked (a window already in mask)."""
+    return _forward(q, k, v, mask, causal, scale, shape, softcap, bias)[0]
 
 
-def _forward(q, k, v, mask, causal, scale, shape: Shape) -> tuple[Tensor, Tensor]:
-    weights = _weights(q, k, mask, causal, scale, shape)  # (B, H, Tq, Tk)
+def _forward(
+    q, k, v, mask, causal, scale, shape: Shape, softcap=None, bias=None
+) -> tuple[Tensor, Tensor]:
+    weights = _weights(q, k, mask, causal, scale, shape, softcap, bias)  # (B, H, Tq, Tk)
     grouped = weights.reshape(shape.B, shape.Hkv, shape.group, shape.Tq, shape.Tk)
     v = v.to(weights.dtype).unsqueeze(2)  # (B, Hkv, 1, Tk, D)
     out = (grouped @ v).reshape(shape.B, shape.H, shape.Tq, shape.D)  # weighted sum of values
@@ -67,16 +91,21 @@ def attend(
     mask: Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
     return_weights: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with the `eager` backend; optionally also the weights.
 
-    Shapes as in `qkv.attend`. With return_weights, returns (out, weights) where weights is
-    (B, H, Tq, Tk) in float32 (float64 for float64 inputs); each row sums to 1, or to 0 for
-    a query that may see no key.
+    Arguments as in `qkv.attend`. With return_weights, returns (out, weights) where weights
+    is (B, H, Tq, Tk) in float32 (float64 for float64 inputs); each row sums to 1, or to 0
+    for a query that may see no key.
     """
     shape, scale = check_inputs(q, k, v, mask, scale)
-    out, weights = _forward(q, k, v, mask, causal, scale, shape)
+    variants = check_variants(shape, q, softcap, bias)
+    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
+    out, weights = _forward(q, k, v, mask, causal, scale, shape, variants.softcap, bias)
     return (out, weights) if return_weights else out
 
 
@@ -87,11 +116,14 @@ def attention_weights(
     mask: Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """The normalized attention weights (B, H, Tq, Tk) of queries q over keys k.
 
     These are the weights `eager` uses, so any backend's layer can recompute them from its
-    q and k and report exactly what `eager` would.
+    q and k and report exactly what `eager` would. window, softcap, bias: as in `qkv.attend`.
 
     >>> q = k = torch.eye(2).view(1, 1, 2, 2)
     >>> attention_weights(q, k, causal=True).squeeze()
@@ -99,4 +131,6 @@ def attention_weights(
             [0.3302, 0.6698]])
     """
     shape, scale = check_inputs(q, k, k, mask, scale)
-    return _weights(q, k, mask, causal, scale, shape)
+    variants = check_variants(shape, q, softcap, bias)
+    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
+    return _weights(q, k, mask, causal, scale, shape, variants.softcap, bias)

@@ -1,8 +1,10 @@
 """What every backend may assume: checked shapes, and one way to build the mask.
 
 `check_inputs` turns a wrong call into a `ValueError` that names the fault and what is
-allowed, so backends can trust their inputs. `allowed_keys` combines a boolean mask and
-the causal rule into one (…, Tq, Tk) tensor, True where a query may attend to a key.
+allowed, so backends can trust their inputs. `allowed_keys` combines a boolean mask, the
+causal rule and a sliding window into one (…, Tq, Tk) tensor, True where a query may attend
+to a key. `check_variants` checks what a model may change in the scores themselves: a
+soft-cap and an additive bias (`Variants`).
 """
 
 from __future__ import annotations
@@ -112,6 +114,82 @@ def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> T
     return torch.ones(Tq, Tk, dtype=torch.bool, device=device).tril(diagonal=Tk - Tq)
 
 
+def window_mask(Tq: int, Tk: int, window: int, causal: bool, device=None) -> Tensor:
+    """(Tq, Tk) boolean: True where key j is fewer than `window` positions from query i.
+
+    Queries are aligned to the end of the keys (query i sits at position i + Tk - Tq). A
+    causal model's window looks back only (Mistral: a key `window` or more tokens back is
+    hidden); an encoder's looks both ways (ModernBERT's local layers).
+
+    >>> window_mask(3, 3, 2, causal=True).int().tolist()  # the causal rule hides later keys
+    [[1, 1, 1], [1, 1, 1], [0, 1, 1]]
+    >>> window_mask(3, 3, 2, causal=False).int().tolist()
+    [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
+    >>> window_mask(1, 4, 2, causal=True).int().tolist()  # decoding: the last query
+    [[0, 0, 1, 1]]
+    """
+    at = torch.arange(Tq, device=device)[:, None] + (Tk - Tq)
+    distance = at - torch.arange(Tk, device=device)[None, :]  # > 0: the key is earlier
+    near = distance < window
+    return near if causal else near & (-distance < window)
+
+
+@dataclass(frozen=True)
+class Variants:
+    """What a model changes in the scores: score = softcap * tanh(scale * q.k / softcap)
+    (Gemma 2's soft-cap; no cap when None), plus `bias` (B?, H?, Tq, Tk), a float added to
+    every score before the softmax (T5's relative positions; None for none)."""
+
+    softcap: float | None = None
+    bias: Tensor | None = None
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Which variants are in use: a subset of {"softcap", "bias"}."""
+        used = {"softcap": self.softcap is not None, "bias": self.bias is not None}
+        return frozenset(name for name, on in used.items() if on)
+
+
+NONE = Variants()
+
+
+def check_window(window: int | None) -> int | None:
+    if window is None:
+        return None
+    if type(window) is not int or window < 1:
+        raise ValueError(f"window must be a whole number of tokens >= 1 or None, got {window!r}")
+    return window
+
+
+def check_variants(shape: Shape, q: Tensor, softcap, bias) -> Variants:
+    """Validate a soft-cap and a score bias for a call of `shape`."""
+    if softcap is not None and not (
+        isinstance(softcap, int | float) and math.isfinite(softcap) and softcap > 0
+    ):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    if bias is not None:
+        if not isinstance(bias, Tensor) or not bias.is_floating_point():
+            kind = bias.dtype if isinstance(bias, Tensor) else type(bias).__name__
+            raise ValueError(f"bias must be a float tensor added to the scores, got {kind}")
+        if bias.device != q.device:
+            raise ValueError(f"bias is on {bias.device} but q is on {q.device}")
+        target = (shape.B, shape.H, shape.Tq, shape.Tk)
+        try:
+            broadcast = torch.broadcast_shapes(bias.shape, target)
+        except RuntimeError:
+            broadcast = None
+        if bias.dim() > 4 or broadcast != torch.Size(target):
+            raise ValueError(
+                f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Tq, Tk) = {target}"
+            )
+    return Variants(None if softcap is None else float(softcap), bias)
+
+
+def capped(scores: Tensor, softcap: float | None) -> Tensor:
+    """Gemma 2's soft-cap: softcap * tanh(scores / softcap), or the scores themselves."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
     """Layer or head indices as a list of ints, each in 0..count-1; otherwise a ValueError
     that names the range. Layers and heads count from 0 everywhere.
@@ -156,17 +234,37 @@ def select_heads(
     """
     group = q.shape[1] // k.shape[1]
     index = torch.tensor(heads, device=q.device, dtype=torch.long)
-    if mask is not None:
-        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (B?, H?, Tq?, Tk)
-        if mask.shape[1] != 1:  # one mask per head: keep the asked-for heads' masks
-            mask = mask.index_select(1, index)
-    chosen = (q.index_select(1, index), k.index_select(1, index // group), mask)
+    chosen = (q.index_select(1, index), k.index_select(1, index // group), heads_of(mask, index))
     return chosen + tuple(t.index_select(1, index) for t in per_head)
 
 
-def allowed_keys(mask: Tensor | None, causal: bool, Tq: int, Tk: int, device) -> Tensor | None:
-    """The mask and the causal rule combined, broadcastable to (B, H, Tq, Tk); None if neither."""
+def heads_of(t: Tensor | None, index: Tensor) -> Tensor | None:
+    """The heads `index` of a mask or a score bias broadcastable to (B, H, Tq, Tk): one
+    shared by every head stays shared."""
+    if t is None:
+        return None
+    t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B?, H?, Tq?, Tk)
+    return t if t.shape[1] == 1 else t.index_select(1, index)
+
+
+def allowed_keys(
+    mask: Tensor | None, causal: bool, Tq: int, Tk: int, device, window: int | None = None
+) -> Tensor | None:
+    """The mask, the causal rule and the window combined, broadcastable to (B, H, Tq, Tk);
+    None if there is none of them."""
+    mask = with_window(mask, window, causal, Tq, Tk, device)
     if not causal:
         return mask
     tri = causal_mask(Tq, Tk, device)  # (Tq, Tk)
     return tri if mask is None else mask & tri
+
+
+def with_window(
+    mask: Tensor | None, window: int | None, causal: bool, Tq: int, Tk: int, device
+) -> Tensor | None:
+    """The mask with the sliding window's hidden keys hidden too (the mask itself if no
+    window, or if the window reaches past every key)."""
+    if window is None or window >= (Tk if causal else max(Tk, Tq)):  # no key is that far
+        return mask
+    near = window_mask(Tq, Tk, window, causal, device)
+    return near if mask is None else mask & near

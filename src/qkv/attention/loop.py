@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.attention.inputs import allowed_keys, check_inputs
+from qkv.attention.inputs import allowed_keys, check_inputs, check_variants, check_window
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,9 @@ class PairStep:
     key_vector: Tensor  # (D,) "multiply the key word's embedding by the key matrix"
     attention_scalar: Tensor  # () "dot product query vector and key vector"
     scaled_scalar: Tensor  # () "divide ... by the square root of the number of dimensions"
+    # () what the softmax reads: the scaled scalar, soft-capped and plus a bias where the
+    # model has them (Gemma 2's cap, T5's relative positions); else the scaled scalar itself
+    score: Tensor
     allowed: bool  # False where a mask hides this key from this query
     normalized_weight: Tensor  # () "normalize ... so that the attention scalars sum to 1"
     value_vector: Tensor  # (D,) "multiply the key word's embedding by the value matrix"
@@ -56,11 +59,14 @@ def contextualize(
     value_vectors: Tensor,
     allowed: list[bool],
     scale: float,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, list[PairStep]]:
     """One query word gets context from every key word. Vectors are float64.
 
     query_vector (D,), key_vectors and value_vectors (Tk, D), allowed: Tk booleans.
-    Returns the contextualized vector (D,) and the steps of each pair.
+    softcap: each scaled scalar s becomes softcap * tanh(s / softcap); bias (Tk,): added to
+    each score after that. Returns the contextualized vector (D,) and the steps of each pair.
     """
     Tk, D = key_vectors.shape
     # Steps 1-3, for every key word (the query word itself included).
@@ -68,10 +74,16 @@ def contextualize(
     # Side note: "divide each attention scalar by the square root of the number of
     # dimensions" (scale is 1/sqrt(D) unless the caller chose another).
     scaled_scalars = [s * scale for s in attention_scalars]
+    # What some models do to a score before the softmax: cap it, add a bias to it.
+    scores = scaled_scalars
+    if softcap is not None:
+        scores = [torch.tanh(s / softcap) * softcap for s in scores]
+    if bias is not None:
+        scores = [s + bias[j] for j, s in enumerate(scores)]
 
     # Step 4: normalize so the scalars of this query sum to 1 (softmax). Subtracting the
     # largest scalar first changes nothing mathematically and keeps exp() from overflowing.
-    scalars_allowed = list(zip(scaled_scalars, allowed, strict=True))
+    scalars_allowed = list(zip(scores, allowed, strict=True))
     visible = [s for s, ok in scalars_allowed if ok]
     zero = query_vector.new_zeros(())
     if visible:
@@ -92,6 +104,7 @@ def contextualize(
                 key_vector=key_vectors[j],
                 attention_scalar=attention_scalars[j],
                 scaled_scalar=scaled_scalars[j],
+                score=scores[j],
                 allowed=allowed[j],
                 normalized_weight=weights[j],
                 value_vector=value_vector,
@@ -114,10 +127,13 @@ def steps(
     mask: Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
 ) -> list[QuerySteps]:
     """Run the article over every (batch, head, query) and keep every intermediate.
 
-    Shapes as in `attend`. Returns B * H * Tq steps in (batch, head, query) order. (A real
+    Arguments as in `attend`. Returns B * H * Tq steps in (batch, head, query) order. (A real
     model's steps for one word pair are `qkv.trace`, which runs this on a layer's record.)
 
     >>> q = k = v = torch.eye(2).view(1, 1, 2, 2)
@@ -125,19 +141,23 @@ def steps(
     [0.67, 0.33]
     """
     shape, scale = check_inputs(q, k, v, mask, scale)
-    allowed = allowed_keys(mask, causal, shape.Tq, shape.Tk, q.device)
+    softcap = check_variants(shape, q, softcap, bias).softcap
+    allowed = allowed_keys(mask, causal, shape.Tq, shape.Tk, q.device, check_window(window))
     if allowed is None:
         allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     allowed = allowed.expand(shape.B, shape.H, shape.Tq, shape.Tk).tolist()
     q, k, v = q.double(), k.double(), v.double()
+    if bias is not None:
+        bias = bias.double().expand(shape.B, shape.H, shape.Tq, shape.Tk)
     found = []
     for b in range(shape.B):
         for h in range(shape.H):
             kv_head = h // shape.group  # grouped-query attention: heads share keys and values
             for i in range(shape.Tq):
                 contextualized, pairs = contextualize(
-                    q[b, h, i], k[b, kv_head], v[b, kv_head], allowed[b][h][i], scale
-                )
+                    q[b, h, i], k[b, kv_head], v[b, kv_head], allowed[b][h][i], scale,
+                    softcap, None if bias is None else bias[b, h, i],
+                )  # fmt: skip
                 found.append(QuerySteps(b, h, i, q[b, h, i], pairs, contextualized))
     return found
 
@@ -150,9 +170,14 @@ def attend(
     mask: Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
     """The `loop` backend: (B, H, Tq, D) out, computed in float64, returned in q's dtype."""
-    every = steps(q, k, v, mask=mask, causal=causal, scale=scale)
+    every = steps(
+        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
+    )
     B, H, Tq, D = q.shape
     out = torch.stack([s.contextualized for s in every]).view(B, H, Tq, D)
     return out.to(q.dtype)

@@ -3,7 +3,8 @@
 Two things torch does not promise are made true here: causal attention with fewer
 queries than keys is aligned to the end of the keys (torch aligns it to the start), and
 a query whose keys are all hidden gets zeros, forward and backward, on every torch
-version and device.
+version and device. A score bias (T5's relative positions) goes in as a float mask; a
+soft-cap torch's function cannot apply, so the registry does not send one here.
 """
 
 from __future__ import annotations
@@ -11,14 +12,31 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.attention.inputs import Shape, allowed_keys, check_inputs
+from qkv.attention.inputs import (
+    Shape,
+    allowed_keys,
+    check_inputs,
+    check_variants,
+    check_window,
+    with_window,
+)
 
 
 def forward(
-    q: Tensor, k: Tensor, v: Tensor, *, mask, causal: bool, scale: float, shape: Shape
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask,
+    causal: bool,
+    scale: float,
+    shape: Shape,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """Backend entry for the registry: inputs already checked."""
+    """Backend entry for the registry: inputs already checked (a window already in mask)."""
     gqa = shape.Hkv != shape.H
+    if bias is not None:
+        return _with_bias(q, k, v, mask, causal, scale, shape, bias)
     if mask is None and (not causal or shape.Tq == shape.Tk):
         # torch's own causal flag is correct when the queries and keys line up.
         return F.scaled_dot_product_attention(
@@ -36,6 +54,22 @@ def forward(
     return out.masked_fill(~sees_some_key, 0.0)
 
 
+def _with_bias(q, k, v, mask, causal, scale, shape: Shape, bias: Tensor) -> Tensor:
+    """The bias as a float mask, hidden keys at -inf; a row with no visible key gets zeros."""
+    allowed = allowed_keys(mask, causal, shape.Tq, shape.Tk, q.device)
+    scores = bias.to(q.dtype)
+    if allowed is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=scores, scale=scale, enable_gqa=shape.Hkv != shape.H
+        )
+    sees_some_key = allowed.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~(allowed | ~sees_some_key), float("-inf"))
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=scores, scale=scale, enable_gqa=shape.Hkv != shape.H
+    )
+    return out.masked_fill(~sees_some_key, 0.0)
+
+
 def attend(
     q: Tensor,
     k: Tensor,
@@ -44,7 +78,11 @@ def attend(
     mask: Tensor | None = None,
     causal: bool = False,
     scale: float | None = None,
+    window: int | None = None,
+    bias: Tensor | None = None,
 ) -> Tensor:
-    """Attention with the `sdpa` backend. Shapes as in `qkv.attend`."""
+    """Attention with the `sdpa` backend. Arguments as in `qkv.attend` (no soft-cap)."""
     shape, scale = check_inputs(q, k, v, mask, scale)
-    return forward(q, k, v, mask=mask, causal=causal, scale=scale, shape=shape)
+    check_variants(shape, q, None, bias)
+    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
+    return forward(q, k, v, mask=mask, causal=causal, scale=scale, shape=shape, bias=bias)

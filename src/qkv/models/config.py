@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -17,6 +17,9 @@ from torch import Tensor, nn
 from qkv.attention.inputs import check_indices
 from qkv.nn import BlockConfig, Embeddings, RotaryEmbedding
 from qkv.nn.layers import Position
+from qkv.nn.rope import RopeScaling
+
+LayerType = Literal["full", "sliding"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +29,12 @@ class StackConfig:
     max_positions: int = 512  # learned positions only: how many there are
     position: Position = "learned"  # added (learned, sinusoidal), rotary in attention, none
     rope_base: float = 10000.0  # rotary only: the base of the rotation frequencies
+    rope_dims: int | None = None  # rotary only: how many of a head's dimensions turn; None: all
+    rope_scaling: RopeScaling | None = None  # rotary only: Llama 3's, YaRN, LongRoPE, ...
+    # per layer, "full" or "sliding" (the block's window applies to sliding layers only);
+    # None: every layer is the block as configured
+    layer_types: tuple[LayerType, ...] | None = None
+    local_rope_base: float | None = None  # sliding layers' own rotary base, unscaled (Gemma 3)
     type_vocab_size: int = 0  # BERT's segment embeddings; 0 for none
     embed_norm: bool = False  # BERT normalizes the summed embeddings
     embed_scale: bool = False  # the original transformer scales token vectors by sqrt(C)
@@ -42,6 +51,20 @@ class StackConfig:
         for name in ("num_layers", "encoder_layers", "decoder_layers"):
             if getattr(self, name, 1) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.layer_types is not None:
+            layers = getattr(self, "num_layers", None)
+            if layers is not None and len(self.layer_types) != layers:
+                raise ValueError(
+                    f"layer_types names {len(self.layer_types)} layers, the model has {layers}"
+                )
+            odd = sorted(set(self.layer_types) - {"full", "sliding"})
+            if odd:
+                raise ValueError(f"layer types are 'full' or 'sliding', got {odd}")
+            if "sliding" in self.layer_types and self.block.window is None:
+                raise ValueError("sliding layers need the block's window (block.window)")
+        if (self.local_rope_base is not None or self.rope_dims is not None
+                or self.rope_scaling is not None) and self.position != "rotary":  # fmt: skip
+            raise ValueError("rope_dims, rope_scaling and local_rope_base need rotary positions")
 
     @property
     def has_final_norm(self) -> bool:
@@ -63,7 +86,28 @@ class StackConfig:
     def rotary(self) -> RotaryEmbedding | None:
         if self.position != "rotary":
             return None
-        return RotaryEmbedding(self.block.head_size, base=self.rope_base)
+        return RotaryEmbedding(
+            self.block.head_size, self.rope_base, dims=self.rope_dims, scaling=self.rope_scaling
+        )
+
+    def local_rotary(self) -> RotaryEmbedding | None:
+        """The sliding layers' own rotary embedding, where they have one (Gemma 3)."""
+        if self.position != "rotary" or self.local_rope_base is None:
+            return None
+        return RotaryEmbedding(self.block.head_size, self.local_rope_base, dims=self.rope_dims)
+
+    def layer_type(self, layer: int) -> LayerType:
+        """ "sliding" where the layer's keys are windowed, else "full"."""
+        if self.layer_types is None:
+            return "full" if self.block.window is None else "sliding"
+        return self.layer_types[layer]
+
+    def block_for(self, layer: int) -> BlockConfig:
+        """The block config of one layer: a full layer of a model with sliding layers has
+        no window."""
+        if self.block.window is not None and self.layer_type(layer) == "full":
+            return replace(self.block, window=None)
+        return self.block
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +127,7 @@ class DecoderConfig(StackConfig):
     block: BlockConfig
     tie_embeddings: bool = True  # the LM head reuses the token embedding matrix
     lm_head_bias: bool = False  # BART adds a fixed bias to the logits
+    logit_softcap: float | None = None  # logits capped to cap * tanh(logit / cap) (Gemma 2)
     cross_attention: bool = False  # set by EncoderDecoder for its decoder
 
 
@@ -102,8 +147,8 @@ class EncoderDecoderConfig(StackConfig):
         return {
             name: getattr(self, name)
             for name in (
-                "vocab_size", "block", "max_positions", "position", "rope_base",
-                "type_vocab_size", "embed_norm", "embed_scale", "final_norm",
+                "vocab_size", "block", "max_positions", "position", "rope_base", "rope_dims",
+                "rope_scaling", "type_vocab_size", "embed_norm", "embed_scale", "final_norm",
             )
         }  # fmt: skip
 
@@ -147,6 +192,40 @@ def recorded_layers(layers: Layers, num_layers: int) -> set[int]:
             raise ValueError(f"layers must be layer indices or 'all', got {layers!r}")
         return set(range(num_layers))
     return set(check_indices("layer", layers, num_layers, "the model"))
+
+
+class Rotaries(nn.Module):
+    """A stack's rotary embeddings, shared by its blocks: one for full layers and, where
+    sliding layers have their own base (Gemma 3), one for those. `rotations` makes each
+    one's cos and sin once per forward pass; `for_layer` picks a layer's."""
+
+    def __init__(self, config: StackConfig):
+        super().__init__()
+        self.config = config
+        self.full = config.rotary()
+        self.local = config.local_rotary()
+
+    def for_layer(self, layer: int) -> RotaryEmbedding | None:
+        local = self.local is not None and self.config.layer_type(layer) == "sliding"
+        return self.local if local else self.full
+
+    def rotations(self, positions: Tensor, dtype: torch.dtype) -> dict[int, object]:
+        """{id of a rotary embedding: its Rotation of these positions}."""
+        made = {}
+        for rotary in (self.full, self.local):
+            if rotary is not None:
+                made[id(rotary)] = rotary.rotation(positions, dtype)
+        return made
+
+    def rotation_for(self, made: dict, layer: int):
+        rotary = self.for_layer(layer)
+        return None if rotary is None else made[id(rotary)]
+
+
+def mask_positions(attention_mask: Tensor, length: int) -> Tensor:
+    """(B, length) positions of the last `length` tokens of a (B, Tk) attention mask: each
+    row counts from its own first real token, so a left-padded row is placed as if alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
 
 
 def key_padding(attention_mask: Tensor | None) -> Tensor | None:

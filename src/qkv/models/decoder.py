@@ -4,9 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
-from qkv.models.config import DecoderConfig, Layers, init_weights, key_padding, recorded_layers
+from qkv.models.config import (
+    DecoderConfig,
+    Layers,
+    Rotaries,
+    init_weights,
+    key_padding,
+    mask_positions,
+    recorded_layers,
+)
 from qkv.nn import AttentionRecord, DecoderBlock, KVCache
 from qkv.nn.position import positions_for
 
@@ -48,10 +57,10 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = config
         self.embed = config.embeddings()
-        self.rotary = config.rotary()  # shared by every block: one rotation per forward
+        self.rotary = Rotaries(config)  # shared by every block: one rotation per forward
         self.blocks = nn.ModuleList(
-            DecoderBlock(config.block, self.rotary, config.cross_attention)
-            for _ in range(config.num_layers)
+            DecoderBlock(config.block_for(i), self.rotary.for_layer(i), config.cross_attention)
+            for i in range(config.num_layers)
         )
         self.norm = config.block.make_norm() if config.has_final_norm else None
         self.lm_head = nn.Linear(config.block.width, config.vocab_size, bias=config.lm_head_bias)
@@ -62,6 +71,11 @@ class Decoder(nn.Module):
         """Share the token matrix with the LM head when the config says so."""
         if self.config.tie_embeddings:
             self.lm_head.weight = self.embed.tokens.weight
+
+    def project(self, hidden: Tensor) -> Tensor:
+        """The LM head: hidden vectors (…, C) -> logits (…, vocab), soft-capped where the
+        model caps them (Gemma 2)."""
+        return cap_logits(self.lm_head(hidden), self.config.logit_softcap)
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache(self.config.num_layers, self.config.cross_attention)
@@ -84,7 +98,9 @@ class Decoder(nn.Module):
 
         attention_mask (B, Tk): 1 for real tokens, 0 for padding, over the cached and the
           new tokens together.
-        positions (T,) or (B, T): defaults to the positions after the cached tokens.
+        positions (T,) or (B, T): defaults to the positions after the cached tokens, counted
+          in each row from its first real token when attention_mask is given (so a
+          left-padded row is computed as if alone).
         context (B, S, C), context_mask (B, S): the encoder's output, for cross-attention.
         layers, cross_layers: the layers whose self- and cross-attention AttentionRecord to
           return (indices, or "all").
@@ -96,11 +112,13 @@ class Decoder(nn.Module):
         wanted_cross = recorded_layers(cross_layers, cfg.num_layers)
         if wanted_cross and not cfg.cross_attention:
             raise ValueError("cross_layers needs a decoder with cross-attention")
+        if positions is None and attention_mask is not None and not bool(attention_mask.all()):
+            positions = mask_positions(attention_mask, input_ids.shape[1])
         if positions is None:
             offset = cache.length if cache is not None else 0
             positions = positions_for(input_ids.shape[1], offset, input_ids.device)
         x = self.embed(input_ids, positions)  # (B, T, C)
-        rotation = self.rotary.rotation(positions, x.dtype) if self.rotary else None
+        rotations = self.rotary.rotations(positions, x.dtype)
         padding = key_padding(attention_mask)
         context_padding = key_padding(context_mask)
         out = DecoderOutput(None, x, hidden_states=[x] if hidden_states else [])
@@ -110,7 +128,7 @@ class Decoder(nn.Module):
                 context,
                 key_padding_mask=padding,
                 context_mask=context_padding,
-                rotation=rotation,
+                rotation=self.rotary.rotation_for(rotations, layer),
                 cache=cache.layers[layer] if cache is not None else None,
                 cross_cache=cache.cross[layer] if cache is not None and cache.cross else None,
                 record=layer in wanted,
@@ -123,5 +141,10 @@ class Decoder(nn.Module):
             if hidden_states:
                 out.hidden_states.append(x)
         out.hidden = x if self.norm is None else self.norm(x)
-        out.logits = self.lm_head(out.hidden) if logits else None
+        out.logits = self.project(out.hidden) if logits else None
         return out
+
+
+def cap_logits(logits: Tensor, cap: float | None) -> Tensor:
+    """cap * tanh(logits / cap): Gemma 2's final soft-cap; the logits themselves if None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap

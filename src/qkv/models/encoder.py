@@ -6,7 +6,14 @@ from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
-from qkv.models.config import EncoderConfig, Layers, init_weights, key_padding, recorded_layers
+from qkv.models.config import (
+    EncoderConfig,
+    Layers,
+    Rotaries,
+    init_weights,
+    key_padding,
+    recorded_layers,
+)
 from qkv.nn import AttentionRecord, EncoderBlock
 from qkv.nn.layers import _ACTIVATIONS, Activation
 from qkv.nn.position import positions_for
@@ -69,9 +76,10 @@ class Encoder(nn.Module):
         super().__init__()
         self.config = config
         self.embed = config.embeddings()
-        self.rotary = config.rotary()  # shared by every block: one rotation per forward
+        self.rotary = Rotaries(config)  # shared by every block: one rotation per forward
         self.blocks = nn.ModuleList(
-            EncoderBlock(config.block, self.rotary) for _ in range(config.num_layers)
+            EncoderBlock(config.block_for(i), self.rotary.for_layer(i))
+            for i in range(config.num_layers)
         )
         self.norm = config.block.make_norm() if config.has_final_norm else None
         self.mlm: MaskedLMHead | None = None
@@ -112,12 +120,13 @@ class Encoder(nn.Module):
         wanted = recorded_layers(layers, self.config.num_layers)
         positions = positions_for(input_ids.shape[1], device=input_ids.device)
         x = self.embed(input_ids, positions, token_type_ids)  # (B, T, C)
-        rotation = self.rotary.rotation(positions, x.dtype) if self.rotary else None
+        rotations = self.rotary.rotations(positions, x.dtype)
         padding = key_padding(attention_mask)
         mask = None if padding is None else padding[:, None, None, :]  # (B, 1, 1, T)
         records: dict[int, AttentionRecord] = {}
         states = [x] if hidden_states else []
         for layer, block in enumerate(self.blocks):
+            rotation = self.rotary.rotation_for(rotations, layer)
             x, kept = block(x, mask=mask, rotation=rotation, record=layer in wanted)
             if kept is not None:
                 records[layer] = kept

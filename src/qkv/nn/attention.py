@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention import attend, backend_names, flash
+from qkv.attention.inputs import with_window
+from qkv.nn.layers import NormKind, make_norm
 from qkv.nn.position import RotaryEmbedding, Rotation, positions_for
 from qkv.nn.record import AttentionRecord
 
@@ -61,6 +63,12 @@ class MultiHeadAttention(nn.Module):
     x (B, T, C) -> (B, T, C). With `context` (B, S, Cc), the queries come from x and the
     keys and values from context: cross-attention. `backend` picks the `attend` backend.
 
+    What some model families change, each optional: `scale` on every dot product (1/sqrt(D)
+    by default; Gemma 2 uses 1/sqrt(query_pre_attn_scalar), T5 uses 1); `softcap` on every
+    score; `window`, a key this many positions away or more is hidden; `qk_norm`, a norm
+    on the queries and keys before rotary positions, "head" for one per head (Qwen3,
+    Gemma 3) or "full" over all heads at once (OLMo 2), of kind `norm` with `norm_eps`.
+
     >>> mha = MultiHeadAttention(width=16, num_heads=4)
     >>> out, record = mha(torch.randn(2, 5, 16), record=True)
     >>> out.shape, record.weights([0, 3]).shape
@@ -80,6 +88,12 @@ class MultiHeadAttention(nn.Module):
         fused_qkv: bool = False,
         rotary: RotaryEmbedding | None = None,
         backend: str = "auto",
+        scale: float | None = None,
+        softcap: float | None = None,
+        window: int | None = None,
+        qk_norm: str | None = None,
+        norm: NormKind = "rmsnorm",
+        norm_eps: float = 1e-6,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -100,11 +114,20 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("fused_qkv needs the context to be as wide as x")
         if rotary is not None and rotary.head_dim != head_dim:
             raise ValueError(f"rotary head size {rotary.head_dim} != head size {head_dim}")
+        if qk_norm not in (None, "head", "full"):
+            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
         self.rotary = rotary
-        self.scale = 1.0 / math.sqrt(head_dim)  # the article's side note: divide by sqrt(D)
+        # the article's side note: divide by sqrt(D), unless the model says otherwise
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+        self.softcap, self.window = softcap, window
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qk_norm = qk_norm
+        if qk_norm is not None:
+            q_width, k_width = (head_dim, head_dim) if qk_norm == "head" else (q_size, kv_size)
+            self.q_norm = make_norm(norm, q_width, norm_eps)
+            self.k_norm = make_norm(norm, k_width, norm_eps)
         self.sizes = (q_size, kv_size, kv_size)
         if fused_qkv:
             # one matrix: rows [query matrix; key matrix; value matrix] of every head
@@ -114,6 +137,17 @@ class MultiHeadAttention(nn.Module):
             self.k = nn.Linear(context_width, kv_size, bias=bias)
             self.v = nn.Linear(context_width, kv_size, bias=bias)
         self.out = nn.Linear(q_size, width, bias=bias if out_bias is None else out_bias)
+
+    def _normed(self, q: Tensor, k: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """Queries (B, T, H*D) and keys (B, S, Hkv*D) or None -> (B, H, T, D) and
+        (B, Hkv, S, D), each normalized where the model has a QK-norm."""
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), None if k is None else self.k_norm(k)
+        q = self.split_heads(q, self.num_heads)
+        k = None if k is None else self.split_heads(k, self.num_kv_heads)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), None if k is None else self.k_norm(k)
+        return q, k
 
     def _fused_weights(self, part: slice) -> tuple[Tensor, Tensor | None]:
         bias = None if self.qkv.bias is None else self.qkv.bias[part]
@@ -147,6 +181,7 @@ class MultiHeadAttention(nn.Module):
         positions: Tensor | None = None,
         rotation: Rotation | None = None,
         cache: KVCache | None = None,
+        bias: Tensor | None = None,
         record: bool = False,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """Contextualize x; return (out (B, T, C), this call's AttentionRecord or None).
@@ -161,6 +196,8 @@ class MultiHeadAttention(nn.Module):
           the model (`RotaryEmbedding.rotation`) and shared by every layer; overrides positions.
         cache: self-attention appends this step's keys and values and attends to all of
           them; cross-attention computes the context's keys and values once and reuses them.
+        bias: a float tensor added to every score, broadcastable to (B, H, T, Tk) (T5's
+          relative positions, made once by the model and shared by its layers).
         record: also return what attention received and computed (see AttentionRecord).
         """
         B, T, _ = x.shape
@@ -170,8 +207,7 @@ class MultiHeadAttention(nn.Module):
                 q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # one matmul for all three
             else:
                 q, k, v = self.q(x), self.k(x), self.v(x)
-            q = self.split_heads(q, self.num_heads)  # (B, H, T, D)
-            k = self.split_heads(k, self.num_kv_heads)  # (B, Hkv, T, D)
+            q, k = self._normed(q, k)  # (B, H, T, D), (B, Hkv, T, D)
             v = self.split_heads(v, self.num_kv_heads)
             if self.rotary is not None:
                 if rotation is None:
@@ -183,26 +219,37 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, Hkv, Tk, D), earlier tokens first
         else:  # cross-attention: queries from x, keys and values from the context
-            q = self.split_heads(self.queries(x), self.num_heads)
             if cache is not None and cache.length:
+                q, _ = self._normed(self.queries(x), None)
                 k, v = cache.stored()  # the context does not change while decoding
             else:
-                k, v = (self.split_heads(t, self.num_kv_heads) for t in self.keys_values(context))
+                k, v = self.keys_values(context)
+                q, k = self._normed(self.queries(x), k)
+                v = self.split_heads(v, self.num_kv_heads)
                 if cache is not None:
                     cache.update(k, v)
         if key_padding_mask is not None:
             padding = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, Tk)
             mask = padding if mask is None else mask & padding
         lse = None
-        if record and self.backend == "flash":
+        # a window applies to self-attention only (cross-attention reads the whole context)
+        window = self.window if context is None else None
+        if record and self.backend == "flash" and self.softcap is None and bias is None:
             # the kernel's log-sum-exp turns q and k into any head's weights directly
-            out, lse = flash.flash_attention(q, k, v, mask=mask, causal=causal, scale=self.scale)
+            windowed = with_window(mask, window, causal, q.shape[2], k.shape[2], q.device)
+            out, lse = flash.flash_attention(
+                q, k, v, mask=windowed, causal=causal, scale=self.scale
+            )
         else:
-            out = attend(q, k, v, mask=mask, causal=causal, scale=self.scale, backend=self.backend)
+            out = attend(
+                q, k, v, mask=mask, causal=causal, scale=self.scale, window=window,
+                softcap=self.softcap, bias=bias, backend=self.backend,
+            )  # fmt: skip
         kept = None  # (B, H, T, D) out, and the rest, as attend saw them
         if record:
             kept = AttentionRecord(
-                q, k, v, out, mask, causal, self.scale, self.backend, lse, q_plain, k_plain
-            )
+                q, k, v, out, mask, causal, self.scale, self.backend, lse, q_plain, k_plain,
+                window, self.softcap, bias,
+            )  # fmt: skip
         out = self.out(out.transpose(1, 2).reshape(B, T, -1))  # concatenate heads, (B, T, C)
         return out, kept

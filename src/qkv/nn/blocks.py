@@ -3,7 +3,9 @@
 The article's "several layers" are these blocks stacked: each takes contextualized
 vectors and adds context to them again. Pre-norm blocks (GPT-2, Llama) normalize the
 input of each sub-layer; post-norm blocks (the original transformer, BERT) normalize
-after each residual sum.
+after each residual sum. Some families also normalize each sub-layer's output before the
+sum (`sublayer_norm`: Gemma 2 and 3 beside pre-norms, OLMo 2 instead of them), and some
+run attention and the MLP side by side on the same input (`parallel`: GPT-NeoX).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from qkv.nn.attention import KVCache, MultiHeadAttention
-from qkv.nn.layers import MLP, Activation, NormKind, SwiGLU, make_norm
+from qkv.nn.layers import GATED, MLP, Activation, GatedMLP, NormKind, make_norm
 from qkv.nn.position import RotaryEmbedding, Rotation
 from qkv.nn.record import AttentionRecord
 
@@ -28,12 +30,25 @@ class BlockConfig:
     num_kv_heads: int | None = None  # Hkv; None means H (no sharing)
     head_dim: int | None = None  # D; None means C / H, so concatenated heads are C wide
     mlp_hidden: int | None = None  # None means 4 * C, the original paper's ratio
-    mlp: Activation | Literal["swiglu"] = "gelu"
+    # an activation (widen, activate, narrow) or a gated MLP: swiglu (silu, Llama), geglu
+    # (gelu, ModernBERT), geglu_tanh (tanh-approximated gelu, Gemma)
+    mlp: Activation | Literal["swiglu", "geglu", "geglu_tanh"] = "gelu"
     norm: NormKind = "layernorm"
     norm_eps: float = 1e-5
-    norm_position: Literal["pre", "post"] = "pre"
+    norm_bias: bool = True  # LayerNorm's shift (ModernBERT's norms have none)
+    # where each sub-layer's norm sits: before it (pre), after the residual sum (post), or
+    # nowhere (none: OLMo 2, which only normalizes sub-layer outputs)
+    norm_position: Literal["pre", "post", "none"] = "pre"
+    sublayer_norm: bool = False  # a norm on each sub-layer's output, before the residual sum
+    parallel: bool = False  # x + attention(norm(x)) + mlp(norm'(x)) (GPT-NeoX)
     bias: bool = True  # biases on the attention and MLP projections
+    qkv_bias: bool | None = None  # biases on the query, key, value projections; None: bias
     fused_qkv: bool = False  # one Linear for the query, key and value matrices
+    fused_mlp: bool = False  # a gated MLP's gate and up matrices in one Linear (Phi-3)
+    attn_scale: float | None = None  # on every dot product; None: 1/sqrt(head size)
+    softcap: float | None = None  # scores capped to softcap * tanh(score / softcap)
+    window: int | None = None  # keys this many positions away or more are hidden
+    qk_norm: Literal["head", "full"] | None = None  # a norm on queries and keys (Qwen3, OLMo 2)
     dropout: float = 0.0  # on each sub-layer's output, before the residual sum
     backend: str = "auto"  # the `attend` backend
 
@@ -48,8 +63,20 @@ class BlockConfig:
             raise ValueError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
             )
-        if self.norm_position not in ("pre", "post"):
-            raise ValueError(f"norm_position must be 'pre' or 'post', got {self.norm_position!r}")
+        if self.norm_position not in ("pre", "post", "none"):
+            raise ValueError(
+                f"norm_position must be 'pre', 'post' or 'none', got {self.norm_position!r}"
+            )
+        if self.parallel and (self.norm_position != "pre" or self.sublayer_norm):
+            raise ValueError("a parallel block normalizes before its sub-layers only (pre)")
+        if self.fused_mlp and self.mlp not in GATED:
+            raise ValueError(f"fused_mlp needs a gated mlp ({', '.join(GATED)}), got {self.mlp!r}")
+        if self.window is not None and (type(self.window) is not int or self.window < 1):
+            raise ValueError(f"window must be a whole number >= 1 or None, got {self.window!r}")
+        for name in ("attn_scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive or None, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -67,36 +94,64 @@ class BlockConfig:
             self.num_heads,
             num_kv_heads=self.kv_heads,
             head_dim=self.head_size,
-            bias=self.bias,
+            bias=self.bias if self.qkv_bias is None else self.qkv_bias,
+            out_bias=self.bias,
             fused_qkv=self.fused_qkv,
             rotary=None if cross else rotary,
             backend=self.backend,
+            scale=self.attn_scale,
+            softcap=self.softcap,
+            window=None if cross else self.window,
+            qk_norm=self.qk_norm,
+            norm=self.norm,
+            norm_eps=self.norm_eps,
         )
 
     def feed_forward(self) -> nn.Module:
         hidden = self.mlp_hidden or 4 * self.width
-        if self.mlp == "swiglu":
-            return SwiGLU(self.width, hidden, bias=self.bias)
+        if self.mlp in GATED:
+            return GatedMLP(self.width, hidden, GATED[self.mlp], self.bias, self.fused_mlp)
         return MLP(self.width, hidden, self.mlp, bias=self.bias)
 
     def make_norm(self) -> nn.Module:
-        return make_norm(self.norm, self.width, self.norm_eps)
+        return make_norm(self.norm, self.width, self.norm_eps, self.norm_bias)
 
 
 class _Block(nn.Module):
     def __init__(self, config: BlockConfig):
         super().__init__()
-        self.pre_norm = config.norm_position == "pre"
+        self.position = config.norm_position
+        self.parallel = config.parallel
         self.dropout = nn.Dropout(config.dropout)
 
-    def sublayer_input(self, x: Tensor, norm: nn.Module) -> Tensor:
-        """What a sublayer reads: x normalized (pre-norm), or x itself (post-norm)."""
-        return norm(x) if self.pre_norm else x
+    def norms(self, config: BlockConfig, name: str) -> None:
+        """A sub-layer's norms: `{name}_norm` where norm_position puts one, and
+        `{name}_out_norm` on its output with sublayer_norm."""
+        setattr(self, f"{name}_norm", None if self.position == "none" else config.make_norm())
+        setattr(self, f"{name}_out_norm", config.make_norm() if config.sublayer_norm else None)
 
-    def residual(self, x: Tensor, out: Tensor, norm: nn.Module) -> Tensor:
-        """x plus a sublayer's output, normalized after the sum in a post-norm block."""
+    def sublayer_input(self, x: Tensor, norm: nn.Module | None) -> Tensor:
+        """What a sublayer reads: x normalized (pre-norm), or x itself."""
+        return norm(x) if self.position == "pre" else x
+
+    def residual(
+        self, x: Tensor, out: Tensor, norm: nn.Module | None, out_norm: nn.Module | None = None
+    ) -> Tensor:
+        """x plus a sublayer's output (normalized first with out_norm), normalized after the
+        sum in a post-norm block."""
+        if out_norm is not None:
+            out = out_norm(out)
         x = x + self.dropout(out)
-        return x if self.pre_norm else norm(x)
+        return norm(x) if self.position == "post" else x
+
+    def feed_forward(self, x: Tensor, attended: Tensor | None = None) -> Tensor:
+        """The MLP's part of the block. A parallel block passes its input x and attention's
+        output `attended`, not yet added: both sub-layers read x and add to it."""
+        if self.parallel:
+            mlp = self.mlp(self.mlp_norm(x))
+            return x + self.dropout(attended) + self.dropout(mlp)
+        h = self.sublayer_input(x, self.mlp_norm)
+        return self.residual(x, self.mlp(h), self.mlp_norm, self.mlp_out_norm)
 
 
 class EncoderBlock(_Block):
@@ -104,8 +159,10 @@ class EncoderBlock(_Block):
 
     def __init__(self, config: BlockConfig, rotary: RotaryEmbedding | None = None):
         super().__init__(config)
-        self.attn_norm, self.attn = config.make_norm(), config.attention(rotary)
-        self.mlp_norm, self.mlp = config.make_norm(), config.feed_forward()
+        self.norms(config, "attn")
+        self.attn = config.attention(rotary)
+        self.norms(config, "mlp")
+        self.mlp = config.feed_forward()
 
     def forward(
         self,
@@ -113,6 +170,7 @@ class EncoderBlock(_Block):
         *,
         mask: Tensor | None = None,
         rotation: Rotation | None = None,
+        bias: Tensor | None = None,
         record: bool = False,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """x (B, T, C) -> (B, T, C), and the attention's record if asked (MultiHeadAttention).
@@ -120,10 +178,11 @@ class EncoderBlock(_Block):
         mask: any mask `attend` takes, e.g. key padding (B, 1, 1, T).
         """
         h = self.sublayer_input(x, self.attn_norm)
-        attended, kept = self.attn(h, mask=mask, rotation=rotation, record=record)
-        x = self.residual(x, attended, self.attn_norm)
-        x = self.residual(x, self.mlp(self.sublayer_input(x, self.mlp_norm)), self.mlp_norm)
-        return x, kept
+        attended, kept = self.attn(h, mask=mask, rotation=rotation, bias=bias, record=record)
+        if self.parallel:
+            return self.feed_forward(x, attended), kept
+        x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
+        return self.feed_forward(x), kept
 
 
 class DecoderBlock(_Block):
@@ -133,11 +192,16 @@ class DecoderBlock(_Block):
         self, config: BlockConfig, rotary: RotaryEmbedding | None = None, cross_attention=False
     ):
         super().__init__(config)
-        self.attn_norm, self.attn = config.make_norm(), config.attention(rotary)
-        self.cross_norm = self.cross_attn = None
+        if config.parallel and cross_attention:
+            raise ValueError("a parallel block has no cross-attention")
+        self.norms(config, "attn")
+        self.attn = config.attention(rotary)
+        self.cross_norm = self.cross_out_norm = self.cross_attn = None
         if cross_attention:
-            self.cross_norm, self.cross_attn = config.make_norm(), config.attention(cross=True)
-        self.mlp_norm, self.mlp = config.make_norm(), config.feed_forward()
+            self.norms(config, "cross")
+            self.cross_attn = config.attention(cross=True)
+        self.norms(config, "mlp")
+        self.mlp = config.feed_forward()
 
     def forward(
         self,
@@ -149,6 +213,8 @@ class DecoderBlock(_Block):
         rotation: Rotation | None = None,
         cache: KVCache | None = None,
         cross_cache: KVCache | None = None,
+        bias: Tensor | None = None,
+        cross_bias: Tensor | None = None,
         record: bool = False,
         record_cross: bool = False,
     ) -> tuple[Tensor, AttentionRecord | None, AttentionRecord | None]:
@@ -161,17 +227,19 @@ class DecoderBlock(_Block):
         h = self.sublayer_input(x, self.attn_norm)
         attended, kept = self.attn(
             h, key_padding_mask=key_padding_mask, causal=True, rotation=rotation, cache=cache,
-            record=record,
+            bias=bias, record=record,
         )  # fmt: skip
-        x = self.residual(x, attended, self.attn_norm)
+        if self.parallel:
+            return self.feed_forward(x, attended), kept, None
+        x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
         kept_cross = None
         if self.cross_attn is not None:
             if context is None:
                 raise ValueError("this decoder block has cross-attention: pass the encoder output")
             h = self.sublayer_input(x, self.cross_norm)
             attended, kept_cross = self.cross_attn(
-                h, context, key_padding_mask=context_mask, cache=cross_cache, record=record_cross
-            )
-            x = self.residual(x, attended, self.cross_norm)
-        x = self.residual(x, self.mlp(self.sublayer_input(x, self.mlp_norm)), self.mlp_norm)
-        return x, kept, kept_cross
+                h, context, key_padding_mask=context_mask, cache=cross_cache, bias=cross_bias,
+                record=record_cross,
+            )  # fmt: skip
+            x = self.residual(x, attended, self.cross_norm, self.cross_out_norm)
+        return self.feed_forward(x), kept, kept_cross

@@ -11,33 +11,45 @@ from torch import Tensor, nn
 from qkv.nn.position import LearnedPositions, SinusoidalPositions
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
-NormKind = Literal["layernorm", "rmsnorm"]
+NormKind = Literal["layernorm", "rmsnorm", "rmsnorm_plus1"]
 Position = Literal["learned", "sinusoidal", "rotary", "none"]
 
 
 class RMSNorm(nn.Module):
     """Scale each vector to unit root-mean-square, then by a learned gain (Llama's norm).
 
-    Computed in float32 and cast back before the gain, as Llama checkpoints expect.
+    Computed in float32 and cast back before the gain, as Llama checkpoints expect. With
+    plus_one (Gemma's norm) the gain is 1 + weight, applied in float32 before the cast, and
+    the stored weight starts at 0.
     """
 
-    def __init__(self, width: int, eps: float = 1e-6):
+    def __init__(self, width: int, eps: float = 1e-6, *, plus_one: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(width))
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.zeros(width) if plus_one else torch.ones(width))
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (", plus_one" if self.plus_one else "")
 
-def make_norm(kind: NormKind, width: int, eps: float) -> nn.Module:
+
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_plus1")
+
+
+def make_norm(kind: NormKind, width: int, eps: float, bias: bool = True) -> nn.Module:
+    """A norm over the last `width` dimensions; bias: LayerNorm's shift (ModernBERT has
+    none). rmsnorm_plus1 is Gemma's RMSNorm, whose gain is 1 + weight."""
     if kind == "layernorm":
-        return nn.LayerNorm(width, eps=eps)
-    if kind == "rmsnorm":
-        return RMSNorm(width, eps=eps)
-    raise ValueError(f"unknown norm {kind!r}; allowed: 'layernorm', 'rmsnorm'")
+        return nn.LayerNorm(width, eps=eps, bias=bias)
+    if kind in ("rmsnorm", "rmsnorm_plus1"):
+        return RMSNorm(width, eps=eps, plus_one=kind == "rmsnorm_plus1")
+    raise ValueError(f"unknown norm {kind!r}; allowed: {', '.join(map(repr, NORMS))}")
 
 
 _ACTIVATIONS = {
@@ -63,17 +75,46 @@ class MLP(nn.Module):
         return self.fc_out(self.activation(self.fc_in(x)))
 
 
-class SwiGLU(nn.Module):
-    """A gated MLP: down(silu(gate(x)) * up(x)), as in Llama."""
+class GatedMLP(nn.Module):
+    """A gated MLP: down(act(gate(x)) * up(x)). silu is Llama's SwiGLU, tanh-gelu Gemma's
+    GeGLU. fused: one Linear makes [gate; up] (Phi-3's gate_up_proj, ModernBERT's Wi)."""
 
-    def __init__(self, width: int, hidden: int, bias: bool = False):
+    def __init__(
+        self,
+        width: int,
+        hidden: int,
+        activation: Activation = "silu",
+        bias: bool = False,
+        fused: bool = False,
+    ):
         super().__init__()
-        self.gate = nn.Linear(width, hidden, bias=bias)
-        self.up = nn.Linear(width, hidden, bias=bias)
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}; allowed: {list(_ACTIVATIONS)}")
+        self.activation = _ACTIVATIONS[activation]
+        if fused:
+            self.gate_up = nn.Linear(width, 2 * hidden, bias=bias)
+        else:
+            self.gate = nn.Linear(width, hidden, bias=bias)
+            self.up = nn.Linear(width, hidden, bias=bias)
         self.down = nn.Linear(hidden, width, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if hasattr(self, "gate_up"):
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate(x), self.up(x)
+        return self.down(self.activation(gate) * up)
+
+
+class SwiGLU(GatedMLP):
+    """A gated MLP: down(silu(gate(x)) * up(x)), as in Llama."""
+
+    def __init__(self, width: int, hidden: int, bias: bool = False):
+        super().__init__(width, hidden, "silu", bias)
+
+
+# a gated MLP's name in a BlockConfig -> the activation of its gate
+GATED = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
 
 
 class Embeddings(nn.Module):

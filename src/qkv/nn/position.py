@@ -14,6 +14,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from qkv.nn.rope import RopeScaling, inv_freq
+
 
 def positions_for(length: int, offset: int = 0, device=None) -> Tensor:
     """(T,) positions offset, offset+1, ... of T new tokens after `offset` earlier ones."""
@@ -78,7 +80,9 @@ def rotate_half(x: Tensor) -> Tensor:
 
 class Rotation(NamedTuple):
     """The cos and sin of every position's angles, made once per forward pass and applied to
-    the queries and keys of every layer: (T, D) for positions (T,), (B, 1, T, D) for (B, T)."""
+    the queries and keys of every layer: (T, d) for positions (T,), (B, 1, T, d) for (B, T).
+    d is the rotated part of each head (all of it, or its first d dimensions where a model
+    rotates only part: GPT-NeoX, Phi-3)."""
 
     cos: Tensor
     sin: Tensor
@@ -86,21 +90,39 @@ class Rotation(NamedTuple):
     def apply(self, x: Tensor) -> Tensor:
         """Rotate x (B, H, T, D); computed in x's dtype."""
         cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)  # no-ops unless under autocast
-        return x * cos + rotate_half(x) * sin
+        d = cos.shape[-1]
+        if d == x.shape[-1]:
+            return x * cos + rotate_half(x) * sin
+        turned, kept = x[..., :d], x[..., d:]  # partial rotary: the rest passes unturned
+        return torch.cat([turned * cos + rotate_half(turned) * sin, kept], dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotary positions in the half-rotation layout of Llama-family checkpoints.
 
     Dimension i of the first half pairs with dimension i of the second half, and the pair
-    turns by position * base^(-2i/D). No parameters: nothing here is learned.
+    turns by position * base^(-2i/d). No parameters: nothing here is learned. dims: how many
+    of each head's dimensions turn (d; the rest pass unturned), all by default. scaling: a
+    `RopeScaling` of the frequencies (Llama 3's, YaRN, LongRoPE, ...), none by default.
     """
 
-    def __init__(self, head_dim: int, base: float = 10000.0):
+    def __init__(
+        self,
+        head_dim: int,
+        base: float = 10000.0,
+        *,
+        dims: int | None = None,
+        scaling: RopeScaling | None = None,
+    ):
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head size, got {head_dim}")
-        self.head_dim, self.base = head_dim, base
+        dims = head_dim if dims is None else dims
+        if dims % 2 or not 0 < dims <= head_dim:
+            raise ValueError(
+                f"rotary embeddings turn an even number of a head's {head_dim} dimensions, "
+                f"got {dims}"
+            )
+        self.head_dim, self.base, self.dims, self.scaling = head_dim, base, dims, scaling
+        self.attention_factor = 1.0  # on cos and sin: YaRN's and LongRoPE's
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def reset_buffers(self) -> None:
@@ -113,15 +135,26 @@ class RotaryEmbedding(nn.Module):
         # arithmetic itself would run through torch's Python reference kernels, whose first
         # use imports torch._dynamo (about 1.5 s); the loader computes the buffer again after.
         with torch.device("cpu"):
-            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim
-            inv_freq = 1.0 / (self.base**exponents)
-        return inv_freq.to(torch.get_default_device())
+            freq, self.attention_factor = inv_freq(self.dims, self.base, self.scaling)
+        return freq.to(torch.get_default_device())
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and sin, (…, T, D), for positions (T,) or (B, T); made in float32."""
-        angles = positions.float()[..., None] * self.inv_freq  # (…, T, D/2)
-        angles = torch.cat([angles, angles], dim=-1)  # (…, T, D)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        """cos and sin, (…, T, d), for positions (T,) or (B, T); made in float32."""
+        freq, factor = self.inv_freq, self.attention_factor
+        if self.scaling is not None and self.scaling.depends_on_length and positions.numel():
+            # dynamic NTK and LongRoPE choose their frequencies by the text's length, as
+            # their reference code does on each forward pass (the largest position + 1)
+            with torch.device("cpu"):
+                freq, factor = inv_freq(
+                    self.dims, self.base, self.scaling, int(positions.max()) + 1
+                )
+            freq = freq.to(positions.device)
+        angles = positions.float()[..., None] * freq  # (…, T, d/2)
+        angles = torch.cat([angles, angles], dim=-1)  # (…, T, d)
+        cos, sin = angles.cos(), angles.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        return cos.to(dtype), sin.to(dtype)
 
     def rotation(self, positions: Tensor, dtype: torch.dtype) -> Rotation:
         """The rotation of positions (T,) or (B, T), for q and k of every layer alike."""
@@ -135,4 +168,9 @@ class RotaryEmbedding(nn.Module):
         return self.rotation(positions, x.dtype).apply(x)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, base={self.base}"
+        parts = [f"head_dim={self.head_dim}", f"base={self.base}"]
+        if self.dims != self.head_dim:
+            parts.append(f"dims={self.dims}")
+        if self.scaling is not None:
+            parts.append(f"scaling={self.scaling.kind}")
+        return ", ".join(parts)

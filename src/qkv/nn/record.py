@@ -28,7 +28,14 @@ from torch import Tensor
 
 from qkv.attention import attention_weights, loop
 from qkv.attention.flash.weights import weights_from_lse
-from qkv.attention.inputs import Shape, allowed_keys, check_indices, select_heads
+from qkv.attention.inputs import (
+    Shape,
+    allowed_keys,
+    check_indices,
+    heads_of,
+    select_heads,
+    with_window,
+)
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,6 +48,8 @@ class AttentionRecord:
     the log-sum-exp of each query's scaled scores, from a backend that returns it.
     q_before_rotary (B, H, Tq, D) and k_before_rotary (B, Hkv, Tq, D): in a layer with rotary
     positions, this call's queries and keys before they were turned (k: the new tokens only).
+    window, softcap, bias: the score variants of the layer, as `attend` takes them (a sliding
+    window, Gemma 2's soft-cap, a bias added to the scores such as T5's relative positions).
     """
 
     q: Tensor
@@ -54,6 +63,9 @@ class AttentionRecord:
     lse: Tensor | None = None
     q_before_rotary: Tensor | None = None
     k_before_rotary: Tensor | None = None
+    window: int | None = None
+    softcap: float | None = None
+    bias: Tensor | None = None
 
     @property
     def shape(self) -> Shape:
@@ -62,10 +74,11 @@ class AttentionRecord:
 
     @property
     def allowed(self) -> Tensor:
-        """(B or 1, H or 1, Tq, Tk) boolean: True where a query saw a key, the mask and the
-        causal rule (aligned to the end of the keys, as in cached decoding) combined."""
+        """(B or 1, H or 1, Tq, Tk) boolean: True where a query saw a key, the mask, the
+        causal rule (aligned to the end of the keys, as in cached decoding) and the window
+        combined."""
         s = self.shape
-        allowed = allowed_keys(self.mask, self.causal, s.Tq, s.Tk, self.q.device)
+        allowed = allowed_keys(self.mask, self.causal, s.Tq, s.Tk, self.q.device, self.window)
         if allowed is None:
             return torch.ones(1, 1, s.Tq, s.Tk, dtype=torch.bool, device=self.q.device)
         return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
@@ -74,13 +87,17 @@ class AttentionRecord:
         """The attention weights (B, len(heads), Tq, Tk) of query heads `heads` (all if None),
         float32 (float64 for float64 inputs): what the `eager` backend computes, whichever
         backend ran. Rows sum to 1, or to 0 for a query that saw no key."""
-        H = self.shape.H
-        chosen = check_indices("head", range(H) if heads is None else heads, H, "this layer")
+        s = self.shape
+        chosen = check_indices("head", range(s.H) if heads is None else heads, s.H, "this layer")
+        mask = with_window(self.mask, self.window, self.causal, s.Tq, s.Tk, self.q.device)
         if self.lse is not None:  # a fused kernel's lse: one product and an exp per weight
-            q, k, mask, lse = select_heads(chosen, self.q, self.k, self.mask, self.lse)
+            q, k, mask, lse = select_heads(chosen, self.q, self.k, mask, self.lse)
             return weights_from_lse(q, k, lse, mask=mask, causal=self.causal, scale=self.scale)
-        q, k, mask = select_heads(chosen, self.q, self.k, self.mask)
-        return attention_weights(q, k, mask=mask, causal=self.causal, scale=self.scale)
+        q, k, mask = select_heads(chosen, self.q, self.k, mask)
+        bias = heads_of(self.bias, torch.tensor(chosen, device=self.q.device))
+        return attention_weights(
+            q, k, mask=mask, causal=self.causal, scale=self.scale, softcap=self.softcap, bias=bias
+        )
 
     def steps(self, head: int, query: int, batch: int = 0) -> loop.QuerySteps:
         """The article's steps for one query of one head, by the `loop` backend (float64):
@@ -94,5 +111,10 @@ class AttentionRecord:
         kv_head = head // s.group  # grouped-query attention: heads share keys and values
         k, v = self.k[batch, kv_head].double(), self.v[batch, kv_head].double()  # (Tk, D)
         query_vector = self.q[batch, head, query].double()  # (D,)
-        contextualized, pairs = loop.contextualize(query_vector, k, v, allowed, self.scale)
+        bias = None
+        if self.bias is not None:
+            bias = self.bias.double().expand(s.B, s.H, s.Tq, s.Tk)[batch, head, query]
+        contextualized, pairs = loop.contextualize(
+            query_vector, k, v, allowed, self.scale, self.softcap, bias
+        )
         return loop.QuerySteps(batch, head, query, query_vector, pairs, contextualized)

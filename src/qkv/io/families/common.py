@@ -85,6 +85,14 @@ class Family:
     weights: Callable[[object], list[Weight]]
     # checkpoint keys that hold no weights qkv uses (buffers, heads it does not have)
     ignored: tuple[str, ...] = field(default=())
+    # The config.json keys of this family, for the test that no key that changes the
+    # computation goes unread: `reads`, the keys `config` reads (computing them, or refusing
+    # values it does not compute, by name); `inert`, keys that do not change the outputs
+    # (token ids, dropout, init ranges, cache settings). `config_classes`: the transformers
+    # config classes this family reads, by name (e.g. "LlamaConfig").
+    reads: tuple[str, ...] = field(default=())
+    inert: tuple[str, ...] = field(default=())
+    config_classes: tuple[str, ...] = field(default=())
 
 
 def with_biases(pairs: Iterable[tuple[str, str]], layout: Layout = SAME) -> list[Template]:
