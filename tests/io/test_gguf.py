@@ -228,7 +228,9 @@ def write_tiny(path: Path, *, arch="llama", tokenizer="gpt2", pre=None, tied=Fal
         if heads is not None:  # rows quantize independently, so permuting after is the same
             raw = permute(raw, heads)
         writer.add_tensor(name, raw, raw_dtype=None if ggml_type in (T.F32, T.F16) else ggml_type)
-    if extra is not None:
+    if isinstance(extra, tuple):  # (name, values)
+        writer.add_tensor(*extra)
+    elif extra is not None:
         writer.add_tensor(extra, rng.standard_normal((4, C), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -379,9 +381,11 @@ def test_header_cut_short_is_truncated(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
-    write_tiny(tmp_path / "qwen.gguf", arch="qwen2")
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen2'; supported: llama"):
-        read_gguf(tmp_path / "qwen.gguf", cache_dir=tmp_path / "cache")
+    write_tiny(tmp_path / "falcon.gguf", arch="falcon")
+    with pytest.raises(
+        ValueError, match="unsupported GGUF architecture 'falcon'; supported: llama,"
+    ):
+        read_gguf(tmp_path / "falcon.gguf", cache_dir=tmp_path / "cache")
 
 
 def test_unsupported_tokenizer_model(tmp_path):
@@ -396,7 +400,30 @@ def test_unknown_tensor_is_reported(tmp_path):
         read_gguf(tmp_path / "moe.gguf", cache_dir=tmp_path / "cache")
 
 
-def test_rope_freqs_tensor_is_skipped(tmp_path):
-    expected = write_tiny(tmp_path / "llama3.gguf", extra="rope_freqs.weight")
+def test_llama_3s_rope_freqs_become_its_rope_scaling_exactly(tmp_path):
+    """llama.cpp stores Llama 3's rope scaling as one factor per frequency (rope_freqs), by
+    which it divides each frequency: read as LongRoPE's form, the model turns its queries and
+    keys as the scaled Llama 3 checkpoint did (the tensor is no weight)."""
+    from qkv.io.families import family_for
+    from qkv.nn.rope import RopeScaling, inv_freq
+
+    llama3 = RopeScaling("llama3", factor=8.0, original_max_positions=16)
+    plain, _ = inv_freq(D, 500000.0)
+    scaled, _ = inv_freq(D, 500000.0, llama3)
+    factors = (plain / scaled).numpy()  # what convert_hf_to_gguf.py writes
+    expected = write_tiny(tmp_path / "llama3.gguf", extra=("rope_freqs.weight", factors))
     model = read_gguf(tmp_path / "llama3.gguf", cache_dir=tmp_path / "cache")
     assert sorted(model.state_dict) == sorted(expected)
+    config = family_for(model.config).config(model.config)
+    assert not torch.equal(plain, scaled)
+    for length in (10, 300):  # within and past the header's context: the same factors
+        rotary = config.rotary()
+        freq, factor = inv_freq(D, config.rope_base, config.rope_scaling, length)
+        torch.testing.assert_close(freq, scaled, rtol=1e-6, atol=0)
+        assert factor == 1.0 and torch.equal(rotary.inv_freq, freq)
+
+
+def test_rope_freqs_that_are_not_a_list_of_factors_are_refused(tmp_path):
+    write_tiny(tmp_path / "bad.gguf", extra="rope_freqs.weight")  # (4, C): not one per freq
+    with pytest.raises(ValueError, match="rope_freqs.weight should be a short list of float"):
+        read_gguf(tmp_path / "bad.gguf", cache_dir=tmp_path / "cache")

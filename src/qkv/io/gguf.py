@@ -1,8 +1,11 @@
-"""A llama.cpp `.gguf` file of the Llama architecture, read into what a Hugging Face folder holds.
+"""A llama.cpp `.gguf` file, read into what a Hugging Face folder holds.
 
-The config, tokenizer and tokenizer settings come from the file's header; the tensors are
-dequantized to float32 (`qkv.io.quants`), renamed to `LlamaForCausalLM`'s names, and the query
-and key rows llama.cpp interleaved for its rotary kernel are put back in Hugging Face's order.
+The architectures are those llama.cpp writes for the families qkv reads (llama, qwen2,
+qwen3, phi3, gemma, gemma2, gemma3: `qkv.io.gguf_arch`). The config, tokenizer and tokenizer
+settings come from the file's header; the tensors are dequantized to float32
+(`qkv.io.quants`), renamed to the Hugging Face model's names, and what llama.cpp's convert
+script changed is undone: the query and key rows it interleaved for Llama's rotary kernel
+are put back in Hugging Face's order, Gemma's norm weights lose the 1 it added.
 The dequantized state dict is cached as safetensors, keyed by the file's sha256, so the second
 read of a file costs a hash and a memory map.
 
@@ -24,26 +27,26 @@ import hashlib
 import logging
 import mmap
 import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from qkv.io.families import llama
+from qkv.io.families import family_for
 from qkv.io.families.checks import family_config
 from qkv.io.files import write_atomically
+from qkv.io.gguf_arch import ROPE_TENSORS, Arch, arch_of, rope_tensors
 from qkv.io.gguf_header import Header, read_header
 from qkv.io.gguf_tokenizer import gguf_tokenizer
+from qkv.io.hf import _NoRandomInit
 from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from qkv.models import DecoderConfig
 
 logger = logging.getLogger(__name__)
 
@@ -76,17 +79,19 @@ def read_gguf(
     ValueError: missing.gguf does not exist
     """
     path = Path(path)
-    data, header, config = _open(path)
+    data, header, config, arch = _open(path)
     tokenizer, tokenizer_config = gguf_tokenizer(header.metadata, path)
 
     cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
     cache = cache_dir / f"{hashlib.sha256(data).hexdigest()}.safetensors"
     names = {
-        _hf_name(info.name): info.shape for info in header.tensors if info.name not in _SKIPPED
+        arch.hf_name(info.name): info.shape
+        for info in header.tensors
+        if info.name not in ROPE_TENSORS
     }
     state_dict = _load_cache(cache, names)
     if state_dict is None:
-        state_dict = _state_dict(header, data, config, progress)
+        state_dict = _state_dict(header, data, config, arch, progress)
         _save_cache(cache, state_dict, path)
     return GGUFModel(config, state_dict, tokenizer, tokenizer_config)
 
@@ -95,8 +100,8 @@ def read_int4(path: str | os.PathLike) -> dict[str, tuple[Tensor, Tensor, Tensor
     """The file's Q4_0 and Q4_1 matrices kept in 4 bits, under Hugging Face names:
     {name: (q, scale, zero)} as `quants.int4_groups` gives them, query and key rows in
     Hugging Face's order. Read straight from the file: nothing is dequantized or cached."""
-    data, header, config = _open(Path(path))
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    data, header, config, arch = _open(Path(path))
+    heads = _permuted(arch, config)
     out = {}
     for info in header.tensors:
         if info.ggml_type not in INT4_TYPES or len(info.shape) != 2:
@@ -106,7 +111,7 @@ def read_int4(path: str | os.PathLike) -> dict[str, tuple[Tensor, Tensor, Tensor
         part = info.name.split(".")[-2]
         if part in heads:
             groups = tuple(_unpermute(t, heads[part]) for t in groups)
-        out[_hf_name(info.name)] = groups
+        out[arch.hf_name(info.name)] = groups
     return out
 
 
@@ -122,22 +127,25 @@ def _map(path: Path) -> mmap.mmap | bytes:
         return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
-def _open(path: Path) -> tuple[mmap.mmap | bytes, Header, dict[str, Any]]:
-    """The file mapped, its header, and its config.json translation, all checked against
-    each other before anything is read or allocated for the tensors. The config's values
-    are the checked ones, defaults filled in (num_key_value_heads, head_dim)."""
+def _open(path: Path) -> tuple[mmap.mmap | bytes, Header, dict[str, Any], Arch]:
+    """The file mapped, its header, its config.json translation and its architecture, all
+    checked against each other before anything is read or allocated for the weights. The
+    config's values are the checked ones, defaults filled in (num_key_value_heads, head_dim)."""
     if not path.is_file():
         raise ValueError(f"{path} does not exist")
     data = _map(path)
     header = read_header(data, path)
-    arch = header.metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: llama")
-    config, names = _llama_config(header)
+    arch = arch_of(header, path)
+    config, names = arch.config(header)
     if "rms_norm_eps" not in config:  # llama.cpp requires it too: no default is safe
         raise ValueError(f"{path}: the header has no {names['rms_norm_eps']}")
-    cfg = family_config(llama.FAMILY, config, path, names)
-    _check_tensors(header, cfg, path)
+    rope_tensors(arch, config, _rope_factors(header, data))
+    try:
+        family = family_for(config)
+    except ValueError as error:  # a family another session has not merged yet, say
+        raise ValueError(f"{path}: {error}") from None
+    cfg = family_config(family, config, path, names)
+    _check_tensors(header, arch, family, cfg, path)
     block = cfg.block
     config |= {
         "hidden_size": block.width,
@@ -147,126 +155,60 @@ def _open(path: Path) -> tuple[mmap.mmap | bytes, Header, dict[str, Any]]:
         "num_key_value_heads": block.kv_heads,
         "head_dim": block.head_size,
         "rms_norm_eps": block.norm_eps,
-        "rope_theta": cfg.rope_base,
         "max_position_embeddings": cfg.max_positions,
         "vocab_size": cfg.vocab_size,
     }
-    return data, header, config
+    return data, header, config, arch
+
+
+def _rope_factors(header: Header, data) -> dict[str, Tensor]:
+    """The rotary factor tensors (a few dozen numbers each), read before the config is."""
+    factors = {}
+    for info in header.tensors:
+        if info.name in ROPE_TENSORS:
+            if info.ggml_type not in SUPPORTED or len(info.shape) != 1 or info.shape[0] > 4096:
+                raise ValueError(f"tensor {info.name} should be a short list of float factors")
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start)
+            factors[info.name] = dequantize(raw, info.ggml_type, info.shape)
+    return factors
 
 
 # ---- config and weights ---------------------------------------------------------------------
 
 
-# the header's own key of each config.json value (under "llama.")
-_KEYS = {
-    "hidden_size": "embedding_length",
-    "intermediate_size": "feed_forward_length",
-    "num_hidden_layers": "block_count",
-    "num_attention_heads": "attention.head_count",
-    "num_key_value_heads": "attention.head_count_kv",
-    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
-    "rope_theta": "rope.freq_base",
-    "max_position_embeddings": "context_length",
-    "vocab_size": "vocab_size",
-}
-
-
-def _llama_config(header: Header) -> tuple[dict[str, Any], dict[str, str]]:
-    """The config.json Hugging Face's LlamaForCausalLM would come with, and the header key
-    each value came from. Values are copied as they are: `llama.config` checks them."""
-    meta = header.metadata
-    config: dict[str, Any] = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    names = {key: f"llama.{name}" for key, name in _KEYS.items()}
-    for key, name in _KEYS.items():
-        if f"llama.{name}" in meta:
-            config[key] = meta[f"llama.{name}"]
-    for name in ("attention.key_length", "rope.dimension_count"):
-        if f"llama.{name}" in meta:
-            config["head_dim"], names["head_dim"] = meta[f"llama.{name}"], f"llama.{name}"
-            break
-    tokens = meta.get("tokenizer.ggml.tokens")
-    if "vocab_size" not in config and isinstance(tokens, list):
-        config["vocab_size"], names["vocab_size"] = len(tokens), "tokenizer.ggml.tokens"
-    tensor_names = {info.name for info in header.tensors}
-    config |= {
-        "hidden_act": "silu",
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
-    }
-    for name, key in [("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")]:
-        config[f"{name}_token_id"] = meta.get(f"tokenizer.ggml.{key}_token_id")
-    return config, names
-
-
-def _expected_shapes(cfg: DecoderConfig, layer: int) -> dict[str, tuple[int, ...]]:
-    """What LlamaForCausalLM needs of one layer's tensors, in torch order."""
-    block = cfg.block
-    C, F = block.width, block.mlp_hidden or 4 * block.width
-    q, kv = block.num_heads * block.head_size, block.kv_heads * block.head_size
-    shapes = {"attn_norm": (C,), "ffn_norm": (C,), "attn_q": (q, C), "attn_k": (kv, C),
-              "attn_v": (kv, C), "attn_output": (C, q), "ffn_gate": (F, C), "ffn_up": (F, C),
-              "ffn_down": (C, F)}  # fmt: skip
-    return {f"blk.{layer}.{part}.weight": shape for part, shape in shapes.items()}
-
-
-def _check_tensors(header: Header, cfg: DecoderConfig, path: Path) -> None:
+def _check_tensors(header: Header, arch: Arch, family, cfg, path: Path) -> None:
     """The tensor table holds what the architecture needs, in the shapes it needs: no more,
     no less. The count is compared first, so a header claiming 10^9 blocks is refused
     without listing what they would need."""
-    kept = [info for info in header.tensors if info.name not in _SKIPPED]
+    kept = [info for info in header.tensors if info.name not in ROPE_TENSORS]
     for info in kept:
         try:
-            _hf_name(info.name)  # unknown names are refused by name
+            arch.hf_name(info.name)  # unknown names are refused by name
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
-    needed = 2 + (not cfg.tie_embeddings) + 9 * cfg.num_layers
+    one, two = (len(family.weights(replace(cfg, num_layers=n))) for n in (1, 2))
+    needed = one + (two - one) * (cfg.num_layers - 1)
     if len(kept) != needed:
         raise ValueError(
-            f"{path} has {len(kept)} weight tensors, but its header (llama.block_count="
+            f"{path} has {len(kept)} weight tensors, but its header ({arch.name}.block_count="
             f"{cfg.num_layers}) needs {needed:,}"
         )
-    C, V = cfg.block.width, cfg.vocab_size
-    shapes = {"token_embd.weight": (V, C), "output_norm.weight": (C,)}
-    if not cfg.tie_embeddings:
-        shapes["output.weight"] = (V, C)
-    for layer in range(cfg.num_layers):  # bounded: the count matched a table of real entries
-        shapes |= _expected_shapes(cfg, layer)
+    # bounded: the count matched a table of real entries, so the model has that many layers
+    with torch.device("meta"), _NoRandomInit():
+        parameters = family.model(cfg).state_dict(keep_vars=True)
+    shapes = {}
+    for weight in family.weights(cfg):
+        for name in weight.names:
+            shapes[name] = tuple(weight.save(parameters[weight.qkv]).shape)
     for info in kept:
-        if info.name not in shapes:
+        name = arch.hf_name(info.name)
+        if name not in shapes:
             raise ValueError(f"{path} has the tensor {info.name}, which its header does not need")
-        if info.shape != shapes[info.name]:
+        if info.shape != shapes[name]:
             raise ValueError(
                 f"{path}: tensor {info.name} has shape {info.shape}, but the header's config "
-                f"needs {shapes[info.name]}"
+                f"needs {shapes[name]}"
             )
-
-
-_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# llama 3's precomputed rotary frequency factors: not a weight in Hugging Face's layout
-_SKIPPED = {"rope_freqs.weight"}
-
-
-def _hf_name(name: str) -> str:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'"""
-    stem, _, suffix = name.rpartition(".")
-    if stem in _TOP:
-        return f"{_TOP[stem]}.{suffix}"
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-    if match and match[2] in _LAYER:
-        return f"model.layers.{match[1]}.{_LAYER[match[2]]}.{suffix}"
-    raise ValueError(f"unsupported tensor {name!r} in a llama GGUF file")
 
 
 def _unpermute(w: Tensor, n_head: int) -> Tensor:
@@ -282,13 +224,21 @@ def _unpermute(w: Tensor, n_head: int) -> Tensor:
     return w.transpose(1, 2).reshape(-1, *rest).contiguous()  # (H * D, ...), halves apart
 
 
+def _permuted(arch: Arch, config: dict[str, Any]) -> dict[str, int]:
+    """{GGUF part: its head count} of the query and key rows llama.cpp interleaved."""
+    if not arch.permute_qk:
+        return {}
+    return {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+
+
 def _state_dict(
     header: Header,
     data: mmap.mmap | bytes,
     config: dict[str, Any],
+    arch: Arch,
     progress: Callable[[int, int], None] | None,
 ) -> dict[str, Tensor]:
-    kept = [info for info in header.tensors if info.name not in _SKIPPED]
+    kept = [info for info in header.tensors if info.name not in ROPE_TENSORS]
     for info in kept:  # before any work is done
         if info.ggml_type not in SUPPORTED:
             supported = ", ".join(t.name for t in SUPPORTED)
@@ -296,7 +246,7 @@ def _state_dict(
                 f"tensor {info.name} is {info.ggml_type.name}, which qkv cannot dequantize; "
                 f"supported: {supported}"
             )
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    heads = _permuted(arch, config)
     state_dict = {}
     for done, info in enumerate(kept, start=1):
         raw = torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start)
@@ -304,7 +254,7 @@ def _state_dict(
         part = info.name.split(".")[-2]
         if part in heads:
             weight = _unpermute(weight, heads[part])
-        state_dict[_hf_name(info.name)] = weight
+        state_dict[arch.hf_name(info.name)] = arch.restore(info.name, weight)
         if progress is not None:
             progress(done, len(kept))
     return state_dict
