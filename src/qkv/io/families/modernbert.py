@@ -12,7 +12,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from qkv.io.families.checks import ConfigValueError, divides, flag, real, whole
-from qkv.io.families.common import Family, Weight, expand, fits, require, with_biases
+from qkv.io.families.common import (
+    Family,
+    Weight,
+    expand,
+    fits,
+    one_head_size,
+    require,
+    with_biases,
+)
 from qkv.io.families.rotary import FULL, SLIDING, read_rope
 from qkv.models import Encoder, EncoderConfig
 from qkv.nn import BlockConfig
@@ -69,7 +77,7 @@ def config(hf: dict) -> EncoderConfig:
         require(hf, MLM, tie_word_embeddings=(True,), decoder_bias=(True,),
                 classifier_bias=(bias,))  # fmt: skip
         head_act = hf.get("classifier_activation", "gelu")
-        if GATED.get(head_act) != GATED[act]:
+        if not isinstance(head_act, str) or GATED.get(head_act) != GATED[act]:
             raise ValueError(
                 f"{MLM} checkpoints with classifier_activation={head_act!r} and "
                 f"hidden_activation={act!r} are not supported: qkv's head uses the MLP's"
@@ -113,8 +121,8 @@ def hf_config(cfg: EncoderConfig) -> dict:
          rope_dims=None, rope_scaling=None, block__norm="layernorm", block__norm_position="pre",
          block__sublayer_norm=False, block__parallel=False, block__qkv_bias=None,
          block__fused_qkv=True, block__fused_mlp=True, block__attn_scale=None,
-         block__softcap=None, block__qk_norm=None, block__head_dim=None,
-         block__num_kv_heads=None)  # fmt: skip
+         block__softcap=None, block__qk_norm=None)  # fmt: skip
+    one_head_size("ModernBERT", block)
     if block.mlp not in HF_GATED:
         raise ValueError(
             f"a ModernBERT config.json cannot hold mlp={block.mlp!r}: its MLP is gated"
@@ -153,8 +161,9 @@ def hf_config(cfg: EncoderConfig) -> dict:
         "tie_word_embeddings": True,
         # the special tokens are the tokenizer's: transformers' defaults (pad 50283) lie
         # outside a smaller vocabulary, where its embedding refuses them as padding_idx
-        **dict.fromkeys(["pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id",
-                         "sep_token_id"]),
+        **dict.fromkeys(
+            ["pad_token_id", "bos_token_id", "eos_token_id", "cls_token_id", "sep_token_id"]
+        ),
     }
 
 
