@@ -41,6 +41,11 @@ TINY = {
         hf.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37,
                             max_position_embeddings=64, activation="relu"),
     ),
+    "distilbert-sinusoidal": (
+        hf.DistilBertModel,
+        hf.DistilBertConfig(vocab_size=99, dim=32, n_layers=2, n_heads=4, hidden_dim=37,
+                            max_position_embeddings=64, sinusoidal_pos_embds=True),
+    ),
     "modernbert": (hf.ModernBertModel, hf.ModernBertConfig(**MODERNBERT)),
     "modernbert-mlm": (hf.ModernBertForMaskedLM, hf.ModernBertConfig(**MODERNBERT)),
     "modernbert-biased-mlm": (
@@ -54,7 +59,7 @@ LENGTH = {"roberta": 12, "xlm-roberta": 12, "distilbert": 12, "modernbert": 30} 
 
 
 def kind(name: str) -> str:
-    return name.removesuffix("-mlm").removesuffix("-biased")
+    return name.removesuffix("-mlm").removesuffix("-biased").removesuffix("-sinusoidal")
 
 
 def save_tiny(name: str, folder):
@@ -235,8 +240,7 @@ REFUSED = [
      "position_embedding_type='relative_key'"),
     (roberta.config, {**ROBERTA, "architectures": ["RobertaForMaskedLM"], "hidden_act": "relu"},
      "RobertaForMaskedLM checkpoints with hidden_act='relu'"),
-    (distilbert.config, {"vocab_size": 99, "sinusoidal_pos_embds": True},
-     "sinusoidal_pos_embds=True"),
+    (distilbert.config, {"vocab_size": 99, "activation": "tanh"}, "activation 'tanh'"),
     (modernbert.config, {**MODERNBERT, "attention_bias": True}, "attention_bias=True"),
     (modernbert.config, {**MODERNBERT, "hidden_activation": "relu"}, "hidden_activation='relu'"),
     (modernbert.config, {**MODERNBERT, "rope_parameters": {

@@ -2,14 +2,15 @@
 config.json and weight names of its own (dim, n_layers, q_lin, sa_layer_norm, ffn.lin1).
 
 Its norms' epsilon is fixed at 1e-12 in transformers, whatever the config says; its masked-LM
-head is BERT's (vocab_transform, activation, vocab_layer_norm, vocab_projector).
+head is BERT's (vocab_transform, activation, vocab_layer_norm, vocab_projector). Exported
+sinusoidal positions are written as the learned table they are stored as.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from qkv.io.families.checks import divides, whole
+from qkv.io.families.checks import divides, flag, whole
 from qkv.io.families.common import (
     Family,
     Weight,
@@ -29,9 +30,9 @@ NORM_EPS = 1e-12  # transformers builds every DistilBERT LayerNorm with it
 
 def config(hf: dict) -> EncoderConfig:
     """A config.json -> the qkv config of the same encoder."""
-    # the sinusoidal table is stored in the checkpoint and rounded there: qkv's own table
-    # would not be the same numbers, so such checkpoints are refused rather than near
-    require(hf, "DistilBERT", sinusoidal_pos_embds=(False,))
+    # a sinusoidal table is made at init but stored in the checkpoint, and transformers
+    # reads it from there: qkv reads it too, as learned positions, the same numbers
+    flag(hf, "sinusoidal_pos_embds", False)
     mlm_head = MLM in (hf.get("architectures") or ())
     if mlm_head:
         require(hf, MLM, tie_word_embeddings=(True,))
