@@ -38,11 +38,28 @@ BART = EncoderDecoderConfig(
     lm_head_bias=True,
     block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, mlp="gelu", norm_position="post"),
 )  # fmt: skip
+MODERNBERT = EncoderConfig(
+    vocab_size=50, num_layers=3, max_positions=64, position="rotary", rope_base=500.0,
+    local_rope_base=50.0, layer_types=("full", "sliding", "sliding"), embed_norm=True,
+    final_norm=True, first_attn_norm=False,
+    block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, mlp="geglu", fused_mlp=True,
+                      fused_qkv=True, norm_bias=False, bias=False, window=5),
+)  # fmt: skip
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
     "llama": [LLAMA, replace(LLAMA, block=replace(LLAMA.block, head_dim=8))],  # D != C / H
     "bart": [BART, replace(BART, embed_scale=False)],
+    "roberta": [
+        replace(BERT, position_padding=1),
+        replace(BERT, position_padding=0, mlm_head=True),
+    ],
+    "xlm-roberta": [replace(BERT, position_padding=1, type_vocab_size=1)],
+    "distilbert": [
+        replace(BERT, type_vocab_size=0),
+        replace(BERT, type_vocab_size=0, mlm_head=True),
+    ],
+    "modernbert": [MODERNBERT, replace(MODERNBERT, mlm_head=True)],
 }
 
 

@@ -79,6 +79,7 @@ class StackConfig:
             type_vocab_size=self.type_vocab_size,
             norm=self.block.norm if self.embed_norm else None,
             norm_eps=self.block.norm_eps,
+            norm_bias=self.block.norm_bias,
             scale=math.sqrt(self.block.width) if self.embed_scale else 1.0,
             dropout=self.block.dropout,
         )
@@ -117,6 +118,10 @@ class EncoderConfig(StackConfig):
     num_layers: int
     block: BlockConfig
     mlm_head: bool = False  # BERT's masked-language-model head, for logits over the vocabulary
+    # RoBERTa's learned positions count from its padding id: a real token's position is
+    # position_padding + 1 + how many real tokens precede it, padding sits at position_padding
+    position_padding: int | None = None
+    first_attn_norm: bool = True  # ModernBERT's first block reads the embeddings' norm instead
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ from qkv.models.config import (
     recorded_layers,
 )
 from qkv.nn import AttentionRecord, EncoderBlock
-from qkv.nn.layers import _ACTIVATIONS, Activation
+from qkv.nn.layers import _ACTIVATIONS, GATED, Activation
 from qkv.nn.position import positions_for
 
 
@@ -29,11 +29,24 @@ class EncoderOutput:
     logits: Tensor | None = None
 
 
+def padded_positions(input_ids: Tensor, padding: int) -> Tensor:
+    """(B, T) RoBERTa's positions (fairseq's make_positions): real tokens count from
+    padding + 1, skipping padding tokens, which sit at `padding` themselves.
+
+    >>> import torch
+    >>> padded_positions(torch.tensor([[5, 6, 1, 7, 1]]), padding=1).tolist()
+    [[2, 3, 1, 4, 1]]
+    """
+    real = (input_ids != padding).long()  # (B, T)
+    return real.cumsum(-1) * real + padding
+
+
 class MaskedLMHead(nn.Module):
     """BERT's masked-language-model head: vectors (B, T, C) -> vocabulary logits (B, T, vocab).
 
     A dense layer C -> C, the activation, a LayerNorm, then a decoder C -> vocab whose matrix
     is the token embedding matrix (the encoder ties it) and whose bias is the head's own.
+    bias, norm_bias: the dense layer's and the LayerNorm's biases (ModernBERT has neither).
 
     >>> import torch
     >>> head = MaskedLMHead(width=16, vocab_size=50, activation="gelu", norm_eps=1e-12)
@@ -41,11 +54,20 @@ class MaskedLMHead(nn.Module):
     torch.Size([2, 3, 50])
     """
 
-    def __init__(self, width: int, vocab_size: int, activation: Activation, norm_eps: float):
+    def __init__(
+        self,
+        width: int,
+        vocab_size: int,
+        activation: Activation,
+        norm_eps: float,
+        *,
+        bias: bool = True,
+        norm_bias: bool = True,
+    ):
         super().__init__()
-        self.dense = nn.Linear(width, width)
+        self.dense = nn.Linear(width, width, bias=bias)
         self.activation = _ACTIVATIONS[activation]
-        self.norm = nn.LayerNorm(width, eps=norm_eps)
+        self.norm = nn.LayerNorm(width, eps=norm_eps, bias=norm_bias)
         self.decoder = nn.Linear(width, vocab_size)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -81,13 +103,18 @@ class Encoder(nn.Module):
             EncoderBlock(config.block_for(i), self.rotary.for_layer(i))
             for i in range(config.num_layers)
         )
+        if not config.first_attn_norm:  # the embeddings' norm already normalized its input
+            self.blocks[0].attn_norm = nn.Identity()
         self.norm = config.block.make_norm() if config.has_final_norm else None
         self.mlm: MaskedLMHead | None = None
         if config.mlm_head:
             block = config.block
-            # a SwiGLU block's nonlinearity is silu: the head's one activation uses it too
-            activation = "silu" if block.mlp == "swiglu" else block.mlp
-            self.mlm = MaskedLMHead(block.width, config.vocab_size, activation, block.norm_eps)
+            # a gated block's nonlinearity is its gate's (silu, gelu): the head's one uses it too
+            activation = GATED.get(block.mlp, block.mlp)
+            self.mlm = MaskedLMHead(
+                block.width, config.vocab_size, activation, block.norm_eps,
+                bias=block.bias, norm_bias=block.norm_bias,
+            )  # fmt: skip
         self.apply(init_weights)
         self.tie_weights()
 
@@ -118,7 +145,10 @@ class Encoder(nn.Module):
                 "EncoderConfig(mlm_head=True), or load a BertForMaskedLM checkpoint"
             )
         wanted = recorded_layers(layers, self.config.num_layers)
-        positions = positions_for(input_ids.shape[1], device=input_ids.device)
+        if self.config.position_padding is None:
+            positions = positions_for(input_ids.shape[1], device=input_ids.device)  # (T,)
+        else:
+            positions = padded_positions(input_ids, self.config.position_padding)  # (B, T)
         x = self.embed(input_ids, positions, token_type_ids)  # (B, T, C)
         rotations = self.rotary.rotations(positions, x.dtype)
         padding = key_padding(attention_mask)

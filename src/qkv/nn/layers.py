@@ -135,6 +135,7 @@ class Embeddings(nn.Module):
         type_vocab_size: int = 0,
         norm: NormKind | None = None,
         norm_eps: float = 1e-5,
+        norm_bias: bool = True,
         scale: float = 1.0,
         dropout: float = 0.0,
     ):
@@ -147,7 +148,7 @@ class Embeddings(nn.Module):
         elif position == "sinusoidal":
             self.positions = SinusoidalPositions(width)
         self.types = nn.Embedding(type_vocab_size, width) if type_vocab_size else None
-        self.norm = make_norm(norm, width, norm_eps) if norm else None
+        self.norm = make_norm(norm, width, norm_eps, norm_bias) if norm else None
         self.scale = scale  # the original transformer multiplies token vectors by sqrt(C)
         self.dropout = nn.Dropout(dropout)
 
