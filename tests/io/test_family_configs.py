@@ -38,11 +38,33 @@ BART = EncoderDecoderConfig(
     lm_head_bias=True,
     block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, mlp="gelu", norm_position="post"),
 )  # fmt: skip
+PHI3 = DecoderConfig(
+    vocab_size=50, num_layers=2, max_positions=64, position="rotary", rope_dims=6,
+    tie_embeddings=False,
+    block=BlockConfig(width=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_hidden=24,
+                      mlp="swiglu", fused_mlp=True, fused_qkv=True, norm="rmsnorm",
+                      bias=False, window=16),
+)  # fmt: skip
+OLMO2 = DecoderConfig(
+    vocab_size=50, num_layers=2, max_positions=64, position="rotary", final_norm=True,
+    tie_embeddings=False,
+    block=BlockConfig(width=16, num_heads=4, num_kv_heads=2, head_dim=4, mlp_hidden=24,
+                      mlp="swiglu", norm="rmsnorm", norm_position="none", sublayer_norm=True,
+                      qk_norm="full", bias=False),
+)  # fmt: skip
+NEOX = DecoderConfig(
+    vocab_size=50, num_layers=2, max_positions=64, position="rotary", rope_dims=2,
+    tie_embeddings=False,
+    block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, parallel=True, fused_qkv=True),
+)  # fmt: skip
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
     "llama": [LLAMA, replace(LLAMA, block=replace(LLAMA.block, head_dim=8))],  # D != C / H
     "bart": [BART, replace(BART, embed_scale=False)],
+    "phi3": [PHI3, replace(PHI3, rope_dims=None, block=replace(PHI3.block, window=None))],
+    "olmo2": [OLMO2, replace(OLMO2, tie_embeddings=True)],
+    "gpt_neox": [NEOX, replace(NEOX, block=replace(NEOX.block, parallel=False))],
 }
 
 
