@@ -116,7 +116,7 @@ def test_a_layer_with_every_variant_keeps_a_record_that_recomputes_its_output(qk
         with torch.no_grad():
             mha.q_norm.weight.uniform_(0.5, 1.5)
     bias = torch.randn(1, 4, 6, 6)
-    out, record = mha(torch.randn(2, 6, 16), causal=True, bias=bias, record=True)
+    _, record = mha(torch.randn(2, 6, 16), causal=True, bias=bias, record=True)
     assert (record.window, record.softcap, record.scale) == (3, 3.0, 0.7)
     weights = record.weights()
     assert weights[:, :, 5, :3].eq(0).all()  # three keys back and more: hidden

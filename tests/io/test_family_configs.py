@@ -45,6 +45,25 @@ MODERNBERT = EncoderConfig(
     block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, mlp="geglu", fused_mlp=True,
                       fused_qkv=True, norm_bias=False, bias=False, window=5),
 )  # fmt: skip
+PHI3 = DecoderConfig(
+    vocab_size=50, num_layers=2, max_positions=64, position="rotary", rope_dims=6,
+    tie_embeddings=False,
+    block=BlockConfig(width=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_hidden=24,
+                      mlp="swiglu", fused_mlp=True, fused_qkv=True, norm="rmsnorm",
+                      bias=False, window=16),
+)  # fmt: skip
+OLMO2 = DecoderConfig(
+    vocab_size=50, num_layers=2, max_positions=64, position="rotary", final_norm=True,
+    tie_embeddings=False,
+    block=BlockConfig(width=16, num_heads=4, num_kv_heads=2, head_dim=4, mlp_hidden=24,
+                      mlp="swiglu", norm="rmsnorm", norm_position="none", sublayer_norm=True,
+                      qk_norm="full", bias=False),
+)  # fmt: skip
+NEOX = DecoderConfig(
+    vocab_size=50, num_layers=2, max_positions=64, position="rotary", rope_dims=2,
+    tie_embeddings=False,
+    block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, parallel=True, fused_qkv=True),
+)  # fmt: skip
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -60,6 +79,9 @@ ROUND_TRIPS = {
         replace(BERT, type_vocab_size=0, mlm_head=True),
     ],
     "modernbert": [MODERNBERT, replace(MODERNBERT, mlm_head=True)],
+    "phi3": [PHI3, replace(PHI3, rope_dims=None, block=replace(PHI3.block, window=None))],
+    "olmo2": [OLMO2, replace(OLMO2, tie_embeddings=True)],
+    "gpt_neox": [NEOX, replace(NEOX, block=replace(NEOX.block, parallel=False))],
 }
 
 

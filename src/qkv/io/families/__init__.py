@@ -11,11 +11,23 @@ line in `FAMILIES`.
 
 from __future__ import annotations
 
-from qkv.io.families import bart, bert, distilbert, gpt2, llama, modernbert, roberta
+from qkv.io.families import (
+    bart,
+    bert,
+    distilbert,
+    gpt2,
+    llama,
+    modernbert,
+    neox,
+    olmo2,
+    phi3,
+    roberta,
+)
 from qkv.io.families.common import Family, Weight
 
 FAMILIES = [bert.FAMILY, gpt2.FAMILY, llama.FAMILY, bart.FAMILY]
 FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.FAMILY]
+FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 

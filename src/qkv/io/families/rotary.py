@@ -98,6 +98,8 @@ def _scaling(hf: Mapping, params: dict, dims: int) -> RopeScaling | None:
             "rope_scaling",
             f"type {kind!r} is not supported; supported: default, {', '.join(KINDS)}",
         )
+    if kind == "dynamic" and dims == 2:  # its base grows by a power of dims / (dims - 2)
+        raise ConfigValueError("rope_scaling", "dynamic needs more than 2 rotated dimensions")
     max_positions = whole(hf, "max_position_embeddings", 2048)
     # Phi-3 keeps the trained length at the top level, and it wins there (as in transformers)
     original = hf.get("original_max_position_embeddings") or params.get(
