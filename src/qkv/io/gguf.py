@@ -28,7 +28,7 @@ import logging
 import mmap
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -186,7 +186,7 @@ def _check_tensors(header: Header, arch: Arch, family, cfg, path: Path) -> None:
             arch.hf_name(info.name)  # unknown names are refused by name
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
-    one, two = (len(family.weights(replace(cfg, num_layers=n))) for n in (1, 2))
+    one, two = (len(family.weights(_with_layers(cfg, n))) for n in (1, 2))
     needed = one + (two - one) * (cfg.num_layers - 1)
     if len(kept) != needed:
         raise ValueError(
@@ -209,6 +209,16 @@ def _check_tensors(header: Header, arch: Arch, family, cfg, path: Path) -> None:
                 f"{path}: tensor {info.name} has shape {info.shape}, but the header's config "
                 f"needs {shapes[name]}"
             )
+
+
+def _with_layers(cfg, n: int):
+    """cfg with n layers, its per-layer lists (layer_types, say) cut or repeated to match."""
+    per_layer = {
+        f.name: (value * n)[:n]
+        for f in fields(cfg)
+        if isinstance(value := getattr(cfg, f.name), tuple) and len(value) == cfg.num_layers
+    }
+    return replace(cfg, num_layers=n, **per_layer)
 
 
 def _unpermute(w: Tensor, n_head: int) -> Tensor:

@@ -59,6 +59,8 @@ PHI3_LAYER = {
 }
 # tensors that are no weight in Hugging Face's layout: rotary frequency factors, which
 # `config` turns into the config's rope scaling instead
+# what llama.cpp takes where a header has no rope.freq_base (Gemma's converter writes none)
+LLAMA_CPP_ROPE_BASE = 10000.0
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
@@ -104,20 +106,20 @@ class Arch:
         for key, name in COMMON_KEYS.items():
             if self.key(name) in meta:
                 config[key] = meta[self.key(name)]
-        if self.key("attention.key_length") in meta:
-            config["head_dim"] = meta[self.key("attention.key_length")]
-            names["head_dim"] = self.key("attention.key_length")
-        elif self.key("rope.dimension_count") in meta and "rope_factors_long.weight" not in {
-            t.name for t in header.tensors
-        }:
-            config["head_dim"] = meta[self.key("rope.dimension_count")]
-            names["head_dim"] = self.key("rope.dimension_count")
+        config.setdefault("rope_theta", LLAMA_CPP_ROPE_BASE)
+        _head_dims(self, config, names, meta)
         tokens = meta.get("tokenizer.ggml.tokens")
         if "vocab_size" not in config and isinstance(tokens, list):
             config["vocab_size"], names["vocab_size"] = len(tokens), "tokenizer.ggml.tokens"
         tensor_names = {info.name for info in header.tensors}
         config["tie_word_embeddings"] = "output.weight" not in tensor_names
         config |= self.fixed
+        attn_factor = meta.get(self.key("rope.scaling.attn_factor"), 1.0)
+        if self.name != "phi3" and attn_factor != 1.0:  # Phi-3's goes with its rope factors
+            raise ValueError(
+                f"{self.key('rope.scaling.attn_factor')}={attn_factor!r} is not supported "
+                f"for {self.name}: llama.cpp would scale every rotated query and key by it"
+            )
         if self.name in ("llama", "qwen3"):  # biases are optional there: present or not
             config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         if self.name == "llama":
@@ -130,25 +132,61 @@ class Arch:
         return config, names
 
 
-def _rope_scaling(arch: Arch, config: dict, names: dict, header: Header) -> None:
-    """The header's rope scaling as config.json's rope_scaling. Llama 3's and Phi-3's
-    per-frequency factors come as tensors (rope_freqs, rope_factors_long/short), read by
-    `rope_tensors` once the tensors are mapped; the keys are read here."""
-    meta = header.metadata
-    kind = meta.get(arch.key("rope.scaling.type"))
-    if kind in (None, "none"):
+def _head_dims(arch: Arch, config: dict, names: dict, meta: dict) -> None:
+    """llama.cpp's head size: attention.key_length, else C / H (never a family's own
+    default: Qwen3's 128, Gemma's 256); its rotated dimensions: rope.dimension_count, else
+    the whole head. Llama's interleaved rows turn the whole head (llama.cpp refuses less)."""
+    width, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if arch.key("attention.key_length") in meta:
+        config["head_dim"] = meta[arch.key("attention.key_length")]
+        names["head_dim"] = arch.key("attention.key_length")
+    elif arch.permute_qk and arch.key("rope.dimension_count") in meta:
+        # Llama turns whole heads, so its rotated dimensions are its head size; read so, as
+        # transformers reads it (llama.cpp refuses one that is not C / H)
+        config["head_dim"] = meta[arch.key("rope.dimension_count")]
+        names["head_dim"] = arch.key("rope.dimension_count")
+    elif type(width) is int and type(heads) is int and heads > 0:
+        config["head_dim"] = width // heads
+        names["head_dim"] = arch.key("embedding_length")
+    rotated = meta.get(arch.key("rope.dimension_count"))
+    head_dim = config.get("head_dim")
+    if rotated is None or rotated == head_dim or type(head_dim) is not int or head_dim < 1:
         return
+    if arch.permute_qk:
+        raise ValueError(
+            f"{arch.key('rope.dimension_count')}={rotated!r} is not the head size "
+            f"({head_dim}): llama.cpp's {arch.name} turns whole heads"
+        )
+    config["partial_rotary_factor"] = (
+        rotated / head_dim if type(rotated) in (int, float) else rotated
+    )
+    names["partial_rotary_factor"] = arch.key("rope.dimension_count")
+
+
+def _rope_scaling(arch: Arch, config: dict, names: dict, header: Header) -> None:
+    """The header's rope scaling as config.json's rope_scaling, read as llama.cpp reads it:
+    a factor with no type is linear (llama.cpp's default type), and the older key
+    rope.scale_linear is the factor. Llama 3's and Phi-3's per-frequency factors come as
+    tensors (rope_freqs, rope_factors_long/short), read by `rope_tensors`."""
+    meta = header.metadata
+    kind = meta.get(arch.key("rope.scaling.type"), "linear")
+    factor_key = next(
+        (arch.key(k) for k in ("rope.scaling.factor", "rope.scale_linear") if arch.key(k) in meta),
+        None,
+    )
+    factor = meta.get(factor_key) if factor_key else None
+    if kind == "none" or (kind == "linear" and factor in (None, 0, 0.0, 1, 1.0)):
+        return  # llama.cpp: a factor of 0 (or none) is no scaling
     if kind not in ("linear", "yarn"):
         raise ValueError(
             f"{arch.key('rope.scaling.type')} {kind!r} is not supported; supported: linear, yarn"
         )
     scaling: dict[str, Any] = {"rope_type": kind}
-    for key, name in [
-        ("factor", "rope.scaling.factor"),
-        ("original_max_position_embeddings", "rope.scaling.original_context_length"),
-    ]:
-        if arch.key(name) in meta:
-            scaling[key] = meta[arch.key(name)]
+    if factor_key is not None:
+        scaling["factor"], names["rope_scaling.factor"] = factor, factor_key
+    original = arch.key("rope.scaling.original_context_length")
+    if original in meta:
+        scaling["original_max_position_embeddings"] = meta[original]
     config["rope_scaling"] = scaling
     names["rope_scaling"] = arch.key("rope.scaling.type")
 
@@ -168,59 +206,89 @@ def rope_tensors(arch: Arch, config: dict, tensors: dict[str, Tensor]) -> None:
             "original_max_position_embeddings": config.get("max_position_embeddings", 2048),
         }  # fmt: skip
     elif "rope_factors_long.weight" in tensors:
+        if "rope_factors_short.weight" not in tensors:
+            raise ValueError("the tensor rope_factors_long.weight comes without rope_factors_short")
         rope = config.get("rope_scaling") or {}
         config["rope_scaling"] = rope | {
             "rope_type": "longrope",
             "short_factor": [float(f) for f in tensors["rope_factors_short.weight"].flatten()],
             "long_factor": [float(f) for f in tensors["rope_factors_long.weight"].flatten()],
         }
+    elif config.get("rope_scaling", {}).keys() == {"attention_factor"}:
+        # llama.cpp would scale every rotated query and key by it; qkv's rotary holds an
+        # attention factor only beside LongRoPE's frequency factors, as Phi-3's convert writes it
+        raise ValueError(
+            f"{arch.key('rope.scaling.attn_factor')} comes without rope_factors_long and "
+            "rope_factors_short tensors, which is not supported"
+        )
 
 
 def _phi3(config: dict, names: dict, header: Header) -> None:
+    """Phi-3's rope: partial rotary (`_head_dims`), LongRoPE's trained length and attention
+    factor. No sliding window: llama.cpp turns Phi-3's off whatever the header says
+    (llama.cpp#13676), so the file computes without one (transformers' reader agrees).
+    llama.cpp picks the long or short rope factors by its context size, not the text's
+    length; qkv picks as transformers does, by the text's length (past the trained length:
+    the long factors)."""
     meta = header.metadata
-    heads, width = config.get("num_attention_heads"), config.get("hidden_size")
-    dims = meta.get("phi3.rope.dimension_count")
-    if isinstance(heads, int) and isinstance(width, int) and heads and isinstance(dims, int):
-        config["partial_rotary_factor"] = dims / (width // heads)
     original = meta.get("phi3.rope.scaling.original_context_length")
     if original is not None:
         config["original_max_position_embeddings"] = original
+        names["original_max_position_embeddings"] = "phi3.rope.scaling.original_context_length"
     if meta.get("phi3.rope.scaling.attn_factor") is not None:
         config["rope_scaling"] = (config.get("rope_scaling") or {}) | {
             "attention_factor": meta["phi3.rope.scaling.attn_factor"]
         }
-    if meta.get("phi3.attention.sliding_window") is not None:
-        config["sliding_window"] = meta["phi3.attention.sliding_window"]
+
+
+# Gemma 2 and 3 at 27B (llama.cpp tells the size by the layer count) scale the scores by
+# 1/sqrt(C / H), every other size by 1/sqrt(head size): llama.cpp's f_attention_scale
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def _gemma(config: dict, names: dict, header: Header) -> None:
-    """Gemma's scale: llama.cpp divides by sqrt(head size) (its 27B models aside, which name
-    no key for it); Gemma 2 and 3 name their soft-caps and window in the header."""
+    """What llama.cpp's Gemma code fixes: the score scale (see GEMMA_27B_LAYERS); Gemma 2's
+    soft-caps (50 and 30 where the header names none) and window (4096), even layers
+    sliding; Gemma 3's five sliding layers then one full, the sliding ones with a rotary
+    base of 10 000 unscaled, and no attention soft-cap. A Gemma 3 header with no window
+    (or 0) slides none."""
     meta, arch = header.metadata, config["model_type"].removesuffix("_text")
+    layers = config.get("num_hidden_layers")
     if "head_dim" in config:
         config["query_pre_attn_scalar"] = config["head_dim"]
         names["query_pre_attn_scalar"] = names["head_dim"]
-    for key, name in [("attn_logit_softcapping", "attn_logit_softcapping"),
-                      ("final_logit_softcapping", "final_logit_softcapping"),
-                      ("sliding_window", "attention.sliding_window")]:  # fmt: skip
-        if f"{arch}.{name}" in meta:
-            config[key], names[key] = meta[f"{arch}.{name}"], f"{arch}.{name}"
-    layers = config.get("num_hidden_layers")
+    width, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if layers == GEMMA_27B_LAYERS.get(arch) and type(width) is int and type(heads) is int:
+        config["query_pre_attn_scalar"] = width // heads if heads > 0 else heads
+        names["query_pre_attn_scalar"] = f"{arch}.attention.head_count"
+    if arch == "gemma":
+        return
+    window_key = f"{arch}.attention.sliding_window"
+    window = meta.get(window_key, 4096 if arch == "gemma2" else None)
+    config["sliding_window"], names["sliding_window"] = window, window_key
+    # bounded: a header claiming 10^9 layers has too few tensors, refused once they are counted
+    sized = type(layers) is int and 0 < layers <= max(len(header.tensors), 256)
     if arch == "gemma2":
-        config.setdefault("attn_logit_softcapping", None)
-        config.setdefault("final_logit_softcapping", None)
-        if isinstance(layers, int) and 0 < layers <= len(header.tensors):
-            # llama.cpp: even layers slide (transformers: layer i slides if (i + 1) % 2)
+        for key, default in [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)]:
+            config[key], names[key] = meta.get(f"gemma2.{key}", default), f"gemma2.{key}"
+        if sized:  # llama.cpp's set_swa_pattern(2): even layers slide
             config["layer_types"] = [
                 "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
             ]
-    if arch == "gemma3":
-        config["rope_local_base_freq"] = 10000.0  # fixed in llama.cpp's gemma3 code
-        if isinstance(layers, int) and 0 < layers <= len(header.tensors):
-            # llama.cpp: five sliding layers, then one full (set_swa_pattern(6))
-            config["layer_types"] = [
-                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)
-            ]
+        return
+    # Gemma 3: llama.cpp reads no attention soft-cap for it, and a final one only if named
+    config["attn_logit_softcapping"] = None
+    key = "gemma3.final_logit_softcapping"
+    config["final_logit_softcapping"], names["final_logit_softcapping"] = meta.get(key), key
+    config["rope_local_base_freq"] = LLAMA_CPP_ROPE_BASE  # fixed in llama.cpp's gemma3 code
+    slides = window not in (None, 0)
+    if not slides:
+        config["sliding_window"] = None
+    if sized:  # llama.cpp's set_swa_pattern(6): five sliding layers, then one full
+        config["layer_types"] = [
+            "sliding_attention" if slides and (i + 1) % 6 else "full_attention"
+            for i in range(layers)
+        ]
 
 
 ARCHES = {
