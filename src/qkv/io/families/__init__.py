@@ -5,16 +5,17 @@ config.json, refusing by name what the family cannot hold), `weights` (the weigh
 templates expanded by `common.expand`) and `FAMILY`. Adding a family is one module and one
 line in `FAMILIES`.
 
->>> family_for({"model_type": "mistral"}).name
-'llama'
+>>> family_for({"model_type": "qwen2"}).name
+'qwen2'
 """
 
 from __future__ import annotations
 
-from qkv.io.families import bart, bert, gpt2, llama
+from qkv.io.families import bart, bert, gpt2, llama, qwen
 from qkv.io.families.common import Family, Weight
 
 FAMILIES = [bert.FAMILY, gpt2.FAMILY, llama.FAMILY, bart.FAMILY]
+FAMILIES += [llama.MISTRAL, llama.SMOLLM3, qwen.QWEN2, qwen.QWEN3]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
