@@ -354,3 +354,10 @@ def test_every_key_of_the_config_classes_is_read_or_inert(family):
     for name in family.config_classes:
         keys = set(getattr(hf, name)().to_dict()) - common
         assert keys <= set(family.reads) | set(family.inert), name
+
+
+def test_rope_layers_name_every_layer_of_a_rotary_model():
+    with pytest.raises(ValueError, match="rope_layers names 3 layers, the model has 2"):
+        replace(BASE, rope_layers=(True, False, True))
+    with pytest.raises(ValueError, match="rope_layers needs rotary positions"):
+        replace(BASE, position="learned", rope_layers=(True, False))
