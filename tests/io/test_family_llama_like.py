@@ -338,6 +338,8 @@ REFUSED_EXPORTS = [
     ("qwen3", replace(BASE, block=replace(BASE.block, qk_norm="full")),
      r"block.qk_norm='full' \(it has 'head'\)"),
     ("smollm3", replace(BASE, rope_dims=2), r"rope_dims=2 \(it has None\)"),
+    ("mistral", replace(BASE, rope_scaling=RopeScaling("dynamic", 2.0, max_positions=16)),
+     "cannot hold dynamic rope scaling from 16 positions with max_positions=64"),
 ]  # fmt: skip
 
 

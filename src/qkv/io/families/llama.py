@@ -131,7 +131,17 @@ def check_fits(family: str, cfg: DecoderConfig, **needed: Any) -> None:
 
 def hf_decoder(cfg: DecoderConfig, model_type: str, architecture: str) -> dict[str, Any]:
     """The config.json keys every Llama-shaped family shares."""
-    block = cfg.block
+    block, scaling = cfg.block, cfg.rope_scaling
+    if (
+        scaling is not None
+        and scaling.kind == "dynamic"
+        and scaling.max_positions != cfg.max_positions
+    ):
+        raise ValueError(
+            f"a {model_type} config.json cannot hold dynamic rope scaling from "
+            f"{scaling.max_positions} positions with max_positions={cfg.max_positions}: "
+            "transformers grows the base past max_position_embeddings"
+        )
     hf = {
         "model_type": model_type,
         "architectures": [architecture],
