@@ -82,6 +82,11 @@ ROUND_TRIPS = {
     "phi3": [PHI3, replace(PHI3, rope_dims=None, block=replace(PHI3.block, window=None))],
     "olmo2": [OLMO2, replace(OLMO2, tie_embeddings=True)],
     "gpt_neox": [NEOX, replace(NEOX, block=replace(NEOX.block, parallel=False))],
+    # the Llama-shaped families' own round trips are in test_family_llama_like.py
+    "mistral": [replace(LLAMA, block=replace(LLAMA.block, window=4))],
+    "smollm3": [replace(LLAMA, rope_layers=(True, False))],
+    "qwen2": [replace(LLAMA, block=replace(LLAMA.block, qkv_bias=True))],
+    "qwen3": [replace(LLAMA, block=replace(LLAMA.block, qk_norm="head"))],
 }
 
 
@@ -119,8 +124,8 @@ REFUSED = [
      "a GPT-2 config.json cannot hold mlp='swiglu'; it holds gelu, gelu_tanh, relu, silu"),
     ("gpt2", replace(GPT2, block=replace(GPT2.block, num_kv_heads=2)),
      r"GPT-2 config.json cannot hold head_dim=4 with num_kv_heads=2: its heads are width"),
-    ("llama", replace(LLAMA, block=replace(LLAMA.block, bias=True, norm="layernorm")),
-     r"block.norm='layernorm' \(it has 'rmsnorm'\), block.bias=True \(it has False\)"),
+    ("llama", replace(LLAMA, block=replace(LLAMA.block, window=4, norm="layernorm")),
+     r"block.norm='layernorm' \(it has 'rmsnorm'\), block.window=4 \(it has None\)"),
     ("bart", replace(BART, block=replace(BART.block, norm_eps=1e-6)),
      r"a BART config.json cannot hold this model: block.norm_eps=1e-06 \(it has 1e-05\)"),
     ("bart", replace(BART, tie_embeddings=False, lm_head_bias=False),
