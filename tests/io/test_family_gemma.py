@@ -53,7 +53,7 @@ FAMILY = {"gemma": GEMMA, "gemma-untied": GEMMA, "gemma2": GEMMA2, "gemma3": GEM
           "gemma3-1b": GEMMA3}  # fmt: skip
 # sdpa computes no soft-cap: Gemma 2's attention is eager's only, in qkv as in transformers
 SDPA = ["gemma", "gemma-untied", "gemma3", "gemma3-1b"]
-# a sliding and a full layer of each
+# a sliding and a full layer of each model that has both
 RECORDED = {"gemma": [1], "gemma-untied": [0], "gemma2": [0, 1], "gemma3": [1, 2],
             "gemma3-1b": [0, 2]}  # fmt: skip
 
@@ -97,23 +97,19 @@ def _block(config, **changes):
     return replace(config, block=replace(config.block, **changes))
 
 
+def _no_window(config):
+    return replace(config, layer_types=None, block=replace(config.block, window=None))
+
+
 EXERCISED = [
     ("gemma2", "attention soft-cap", lambda c: _block(c, softcap=None)),
     ("gemma2", "final soft-cap", lambda c: replace(c, logit_softcap=None)),
-    (
-        "gemma2",
-        "window",
-        lambda c: replace(c, layer_types=None, block=replace(c.block, window=None)),
-    ),
+    ("gemma2", "window", _no_window),
     ("gemma2", "score scale", lambda c: _block(c, attn_scale=None)),
     ("gemma3", "rope scaling", lambda c: replace(c, rope_scaling=None)),
     ("gemma3", "local rotary base", lambda c: replace(c, local_rope_base=None)),
     ("gemma3", "final soft-cap", lambda c: replace(c, logit_softcap=None)),
-    (
-        "gemma3-1b",
-        "window",
-        lambda c: replace(c, layer_types=None, block=replace(c.block, window=None)),
-    ),
+    ("gemma3-1b", "window", _no_window),
 ]
 
 
@@ -231,7 +227,7 @@ def test_a_transformers_config_round_trips_through_qkv(name):
     family = family_for(hf_config.to_dict())
     config = family.config(hf_config.to_dict())
     written = family.hf_config(config)
-    assert family.config(written) == config
+    assert family_for(written) is family and family.config(written) == config
     reread = type(hf_config).from_dict(written).to_dict()
     assert family.config(reread) == config
 
