@@ -9,6 +9,7 @@ bite, texts of 30 tokens past a sliding window of 8 and past Gemma 3's scaled co
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -16,12 +17,15 @@ import torch
 import transformers as hf
 from safetensors.torch import save_file
 
+import qkv
 from qkv.io.checkpoint import export
+from qkv.io.embedded import embedded_path
 from qkv.io.families import family_for
 from qkv.io.families.gemma import GEMMA, GEMMA2, GEMMA3
 from qkv.io.hf import load_folder
 from qkv.nn.rope import RopeScaling
 
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
 T = 30  # past every tiny model's sliding window (8) and Gemma 3's original context (16)
 SHARED = dict(vocab_size=99, hidden_size=32, intermediate_size=37, max_position_embeddings=64)
 GEMMA3_ROPE = {
@@ -200,6 +204,21 @@ def test_export_loads_in_transformers_with_equal_logits(name, folders, tmp_path)
     ids = ids_of(2)
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_a_loaded_gemma_saves_as_a_folder_transformers_loads(name, folders, tmp_path):
+    """qkv.load and Pretrained.save, the way a user exports (any tokenizer will do)."""
+    folder = tmp_path / "original"
+    shutil.copytree(folders[name][0], folder)
+    for file in TOKENIZER_FILES:
+        shutil.copy(embedded_path("minilm") / file, folder / file)
+    ours = qkv.load(folder)
+    ours.save(tmp_path / "exported")
+    theirs = TINY[name][0].from_pretrained(tmp_path / "exported", attn_implementation="eager")
+    ids = ids_of(2)
+    with torch.no_grad():
+        torch.testing.assert_close(ours.model(ids).logits, theirs(ids).logits, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
