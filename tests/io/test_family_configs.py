@@ -64,6 +64,14 @@ NEOX = DecoderConfig(
     tie_embeddings=False,
     block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, parallel=True, fused_qkv=True),
 )  # fmt: skip
+
+
+def _tiny_gemma(name: str) -> dict:
+    from test_family_gemma import TINY
+
+    return TINY[name][1].to_dict()
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -87,6 +95,8 @@ ROUND_TRIPS = {
     "smollm3": [replace(LLAMA, rope_layers=(True, False))],
     "qwen2": [replace(LLAMA, block=replace(LLAMA.block, qkv_bias=True))],
     "qwen3": [replace(LLAMA, block=replace(LLAMA.block, qk_norm="head"))],
+    # the Gemma families' configs, as transformers' own tiny ones read
+    **{name: [FAMILY[name].config(_tiny_gemma(name))] for name in ("gemma", "gemma2", "gemma3")},
 }
 
 

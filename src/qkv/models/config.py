@@ -41,6 +41,8 @@ class StackConfig:
     type_vocab_size: int = 0  # BERT's segment embeddings; 0 for none
     embed_norm: bool = False  # BERT normalizes the summed embeddings
     embed_scale: bool = False  # the original transformer scales token vectors by sqrt(C)
+    # Gemma: sqrt(C) rounded to the vectors' dtype before it multiplies (as transformers does)
+    embed_scale_rounded: bool = False
     final_norm: bool | None = None  # a norm after the last block; None: iff pre-norm blocks
 
     def __post_init__(self):
@@ -92,6 +94,7 @@ class StackConfig:
             norm_eps=self.block.norm_eps,
             norm_bias=self.block.norm_bias,
             scale=math.sqrt(self.block.width) if self.embed_scale else 1.0,
+            round_scale=self.embed_scale_rounded,
             dropout=self.block.dropout,
         )
 
@@ -164,7 +167,8 @@ class EncoderDecoderConfig(StackConfig):
             name: getattr(self, name)
             for name in (
                 "vocab_size", "block", "max_positions", "position", "rope_base", "rope_dims",
-                "rope_scaling", "type_vocab_size", "embed_norm", "embed_scale", "final_norm",
+                "rope_scaling", "type_vocab_size", "embed_norm", "embed_scale",
+                "embed_scale_rounded", "final_norm",
             )
         }  # fmt: skip
 
