@@ -114,7 +114,10 @@ class Pretrained:
 
     @property
     def context_window(self) -> int:
-        return self.config.max_positions
+        """How many tokens the model reads at once. RoBERTa's positions start after its
+        padding id (514 learned positions hold 512 tokens)."""
+        padding = getattr(self.config, "position_padding", None)
+        return self.config.max_positions - (0 if padding is None else padding + 1)
 
     # ------------------------------------------------------------------ generation
 

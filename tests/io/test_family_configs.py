@@ -64,6 +64,14 @@ NEOX = DecoderConfig(
     tie_embeddings=False,
     block=BlockConfig(width=16, num_heads=4, mlp_hidden=24, parallel=True, fused_qkv=True),
 )  # fmt: skip
+
+
+def _tiny_gemma(name: str) -> dict:
+    from test_family_gemma import TINY
+
+    return TINY[name][1].to_dict()
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -82,6 +90,13 @@ ROUND_TRIPS = {
     "phi3": [PHI3, replace(PHI3, rope_dims=None, block=replace(PHI3.block, window=None))],
     "olmo2": [OLMO2, replace(OLMO2, tie_embeddings=True)],
     "gpt_neox": [NEOX, replace(NEOX, block=replace(NEOX.block, parallel=False))],
+    # the Llama-shaped families' own round trips are in test_family_llama_like.py
+    "mistral": [replace(LLAMA, block=replace(LLAMA.block, window=4))],
+    "smollm3": [replace(LLAMA, rope_layers=(True, False))],
+    "qwen2": [replace(LLAMA, block=replace(LLAMA.block, qkv_bias=True))],
+    "qwen3": [replace(LLAMA, block=replace(LLAMA.block, qk_norm="head"))],
+    # the Gemma families' configs, as transformers' own tiny ones read
+    **{name: [FAMILY[name].config(_tiny_gemma(name))] for name in ("gemma", "gemma2", "gemma3")},
 }
 
 
@@ -119,8 +134,8 @@ REFUSED = [
      "a GPT-2 config.json cannot hold mlp='swiglu'; it holds gelu, gelu_tanh, relu, silu"),
     ("gpt2", replace(GPT2, block=replace(GPT2.block, num_kv_heads=2)),
      r"GPT-2 config.json cannot hold head_dim=4 with num_kv_heads=2: its heads are width"),
-    ("llama", replace(LLAMA, block=replace(LLAMA.block, bias=True, norm="layernorm")),
-     r"block.norm='layernorm' \(it has 'rmsnorm'\), block.bias=True \(it has False\)"),
+    ("llama", replace(LLAMA, block=replace(LLAMA.block, window=4, norm="layernorm")),
+     r"block.norm='layernorm' \(it has 'rmsnorm'\), block.window=4 \(it has None\)"),
     ("bart", replace(BART, block=replace(BART.block, norm_eps=1e-6)),
      r"a BART config.json cannot hold this model: block.norm_eps=1e-06 \(it has 1e-05\)"),
     ("bart", replace(BART, tie_embeddings=False, lm_head_bias=False),

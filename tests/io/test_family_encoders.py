@@ -5,6 +5,7 @@ weights), exported back to folders transformers loads with equal outputs."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -232,6 +233,24 @@ def test_roberta_positions_count_from_the_padding_id(tiny):
 
     assert padded_positions(ids, 1).tolist() == want.tolist() == [[2, 3, 4, 1, 1]]
     assert ours.config.position_padding == 1
+
+
+def test_robertas_context_window_is_its_positions_after_the_padding_id(tiny, tmp_path):
+    """64 learned positions, real tokens from 2 (padding id 1 + 1): 62 tokens fit, and the
+    62nd is the last one the table holds."""
+    import qkv
+    from qkv.io.embedded import embedded_path
+
+    folder, _ = tiny("roberta")
+    shutil.copytree(folder, tmp_path / "roberta")
+    for file in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]:
+        shutil.copy(embedded_path("minilm") / file, tmp_path / "roberta" / file)
+    model = qkv.load(tmp_path / "roberta")
+    assert model.context_window == 62
+    ours, *_ = load_folder(folder, torch.float32, "eager")
+    ours(torch.full((1, 62), 5))  # the longest text fits
+    with pytest.raises(ValueError, match="position 64 is past this model's 64 learned"):
+        ours(torch.full((1, 63), 5))
 
 
 REFUSED = [

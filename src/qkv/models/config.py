@@ -35,9 +35,14 @@ class StackConfig:
     # None: every layer is the block as configured
     layer_types: tuple[LayerType, ...] | None = None
     local_rope_base: float | None = None  # sliding layers' own rotary base, unscaled (Gemma 3)
+    # per layer, whether its queries and keys turn (SmolLM3 leaves every 4th layer without
+    # positions); None: every layer turns them
+    rope_layers: tuple[bool, ...] | None = None
     type_vocab_size: int = 0  # BERT's segment embeddings; 0 for none
     embed_norm: bool = False  # BERT normalizes the summed embeddings
     embed_scale: bool = False  # the original transformer scales token vectors by sqrt(C)
+    # Gemma: sqrt(C) rounded to the vectors' dtype before it multiplies (as transformers does)
+    embed_scale_rounded: bool = False
     final_norm: bool | None = None  # a norm after the last block; None: iff pre-norm blocks
 
     def __post_init__(self):
@@ -65,6 +70,14 @@ class StackConfig:
         if (self.local_rope_base is not None or self.rope_dims is not None
                 or self.rope_scaling is not None) and self.position != "rotary":  # fmt: skip
             raise ValueError("rope_dims, rope_scaling and local_rope_base need rotary positions")
+        if self.rope_layers is not None:
+            if self.position != "rotary":
+                raise ValueError("rope_layers needs rotary positions")
+            layers = getattr(self, "num_layers", None)
+            if layers is not None and len(self.rope_layers) != layers:
+                raise ValueError(
+                    f"rope_layers names {len(self.rope_layers)} layers, the model has {layers}"
+                )
 
     @property
     def has_final_norm(self) -> bool:
@@ -81,6 +94,7 @@ class StackConfig:
             norm_eps=self.block.norm_eps,
             norm_bias=self.block.norm_bias,
             scale=math.sqrt(self.block.width) if self.embed_scale else 1.0,
+            round_scale=self.embed_scale_rounded,
             dropout=self.block.dropout,
         )
 
@@ -153,7 +167,8 @@ class EncoderDecoderConfig(StackConfig):
             name: getattr(self, name)
             for name in (
                 "vocab_size", "block", "max_positions", "position", "rope_base", "rope_dims",
-                "rope_scaling", "type_vocab_size", "embed_norm", "embed_scale", "final_norm",
+                "rope_scaling", "type_vocab_size", "embed_norm", "embed_scale",
+                "embed_scale_rounded", "final_norm",
             )
         }  # fmt: skip
 
@@ -211,6 +226,8 @@ class Rotaries(nn.Module):
         self.local = config.local_rotary()
 
     def for_layer(self, layer: int) -> RotaryEmbedding | None:
+        if self.config.rope_layers is not None and not self.config.rope_layers[layer]:
+            return None  # a layer without positions (SmolLM3's NoPE layers)
         local = self.local is not None and self.config.layer_type(layer) == "sliding"
         return self.local if local else self.full
 

@@ -137,6 +137,7 @@ class Embeddings(nn.Module):
         norm_eps: float = 1e-5,
         norm_bias: bool = True,
         scale: float = 1.0,
+        round_scale: bool = False,
         dropout: float = 0.0,
     ):
         super().__init__()
@@ -150,6 +151,8 @@ class Embeddings(nn.Module):
         self.types = nn.Embedding(type_vocab_size, width) if type_vocab_size else None
         self.norm = make_norm(norm, width, norm_eps, norm_bias) if norm else None
         self.scale = scale  # the original transformer multiplies token vectors by sqrt(C)
+        # Gemma rounds the scale to the vectors' dtype first (sqrt(3072) is 55.5 in bfloat16)
+        self.round_scale = round_scale
         self.dropout = nn.Dropout(dropout)
 
     def forward(
@@ -162,7 +165,10 @@ class Embeddings(nn.Module):
                 f"token ids must be in 0-{self.vocab_size - 1}, got "
                 f"{int(input_ids.min())}-{int(input_ids.max())}"
             )
-        x = self.tokens(input_ids) * self.scale  # (B, T, C)
+        scale = self.scale
+        if self.round_scale:  # a 0-dim tensor in the weights' dtype, as Gemma's own code has it
+            scale = torch.tensor(scale, dtype=torch.float32).to(self.tokens.weight.dtype)
+        x = self.tokens(input_ids) * scale  # (B, T, C)
         if self.positions is not None:
             x = x + self.positions(positions).to(x.dtype)
         if self.types is not None:

@@ -5,8 +5,8 @@ config.json, refusing by name what the family cannot hold), `weights` (the weigh
 templates expanded by `common.expand`) and `FAMILY`. Adding a family is one module and one
 line in `FAMILIES`.
 
->>> family_for({"model_type": "mistral"}).name
-'llama'
+>>> family_for({"model_type": "qwen2"}).name
+'qwen2'
 """
 
 from __future__ import annotations
@@ -15,19 +15,23 @@ from qkv.io.families import (
     bart,
     bert,
     distilbert,
+    gemma,
     gpt2,
     llama,
     modernbert,
     neox,
     olmo2,
     phi3,
+    qwen,
     roberta,
 )
 from qkv.io.families.common import Family, Weight
 
 FAMILIES = [bert.FAMILY, gpt2.FAMILY, llama.FAMILY, bart.FAMILY]
+FAMILIES += [llama.MISTRAL, llama.SMOLLM3, qwen.QWEN2, qwen.QWEN3]
 FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.FAMILY]
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
+FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
