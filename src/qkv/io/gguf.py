@@ -57,8 +57,8 @@ _CACHE_FORMAT = "qkv-gguf-1"  # bump when the cached tensors would come out diff
 class GGUFModel:
     """What a Hugging Face folder would hold: config.json, the weights, the tokenizer."""
 
-    config: dict[str, Any]  # a config.json dict for LlamaForCausalLM
-    state_dict: dict[str, Tensor]  # LlamaForCausalLM names and layouts, float32
+    config: dict[str, Any]  # the config.json of the Hugging Face model (`Arch.architecture`)
+    state_dict: dict[str, Tensor]  # that model's names and layouts, float32
     tokenizer: Tokenizer  # built from the file's own vocabulary and merges
     tokenizer_config: dict[str, Any]  # bos/eos/pad/unk tokens, add_bos_token, chat_template
 
@@ -69,9 +69,10 @@ def read_gguf(
     cache_dir: Path | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> GGUFModel:
-    """Read a llama `.gguf` file; dequantized weights are cached under `cache_dir` (default
-    `$XDG_CACHE_HOME/qkv/gguf`, else `~/.cache/qkv/gguf`). `progress(done, total)` is called
-    after each tensor is dequantized, so never on a cache hit.
+    """Read a `.gguf` file of an architecture in `qkv.io.gguf_arch.ARCHES`; dequantized
+    weights are cached under `cache_dir` (default `$XDG_CACHE_HOME/qkv/gguf`, else
+    `~/.cache/qkv/gguf`). `progress(done, total)` is called after each tensor is
+    dequantized, so never on a cache hit.
 
     >>> read_gguf("missing.gguf")
     Traceback (most recent call last):
