@@ -13,6 +13,7 @@ follows llama.cpp, whose reading is what the file means.
 from __future__ import annotations
 
 import math
+import re
 
 import gguf
 import numpy as np
@@ -22,7 +23,7 @@ import transformers as hf
 from test_gguf import byte_level_vocab, permute
 
 from qkv.io.gguf import read_gguf
-from qkv.io.gguf_arch import ARCHES
+from qkv.io.gguf_arch import ARCHES, rope_tensors
 from qkv.io.gguf_header import Header
 from qkv.io.load import load_source
 
@@ -347,3 +348,45 @@ def test_llama_with_partial_rotary_is_refused(tmp_path):
     path.write_bytes(data[:at] + (8).to_bytes(4, "little") + data[at + 4 :])
     with pytest.raises(ValueError, match="llama.rope.dimension_count"):
         read_gguf(path, cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_final_cap_of_zero_caps_nothing(arch):
+    keys = {"attention.key_length": 16, "final_logit_softcapping": 0.0}
+    config, _ = ARCHES[arch].config(_header(arch, 2, **keys))
+    assert config["final_logit_softcapping"] is None
+
+
+def test_a_rope_factor_without_a_type_is_linear():
+    """llama.cpp's default scaling type is linear; a factor of 1 (or 0) is none."""
+    config, _ = ARCHES["qwen2"].config(_header("qwen2", 2, **{"rope.scaling.factor": 4.0}))
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    old, _ = ARCHES["llama"].config(_header("llama", 2, **{"rope.scale_linear": 2.0}))
+    assert old["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    for factor in (0.0, 1.0):
+        plain, _ = ARCHES["llama"].config(_header("llama", 2, **{"rope.scaling.factor": factor}))
+        assert "rope_scaling" not in plain
+
+
+REFUSED = [  # (architecture, header keys, what the refusal names)
+    ("qwen3", {"attention.key_length": 16, "attention.value_length": 32},
+     "qwen3.attention.value_length=32 is not the key head size"),
+    ("qwen2", {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+               "rope.scaling.yarn_ext_factor": 0.5}, "qwen2.rope.scaling.yarn_ext_factor"),
+    ("qwen2", {"rope.scaling.type": "longrope"}, "qwen2.rope.scaling.type 'longrope'"),
+    ("gemma", {"rope.scaling.attn_factor": 2.0}, "gemma.rope.scaling.attn_factor=2.0"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arch", "keys", "says"), REFUSED, ids=[r[2][:30] for r in REFUSED])
+def test_what_qkv_does_not_compute_is_refused_by_key(arch, keys, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ARCHES[arch].config(_header(arch, 2, **keys))
+
+
+def test_a_phi3_attention_factor_without_rope_factors_is_refused():
+    """llama.cpp would scale every query and key by it; qkv holds one only with LongRoPE."""
+    keys = {"rope.scaling.attn_factor": 1.2, "embedding_length": 64, "attention.head_count": 4}
+    config, _ = ARCHES["phi3"].config(_header("phi3", 2, **keys))
+    with pytest.raises(ValueError, match="phi3.rope.scaling.attn_factor comes without"):
+        rope_tensors(ARCHES["phi3"], config, {})

@@ -148,6 +148,12 @@ def _head_dims(arch: Arch, config: dict, names: dict, meta: dict) -> None:
     elif type(width) is int and type(heads) is int and heads > 0:
         config["head_dim"] = width // heads
         names["head_dim"] = arch.key("embedding_length")
+    values = meta.get(arch.key("attention.value_length"), config.get("head_dim"))
+    if values != config.get("head_dim"):  # qkv's values have the keys' head size
+        raise ValueError(
+            f"{arch.key('attention.value_length')}={values!r} is not the key head size "
+            f"({config.get('head_dim')}), which is not supported"
+        )
     rotated = meta.get(arch.key("rope.dimension_count"))
     head_dim = config.get("head_dim")
     if rotated is None or rotated == head_dim or type(head_dim) is not int or head_dim < 1:
@@ -187,6 +193,12 @@ def _rope_scaling(arch: Arch, config: dict, names: dict, header: Header) -> None
     original = arch.key("rope.scaling.original_context_length")
     if original in meta:
         scaling["original_max_position_embeddings"] = meta[original]
+    for name, key in [("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")]:
+        if arch.key(f"rope.scaling.{name}") in meta:  # llama.cpp's defaults are HF's: 32, 1
+            scaling[key] = meta[arch.key(f"rope.scaling.{name}")]
+    for name in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"):
+        if arch.key(f"rope.scaling.{name}") in meta:  # each changes llama.cpp's YaRN its way
+            raise ValueError(f"{arch.key(f'rope.scaling.{name}')} is not supported")
     config["rope_scaling"] = scaling
     names["rope_scaling"] = arch.key("rope.scaling.type")
 
@@ -271,6 +283,8 @@ def _gemma(config: dict, names: dict, header: Header) -> None:
     if arch == "gemma2":
         for key, default in [("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0)]:
             config[key], names[key] = meta.get(f"gemma2.{key}", default), f"gemma2.{key}"
+        if config["final_logit_softcapping"] in (0, 0.0):  # llama.cpp: 0 caps nothing
+            config["final_logit_softcapping"] = None
         if sized:  # llama.cpp's set_swa_pattern(2): even layers slide
             config["layer_types"] = [
                 "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
@@ -279,7 +293,9 @@ def _gemma(config: dict, names: dict, header: Header) -> None:
     # Gemma 3: llama.cpp reads no attention soft-cap for it, and a final one only if named
     config["attn_logit_softcapping"] = None
     key = "gemma3.final_logit_softcapping"
-    config["final_logit_softcapping"], names["final_logit_softcapping"] = meta.get(key), key
+    cap = meta.get(key)
+    config["final_logit_softcapping"] = None if cap in (0, 0.0) else cap  # 0 caps nothing
+    names["final_logit_softcapping"] = key
     config["rope_local_base_freq"] = LLAMA_CPP_ROPE_BASE  # fixed in llama.cpp's gemma3 code
     slides = window not in (None, 0)
     if not slides:
