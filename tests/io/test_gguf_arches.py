@@ -22,6 +22,7 @@ import torch
 import transformers as hf
 from test_gguf import byte_level_vocab, permute
 
+import qkv
 from qkv.io.gguf import read_gguf
 from qkv.io.gguf_arch import ARCHES, rope_tensors
 from qkv.io.gguf_header import Header
@@ -273,6 +274,20 @@ def test_logits_equal_transformers_reading_the_same_file(written):
         expected = theirs(ids).logits
         ours = loaded.model(ids).logits
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("written", list(CASES), indirect=True)
+def test_saved_as_a_hugging_face_folder_it_loads_in_transformers(written):
+    """qkv.load of the file, then Pretrained.save: the folder a user would hand on."""
+    _, path, _ = written
+    ours = qkv.load(str(path))
+    ours.save(path.parent / "saved")
+    theirs = hf.AutoModelForCausalLM.from_pretrained(
+        path.parent / "saved", attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours.model(_ids()).logits, theirs(_ids()).logits,
+                                   rtol=0, atol=1e-4)  # fmt: skip
 
 
 @pytest.mark.parametrize("case", ["qwen3", "gemma3"])
