@@ -405,3 +405,11 @@ def test_a_phi3_attention_factor_without_rope_factors_is_refused():
     config, _ = ARCHES["phi3"].config(_header("phi3", 2, **keys))
     with pytest.raises(ValueError, match="phi3.rope.scaling.attn_factor comes without"):
         rope_tensors(ARCHES["phi3"], config, {})
+
+
+def test_rope_factor_tensors_beside_a_scaling_type_are_refused():
+    """llama.cpp would apply both the header's factor and the tensor's; qkv holds one."""
+    header = _header("llama", 2, **{"rope.scaling.type": "linear", "rope.scaling.factor": 2.0})
+    config, _ = ARCHES["llama"].config(header)
+    with pytest.raises(ValueError, match="'linear' comes with per-frequency rope factor"):
+        rope_tensors(ARCHES["llama"], config, {"rope_freqs.weight": torch.ones(8)})

@@ -57,10 +57,10 @@ PHI3_LAYER = {
     "ffn_up": "mlp.gate_up_proj",  # llama.cpp keeps Phi-3's fused [gate; up] under ffn_up
     "ffn_down": "mlp.down_proj",
 }
-# tensors that are no weight in Hugging Face's layout: rotary frequency factors, which
-# `config` turns into the config's rope scaling instead
 # what llama.cpp takes where a header has no rope.freq_base (Gemma's converter writes none)
 LLAMA_CPP_ROPE_BASE = 10000.0
+# tensors that are no weight in Hugging Face's layout: rotary frequency factors, which
+# `config` turns into the config's rope scaling instead
 ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
@@ -210,6 +210,13 @@ def rope_tensors(arch: Arch, config: dict, tensors: dict[str, Tensor]) -> None:
     ahead of time; Phi-3's `rope_factors_short` within its trained context and
     `rope_factors_long` past it). That is LongRoPE's form; with one set of factors for both
     lengths and no attention factor it is Llama 3's scaling exactly."""
+    given = (config.get("rope_scaling") or {}).get("rope_type")
+    if given is not None and any(name in tensors for name in ROPE_TENSORS):
+        # llama.cpp would apply both; qkv's rotary holds one scaling
+        raise ValueError(
+            f"{arch.key('rope.scaling.type')} {given!r} comes with per-frequency rope factor "
+            "tensors, which is not supported"
+        )
     if "rope_freqs.weight" in tensors:
         factors = [float(f) for f in tensors["rope_freqs.weight"].flatten()]
         config["rope_scaling"] = {
