@@ -11,10 +11,10 @@ line in `FAMILIES`.
 
 from __future__ import annotations
 
-from qkv.io.families import bart, bert, gpt2, llama
+from qkv.io.families import bart, bert, gpt2, llama, marian, t5
 from qkv.io.families.common import Family, Weight
 
-FAMILIES = [bert.FAMILY, gpt2.FAMILY, llama.FAMILY, bart.FAMILY]
+FAMILIES = [bert.FAMILY, gpt2.FAMILY, llama.FAMILY, bart.FAMILY, marian.FAMILY, t5.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
