@@ -365,3 +365,21 @@ def test_a_qkv_t5_config_builds_from_fields():
     model = qkv.models.EncoderDecoder(cfg)
     assert model.decoder.lm_head.weight is model.encoder.embed.tokens.weight
     assert model.encoder.relative.bidirectional and not model.decoder.relative.bidirectional
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rmsnorm_is_t5s_layer_norm_in_every_dtype(dtype):
+    """T5LayerNorm: the mean square in float32, the scaled vector cast to the weight's dtype,
+    then the gain; qkv's RMSNorm computes the same numbers."""
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+    from qkv.nn.layers import make_norm
+
+    theirs, ours = T5LayerNorm(32, eps=1e-6), make_norm("rmsnorm", 32, 1e-6)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        ours.weight.copy_(theirs.weight)
+    theirs, ours = theirs.to(dtype), ours.to(dtype)
+    x = (torch.randn(3, 5, 32) * 4).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
