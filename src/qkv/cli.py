@@ -52,6 +52,34 @@ def backends() -> None:
 
 
 @app.command()
+def models(
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON line per model type")] = False,
+) -> None:
+    """List the architectures qkv reads, and how each departs from the article's attention.
+
+    Each row is what qkv computes for transformers' default config of that model type."""
+    from dataclasses import asdict
+
+    from qkv.inspect.anatomy import family_models
+
+    found = family_models()
+    if as_json:
+        for model in found:
+            typer.echo(json.dumps(asdict(model)))
+        return
+    header = ("model type", "family", "shape", "positions", "norms", "window", "scores")
+    rows = [header] + [
+        (m.model_type, m.family, *(
+            (m.anatomy.shape, m.anatomy.position, m.anatomy.norm, m.anatomy.window,
+             m.anatomy.scores) if m.anatomy else ("?", f"({m.problem})", "", "", "")))
+        for m in found
+    ]  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+@app.command()
 def generate(
     prompt: str,
     model: Model = "smollm2",
