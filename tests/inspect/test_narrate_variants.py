@@ -10,40 +10,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tokenizers import Tokenizer as Backend
-from tokenizers import models, pre_tokenizers
 
 import qkv
 from qkv.inspect.narrate import heads_and_layers, narrate
-from qkv.io.families import FAMILIES
-from qkv.io.tokenizer import Tokenizer
-from qkv.models import Decoder, DecoderConfig, Encoder, EncoderConfig
+from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.rope import RopeScaling
-
-WORDS = ["[UNK]", "the", "bank", "of", "river", "was", "wide", "and", "deep"]
-TEXT = "the bank of the river was wide and deep"  # "deep" is token 8, "bank" token 1
-
-
-def tiny(config) -> qkv.Pretrained:
-    """A random model of `config` with a word-level tokenizer of WORDS."""
-    torch.manual_seed(0)
-    model = (Encoder if isinstance(config, EncoderConfig) else Decoder)(config).eval()
-    with torch.no_grad():  # larger weights than the init's, so a cap or a scale shows
-        for p in model.parameters():
-            p.mul_(8.0)
-    backend = Backend(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return qkv.Pretrained(model, Tokenizer(backend), config, family=FAMILIES[0],
-                          hf_config={}, source="tiny")  # fmt: skip
-
-
-def decoder(layer_types=None, logit_softcap=None, **block) -> DecoderConfig:
-    return DecoderConfig(
-        vocab_size=len(WORDS), num_layers=2, position="rotary", layer_types=layer_types,
-        logit_softcap=logit_softcap,
-        block=BlockConfig(**{"width": 32, "num_heads": 2, "bias": False, **block}),
-    )  # fmt: skip
+from variant_models import TEXT, WORDS, decoder, tiny
+from variant_models import gemma2_like as gemma2_like_config
 
 
 def explained(pretrained, layer, query="deep", key="bank"):
@@ -55,9 +29,7 @@ def explained(pretrained, layer, query="deep", key="bank"):
 
 @pytest.fixture(scope="module")
 def gemma2_like():
-    return tiny(decoder(layer_types=("sliding", "full"), logit_softcap=30.0, head_dim=16,
-                        num_kv_heads=1, attn_scale=144**-0.5, softcap=0.02, window=3,
-                        norm="rmsnorm_plus1", sublayer_norm=True, mlp="geglu_tanh"))  # fmt: skip
+    return tiny(gemma2_like_config())
 
 
 def test_the_scale_soft_cap_and_window_are_told_where_they_act(gemma2_like):
@@ -161,3 +133,17 @@ def test_the_json_of_a_trace_carries_the_variants(gemma2_like):
     assert data["softcap"] == 0.02 and data["window"] == 3 and data["outside_window"] is True
     assert data["score"] == pytest.approx(traced.score)
     assert data["anatomy"]["scale_divisor"] == 144 and data["anatomy"]["logit_softcap"] == 30.0
+
+
+def test_the_pages_own_steps_are_refused_where_the_vectors_cannot_redo_the_weights(gemma2_like):
+    # the qkv show page redoes a clicked pair from q, k, v and the scale alone
+    from qkv.inspect.trace import attention_vectors, beyond_the_vectors
+
+    with pytest.raises(ValueError, match=r"layer 0 caps its scores \(0.02 tanh\(s/0.02\)\)"):
+        attention_vectors(gemma2_like, TEXT)
+    windowed = tiny(decoder(window=4))
+    assert "hides keys 4 or more tokens away" in beyond_the_vectors(
+        windowed.attentions(TEXT).records
+    )
+    q, _, _ = attention_vectors(tiny(decoder(attn_scale=1.0)), TEXT)  # a scale the page has
+    assert q.shape == (2, 2, len(TEXT.split()), 16)

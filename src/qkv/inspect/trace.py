@@ -217,4 +217,24 @@ def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
         raise ValueError(
             f"attention_vectors supports encoders and decoders, not {type(pretrained.model)}"
         )
-    return pretrained.attentions(text).vectors()
+    seen = pretrained.attentions(text)
+    beyond = beyond_the_vectors(seen.records)
+    if beyond is not None:
+        raise ValueError(f"the weights are not softmax(q k^T * scale) alone: {beyond}")
+    return seen.vectors()
+
+
+def beyond_the_vectors(records: dict) -> str | None:
+    """Why q, k, v and the scale cannot redo a layer's weights (a soft-cap, a window or a
+    score bias, which the pages' own steps do not compute), or None where they can.
+
+    >>> beyond_the_vectors({})
+    """
+    for layer, record in sorted(records.items()):
+        if record.softcap is not None:
+            return f"layer {layer} caps its scores ({record.softcap:g} tanh(s/{record.softcap:g}))"
+        if record.window is not None:
+            return f"layer {layer} hides keys {record.window} or more tokens away (a window)"
+        if record.bias is not None:
+            return f"layer {layer} adds a bias to its scores"
+    return None
