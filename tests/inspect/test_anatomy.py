@@ -126,3 +126,19 @@ def test_qkv_models_json_is_one_object_per_model_type():
     lines = [json.loads(line) for line in result.output.splitlines()]
     assert {line["model_type"] for line in lines} == {t for f in FAMILIES for t in f.model_types}
     assert all(line["anatomy"]["scores"] for line in lines)
+
+
+def test_a_relative_position_bias_is_found_by_its_field():
+    # however the T5 family names its field: relative_... set means a distance bias
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True, kw_only=True)
+    class WithBuckets(DecoderConfig):
+        relative_buckets: int | None = None
+
+    cfg = WithBuckets(vocab_size=10, num_layers=1, position="none", relative_buckets=32,
+                      block=BlockConfig(width=64, num_heads=2, attn_scale=1.0))  # fmt: skip
+    a = anatomy(cfg)
+    assert a.position == "none, relative bias"
+    assert a.scores == "q.k (not divided), + distance bias"
+    assert not layer_anatomy(replace(cfg, relative_buckets=None)).relative_bias

@@ -73,8 +73,10 @@ def _divisor(scale: float, head_dim: int) -> float | None:
 
 
 def _relative_bias(config) -> bool:
-    """Whether a config asks for a learned bias on the distance between words (T5): any
-    field whose name starts with "relative" and is set."""
+    """Whether a config asks for a learned bias on the distance between words (T5): relative
+    positions, or any field whose name starts with "relative" and is set."""
+    if config.position == "relative":
+        return True
     return any(f.name.startswith("relative") and getattr(config, f.name) for f in fields(config))
 
 

@@ -177,8 +177,8 @@ def _qk_norm_lines(t: Trace) -> list[str]:
         return []
     over = f"each head's {t.head_dim} numbers" if a.qk_norm == "head" else "all heads' numbers"
     return [
-        f"   This model normalizes each query and key first (QK-norm, over {over}), so the",
-        "   vectors above have a learned length; only their directions come from the words.",
+        f"   This model normalizes each query and key first (QK-norm, over {over}): the",
+        "   vectors above are normalized and times a learned gain, which keeps the scores small.",
     ]
 
 
