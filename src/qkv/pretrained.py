@@ -78,7 +78,16 @@ class Attentions:
         The vectors attention received (after rotary rotation), with grouped key/value heads
         repeated so that query head h sits beside the key/value head it reads: any pair's
         steps can be redone from them (weights = softmax(q k^T * scale), masked as `allowed`).
+        A layer whose scores are more than that (a soft-cap, a score bias) is refused by name:
+        its pairs are `record.steps()`.
         """
+        beyond = [n for n in self.layers if self.records[n].softcap is not None
+                  or self.records[n].bias is not None]  # fmt: skip
+        if beyond:
+            raise ValueError(
+                f"layer {beyond[0]} caps its scores or adds a bias to them, so q, k and v alone "
+                "do not redo its pairs; use records[layer].steps(head, query)"
+            )
         qs, ks, vs = [], [], []
         for layer in self.layers:
             record = self.records[layer]
