@@ -52,6 +52,34 @@ def backends() -> None:
 
 
 @app.command()
+def models(
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON line per model type")] = False,
+) -> None:
+    """List the architectures qkv reads, and how each departs from the article's attention.
+
+    Each row is what qkv computes for transformers' default config of that model type."""
+    from dataclasses import asdict
+
+    from qkv.inspect.anatomy import family_models
+
+    found = family_models()
+    if as_json:
+        for model in found:
+            typer.echo(json.dumps(asdict(model)))
+        return
+    header = ("model type", "family", "shape", "positions", "norms", "window", "scores")
+    rows = [header] + [
+        (m.model_type, m.family, *(
+            (m.anatomy.shape, m.anatomy.position, m.anatomy.norm, m.anatomy.window,
+             m.anatomy.scores) if m.anatomy else ("?", f"({m.problem})", "", "", "")))
+        for m in found
+    ]  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+@app.command()
 def generate(
     prompt: str,
     model: Model = "smollm2",
@@ -279,8 +307,14 @@ def show(
                          title=f"{model}{kind} L{lh[0]} H{lh[1]}",
                          query_tokens=seen.query_tokens)  # fmt: skip
         else:  # a page, which traces a clicked pair from the q, k, v vectors (not cross-attention)
-            traceable = isinstance(pretrained.model, Encoder | Decoder)
+            from qkv.inspect.trace import beyond_the_vectors
+
+            beyond = beyond_the_vectors(seen.records)
+            traceable = isinstance(pretrained.model, Encoder | Decoder) and beyond is None
             vectors = seen.vectors() if traceable else None
+            if beyond is not None:  # the page would redo the pairs without it: wrong numbers
+                typer.echo(f"(the page traces no pair: {beyond}; qkv explain and qkv serve "
+                           "trace this model)", err=True)  # fmt: skip
             write = write_html if out.suffix.lower() in (".html", ".htm") else write_report
             write(out, seen.weights, seen.tokens, vectors=vectors, causal=seen.causal,
                   scale=seen.scale, **common)  # fmt: skip

@@ -137,6 +137,9 @@ def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, position
     out = model(
         input_ids, attention_mask=attention_mask, positions=positions, cache=cache, logits=False
     )
-    logits = out.hidden[:, -1] @ head.to(out.hidden.dtype)  # (B, vocab)
+    hidden = out.hidden[:, -1]  # (B, C)
+    if model.config.head_scale is not None:  # as Decoder.project: scaled before the head
+        hidden = hidden * model.config.head_scale
+    logits = hidden @ head.to(out.hidden.dtype)  # (B, vocab)
     logits = logits if bias is None else logits + bias
     return cap_logits(logits, model.config.logit_softcap)

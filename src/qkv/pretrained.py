@@ -78,7 +78,16 @@ class Attentions:
         The vectors attention received (after rotary rotation), with grouped key/value heads
         repeated so that query head h sits beside the key/value head it reads: any pair's
         steps can be redone from them (weights = softmax(q k^T * scale), masked as `allowed`).
+        A layer whose scores are more than that (a soft-cap, a score bias) is refused by name:
+        its pairs are `record.steps()`.
         """
+        beyond = [n for n in self.layers if self.records[n].softcap is not None
+                  or self.records[n].bias is not None]  # fmt: skip
+        if beyond:
+            raise ValueError(
+                f"layer {beyond[0]} caps its scores or adds a bias to them, so q, k and v alone "
+                "do not redo its pairs; use records[layer].steps(head, query)"
+            )
         qs, ks, vs = [], [], []
         for layer in self.layers:
             record = self.records[layer]
@@ -185,8 +194,8 @@ class Pretrained:
                 f"{self.source} reads and writes at most {self.context_window} tokens; the "
                 f"source has {ids.shape[1]}, max_new_tokens is {max_new_tokens}"
             )
-        start = self.hf_config.get("decoder_start_token_id", self.tokenizer.eos_id)
-        steps = seq2seq_steps(self.model, ids, mask, start, sampling, max_new_tokens)
+        steps = seq2seq_steps(self.model, ids, mask, self.decoder_start(), sampling,
+                              max_new_tokens)  # fmt: skip
         return self._decode(steps, stop, stream, len(sources))
 
     def _chat(self, prompt: str, system: str | None) -> str:
@@ -289,15 +298,24 @@ class Pretrained:
             )
         return encoded
 
+    def decoder_start(self) -> int:
+        """The token an encoder-decoder's decoder starts from: config.json's
+        decoder_start_token_id; else, for T5 (whose config.json transformers 5 writes without
+        one), the pad token T5 starts from; else the tokenizer's end-of-sequence token."""
+        start = self.hf_config.get("decoder_start_token_id")
+        if start is None and self.family.name == "t5":
+            start = self.hf_config.get("pad_token_id", 0)
+        start = self.tokenizer.eos_id if start is None else start
+        if start is None:
+            raise ValueError(f"{self.source} names no decoder_start_token_id in its config")
+        return start
+
     def decoder_input(self, target: str) -> tuple[Tensor, list[str], object]:
         """What an encoder-decoder's decoder reads for `target`, as in training and in
         `generate`: its start token, then `target`'s tokens without special tokens.
         Returns ids (1, Tt), their tokens, and the Encoded of `target` (one token shorter:
         its token i is the decoder's token i + 1)."""
-        start = self.hf_config.get("decoder_start_token_id")
-        start = self.tokenizer.eos_id if start is None else start
-        if start is None:
-            raise ValueError(f"{self.source} names no decoder_start_token_id in its config")
+        start = self.decoder_start()
         if not target.strip():
             raise ValueError("the target text is empty; give the decoder's sentence")
         decoded = self.tokenizer.encode(target, add_special_tokens=False)

@@ -198,7 +198,7 @@ def _extra_bias(tensors):
 TABLES = [
     (_wrong_q, r"tensor blk.1.attn_q.weight has shape \(34, 32\), but the header's config needs"),
     (_twice, "is corrupt: tensor blk.1.ffn_down.weight appears twice"),
-    (_extra_bias, "Llama checkpoints with attention_bias=True (and mlp_bias=False )?are not"),
+    (_extra_bias, "Llama checkpoints with attention_bias=True and mlp_bias=False are not"),
     (lambda t: t[:-1], "has 19 weight tensors, but its header .* needs 20"),
 ]
 

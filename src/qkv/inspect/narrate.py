@@ -69,32 +69,27 @@ def narrate(trace: Trace) -> str:
         f"2. Key vector: {k}'s vector times the key matrix:",
         f"     {vector(t.key_vector)}",
     ]
+    lines += _qk_norm_lines(t)
     if t.query_unrotated is not None:
         lines += [
             "   Rotary positions turn both by an angle that grows with the token's position",
             f"   (lengths unchanged): query before {vector(t.query_unrotated)}",
             f"                        key before   {vector(t.key_unrotated)}",
         ]
+        lines += _rotary_lines(t)
     lines += [
         f"3. Attention scalar: query . key = {t.attention_scalar:+.4f}  (how much {q} should "
         f"attend to {k})",
-        (
-            f"   Divided by sqrt({D}) = {math.sqrt(D):.3f}: {t.scaled_scalar:+.4f}  (the side "
-            "note: keeps softmax from saturating)"
-            if math.isclose(t.scale * math.sqrt(D), 1.0, rel_tol=1e-12)
-            else f"   Times this layer's scale {t.scale:.6g} (not the article's 1/sqrt({D})): "
-            f"{t.scaled_scalar:+.4f}"
-        ),
+        _scale_line(t),
     ]
-    if t.masked:
-        lines.append(
-            f"   {k} comes after {q}: in a decoder the causal mask hides it, so its weight is 0."
-        )
+    lines += _score_lines(t)
+    lines += _hidden_lines(t)
     pairs = zip(t.tokens, t.weights.tolist(), strict=True)
     row = "  ".join(f"{shown(tok)} {percent(w)}" for tok, w in pairs)
+    scores = "'s score" if t.softcap is not None or t.bias is not None else ""
     lines += [
-        f"4. Softmax over every key word ({q} itself included), so the {len(t.tokens)} weights "
-        "sum to 100%:",
+        f"4. Softmax over every key word{scores} ({q} itself included), so the {len(t.tokens)} "
+        "weights sum to 100%:",
         f"     {row}",
         f"   {k} gets {percent(t.weight)}.",
         f"5. Value vector: {k}'s vector times the value matrix:",
@@ -144,6 +139,7 @@ def contributions(trace: Trace, top: int = 4) -> str:
 def heads_and_layers(trace: Trace) -> str:
     """How one head's output becomes the layer's output, and the next layer's input."""
     t = trace
+    residual = _residual_words(t)
     return "\n".join(
         [
             f"Several heads: this is head {t.head} of {t.num_heads}. Each head runs the same "
@@ -152,14 +148,150 @@ def heads_and_layers(trace: Trace) -> str:
             f"{t.head_dim} = {t.num_heads * t.head_dim} numbers,",
             f"and the output projection ({t.num_heads * t.head_dim} -> {t.width}) mixes them "
             "into one vector per token.",
-            "Several layers: that vector is added to the token's input (the residual), "
-            "normalized, passed",
-            f"through an MLP, and becomes the input of layer {t.layer + 1}, which runs the same "
-            "algorithm again"
-            if t.layer + 1 < t.num_layers
-            else "through an MLP, and is the model's output: this is the last layer",
-            "with its own query, key and value matrices, on vectors that already carry context.",
+            residual
+            + ("" if residual.endswith("\n") else " ")
+            + (
+                f"and becomes the input of layer {t.layer + 1}, which runs the same algorithm "
+                "again\nwith its own query, key and value matrices, on vectors that already "
+                "carry context."
+                if t.layer + 1 < t.num_layers
+                else "and is the model's output: this is the last layer." + _logit_cap_words(t)
+            ),
         ]
+    )
+
+
+def _logit_cap_words(t: Trace) -> str:
+    cap = t.anatomy.logit_softcap if t.anatomy is not None else None
+    if cap is None:
+        return ""
+    return f"\nIts logits are capped to {cap:g} tanh(x/{cap:g}) before the softmax over words."
+
+
+# ---- what a family does differently, told at the step where it does it -----------------
+
+
+def _qk_norm_lines(t: Trace) -> list[str]:
+    a = t.anatomy
+    if a is None or a.qk_norm is None:
+        return []
+    over = f"each head's {t.head_dim} numbers" if a.qk_norm == "head" else "all heads' numbers"
+    return [
+        f"   This model normalizes each query and key first (QK-norm, over {over}): the",
+        "   vectors above are normalized and times a learned gain, which keeps the scores small.",
+    ]
+
+
+def _rotary_lines(t: Trace) -> list[str]:
+    a, lines = t.anatomy, []
+    if a is None:
+        return lines
+    if a.rope_dims is not None:
+        lines.append(
+            f"   Only the first {a.rope_dims} of the {t.head_dim} numbers turn (partial rotary); "
+            "the rest carry no position."
+        )
+    if a.rope_scaling is not None:
+        lines.append(
+            f"   The angles are rescaled ({a.rope_scaling}), so the model reads texts longer "
+            "than it was trained on."
+        )
+    return lines
+
+
+def _scale_line(t: Trace) -> str:
+    """Step 3's side note, or what this model does instead of dividing by sqrt(D)."""
+    D = t.head_dim
+    if math.isclose(t.scale * math.sqrt(D), 1.0, rel_tol=1e-9):
+        return (
+            f"   Divided by sqrt({D}) = {math.sqrt(D):.3f}: {t.scaled_scalar:+.4f}  (the side "
+            "note: keeps softmax from saturating)"
+        )
+    if t.scale == 1.0:
+        return (
+            f"   This model does not divide at all (the article divides by sqrt({D})): its "
+            f"weights were trained for undivided scores: {t.scaled_scalar:+.4f}"
+        )
+    divisor = 1 / t.scale**2
+    if math.isclose(divisor, round(divisor), rel_tol=1e-9):
+        return (
+            f"   Divided by sqrt({round(divisor)}) = {1 / t.scale:.3f}, not sqrt({D}): this "
+            f"model's own scale: {t.scaled_scalar:+.4f}"
+        )
+    return (
+        f"   Times this layer's scale {t.scale:.6g} (not the article's 1/sqrt({D})): "
+        f"{t.scaled_scalar:+.4f}"
+    )
+
+
+def _score_lines(t: Trace) -> list[str]:
+    """A soft-cap and a score bias, between the scaled scalar and the softmax."""
+    lines, score = [], t.scaled_scalar
+    if t.softcap is not None:
+        c = t.softcap
+        score = c * math.tanh(score / c)
+        lines.append(
+            f"   Capped to {c:g} tanh(s/{c:g}) = {score:+.4f}  (a soft cap: no score leaves "
+            f"-{c:g}..+{c:g})"
+        )
+    if t.bias is not None:
+        what = (
+            "a learned bias for the distance between the words"
+            if t.anatomy is not None and t.anatomy.relative_bias
+            else "this layer's score bias"
+        )
+        lines.append(f"   Plus {what}: {t.bias:+.4f}, so {score + t.bias:+.4f}")
+    if lines:
+        lines.append(f"   The softmax reads this score: {t.score:+.4f}")
+    return lines
+
+
+def _hidden_lines(t: Trace) -> list[str]:
+    """Which keys this layer hides, and why the key word's weight is 0 where it is."""
+    q, k, lines = f'"{t.query}"', f'"{t.key}"', []
+    if t.window is not None:
+        where = "back" if t.causal else "away"
+        lines.append(
+            f"   This layer's window: keys {t.window} or more tokens {where} are hidden (weight 0)."
+        )
+    if t.outside_window:
+        distance = abs(t.query_index - t.key_index)
+        lines.append(
+            f"   {k} is {distance} tokens {where}: outside the window, so its weight is 0."
+        )
+    elif t.masked and t.causal and t.key_index > t.query_index:
+        lines.append(
+            f"   {k} comes after {q}: in a decoder the causal mask hides it, so its weight is 0."
+        )
+    elif t.masked:
+        lines.append(f"   The mask hides {k} from {q}, so its weight is 0.")
+    return lines
+
+
+def _residual_words(t: Trace) -> str:
+    """How a layer's attention output joins the token's vector, in this model's blocks: the
+    article's words (pre- and post-norm alike), or whole lines for blocks that differ."""
+    a = t.anatomy
+    if a is not None and a.parallel:
+        return (
+            "Several layers: attention and the MLP read the same normalized input, side by side; "
+            "both\noutputs are added to the token's input (the residual) at once,\n"
+        )
+    if a is not None and a.sublayer_norm and a.norm_position == "none":
+        return (
+            "Several layers: that vector is normalized (this model norms each sub-layer's output, "
+            "not its\ninput), then added to the token's input (the residual); the MLP's output "
+            "likewise,\n"
+        )
+    if a is not None and a.sublayer_norm:
+        return (
+            "Several layers: that vector is normalized (this model norms each sub-layer's "
+            "output), then\nadded to the token's input (the residual); the MLP reads the sum "
+            "normalized, and its output\nis normalized and added too,\n"
+        )
+    return (
+        "Several layers: that vector is added to the token's input (the residual), "
+        "normalized, passed\nthrough an MLP,"
     )
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from qkv.attention.inputs import check_indices
+from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
 from qkv.models import Decoder, Encoder, EncoderDecoder
 
 
@@ -56,6 +57,9 @@ class Trace:
     attention_scalar: float  # step 3: query . key
     scale: float  # the factor on every dot product: 1/sqrt(D), the article's side note
     scaled_scalar: float  # the side note: times the scale
+    # what the softmax reads: the scaled scalar, soft-capped and plus the layer's score bias
+    # where it has them (Gemma 2's cap, T5's distance bias); else the scaled scalar itself
+    score: float
     weights: Tensor  # (T,) step 4: softmax over every key word (zeros where masked)
     value_vector: Tensor  # (D,) step 5: the key word's value vector
     scaled_value_vector: Tensor  # (D,) step 6: weight * value vector
@@ -67,6 +71,12 @@ class Trace:
     key_unrotated: Tensor | None = None
     target: str | None = None  # cross-attention: the decoder's text, where the query word is
     query_tokens: list[str] | None = None  # cross-attention: the target's tokens
+    softcap: float | None = None  # the layer's soft-cap on scores (see score)
+    bias: float | None = None  # the layer's bias on this pair's score (see score)
+    window: int | None = None  # keys this many positions away or more are hidden
+    outside_window: bool = False  # the key word is hidden because it is outside the window
+    # how this layer departs from the article's plain attention (see qkv.inspect.anatomy)
+    anatomy: LayerAnatomy | None = None
 
     @property
     def weight(self) -> float:
@@ -157,6 +167,12 @@ def trace(
         ]  # fmt: skip
     pair = steps.pairs[key_index]
     rotated = record.q_before_rotary is not None
+    bias = None
+    if record.bias is not None:
+        every = record.bias.expand(*record.q.shape[:3], record.k.shape[2])  # (B, H, Tq, Tk)
+        bias = float(every[0, head, query_index, key_index])
+    distance = query_index - key_index if record.causal else abs(query_index - key_index)
+    outside = record.window is not None and distance >= record.window
     return Trace(
         source=pretrained.source, text=text, tokens=list(source.tokens), query=query,
         key=key, query_index=query_index, key_index=key_index, layer=layer, head=head,
@@ -164,7 +180,7 @@ def trace(
         head_dim=D, width=stack.config.block.width, causal=record.causal, chosen=chosen,
         query_vector=steps.query_vector, key_vector=pair.key_vector,
         attention_scalar=float(pair.attention_scalar), scale=record.scale,
-        scaled_scalar=float(pair.scaled_scalar),
+        scaled_scalar=float(pair.scaled_scalar), score=float(pair.score),
         weights=steps.weights.float(),
         value_vector=pair.value_vector, scaled_value_vector=pair.scaled_value_vector,
         contextualized=steps.contextualized,
@@ -174,6 +190,8 @@ def trace(
         query_unrotated=record.q_before_rotary[0, head, query_index].double() if rotated else None,
         key_unrotated=record.k_before_rotary[0, kv_head, key_index].double() if rotated else None,
         target=target, query_tokens=query_tokens,
+        softcap=record.softcap, bias=bias, window=record.window, outside_window=outside,
+        anatomy=layer_anatomy(stack.config, layer, cross=cross),
     )  # fmt: skip
 
 
@@ -199,4 +217,24 @@ def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
         raise ValueError(
             f"attention_vectors supports encoders and decoders, not {type(pretrained.model)}"
         )
-    return pretrained.attentions(text).vectors()
+    seen = pretrained.attentions(text)
+    beyond = beyond_the_vectors(seen.records)
+    if beyond is not None:
+        raise ValueError(f"the weights are not softmax(q k^T * scale) alone: {beyond}")
+    return seen.vectors()
+
+
+def beyond_the_vectors(records: dict) -> str | None:
+    """Why q, k, v and the scale cannot redo a layer's weights (a soft-cap, a window or a
+    score bias, which the pages' own steps do not compute), or None where they can.
+
+    >>> beyond_the_vectors({})
+    """
+    for layer, record in sorted(records.items()):
+        if record.softcap is not None:
+            return f"layer {layer} caps its scores ({record.softcap:g} tanh(s/{record.softcap:g}))"
+        if record.window is not None:
+            return f"layer {layer} hides keys {record.window} or more tokens away (a window)"
+        if record.bias is not None:
+            return f"layer {layer} adds a bias to its scores"
+    return None

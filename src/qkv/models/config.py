@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from qkv.attention.inputs import check_indices
 from qkv.nn import BlockConfig, Embeddings, RotaryEmbedding
 from qkv.nn.layers import Position
+from qkv.nn.position import SinusoidLayout
+from qkv.nn.relative import RelativePositionBias
 from qkv.nn.rope import RopeScaling
 
 LayerType = Literal["full", "sliding"]
@@ -27,7 +29,11 @@ class StackConfig:
     vocab_size: int
     block: BlockConfig
     max_positions: int = 512  # learned positions only: how many there are
-    position: Position = "learned"  # added (learned, sinusoidal), rotary in attention, none
+    # added (learned, sinusoidal), rotary in attention, relative (T5's score bias), none
+    position: Position = "learned"
+    sinusoid_layout: SinusoidLayout = "interleaved"  # sinusoidal only: Marian's are "halves"
+    relative_buckets: int = 32  # relative only: T5's relative_attention_num_buckets
+    relative_max_distance: int = 128  # relative only: distances this far share a bucket
     rope_base: float = 10000.0  # rotary only: the base of the rotation frequencies
     rope_dims: int | None = None  # rotary only: how many of a head's dimensions turn; None: all
     rope_scaling: RopeScaling | None = None  # rotary only: Llama 3's, YaRN, LongRoPE, ...
@@ -48,11 +54,13 @@ class StackConfig:
     def __post_init__(self):
         if self.vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive, got {self.vocab_size}")
-        if self.position not in ("learned", "sinusoidal", "rotary", "none"):
+        if self.position not in ("learned", "sinusoidal", "rotary", "relative", "none"):
             raise ValueError(
-                f"position must be 'learned', 'sinusoidal', 'rotary' or 'none', "
+                f"position must be 'learned', 'sinusoidal', 'rotary', 'relative' or 'none', "
                 f"got {self.position!r}"
             )
+        if self.sinusoid_layout != "interleaved" and self.position != "sinusoidal":
+            raise ValueError("sinusoid_layout needs sinusoidal positions")
         for name in ("num_layers", "encoder_layers", "decoder_layers"):
             if getattr(self, name, 1) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -96,7 +104,18 @@ class StackConfig:
             scale=math.sqrt(self.block.width) if self.embed_scale else 1.0,
             round_scale=self.embed_scale_rounded,
             dropout=self.block.dropout,
+            sinusoid_layout=self.sinusoid_layout,
         )
+
+    def relative_bias(self, *, bidirectional: bool) -> RelativePositionBias | None:
+        """T5's relative position bias of this stack, shared by its blocks; None unless
+        position is "relative"."""
+        if self.position != "relative":
+            return None
+        return RelativePositionBias(
+            self.block.num_heads, bidirectional=bidirectional,
+            num_buckets=self.relative_buckets, max_distance=self.relative_max_distance,
+        )  # fmt: skip
 
     def rotary(self) -> RotaryEmbedding | None:
         if self.position != "rotary":
@@ -147,6 +166,9 @@ class DecoderConfig(StackConfig):
     tie_embeddings: bool = True  # the LM head reuses the token embedding matrix
     lm_head_bias: bool = False  # BART adds a fixed bias to the logits
     logit_softcap: float | None = None  # logits capped to cap * tanh(logit / cap) (Gemma 2)
+    # the last hidden vectors are multiplied by this before the LM head (T5's tied head:
+    # d_model ** -0.5); None: not scaled
+    head_scale: float | None = None
     cross_attention: bool = False  # set by EncoderDecoder for its decoder
 
 
@@ -160,7 +182,10 @@ class EncoderDecoderConfig(StackConfig):
     position: Position = "sinusoidal"
     embed_scale: bool = True
     tie_embeddings: bool = True  # one token matrix for encoder, decoder and LM head
+    # with tie_embeddings, whether the LM head shares it too (T5 v1.1's has its own)
+    tie_lm_head: bool = True
     lm_head_bias: bool = False
+    head_scale: float | None = None  # see DecoderConfig
 
     def _stack(self) -> dict:
         return {
@@ -168,7 +193,8 @@ class EncoderDecoderConfig(StackConfig):
             for name in (
                 "vocab_size", "block", "max_positions", "position", "rope_base", "rope_dims",
                 "rope_scaling", "type_vocab_size", "embed_norm", "embed_scale",
-                "embed_scale_rounded", "final_norm",
+                "embed_scale_rounded", "final_norm", "sinusoid_layout", "relative_buckets",
+                "relative_max_distance",
             )
         }  # fmt: skip
 
@@ -178,8 +204,9 @@ class EncoderDecoderConfig(StackConfig):
     def decoder(self) -> DecoderConfig:
         return DecoderConfig(
             num_layers=self.decoder_layers,
-            tie_embeddings=self.tie_embeddings,
+            tie_embeddings=self.tie_embeddings and self.tie_lm_head,
             lm_head_bias=self.lm_head_bias,
+            head_scale=self.head_scale,
             cross_attention=True,
             **self._stack(),
         )

@@ -58,6 +58,7 @@ class Decoder(nn.Module):
         self.config = config
         self.embed = config.embeddings()
         self.rotary = Rotaries(config)  # shared by every block: one rotation per forward
+        self.relative = config.relative_bias(bidirectional=False)  # T5's, shared likewise
         self.blocks = nn.ModuleList(
             DecoderBlock(config.block_for(i), self.rotary.for_layer(i), config.cross_attention)
             for i in range(config.num_layers)
@@ -73,8 +74,10 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed.tokens.weight
 
     def project(self, hidden: Tensor) -> Tensor:
-        """The LM head: hidden vectors (…, C) -> logits (…, vocab), soft-capped where the
-        model caps them (Gemma 2)."""
+        """The LM head: hidden vectors (…, C) -> logits (…, vocab), scaled first where the
+        model scales them (T5) and soft-capped where it caps them (Gemma 2)."""
+        if self.config.head_scale is not None:
+            hidden = hidden * self.config.head_scale
         return cap_logits(self.lm_head(hidden), self.config.logit_softcap)
 
     def new_cache(self) -> DecoderCache:
@@ -114,11 +117,15 @@ class Decoder(nn.Module):
             raise ValueError("cross_layers needs a decoder with cross-attention")
         if positions is None and attention_mask is not None and not bool(attention_mask.all()):
             positions = mask_positions(attention_mask, input_ids.shape[1])
+        offset = cache.length if cache is not None else 0
         if positions is None:
-            offset = cache.length if cache is not None else 0
             positions = positions_for(input_ids.shape[1], offset, input_ids.device)
         x = self.embed(input_ids, positions)  # (B, T, C)
         rotations = self.rotary.rotations(positions, x.dtype)
+        bias = None  # T5's relative positions: the new tokens' queries over every key so far
+        if self.relative is not None:
+            T = input_ids.shape[1]
+            bias = self.relative(T, offset + T, offset).to(x.dtype)  # (1, H, T, Tk)
         padding = key_padding(attention_mask)
         context_padding = key_padding(context_mask)
         out = DecoderOutput(None, x, hidden_states=[x] if hidden_states else [])
@@ -131,6 +138,7 @@ class Decoder(nn.Module):
                 rotation=self.rotary.rotation_for(rotations, layer),
                 cache=cache.layers[layer] if cache is not None else None,
                 cross_cache=cache.cross[layer] if cache is not None and cache.cross else None,
+                bias=bias,
                 record=layer in wanted,
                 record_cross=layer in wanted_cross,
             )

@@ -99,6 +99,7 @@ class Encoder(nn.Module):
         self.config = config
         self.embed = config.embeddings()
         self.rotary = Rotaries(config)  # shared by every block: one rotation per forward
+        self.relative = config.relative_bias(bidirectional=True)  # T5's, shared likewise
         self.blocks = nn.ModuleList(
             EncoderBlock(config.block_for(i), self.rotary.for_layer(i))
             for i in range(config.num_layers)
@@ -153,11 +154,13 @@ class Encoder(nn.Module):
         rotations = self.rotary.rotations(positions, x.dtype)
         padding = key_padding(attention_mask)
         mask = None if padding is None else padding[:, None, None, :]  # (B, 1, 1, T)
+        T = input_ids.shape[1]
+        bias = None if self.relative is None else self.relative(T, T).to(x.dtype)  # (1, H, T, T)
         records: dict[int, AttentionRecord] = {}
         states = [x] if hidden_states else []
         for layer, block in enumerate(self.blocks):
             rotation = self.rotary.rotation_for(rotations, layer)
-            x, kept = block(x, mask=mask, rotation=rotation, record=layer in wanted)
+            x, kept = block(x, mask=mask, rotation=rotation, bias=bias, record=layer in wanted)
             if kept is not None:
                 records[layer] = kept
             if hidden_states:

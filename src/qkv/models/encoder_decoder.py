@@ -46,10 +46,12 @@ class EncoderDecoder(nn.Module):
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """One token matrix for the encoder, the decoder and the LM head, if so configured."""
+        """One token matrix for the encoder, the decoder and (unless tie_lm_head is False)
+        the LM head, if so configured."""
         if self.config.tie_embeddings:
             self.decoder.embed.tokens.weight = self.encoder.embed.tokens.weight
-            self.decoder.lm_head.weight = self.encoder.embed.tokens.weight
+            if self.config.tie_lm_head:
+                self.decoder.lm_head.weight = self.encoder.embed.tokens.weight
 
     def read_source(
         self, source_ids: Tensor, *, source_mask: Tensor | None = None, layers: Layers = None

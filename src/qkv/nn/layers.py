@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from qkv.nn.position import LearnedPositions, SinusoidalPositions
+from qkv.nn.position import LearnedPositions, SinusoidalPositions, SinusoidLayout
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
 NormKind = Literal["layernorm", "rmsnorm", "rmsnorm_plus1"]
-Position = Literal["learned", "sinusoidal", "rotary", "none"]
+# relative: T5's, a bias on the attention scores (qkv.nn.relative), nothing added here
+Position = Literal["learned", "sinusoidal", "rotary", "relative", "none"]
 
 
 class RMSNorm(nn.Module):
@@ -120,8 +121,9 @@ GATED = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
 class Embeddings(nn.Module):
     """Token ids to vectors: token embedding, plus position (and segment) embeddings.
 
-    The article: the position embedding is "added (not concatenated)". With rotary or no
-    positions nothing is added here; rotary positions act inside attention instead.
+    The article: the position embedding is "added (not concatenated)". With rotary, relative
+    or no positions nothing is added here; rotary and relative positions act inside
+    attention instead.
     input_ids (B, T), positions (T,) or (B, T) -> (B, T, C).
     """
 
@@ -139,6 +141,7 @@ class Embeddings(nn.Module):
         scale: float = 1.0,
         round_scale: bool = False,
         dropout: float = 0.0,
+        sinusoid_layout: SinusoidLayout = "interleaved",
     ):
         super().__init__()
         self.vocab_size = vocab_size
@@ -147,7 +150,7 @@ class Embeddings(nn.Module):
         if position == "learned":
             self.positions = LearnedPositions(max_positions, width)
         elif position == "sinusoidal":
-            self.positions = SinusoidalPositions(width)
+            self.positions = SinusoidalPositions(width, layout=sinusoid_layout)
         self.types = nn.Embedding(type_vocab_size, width) if type_vocab_size else None
         self.norm = make_norm(norm, width, norm_eps, norm_bias) if norm else None
         self.scale = scale  # the original transformer multiplies token vectors by sqrt(C)

@@ -9,12 +9,14 @@ product depends on how far apart the two words are.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from qkv.nn.rope import RopeScaling, inv_freq
+
+SinusoidLayout = Literal["interleaved", "halves"]
 
 
 def positions_for(length: int, offset: int = 0, device=None) -> Tensor:
@@ -45,15 +47,23 @@ class SinusoidalPositions(nn.Module):
 
     PE(pos, 2i) = sin(pos / base^(2i/C)),  PE(pos, 2i+1) = cos(pos / base^(2i/C)).
 
+    layout "halves" keeps the same angles but puts every sin in the first half of the
+    vector and every cos in the second (Marian's checkpoints), computed in float64 and
+    rounded once, as Marian's table is.
+
     >>> SinusoidalPositions(4)(torch.tensor([0]))[0].tolist()
     [0.0, 1.0, 0.0, 1.0]
+    >>> SinusoidalPositions(4, layout="halves")(torch.tensor([0]))[0].tolist()
+    [0.0, 0.0, 1.0, 1.0]
     """
 
-    def __init__(self, width: int, base: float = 10000.0):
+    def __init__(self, width: int, base: float = 10000.0, layout: SinusoidLayout = "interleaved"):
         super().__init__()
         if width % 2:
             raise ValueError(f"sinusoidal positions need an even width, got {width}")
-        self.width, self.base = width, base
+        if layout not in ("interleaved", "halves"):
+            raise ValueError(f"layout must be 'interleaved' or 'halves', got {layout!r}")
+        self.width, self.base, self.layout = width, base, layout
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def reset_buffers(self) -> None:
@@ -67,6 +77,12 @@ class SinusoidalPositions(nn.Module):
         return inv_freq.to(torch.get_default_device())
 
     def forward(self, positions: Tensor) -> Tensor:
+        if self.layout == "halves":  # (…, T, C): [sin of every angle, cos of every angle]
+            # float64 from the start (not the float32 buffer, which a cast of the model
+            # would round further): Marian's table is float64 rounded once
+            exponents = torch.arange(0, self.width, 2, dtype=torch.float64, device=positions.device)
+            angles = positions.double()[..., None] * self.base ** -(exponents / self.width)
+            return torch.cat([angles.sin(), angles.cos()], dim=-1).float()  # (…, T, C)
         angles = positions.float()[..., None] * self.inv_freq  # (…, T, C/2)
         # interleave: (…, T, C/2, 2) -> (…, T, C) with sin at 2i and cos at 2i+1
         return torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(-2)

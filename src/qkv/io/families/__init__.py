@@ -18,12 +18,14 @@ from qkv.io.families import (
     gemma,
     gpt2,
     llama,
+    marian,
     modernbert,
     neox,
     olmo2,
     phi3,
     qwen,
     roberta,
+    t5,
 )
 from qkv.io.families.common import Family, Weight
 
@@ -32,6 +34,7 @@ FAMILIES += [llama.MISTRAL, llama.SMOLLM3, qwen.QWEN2, qwen.QWEN3]
 FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.FAMILY]
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
+FAMILIES += [marian.FAMILY, t5.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 

@@ -32,7 +32,10 @@ def config(hf: dict) -> EncoderDecoderConfig:
                  ("encoder_ffn_dim", "decoder_ffn_dim")]:  # fmt: skip
         if whole(hf, a) != whole(hf, b):
             raise ValueError(f"BART checkpoints with {a} != {b} are not supported")
+    # the older mBART-style keys; and qkv's LM head is always the token matrix
     require(hf, "BART", add_final_layer_norm=(False,), normalize_before=(False,))
+    if not flag(hf, "tie_word_embeddings", True):
+        raise ValueError("BART checkpoints with tie_word_embeddings=False are not supported")
     width, heads = whole(hf, "d_model"), whole(hf, "encoder_attention_heads")
     divides(hf, "encoder_attention_heads", "d_model", heads, width)
     return EncoderDecoderConfig(
@@ -135,4 +138,17 @@ def weights(cfg: EncoderDecoderConfig) -> list[Weight]:
             + expand(_stack("decoder"), cfg.decoder_layers))  # fmt: skip
 
 
-FAMILY = Family("bart", ("bart",), EncoderDecoder, config, hf_config, weights)
+FAMILY = Family(
+    "bart", ("bart",), EncoderDecoder, config, hf_config, weights,
+    reads=("vocab_size", "d_model", "encoder_layers", "decoder_layers",
+           "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim",
+           "decoder_ffn_dim", "activation_function", "max_position_embeddings",
+           "scale_embedding", "add_final_layer_norm", "normalize_before", "tie_word_embeddings"),
+    # dropout, layer drop and init are training settings; is_decoder is BartForCausalLM's
+    # (qkv reads BartForConditionalGeneration); token ids steer generation, not the logits
+    inert=("dropout", "attention_dropout", "activation_dropout", "encoder_layerdrop",
+           "decoder_layerdrop", "init_std", "classifier_dropout", "use_cache", "is_decoder",
+           "pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id",
+           "forced_eos_token_id"),
+    config_classes=("BartConfig",),
+)  # fmt: skip

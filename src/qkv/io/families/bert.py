@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from qkv.io.families.checks import divides, real, whole
+from qkv.io.families.checks import divides, flag, real, whole
 from qkv.io.families.common import (
     Family,
     Weight,
@@ -25,10 +25,13 @@ MLM = "BertForMaskedLM"  # the architecture whose checkpoints carry the MLM head
 
 def config(hf: dict) -> EncoderConfig:
     """A config.json -> the qkv config of the same encoder."""
-    require(hf, "BERT", position_embedding_type=("absolute",))
+    # is_decoder makes BERT causal; add_cross_attention gives it layers qkv's encoder lacks
+    require(hf, "BERT", position_embedding_type=("absolute",), is_decoder=(False,),
+            add_cross_attention=(False,))  # fmt: skip
     mlm_head = MLM in (hf.get("architectures") or ())
-    if mlm_head:  # qkv's head always decodes with the token matrix
-        require(hf, MLM, tie_word_embeddings=(True,))
+    tied = flag(hf, "tie_word_embeddings", True)
+    if mlm_head and not tied:  # qkv's head always decodes with the token matrix
+        raise ValueError(f"{MLM} checkpoints with tie_word_embeddings=False are not supported")
     width, heads = whole(hf, "hidden_size"), whole(hf, "num_attention_heads")
     divides(hf, "num_attention_heads", "hidden_size", heads, width)
     return EncoderConfig(
@@ -127,4 +130,13 @@ def weights(cfg: EncoderConfig) -> list[Weight]:
 FAMILY = Family(
     "bert", ("bert",), Encoder, config, hf_config, weights,
     ignored=(r"(bert\.)?pooler\..*", r"(bert\.)?embeddings\.position_ids", r"cls\..*"),
+    reads=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+           "intermediate_size", "hidden_act", "max_position_embeddings", "type_vocab_size",
+           "layer_norm_eps", "position_embedding_type", "is_decoder", "add_cross_attention",
+           "tie_word_embeddings"),
+    # dropout and init are training settings; pad_token_id only marks the embedding row
+    # whose gradient is zero; classifier_dropout belongs to heads qkv does not build
+    inert=("hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
+           "classifier_dropout", "use_cache", "pad_token_id", "bos_token_id", "eos_token_id"),
+    config_classes=("BertConfig",),
 )  # fmt: skip

@@ -22,7 +22,8 @@ from qkv.nn import BlockConfig
 
 def config(hf: dict) -> DecoderConfig:
     """A config.json -> the qkv config of the same decoder."""
-    require(hf, "GPT-2", scale_attn_by_inverse_layer_idx=(False,), reorder_and_upcast_attn=(False,))
+    require(hf, "GPT-2", scale_attn_by_inverse_layer_idx=(False,),
+            reorder_and_upcast_attn=(False,), add_cross_attention=(False,))  # fmt: skip
     width, heads = whole(hf, "n_embd"), whole(hf, "n_head")
     divides(hf, "n_head", "n_embd", heads, width)
     return DecoderConfig(
@@ -38,6 +39,8 @@ def config(hf: dict) -> DecoderConfig:
             mlp=activation(hf, "activation_function"),
             norm_eps=real(hf, "layer_norm_epsilon", 1e-5),
             fused_qkv=True,
+            # scale_attn_weights false: GPT-2 then does not divide its scores at all
+            attn_scale=None if flag(hf, "scale_attn_weights", True) else 1.0,
         ),
     )
 
@@ -57,6 +60,11 @@ def hf_config(cfg: DecoderConfig) -> dict:
          block__norm="layernorm", block__norm_position="pre", block__bias=True,
          block__fused_qkv=True)  # fmt: skip
     one_head_size("GPT-2", block)
+    if block.attn_scale not in (None, 1.0):
+        raise ValueError(
+            f"a GPT-2 config.json cannot hold attn_scale={block.attn_scale!r}: its scores are "
+            "divided by sqrt(head size) or not at all (scale_attn_weights)"
+        )
     return {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],
@@ -69,6 +77,7 @@ def hf_config(cfg: DecoderConfig) -> dict:
         "activation_function": hf_activation(block.mlp, "GPT-2", gelu_tanh="gelu_new"),
         "layer_norm_epsilon": block.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
+        "scale_attn_weights": block.attn_scale is None,
         "resid_pdrop": block.dropout,
         "embd_pdrop": block.dropout,
         "attn_pdrop": 0.0,  # qkv drops no attention weights
@@ -98,4 +107,15 @@ def weights(cfg: DecoderConfig) -> list[Weight]:
 FAMILY = Family(
     "gpt2", ("gpt2",), Decoder, config, hf_config, weights,
     ignored=(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",),
+    reads=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
+           "activation_function", "layer_norm_epsilon", "scale_attn_weights",
+           "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention",
+           "tie_word_embeddings"),
+    # dropout and init are training settings; summary_* configure GPT2DoubleHeadsModel's
+    # classification head, which qkv does not build; use_cache and token ids change no logits
+    inert=("resid_pdrop", "embd_pdrop", "attn_pdrop", "initializer_range", "summary_type",
+           "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+           "summary_first_dropout", "use_cache", "bos_token_id", "eos_token_id",
+           "pad_token_id"),
+    config_classes=("GPT2Config",),
 )  # fmt: skip

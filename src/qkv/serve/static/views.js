@@ -148,18 +148,45 @@ const signed = (x) => (x >= 0 ? "+" : "") + x.toFixed(4);
 // The article's steps, as /api/trace gave them (qkv.trace: the model's own computation).
 export function drawTrace(panel, t, note) {
   const Q = `“${esc(shown(t.tokens[t.query_index]))}”`, K = `“${esc(shown(t.tokens[t.key_index]))}”`;
-  const D = t.head_dim, seen = t.weights.filter((_, k) => !t.causal || k <= t.query_index);
+  const D = t.head_dim, i = t.query_index, a = t.anatomy || {};
+  const where = t.causal ? "back" : "away";
+  const visible = (k) => (!t.causal || k <= i) && (t.window == null || Math.abs(i - k) < t.window);
+  const seen = t.weights.filter((_, k) => visible(k));
   const difference = Math.max(...t.contextualized.map((x, d) => Math.abs(x - t.model_output[d])));
   const group = t.num_heads / t.num_kv_heads;
   const gqa = t.num_kv_heads === t.num_heads ? "" : ` Grouped-query attention: query heads `
     + `${t.kv_head * group}-${t.kv_head * group + group - 1} share key/value head ${t.kv_head}.`;
+  const hidden = t.outside_window
+    ? `${K} (token ${t.key_index}) is ${Math.abs(i - t.key_index)} tokens ${where}: outside the`
+      + ` window, so it is hidden`
+    : t.causal && t.key_index > i ? `${K} (token ${t.key_index}) comes after ${Q}: the causal`
+      + ` mask hides it` : `the mask hides ${K} (token ${t.key_index})`;
   const weight = t.masked
-    ? `<span class="masked">${K} (token ${t.key_index}) comes after ${Q}: the causal mask hides`
-      + ` it, weight ${number("t-weight", 0, "0%")}</span>`
+    ? `<span class="masked">${hidden}, weight ${number("t-weight", 0, "0%")}</span>`
     : `the weight of ${K} is ${number("t-weight", t.weight, percent(t.weight))}`;
   const rotary = t.query_unrotated ? `<li class="note">Rotary positions turn both vectors by an`
     + ` angle that grows with the token's position (lengths unchanged): the query before was `
-    + `${vector("t-query-unrotated", t.query_unrotated)}.</li>` : "";
+    + `${vector("t-query-unrotated", t.query_unrotated)}.`
+    + (a.rope_dims ? ` Only the first ${a.rope_dims} of the ${D} numbers turn (partial rotary).` : "")
+    + (a.rope_scaling ? ` The angles are rescaled (${esc(a.rope_scaling)}) for texts longer than`
+      + ` the model was trained on.` : "") + `</li>` : "";
+  const qkNorm = a.qk_norm ? `<li class="note">This model normalizes each query and key first`
+    + ` (QK-norm, over ${a.qk_norm === "head" ? `each head's ${D} numbers` : "all heads' numbers"}).`
+    + `</li>` : "";
+  const windowNote = t.window != null ? `<li class="note">This layer's window: keys ${t.window}`
+    + ` or more tokens ${where} are hidden (weight 0).</li>` : "";
+  const divisor = 1 / (t.scale * t.scale);
+  const scaling = Math.abs(t.scale * Math.sqrt(D) - 1) < 1e-9 ? `Divided by √${D} = `
+    + `${Math.sqrt(D).toFixed(3)}` : t.scale === 1 ? `Not divided at all (the article divides by`
+    + ` √${D}; this model was trained without)` : Math.abs(divisor - Math.round(divisor)) < 1e-6
+    ? `Divided by √${Math.round(divisor)} = ${(1 / t.scale).toFixed(3)}, not √${D} (this model's`
+      + ` own scale)` : `Times this layer's scale ${t.scale.toPrecision(6)}`;
+  const capped = t.softcap != null ? t.softcap * Math.tanh(t.scaled_scalar / t.softcap) : null;
+  const score = (capped == null ? "" : `; capped to ${t.softcap} tanh(s/${t.softcap}) = `
+    + signed(capped)) + (t.bias == null ? "" : `; plus ${a.relative_bias ? "a learned bias for"
+    + " the distance between the words" : "this layer's score bias"} ${signed(t.bias)}`)
+    + (capped == null && t.bias == null ? "" : `; the softmax reads `
+      + number("t-score", t.score, signed(t.score)));
   const rows = t.contributions.map((c) => `<tr data-index="${c.index}" data-w="${c.weight}"`
     + ` data-size="${c.size}"${c.index === t.key_index ? ' class="key"' : ""}>`
     + `<td>${c.index}</td><td>${esc(shown(c.token))}</td>`
@@ -172,11 +199,11 @@ export function drawTrace(panel, t, note) {
 <ol>
 <li>Query vector: ${Q}'s vector entering the layer times the query matrix (${t.width} → ${D}
  numbers): ${vector("t-query", t.query_vector)}</li>
-<li>Key vector: ${K}'s vector times the key matrix: ${vector("t-key", t.key_vector)}</li>${rotary}
+<li>Key vector: ${K}'s vector times the key matrix: ${vector("t-key", t.key_vector)}</li>${qkNorm}${rotary}
 <li>Attention scalar: query · key = ${number("t-scalar", t.attention_scalar, signed(t.attention_scalar))}
  (how much ${Q} should attend to ${K})</li>
-<li>${Math.abs(t.scale * Math.sqrt(D) - 1) < 1e-12 ? `Divided by √${D} = ${Math.sqrt(D).toFixed(3)}` : `Times this layer's scale ${t.scale.toPrecision(6)}`}:
- ${number("t-scaled", t.scaled_scalar, signed(t.scaled_scalar))}; the softmax over the
+${windowNote}<li>${scaling}:
+ ${number("t-scaled", t.scaled_scalar, signed(t.scaled_scalar))}${score}; the softmax over the
  ${seen.length} keys ${Q} sees makes weights that sum to 100%, and ${weight}.</li>
 <li>Value vector of ${K}: ${vector("t-value", t.value_vector)}</li>
 <li>Scaled value vector, the weight times the value vector: ${vector("t-scaled-value", t.scaled_value_vector)}</li>

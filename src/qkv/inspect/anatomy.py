@@ -1,0 +1,232 @@
+"""What a model computes where it departs from the article's plain attention, read from its
+qkv config: how positions enter, where the norms sit, which keys a window hides, and what
+the softmax reads instead of q . k / sqrt(D).
+
+`layer_anatomy` gives one layer's facts (for `qkv explain`, which tells them at the step they
+change); `anatomy` sums a whole model up in a few words per column (for `qkv models`, which
+describes each family by what it computes for transformers' default config).
+
+>>> from qkv.models import DecoderConfig
+>>> from qkv.nn import BlockConfig
+>>> cfg = DecoderConfig(vocab_size=10, num_layers=2, position="rotary", block=BlockConfig(
+...     width=64, num_heads=2, attn_scale=144**-0.5, softcap=50.0, window=4096))
+>>> a = anatomy(cfg)
+>>> a.position, a.window
+('rotary (base 10000)', 'the last 4096 tokens')
+>>> a.scores
+'q.k / sqrt(144) (not sqrt(32)), capped 50 tanh(s/50)'
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from qkv.models import DecoderConfig, EncoderDecoderConfig
+
+NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm", "rmsnorm_plus1": "RMSNorm (1 + w)"}
+
+
+@dataclass(frozen=True)
+class LayerAnatomy:
+    """One layer's departures from the article, as plain values (JSON-ready).
+
+    scale_divisor: the d with scale = 1/sqrt(d), None for the article's d = head_dim;
+    relative_bias: the layer adds a learned bias for the distance between query and key."""
+
+    head_dim: int
+    causal: bool
+    scale: float
+    scale_divisor: float | None
+    softcap: float | None
+    window: int | None
+    qk_norm: str | None
+    relative_bias: bool
+    position: str
+    rope_base: float | None
+    rope_dims: int | None  # partial rotary: how many of a head's dims turn
+    rope_scaling: str | None  # e.g. "llama3 x8 past 8192 tokens"
+    norm: str
+    norm_position: str
+    sublayer_norm: bool
+    parallel: bool
+    logit_softcap: float | None
+
+
+@dataclass(frozen=True)
+class Anatomy:
+    """A model in a few words per column (see `qkv models`)."""
+
+    shape: str  # encoder, decoder or encoder-decoder
+    position: str
+    norm: str
+    window: str
+    scores: str
+
+
+def _divisor(scale: float, head_dim: int) -> float | None:
+    """d where scale = 1/sqrt(d), or None where d is the head size (the article's)."""
+    divisor = 1 / scale**2
+    if math.isclose(divisor, head_dim, rel_tol=1e-9):
+        return None
+    return round(divisor) if math.isclose(divisor, round(divisor), rel_tol=1e-9) else divisor
+
+
+def _relative_bias(config) -> bool:
+    """Whether a config asks for a learned bias on the distance between words (T5): relative
+    positions, or any field whose name starts with "relative" and is set."""
+    if config.position == "relative":
+        return True
+    return any(f.name.startswith("relative") and getattr(config, f.name) for f in fields(config))
+
+
+def _rope_scaling(config) -> str | None:
+    scaling = config.rope_scaling if config.position == "rotary" else None
+    if scaling is None:
+        return None
+    past = scaling.original_max_positions or scaling.max_positions
+    return f"{scaling.kind} x{scaling.factor:g}" + (f" past {past} tokens" if past else "")
+
+
+def layer_anatomy(config, layer: int = 0, *, cross: bool = False) -> LayerAnatomy:
+    """Layer `layer` of a stack config (EncoderConfig or DecoderConfig; for an
+    EncoderDecoderConfig its decoder, whose cross-attention `cross` asks for)."""
+    if isinstance(config, EncoderDecoderConfig):
+        config = config.decoder()
+    block = config.block_for(layer)
+    D = block.head_size
+    scale = block.attn_scale if block.attn_scale is not None else 1 / math.sqrt(D)
+    rotary = config.position == "rotary" and not cross
+    local = config.local_rope_base is not None and config.layer_type(layer) == "sliding"
+    return LayerAnatomy(
+        head_dim=D,
+        causal=isinstance(config, DecoderConfig) and not cross,
+        scale=scale,
+        scale_divisor=_divisor(scale, D),
+        softcap=block.softcap,
+        window=None if cross else block.window,
+        qk_norm=block.qk_norm,
+        relative_bias=_relative_bias(config) and not cross,
+        position="cross" if cross else config.position,
+        rope_base=(config.local_rope_base if local else config.rope_base) if rotary else None,
+        rope_dims=config.rope_dims if rotary and config.rope_dims not in (None, D) else None,
+        rope_scaling=_rope_scaling(config) if rotary and not local else None,
+        norm=NORMS.get(block.norm, block.norm),
+        norm_position=block.norm_position,
+        sublayer_norm=block.sublayer_norm,
+        parallel=block.parallel,
+        logit_softcap=getattr(config, "logit_softcap", None),
+    )
+
+
+def anatomy(config) -> Anatomy:
+    """A model config (EncoderConfig, DecoderConfig or EncoderDecoderConfig) summed up."""
+    pair = isinstance(config, EncoderDecoderConfig)
+    stack = config.decoder() if pair else config
+    shape = "encoder-decoder" if pair else "decoder" if isinstance(config, DecoderConfig) else (
+        "encoder")  # fmt: skip
+    first = layer_anatomy(stack, 0)
+    return Anatomy(shape, _positions(stack, first), _norms(stack, first),
+                   _window(stack, first), _scores(first))  # fmt: skip
+
+
+def _positions(config, a: LayerAnatomy) -> str:
+    if config.position == "learned":
+        where = f"learned ({config.max_positions} positions)"
+    elif config.position == "rotary":
+        where = f"rotary (base {config.rope_base:g})"
+        if a.rope_dims:
+            where += f", {a.rope_dims} of {a.head_dim} dims turn"
+        if a.rope_scaling:
+            where += f", {a.rope_scaling}"
+        if config.local_rope_base is not None:
+            where += f", sliding layers base {config.local_rope_base:g}"
+    else:
+        where = config.position
+    return where + (", relative bias" if a.relative_bias else "")
+
+
+def _norms(config, a: LayerAnatomy) -> str:
+    if a.norm_position == "none":
+        words = f"{a.norm} on sub-layer outputs only"
+    else:
+        words = f"{a.norm_position}-norm {a.norm}"
+        if a.sublayer_norm:
+            words += " + on sub-layer outputs"
+    if a.parallel:
+        words += ", attention and MLP in parallel"
+    if config.embed_norm:
+        words += ", embeddings too"
+    return words
+
+
+def _window(config, a: LayerAnatomy) -> str:
+    window = config.block.window
+    if window is None:
+        return "none"
+    seen = f"the last {window} tokens" if a.causal else f"+-{window - 1} tokens"
+    L = getattr(config, "num_layers", None)
+    sliding = sum(config.layer_type(i) == "sliding" for i in range(L)) if L else None
+    if config.layer_types is not None and sliding != L:
+        seen += f" in {sliding} of {L} layers"
+    return seen
+
+
+def _scores(a: LayerAnatomy) -> str:
+    if a.scale_divisor is None:
+        parts = [f"q.k / sqrt({a.head_dim})"]
+    elif a.scale == 1.0:
+        parts = ["q.k (not divided)"]
+    else:
+        parts = [f"q.k / sqrt({a.scale_divisor:g}) (not sqrt({a.head_dim}))"]
+    if a.qk_norm:
+        parts.append(f"QK-norm ({'per head' if a.qk_norm == 'head' else 'all heads'})")
+    if a.softcap is not None:
+        parts.append(f"capped {a.softcap:g} tanh(s/{a.softcap:g})")
+    if a.relative_bias:
+        parts.append("+ distance bias")
+    if a.logit_softcap is not None:
+        parts.append(f"logits capped {a.logit_softcap:g} tanh(x/{a.logit_softcap:g})")
+    return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class FamilyModel:
+    """One model type qkv reads, described by what its family computes for transformers'
+    default config of that type (e.g. MistralConfig(): Mistral 7B)."""
+
+    model_type: str
+    family: str
+    anatomy: Anatomy | None
+    problem: str | None = None  # why the default config could not be described
+
+
+def family_models(families=None) -> list[FamilyModel]:
+    """Every model type of `families` (default: all that qkv reads), in order."""
+    import transformers
+
+    from qkv.io.families import FAMILIES
+
+    found = []
+    for family in FAMILIES if families is None else families:
+        named = [getattr(transformers, n) for n in family.config_classes]
+        for model_type in family.model_types:
+            classes = [c for c in named if c.model_type == model_type]
+            cls = classes[0] if classes else _config_class(transformers, model_type)
+            if cls is None:
+                found.append(FamilyModel(model_type, family.name, None,
+                                         "transformers has no config of this type"))  # fmt: skip
+                continue
+            try:
+                found.append(FamilyModel(model_type, family.name,
+                                         anatomy(family.config(cls().to_dict()))))  # fmt: skip
+            except ValueError as error:
+                found.append(FamilyModel(model_type, family.name, None, f"{cls.__name__}: {error}"))
+    return found
+
+
+def _config_class(transformers, model_type: str):
+    try:
+        return transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        return None

@@ -1,0 +1,166 @@
+"""Never silently wrong, key by key: every key of every config.json a family reads is either
+read by its `config` (computed, or refused by name where qkv does not compute its value) or
+declared inert (it changes no output).
+
+The keys come from transformers' own config classes (`cls().to_dict()`), so a key that a
+new transformers version adds fails here until a family says what it does with it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from qkv.io.families import FAMILIES
+
+# The keys every PretrainedConfig has, classified once here rather than in each family.
+COMMON = {
+    "_name_or_path": "where the config was loaded from",
+    "architectures": "the head class; a family reads it where it changes the model (BERT's MLM)",
+    "chunk_size_feed_forward": "runs the MLP a chunk of tokens at a time: the same numbers",
+    "dtype": "the dtype the weights were saved in; qkv loads in the dtype asked",
+    "torch_dtype": "transformers 4's name of dtype",
+    "id2label": "a classification head's labels; qkv builds no such head",
+    "label2id": "a classification head's labels",
+    "problem_type": "a classification head's loss",
+    "is_encoder_decoder": "the family's model class decides the shape",
+    "model_type": "chooses the family (family_for)",
+    "output_attentions": "what transformers' forward returns; qkv returns records on request",
+    "output_hidden_states": "what transformers' forward returns",
+    "return_dict": "what transformers' forward returns",
+    "transformers_version": "which transformers wrote the file",
+}
+
+# (family, key): why a read key of a number or a flag may take a string without a refusal
+# that names it. Empty: every family refuses each such key by name.
+WRONG_KIND_EXCEPTIONS: dict[tuple[str, str], str] = {}
+
+PAIRS = [(f, name) for f in FAMILIES for name in f.config_classes]
+IDS = [f"{f.name}-{name}" for f, name in PAIRS]
+
+
+def default_config(name: str) -> dict:
+    """transformers' default config.json of a config class, as a plain dict."""
+    return getattr(transformers, name)().to_dict()
+
+
+def family_keys(name: str) -> dict:
+    """The default config's keys that are the family's own (not every config's)."""
+    return {k: v for k, v in default_config(name).items() if k not in COMMON}
+
+
+class Recording(dict):
+    """A config.json that remembers which keys were looked at."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen: set[str] = set()
+
+    def __getitem__(self, key):
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.seen.add(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.seen.add(key)
+        return super().__contains__(key)
+
+    def items(self):  # a family that walks every key has looked at all of them
+        self.seen.update(self.keys())
+        return super().items()
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_every_family_names_its_config_classes(family):
+    assert family.config_classes, f"{family.name} names no transformers config class"
+    for name in family.config_classes:
+        assert hasattr(transformers, name), f"{family.name}: transformers has no {name}"
+
+
+def test_every_common_key_is_classified():
+    common = set(transformers.PretrainedConfig().to_dict())
+    assert common <= set(COMMON), f"classify these keys in COMMON: {sorted(common - set(COMMON))}"
+
+
+@pytest.mark.parametrize(("family", "name"), PAIRS, ids=IDS)
+def test_every_key_is_read_or_inert(family, name):
+    unknown = set(family_keys(name)) - set(family.reads) - set(family.inert)
+    assert not unknown, (
+        f"{family.name} says nothing of {name}'s keys {sorted(unknown)}: add each to "
+        "`reads` (and read or refuse it in config) or to `inert` (it changes no output)"
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_no_key_is_both_read_and_inert(family):
+    assert not set(family.reads) & set(family.inert)
+
+
+@pytest.mark.parametrize(("family", "name"), PAIRS, ids=IDS)
+def test_the_default_config_is_read(family, name):
+    # `qkv models` describes each family by what it computes for this config
+    assert family.config(default_config(name)) is not None
+
+
+@pytest.mark.parametrize(("family", "name"), PAIRS, ids=IDS)
+def test_every_read_key_is_looked_at(family, name):
+    hf = Recording(default_config(name))
+    family.config(hf)
+    unread = [k for k in family.reads if dict.__contains__(hf, k) and k not in hf.seen]
+    assert not unread, f"{family.name}.config never looks at {unread}, which `reads` lists"
+
+
+@pytest.mark.parametrize(("family", "name"), PAIRS, ids=IDS)
+def test_a_read_number_or_flag_of_the_wrong_kind_is_refused_by_name(family, name):
+    defaults = default_config(name)
+    keys = [k for k in family.reads if type(defaults.get(k)) in (int, float, bool)]
+    silent = []
+    for key in keys:
+        if (family.name, key) in WRONG_KIND_EXCEPTIONS:
+            continue
+        try:
+            family.config({**defaults, key: "x"})
+        except ValueError as error:
+            if key not in str(error):
+                silent.append(f"{key} (refused as: {error})")
+            continue
+        silent.append(f"{key} (accepted)")
+    assert not silent, f"{family.name} does not refuse a string by name for: {silent}"
+
+
+def test_the_wrong_kind_test_can_fail():
+    # a family whose config ignores a key it claims to read is caught
+    from dataclasses import replace
+
+    gpt2 = next(f for f in FAMILIES if f.name == "gpt2")
+
+    def lax_config(hf):  # never looks at n_layer
+        return gpt2.config({k: hf[k] for k in dict.keys(hf) if k != "n_layer"} | {"n_layer": 2})
+
+    lax = replace(gpt2, config=lax_config)
+    with pytest.raises(AssertionError, match="n_layer"):
+        test_a_read_number_or_flag_of_the_wrong_kind_is_refused_by_name(lax, "GPT2Config")
+    with pytest.raises(AssertionError, match="n_layer"):
+        test_every_read_key_is_looked_at(lax, "GPT2Config")
+    forgetful = replace(gpt2, inert=gpt2.inert[1:])
+    with pytest.raises(AssertionError, match=gpt2.inert[0]):
+        test_every_key_is_read_or_inert(forgetful, "GPT2Config")
+
+
+@pytest.mark.parametrize(
+    ("family", "key", "value"),
+    [
+        ("bert", "is_decoder", True),
+        ("bert", "add_cross_attention", True),
+        ("gpt2", "add_cross_attention", True),
+        ("gpt2", "scale_attn_by_inverse_layer_idx", True),
+        ("bart", "tie_word_embeddings", False),
+    ],
+)
+def test_a_setting_qkv_does_not_compute_is_refused_by_name(family, key, value):
+    chosen = next(f for f in FAMILIES if f.name == family)
+    with pytest.raises(ValueError, match=key):
+        chosen.config({**default_config(chosen.config_classes[0]), key: value})
