@@ -352,17 +352,30 @@ def test_a_missing_rope_base_is_llama_cpps_default(arch):
     assert config["rope_theta"] == 10000.0
 
 
-def test_llama_with_partial_rotary_is_refused(tmp_path):
-    _, model = tiny_model("llama")
-    path = tmp_path / "partial.gguf"
-    convert(model, "llama", path)
+def _patch_uint32(path, key: str, value: int) -> None:
+    """Set the header's uint32 `key` to `value` in place (the file keeps its length)."""
     data = path.read_bytes()
-    # rope.dimension_count 16 -> 8: llama.cpp itself refuses n_rot != head size for llama
-    key = b"llama.rope.dimension_count"
-    at = data.index(key) + len(key) + 4  # the value's type, then the value
-    path.write_bytes(data[:at] + (8).to_bytes(4, "little") + data[at + 4 :])
+    at = data.index(key.encode()) + len(key) + 4  # past the name, then the value's type
+    path.write_bytes(data[:at] + value.to_bytes(4, "little") + data[at + 4 :])
+
+
+def test_llama_with_partial_rotary_is_refused(tmp_path):
+    """llama.cpp itself refuses a llama whose rotated dimensions are not its head size."""
+    _, model = tiny_model("llama")
+    convert(model, "llama", tmp_path / "partial.gguf")
+    _patch_uint32(tmp_path / "partial.gguf", "llama.rope.dimension_count", 8)  # of 16
     with pytest.raises(ValueError, match="llama.rope.dimension_count"):
-        read_gguf(path, cache_dir=tmp_path / "cache")
+        read_gguf(tmp_path / "partial.gguf", cache_dir=tmp_path / "cache")
+
+
+@pytest.mark.parametrize("case", ["qwen2", "gemma2", "gemma3"])
+def test_a_billion_layers_are_refused_before_any_list_of_them(tmp_path, case):
+    """Families list each layer's type; a header claiming 10^9 layers is refused first."""
+    arch, model = tiny_model(case)
+    convert(model, arch, tmp_path / "big.gguf")
+    _patch_uint32(tmp_path / "big.gguf", f"{arch}.block_count", 10**9)
+    with pytest.raises(ValueError, match=rf"header \({arch}.block_count=1,000,000,000\)"):
+        read_gguf(tmp_path / "big.gguf", cache_dir=tmp_path / "cache")
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])

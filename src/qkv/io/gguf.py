@@ -138,6 +138,13 @@ def _open(path: Path) -> tuple[mmap.mmap | bytes, Header, dict[str, Any], Arch]:
     header = read_header(data, path)
     arch = arch_of(header, path)
     config, names = arch.config(header)
+    weights = sum(info.name not in ROPE_TENSORS for info in header.tensors)
+    layers = config.get("num_hidden_layers")
+    if type(layers) is int and layers > weights:  # before a family lists its layers' types
+        raise ValueError(
+            f"{path} has {weights} weight tensors, but its header ({names['num_hidden_layers']}"
+            f"={layers:,}) needs at least one per layer"
+        )
     if "rms_norm_eps" not in config:  # llama.cpp requires it too: no default is safe
         raise ValueError(f"{path}: the header has no {names['rms_norm_eps']}")
     rope_tensors(arch, config, _rope_factors(header, data))
