@@ -2,9 +2,14 @@
 and what its convert script did to the Hugging Face weights (which `read_gguf` undoes).
 
 An `Arch` turns a GGUF header into the config.json the Hugging Face checkpoint came with
-(`config`), and a GGUF tensor name into its Hugging Face name (`hf_name`). What a header
-does not say and llama.cpp fixes in its code (Gemma 3's local rotary base, its pattern of
-five local layers and one global) is written here as llama.cpp's code has it.
+(`config`), and a GGUF tensor name into its Hugging Face name (`hf_name`). The file means
+what llama.cpp computes from it, so a key the header leaves out means llama.cpp's default,
+never the Hugging Face class's (a head size of C / H, not Qwen3's 128 or Gemma's 256; a rope
+base of 10 000), and what llama.cpp fixes in its code is written here as its code has it:
+Phi-3's sliding window switched off, Gemma 2's soft-caps of 50 and 30 and alternating
+window, Gemma 3's five sliding layers per full one with their own unscaled rotary base of
+10 000, Gemma 2 and 3's 27B score scale. What llama.cpp would compute and qkv cannot (a
+Llama turning part of each head, YaRN's extra factors) is refused by its header key.
 """
 
 from __future__ import annotations
