@@ -75,6 +75,10 @@ QKV_ONLY = {
         num_key_value_heads=2, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
         "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16})),
+    # biases on every projection: llama.cpp's permutation turns the q and k biases too
+    "llama-biased": ("llama", hf.LlamaForCausalLM, hf.LlamaConfig(
+        **SHARED, num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+        mlp_bias=True, tie_word_embeddings=True)),
     "phi3-longrope": ("phi3", hf.Phi3ForCausalLM, hf.Phi3Config(
         **{**SHARED, "max_position_embeddings": 64}, num_attention_heads=4,
         num_key_value_heads=2, pad_token_id=None, original_max_position_embeddings=16,
