@@ -280,6 +280,28 @@ def test_logits_equal_transformers_reading_the_same_file(written):
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("written", ["phi3", "gemma2", "gemma3"], indirect=True)
+def test_attention_records_equal_transformers_reading_the_same_file(written):
+    """The first layer (sliding where the model slides) and the last (full): qkv's record of
+    a file's attention is transformers' own, soft-cap and window included, and its trace
+    gives the head's own output. Past the first layer the two models' float32 roundings
+    have added up in the residual stream (to 4e-6 by Gemma 3's sixth layer)."""
+    _, path, loaded = written
+    theirs = hf.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    last = loaded.config.num_layers - 1
+    with torch.no_grad():
+        expected = theirs(_ids(), output_attentions=True).attentions
+        records = loaded.model(_ids(), layers=[0, last]).records
+    for layer, atol in [(0, 1e-6), (last, 1e-5)]:
+        record = records[layer]
+        torch.testing.assert_close(record.weights(), expected[layer], rtol=0, atol=atol)
+        steps = record.steps(head=1, query=T - 1)  # in float64: within float32's rounding
+        torch.testing.assert_close(steps.contextualized.float(), record.out[0, 1, T - 1],
+                                   rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
 @pytest.mark.parametrize("written", list(CASES), indirect=True)
 def test_saved_as_a_hugging_face_folder_it_loads_in_transformers(written):
     """qkv.load of the file, then Pretrained.save: the folder a user would hand on."""
