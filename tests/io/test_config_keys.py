@@ -50,11 +50,18 @@ def family_keys(name: str) -> dict:
 
 
 class Recording(dict):
-    """A config.json that remembers which keys were looked at."""
+    """A config.json that remembers which keys were looked at, and whether it was walked.
+
+    A family that walks every key (a copy such as `dict(hf)`, `{**hf}` or `hf | {...}`,
+    or a loop over the keys) hides which of them it reads, so a walk is noted, not taken
+    as a look at every key: with `__iter__` overridden, CPython copies through `keys()`,
+    which notes it. A family that needs other values on top of the file's reads through
+    an overlay that looks keys up one by one (collections.ChainMap)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.seen: set[str] = set()
+        self.walked = False
 
     def __getitem__(self, key):
         self.seen.add(key)
@@ -68,9 +75,21 @@ class Recording(dict):
         self.seen.add(key)
         return super().__contains__(key)
 
-    def items(self):  # a family that walks every key has looked at all of them
-        self.seen.update(self.keys())
+    def __iter__(self):
+        self.walked = True
+        return super().__iter__()
+
+    def keys(self):
+        self.walked = True
+        return super().keys()
+
+    def items(self):
+        self.walked = True
         return super().items()
+
+    def values(self):
+        self.walked = True
+        return super().values()
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
@@ -109,6 +128,10 @@ def test_the_default_config_is_read(family, name):
 def test_every_read_key_is_looked_at(family, name):
     hf = Recording(default_config(name))
     family.config(hf)
+    assert not hf.walked, (
+        f"{family.name}.config copies or walks its config.json, which hides the keys it "
+        "reads: read them from the mapping itself (an overlay: collections.ChainMap)"
+    )
     unread = [k for k in family.reads if dict.__contains__(hf, k) and k not in hf.seen]
     assert not unread, f"{family.name}.config never looks at {unread}, which `reads` lists"
 
@@ -145,6 +168,10 @@ def test_the_wrong_kind_test_can_fail():
         test_a_read_number_or_flag_of_the_wrong_kind_is_refused_by_name(lax, "GPT2Config")
     with pytest.raises(AssertionError, match="n_layer"):
         test_every_read_key_is_looked_at(lax, "GPT2Config")
+    # a family that copies its config.json first cannot be told to read n_layer
+    copying = replace(gpt2, config=lambda hf: gpt2.config({**hf}))
+    with pytest.raises(AssertionError, match="copies or walks"):
+        test_every_read_key_is_looked_at(copying, "GPT2Config")
     forgetful = replace(gpt2, inert=gpt2.inert[1:])
     with pytest.raises(AssertionError, match=gpt2.inert[0]):
         test_every_key_is_read_or_inert(forgetful, "GPT2Config")

@@ -21,6 +21,7 @@ key set to null means none. The multimodal Gemma 3 (model_type "gemma3") is refu
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Mapping
 from typing import Any
 
@@ -141,9 +142,11 @@ def _config(hf: dict, kind: str) -> DecoderConfig:
     divides(hf, "num_key_value_heads", "num_attention_heads", kv_heads, heads)
     num_layers = _given(hf, kind, "num_hidden_layers")
     max_positions = _given(hf, kind, "max_position_embeddings")
-    rope_hf = {**hf, "max_position_embeddings": max_positions}
+    # an overlay, not a copy: the other rotary keys are still looked up in the file itself
+    overlay: dict = {"max_position_embeddings": max_positions}
     if kind == "gemma3_text":
-        rope_hf["rope_parameters"] = _gemma3_rope(hf)
+        overlay["rope_parameters"] = _gemma3_rope(hf)
+    rope_hf = ChainMap(overlay, hf)
     rope = read_rope(rope_hf, head_dim, local=kind == "gemma3_text")
     if rope["rope_dims"] is not None:  # transformers' Gemma turns every dimension
         raise ValueError(f"{name} checkpoints with partial_rotary_factor are not supported")

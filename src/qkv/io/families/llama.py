@@ -9,6 +9,7 @@ what qkv does not compute; `hf_config` writes it back, refusing what the family 
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,7 +60,8 @@ def read_decoder(
         divides(hf, "num_attention_heads", "hidden_size", heads, width)
         head_dim = width // heads
     max_positions = whole(hf, "max_position_embeddings", max_positions)
-    rope = read_rope({**hf, "max_position_embeddings": max_positions}, head_dim)
+    # an overlay, not a copy: the rotary keys are still looked up in the file itself
+    rope = read_rope(ChainMap({"max_position_embeddings": max_positions}, hf), head_dim)
     if rope["rope_dims"] is not None:  # transformers' rotate_half would fail on a part
         raise ConfigValueError(
             "partial_rotary_factor", f"must be 1 in a {family} checkpoint: it turns whole heads"
@@ -300,8 +302,9 @@ def smollm3_config(hf: dict) -> DecoderConfig:
     use_sliding_window is set (as transformers derives them)."""
     layers = whole(hf, "num_hidden_layers")
     given = hf.get("no_rope_layers")
+    # read even where no_rope_layers wins over it (as in transformers), so a wrong kind fails
+    interval = whole(hf, "no_rope_layer_interval", 4)
     if given is None:
-        interval = whole(hf, "no_rope_layer_interval", 4)
         given = [int((i + 1) % interval != 0) for i in range(layers)]
     if (
         not isinstance(given, list)
