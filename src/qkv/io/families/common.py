@@ -93,6 +93,9 @@ class Family:
     reads: tuple[str, ...] = field(default=())
     inert: tuple[str, ...] = field(default=())
     config_classes: tuple[str, ...] = field(default=())
+    # (model_type, why): types this family knows but qkv does not read (Gemma 3's multimodal
+    # checkpoints), which family_for refuses by name rather than as unknown
+    refused_types: tuple[tuple[str, str], ...] = field(default=())
 
 
 def with_biases(pairs: Iterable[tuple[str, str]], layout: Layout = SAME) -> list[Template]:

@@ -190,14 +190,15 @@ def _config(hf: dict, kind: str) -> DecoderConfig:
     )
 
 
+MULTIMODAL = ("multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; qkv "
+              "reads Gemma 3's text-only checkpoints (model_type 'gemma3_text')")  # fmt: skip
+
+
 def config(hf: dict) -> DecoderConfig:
     """A Gemma, Gemma 2 or Gemma 3 text config.json -> the qkv config of the same decoder."""
     kind = hf.get("model_type")
     if kind == "gemma3":
-        raise ValueError(
-            "multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; qkv reads "
-            "Gemma 3's text-only checkpoints (model_type 'gemma3_text')"
-        )
+        raise ValueError(MULTIMODAL)
     if kind not in NAMES:
         raise ValueError(f"model_type {kind!r} is not a Gemma; Gemma's: {', '.join(NAMES)}")
     return _config(hf, kind)
@@ -349,7 +350,8 @@ GEMMA2 = Family(
     reads=READS + LATER_READS, inert=INERT, config_classes=("Gemma2Config",),
 )  # fmt: skip
 GEMMA3 = Family(
-    "gemma3", ("gemma3_text", "gemma3"), Decoder, config, hf_config, weights, ignored=IGNORED,
+    "gemma3", ("gemma3_text",), Decoder, config, hf_config, weights, ignored=IGNORED,
+    refused_types=(("gemma3", MULTIMODAL),),
     reads=READS + LATER_READS + ("sliding_window_pattern", "rope_local_base_freq"),
     # transformers' own note of the pattern it made layer_types from; layer_types decides
     inert=(*INERT, "_sliding_window_pattern"), config_classes=("Gemma3TextConfig",),
