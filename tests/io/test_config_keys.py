@@ -154,6 +154,22 @@ def test_a_read_number_or_flag_of_the_wrong_kind_is_refused_by_name(family, name
     assert not silent, f"{family.name} does not refuse a string by name for: {silent}"
 
 
+@pytest.mark.parametrize(("family", "name"), PAIRS, ids=IDS)
+def test_a_read_key_of_any_kind_is_refused_not_crashed_on(family, name):
+    # a list where a name belongs once raised TypeError (unhashable) from a dict look-up
+    defaults = default_config(name)
+    crashed = []
+    for key in family.reads:
+        for wrong in ("x", [1], {"a": 1}, -3, True):
+            try:
+                family.config({**defaults, key: wrong})
+            except ValueError:
+                continue
+            except Exception as error:  # any other kind is the failure
+                crashed.append(f"{key}={wrong!r}: {type(error).__name__}: {error}")
+    assert not crashed, f"{family.name} crashes instead of refusing: {crashed}"
+
+
 def test_the_wrong_kind_test_can_fail():
     # a family whose config ignores a key it claims to read is caught
     from dataclasses import replace
@@ -191,3 +207,59 @@ def test_a_setting_qkv_does_not_compute_is_refused_by_name(family, key, value):
     chosen = next(f for f in FAMILIES if f.name == family)
     with pytest.raises(ValueError, match=key):
         chosen.config({**default_config(chosen.config_classes[0]), key: value})
+
+
+# Rotary settings written two ways at once (an older key beside transformers 5's
+# rope_parameters, as when a scaling is added to a newer file by hand): qkv must compute
+# what transformers' own config makes of them, or refuse them by name.
+ROPE_EDITS = {
+    "an older base beside rope_parameters": {"rope_theta": 500000.0},
+    "an older fraction beside rope_parameters": {"partial_rotary_factor": 0.5},
+    "a scaling beside rope_parameters": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "the older keys alone": {"rope_parameters": None, "rope_theta": 500000.0,
+                             "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "GPT-NeoX's older keys alone": {"rope_parameters": None, "rotary_emb_base": 500.0,
+                                    "rotary_pct": 0.5},
+    "ModernBERT's older keys alone": {"rope_parameters": None, "global_rope_theta": 5000.0,
+                                      "local_rope_theta": 700.0},
+    "Gemma 3's older keys alone": {"rope_parameters": None, "rope_theta": 5000.0,
+                                   "rope_local_base_freq": 700.0},
+}  # fmt: skip
+ROTARY = [(f, n) for f, n in PAIRS if f.config(default_config(n)).position == "rotary"]
+
+
+def rope_of_transformers(name: str, hf: dict) -> tuple:
+    """(base, kind, factor, fraction turned) of the full layers, and the sliding layers'
+    base (None where they have no own), as transformers' config reads `hf`."""
+    given = getattr(transformers, name).from_dict(hf).rope_parameters
+    full, local = given.get("full_attention", given), given.get("sliding_attention")
+    fraction = full.get("partial_rotary_factor", 1.0)
+    return (float(full["rope_theta"]), full.get("rope_type", "default"), full.get("factor"),
+            fraction, local and float(local["rope_theta"]))  # fmt: skip
+
+
+def rope_of_qkv(cfg) -> tuple:
+    s, D = cfg.rope_scaling, cfg.block.head_size
+    local = cfg.local_rope_base if cfg.local_rope_base is not None else None
+    return (cfg.rope_base, s.kind if s else "default", s.factor if s else None,
+            (cfg.rope_dims or D) / D, local)  # fmt: skip
+
+
+@pytest.mark.parametrize("edit", ROPE_EDITS.values(), ids=list(ROPE_EDITS))
+@pytest.mark.parametrize(("family", "name"), ROTARY, ids=[f"{f.name}-{n}" for f, n in ROTARY])
+def test_rotary_keys_written_two_ways_are_read_as_transformers_reads_them(family, name, edit):
+    hf = {**default_config(name), **edit}
+    try:
+        want = rope_of_transformers(name, hf)
+    except Exception as error:  # its validators raise errors of their own kinds
+        pytest.skip(f"transformers' own config refuses it: {type(error).__name__}")
+    try:
+        cfg = family.config(hf)
+    except ValueError:
+        return  # refused by qkv: not silently wrong
+    got = rope_of_qkv(cfg)
+    if want[4] is None and got[4] == got[0]:  # sliding layers on the full base: no own base
+        got = (*got[:4], None)
+    if got[1] == "default":  # transformers keeps a default scaling's factor, which does nothing
+        want = (*want[:2], None, *want[3:])
+    assert got == pytest.approx(want), f"{family.name} reads {edit} as {got}, transformers {want}"

@@ -119,8 +119,10 @@ ACTIVATIONS = {
 
 def activation(hf: dict, key: str) -> str:
     name = hf.get(key, "gelu")
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; supported: {list(ACTIVATIONS)}")
+    if not isinstance(name, str) or name not in ACTIVATIONS:  # a list is no name (nor hashable)
+        raise ValueError(
+            f"activation {name!r} is not supported ({key}); supported: {list(ACTIVATIONS)}"
+        )
     return ACTIVATIONS[name]
 
 

@@ -61,7 +61,7 @@ LAYER_TYPES = {SLIDING: "sliding", FULL: "full"}
 
 
 def _gated(key: str, name: Any) -> str:
-    if name not in GATED:
+    if not isinstance(name, str) or name not in GATED:
         raise ConfigValueError(key, f"{name!r} is not supported; supported: {', '.join(GATED)}")
     return GATED[name]
 
@@ -144,8 +144,8 @@ def _config(hf: dict, kind: str) -> DecoderConfig:
     max_positions = _given(hf, kind, "max_position_embeddings")
     # an overlay, not a copy: the other rotary keys are still looked up in the file itself
     overlay: dict = {"max_position_embeddings": max_positions}
-    if kind == "gemma3_text":
-        overlay["rope_parameters"] = _gemma3_rope(hf)
+    if kind == "gemma3_text":  # rope_scaling is in the full layers' parameters now
+        overlay |= {"rope_parameters": _gemma3_rope(hf), "rope_scaling": None}
     rope_hf = ChainMap(overlay, hf)
     rope = read_rope(rope_hf, head_dim, local=kind == "gemma3_text")
     if rope["rope_dims"] is not None:  # transformers' Gemma turns every dimension

@@ -46,14 +46,24 @@ def _layer_types(hf: dict, layers: int) -> tuple[str, ...]:
 
 def _rope(hf: Mapping, head_dim: int) -> dict:
     """The rotary fields; older config.json files name the two bases at the top level."""
-    if not hf.get("rope_parameters"):
-        if hf.get("rope_scaling") is not None:
-            raise ValueError("ModernBERT checkpoints with rope_scaling are not supported")
-        bases = {FULL: hf.get("global_rope_theta", 160000.0),
-                 SLIDING: hf.get("local_rope_theta", 10000.0)}  # fmt: skip
-        # an overlay, not a copy: the other rotary keys are still looked up in the file
-        hf = ChainMap({"rope_parameters": {t: {"rope_type": "default", "rope_theta": b}
-                                           for t, b in bases.items()}}, hf)  # fmt: skip
+    # transformers merges a rope_scaling into both layer types' parameters, even beside
+    # rope_parameters; qkv computes no scaling of ModernBERT, so none is read at all
+    if hf.get("rope_scaling") is not None:
+        raise ValueError("ModernBERT checkpoints with rope_scaling are not supported")
+    given = hf.get("rope_parameters") or {}
+    if not isinstance(given, Mapping) or not {FULL, SLIDING} >= set(given):
+        nesting = f"must be nested by layer type ({FULL}, {SLIDING}), got {given!r}"
+        raise ConfigValueError("rope_parameters", nesting)
+    # as transformers fills them in: a layer type's base, where its parameters have none,
+    # is the older top-level key's (global_rope_theta, local_rope_theta)
+    nested = {t: dict(given.get(t) or {"rope_type": "default"}) for t in (FULL, SLIDING)}
+    for kind, key, default in ((FULL, "global_rope_theta", 160000.0),
+                               (SLIDING, "local_rope_theta", 10000.0)):  # fmt: skip
+        if nested[kind].get("rope_theta") is None:
+            base = hf.get(key)
+            nested[kind]["rope_theta"] = default if base is None else base
+    # an overlay, not a copy: the other rotary keys are still looked up in the file
+    hf = ChainMap({"rope_parameters": nested}, hf)
     fields = read_rope(hf, head_dim, partial_keys=(), default_base=160000.0, local=True)
     if fields["rope_scaling"] is not None:
         raise ValueError(
