@@ -89,6 +89,14 @@ def test_every_model_type_of_every_family_is_listed_and_described():
     assert bert.anatomy.shape == "encoder" and bert.anatomy.norm.startswith("post-norm")
     llama = next(m for m in found if m.model_type == "llama")
     assert llama.anatomy.position.startswith("rotary") and "RMSNorm" in llama.anatomy.norm
+    described = {m.model_type: m.anatomy for m in found}
+    assert described["mistral"].window == "the last 4096 tokens"  # MistralConfig(): 7B's
+    assert described["llama"].window == "none" and "bias" not in described["llama"].scores
+    assert described["t5"].position == "relative bias (32 buckets, max distance 128)"
+    assert described["t5"].scores == "q.k (not divided), + distance bias"
+    assert [t for t, a in described.items() if "distance bias" in a.scores] == ["t5"]
+    # a type a family knows only to refuse (multimodal Gemma 3) is not listed as read
+    assert "gemma3" not in described and "gemma3_text" in described
 
 
 def test_a_family_whose_default_config_is_refused_is_listed_with_the_reason():
@@ -128,17 +136,25 @@ def test_qkv_models_json_is_one_object_per_model_type():
     assert all(line["anatomy"]["scores"] for line in lines)
 
 
-def test_a_relative_position_bias_is_found_by_its_field():
-    # however the T5 family names its field: relative_... set means a distance bias
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True, kw_only=True)
-    class WithBuckets(DecoderConfig):
-        relative_buckets: int | None = None
-
-    cfg = WithBuckets(vocab_size=10, num_layers=1, position="none", relative_buckets=32,
-                      block=BlockConfig(width=64, num_heads=2, attn_scale=1.0))  # fmt: skip
+def test_a_relative_position_bias_is_found_by_its_position():
+    # every config carries T5's relative_buckets and relative_max_distance (with defaults):
+    # only position="relative" reads them, so only it adds a bias to the scores
+    cfg = decoder(position="relative", relative_buckets=16, relative_max_distance=64,
+                  block={"attn_scale": 1.0})  # fmt: skip
     a = anatomy(cfg)
-    assert a.position == "none, relative bias"
+    assert a.position == "relative bias (16 buckets, max distance 64)"
     assert a.scores == "q.k (not divided), + distance bias"
-    assert not layer_anatomy(replace(cfg, relative_buckets=None)).relative_bias
+    assert layer_anatomy(cfg).relative_bias
+    for position in ("learned", "sinusoidal", "rotary", "none"):
+        plain = replace(cfg, position=position)
+        assert plain.relative_buckets == 16 and not layer_anatomy(plain).relative_bias
+        assert "bias" not in anatomy(plain).position + anatomy(plain).scores
+    pair = EncoderDecoderConfig(
+        vocab_size=10,
+        encoder_layers=1,
+        decoder_layers=1,
+        position="relative",
+        block=BlockConfig(width=64, num_heads=4),
+    )
+    assert layer_anatomy(pair).relative_bias  # the decoder's self-attention has it
+    assert not layer_anatomy(pair, cross=True).relative_bias  # T5's cross-attention has none

@@ -10,9 +10,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
 
 import qkv
 from qkv.inspect.narrate import heads_and_layers, narrate
+from qkv.io.hf import load_folder
+from qkv.io.tokenizer import Tokenizer
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.rope import RopeScaling
@@ -102,8 +107,9 @@ def test_an_encoder_window_looks_both_ways():
 
 
 def test_a_score_bias_is_added_before_the_softmax_and_told(gemma2_like):
-    # no family here adds a bias yet (T5 will): the narration of a trace that has one
+    # a bias on a layer without relative positions is told as the layer's own (T5's below)
     traced, _ = explained(gemma2_like, layer=1)
+    assert not traced.anatomy.relative_bias  # every config has relative_buckets: not a bias
     a = replace(traced.anatomy, relative_bias=True)
     with_bias = replace(traced, bias=0.25, score=traced.score + 0.25, anatomy=a)
     text = narrate(with_bias)
@@ -111,6 +117,53 @@ def test_a_score_bias_is_added_before_the_softmax_and_told(gemma2_like):
     assert f"Plus a learned bias for the distance between the words: +0.2500, so " \
            f"{capped + 0.25:+.4f}" in text  # fmt: skip
     assert "this layer's score bias" in narrate(replace(with_bias, anatomy=traced.anatomy))
+
+
+# T5's shape, small: 8 distance buckets up to 16 tokens, d_kv 8, no division of the scores
+T5_TINY = dict(vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=37, num_layers=2,
+               num_decoder_layers=2, num_heads=4, relative_attention_num_buckets=8,
+               relative_attention_max_distance=16, decoder_start_token_id=0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_t5(tmp_path_factory):
+    """transformers' tiny random T5, and qkv's loading of it with a tokenizer of WORDS."""
+    folder = tmp_path_factory.mktemp("t5")
+    torch.manual_seed(0)
+    theirs = transformers.T5ForConditionalGeneration(transformers.T5Config(**T5_TINY)).eval()
+    theirs.save_pretrained(folder)
+    model, family, config, hf_config = load_folder(folder, torch.float32, "eager")
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    ours = qkv.Pretrained(model, Tokenizer(backend), config, family=family,
+                          hf_config=hf_config, source="tiny-t5")  # fmt: skip
+    return theirs, ours
+
+
+def test_t5s_distance_bias_is_told_as_the_score_the_softmax_reads(tiny_t5):
+    theirs, ours = tiny_t5
+    model = ours.model
+    # the encoder's self-attention, where T5 adds its bias, as a model of its own
+    encoder = qkv.Pretrained(model.encoder, ours.tokenizer, model.encoder.config,
+                             family=ours.family, hf_config=ours.hf_config,
+                             source="tiny-t5 encoder")  # fmt: skip
+    traced, text = explained(encoder, layer=1)  # the first layer's table serves every layer
+    T = len(TEXT.split())
+    with torch.no_grad():  # transformers' own bias for this pair: (1, H, T, T)
+        table = theirs.encoder.block[0].layer[0].SelfAttention.compute_bias(T, T)
+    want = float(table[0, 1, traced.query_index, traced.key_index])
+    assert traced.bias == pytest.approx(want, abs=1e-6) and abs(want) > 1e-3
+    assert traced.score == pytest.approx(traced.scaled_scalar + traced.bias, abs=1e-9)
+    assert traced.anatomy.relative_bias and traced.scale == 1.0
+    assert "This model does not divide at all" in text
+    assert (f"Plus a learned bias for the distance between the words: {traced.bias:+.4f}, so "
+            f"{traced.score:+.4f}") in text  # fmt: skip
+    assert f"The softmax reads this score: {traced.score:+.4f}" in text
+    # T5's cross-attention has no bias, and its narration claims none
+    cross = qkv.trace(ours, TEXT, "river", "bank", target="the river was deep", layer=0, head=1)
+    torch.testing.assert_close(cross.contextualized, cross.model_output, atol=1e-6, rtol=0)
+    assert cross.bias is None and not cross.anatomy.relative_bias
+    assert "Plus " not in narrate(cross) and "distance" not in narrate(cross)
 
 
 def test_the_plain_article_model_tells_no_variant():

@@ -50,11 +50,18 @@ def family_keys(name: str) -> dict:
 
 
 class Recording(dict):
-    """A config.json that remembers which keys were looked at."""
+    """A config.json that remembers which keys were looked at, and whether it was walked.
+
+    A family that walks every key (a copy such as `dict(hf)`, `{**hf}` or `hf | {...}`,
+    or a loop over the keys) hides which of them it reads, so a walk is noted, not taken
+    as a look at every key: with `__iter__` overridden, CPython copies through `keys()`,
+    which notes it. A family that needs other values on top of the file's reads through
+    an overlay that looks keys up one by one (collections.ChainMap)."""
 
     def __init__(self, *args):
         super().__init__(*args)
         self.seen: set[str] = set()
+        self.walked = False
 
     def __getitem__(self, key):
         self.seen.add(key)
@@ -68,9 +75,21 @@ class Recording(dict):
         self.seen.add(key)
         return super().__contains__(key)
 
-    def items(self):  # a family that walks every key has looked at all of them
-        self.seen.update(self.keys())
+    def __iter__(self):
+        self.walked = True
+        return super().__iter__()
+
+    def keys(self):
+        self.walked = True
+        return super().keys()
+
+    def items(self):
+        self.walked = True
         return super().items()
+
+    def values(self):
+        self.walked = True
+        return super().values()
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
@@ -109,6 +128,10 @@ def test_the_default_config_is_read(family, name):
 def test_every_read_key_is_looked_at(family, name):
     hf = Recording(default_config(name))
     family.config(hf)
+    assert not hf.walked, (
+        f"{family.name}.config copies or walks its config.json, which hides the keys it "
+        "reads: read them from the mapping itself (an overlay: collections.ChainMap)"
+    )
     unread = [k for k in family.reads if dict.__contains__(hf, k) and k not in hf.seen]
     assert not unread, f"{family.name}.config never looks at {unread}, which `reads` lists"
 
@@ -131,6 +154,22 @@ def test_a_read_number_or_flag_of_the_wrong_kind_is_refused_by_name(family, name
     assert not silent, f"{family.name} does not refuse a string by name for: {silent}"
 
 
+@pytest.mark.parametrize(("family", "name"), PAIRS, ids=IDS)
+def test_a_read_key_of_any_kind_is_refused_not_crashed_on(family, name):
+    # a list where a name belongs once raised TypeError (unhashable) from a dict look-up
+    defaults = default_config(name)
+    crashed = []
+    for key in family.reads:
+        for wrong in ("x", [1], {"a": 1}, -3, True):
+            try:
+                family.config({**defaults, key: wrong})
+            except ValueError:
+                continue
+            except Exception as error:  # any other kind is the failure
+                crashed.append(f"{key}={wrong!r}: {type(error).__name__}: {error}")
+    assert not crashed, f"{family.name} crashes instead of refusing: {crashed}"
+
+
 def test_the_wrong_kind_test_can_fail():
     # a family whose config ignores a key it claims to read is caught
     from dataclasses import replace
@@ -145,6 +184,10 @@ def test_the_wrong_kind_test_can_fail():
         test_a_read_number_or_flag_of_the_wrong_kind_is_refused_by_name(lax, "GPT2Config")
     with pytest.raises(AssertionError, match="n_layer"):
         test_every_read_key_is_looked_at(lax, "GPT2Config")
+    # a family that copies its config.json first cannot be told to read n_layer
+    copying = replace(gpt2, config=lambda hf: gpt2.config({**hf}))
+    with pytest.raises(AssertionError, match="copies or walks"):
+        test_every_read_key_is_looked_at(copying, "GPT2Config")
     forgetful = replace(gpt2, inert=gpt2.inert[1:])
     with pytest.raises(AssertionError, match=gpt2.inert[0]):
         test_every_key_is_read_or_inert(forgetful, "GPT2Config")
@@ -164,3 +207,59 @@ def test_a_setting_qkv_does_not_compute_is_refused_by_name(family, key, value):
     chosen = next(f for f in FAMILIES if f.name == family)
     with pytest.raises(ValueError, match=key):
         chosen.config({**default_config(chosen.config_classes[0]), key: value})
+
+
+# Rotary settings written two ways at once (an older key beside transformers 5's
+# rope_parameters, as when a scaling is added to a newer file by hand): qkv must compute
+# what transformers' own config makes of them, or refuse them by name.
+ROPE_EDITS = {
+    "an older base beside rope_parameters": {"rope_theta": 500000.0},
+    "an older fraction beside rope_parameters": {"partial_rotary_factor": 0.5},
+    "a scaling beside rope_parameters": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    "the older keys alone": {"rope_parameters": None, "rope_theta": 500000.0,
+                             "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    "GPT-NeoX's older keys alone": {"rope_parameters": None, "rotary_emb_base": 500.0,
+                                    "rotary_pct": 0.5},
+    "ModernBERT's older keys alone": {"rope_parameters": None, "global_rope_theta": 5000.0,
+                                      "local_rope_theta": 700.0},
+    "Gemma 3's older keys alone": {"rope_parameters": None, "rope_theta": 5000.0,
+                                   "rope_local_base_freq": 700.0},
+}  # fmt: skip
+ROTARY = [(f, n) for f, n in PAIRS if f.config(default_config(n)).position == "rotary"]
+
+
+def rope_of_transformers(name: str, hf: dict) -> tuple:
+    """(base, kind, factor, fraction turned) of the full layers, and the sliding layers'
+    base (None where they have no own), as transformers' config reads `hf`."""
+    given = getattr(transformers, name).from_dict(hf).rope_parameters
+    full, local = given.get("full_attention", given), given.get("sliding_attention")
+    fraction = full.get("partial_rotary_factor", 1.0)
+    return (float(full["rope_theta"]), full.get("rope_type", "default"), full.get("factor"),
+            fraction, local and float(local["rope_theta"]))  # fmt: skip
+
+
+def rope_of_qkv(cfg) -> tuple:
+    s, D = cfg.rope_scaling, cfg.block.head_size
+    local = cfg.local_rope_base if cfg.local_rope_base is not None else None
+    return (cfg.rope_base, s.kind if s else "default", s.factor if s else None,
+            (cfg.rope_dims or D) / D, local)  # fmt: skip
+
+
+@pytest.mark.parametrize("edit", ROPE_EDITS.values(), ids=list(ROPE_EDITS))
+@pytest.mark.parametrize(("family", "name"), ROTARY, ids=[f"{f.name}-{n}" for f, n in ROTARY])
+def test_rotary_keys_written_two_ways_are_read_as_transformers_reads_them(family, name, edit):
+    hf = {**default_config(name), **edit}
+    try:
+        want = rope_of_transformers(name, hf)
+    except Exception as error:  # its validators raise errors of their own kinds
+        pytest.skip(f"transformers' own config refuses it: {type(error).__name__}")
+    try:
+        cfg = family.config(hf)
+    except ValueError:
+        return  # refused by qkv: not silently wrong
+    got = rope_of_qkv(cfg)
+    if want[4] is None and got[4] == got[0]:  # sliding layers on the full base: no own base
+        got = (*got[:4], None)
+    if got[1] == "default":  # transformers keeps a default scaling's factor, which does nothing
+        want = (*want[:2], None, *want[3:])
+    assert got == pytest.approx(want), f"{family.name} reads {edit} as {got}, transformers {want}"

@@ -20,7 +20,7 @@ describes each family by what it computes for transformers' default config).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from qkv.models import DecoderConfig, EncoderDecoderConfig
 
@@ -72,14 +72,6 @@ def _divisor(scale: float, head_dim: int) -> float | None:
     return round(divisor) if math.isclose(divisor, round(divisor), rel_tol=1e-9) else divisor
 
 
-def _relative_bias(config) -> bool:
-    """Whether a config asks for a learned bias on the distance between words (T5): relative
-    positions, or any field whose name starts with "relative" and is set."""
-    if config.position == "relative":
-        return True
-    return any(f.name.startswith("relative") and getattr(config, f.name) for f in fields(config))
-
-
 def _rope_scaling(config) -> str | None:
     scaling = config.rope_scaling if config.position == "rotary" else None
     if scaling is None:
@@ -106,7 +98,9 @@ def layer_anatomy(config, layer: int = 0, *, cross: bool = False) -> LayerAnatom
         softcap=block.softcap,
         window=None if cross else block.window,
         qk_norm=block.qk_norm,
-        relative_bias=_relative_bias(config) and not cross,
+        # T5's learned bias on the distance between query and key: relative positions only
+        # (every config has relative_buckets, which no other position reads)
+        relative_bias=config.position == "relative" and not cross,
         position="cross" if cross else config.position,
         rope_base=(config.local_rope_base if local else config.rope_base) if rotary else None,
         rope_dims=config.rope_dims if rotary and config.rope_dims not in (None, D) else None,
@@ -141,9 +135,12 @@ def _positions(config, a: LayerAnatomy) -> str:
             where += f", {a.rope_scaling}"
         if config.local_rope_base is not None:
             where += f", sliding layers base {config.local_rope_base:g}"
+    elif config.position == "relative":  # none added to the tokens: a bias on the scores
+        where = (f"relative bias ({config.relative_buckets} buckets, "
+                 f"max distance {config.relative_max_distance})")  # fmt: skip
     else:
         where = config.position
-    return where + (", relative bias" if a.relative_bias else "")
+    return where
 
 
 def _norms(config, a: LayerAnatomy) -> str:

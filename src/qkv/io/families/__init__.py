@@ -42,11 +42,16 @@ __all__ = ["FAMILIES", "Family", "Weight", "bert_hf_config", "family_for"]
 
 
 def family_for(hf_config: dict) -> Family:
-    """The family that reads a config.json, or a ValueError listing those supported."""
+    """The family that reads a config.json, or a ValueError: why a known type is refused, or
+    the types supported."""
     model_type = hf_config.get("model_type")
     for family in FAMILIES:
         if model_type in family.model_types:
             return family
+    for family in FAMILIES:
+        why = dict(family.refused_types).get(model_type)
+        if why is not None:
+            raise ValueError(why)
     supported = sorted(t for f in FAMILIES for t in f.model_types)
     raise ValueError(f"unknown model family {model_type!r}; supported: {', '.join(supported)}")
 

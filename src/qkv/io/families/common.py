@@ -93,6 +93,9 @@ class Family:
     reads: tuple[str, ...] = field(default=())
     inert: tuple[str, ...] = field(default=())
     config_classes: tuple[str, ...] = field(default=())
+    # (model_type, why): types this family knows but qkv does not read (Gemma 3's multimodal
+    # checkpoints), which family_for refuses by name rather than as unknown
+    refused_types: tuple[tuple[str, str], ...] = field(default=())
 
 
 def with_biases(pairs: Iterable[tuple[str, str]], layout: Layout = SAME) -> list[Template]:
@@ -116,8 +119,10 @@ ACTIVATIONS = {
 
 def activation(hf: dict, key: str) -> str:
     name = hf.get(key, "gelu")
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; supported: {list(ACTIVATIONS)}")
+    if not isinstance(name, str) or name not in ACTIVATIONS:  # a list is no name (nor hashable)
+        raise ValueError(
+            f"activation {name!r} is not supported ({key}); supported: {list(ACTIVATIONS)}"
+        )
     return ACTIVATIONS[name]
 
 

@@ -17,7 +17,6 @@ from qkv.io.families.common import (
     activation,
     expand,
     hf_activation,
-    require,
     with_biases,
 )
 from qkv.io.families.roberta import bert_shaped
@@ -34,8 +33,9 @@ def config(hf: dict) -> EncoderConfig:
     # reads it from there: qkv reads it too, as learned positions, the same numbers
     flag(hf, "sinusoidal_pos_embds", False)
     mlm_head = MLM in (hf.get("architectures") or ())
-    if mlm_head:
-        require(hf, MLM, tie_word_embeddings=(True,))
+    # an untied head is refused where there is one; the kind is refused everywhere
+    if not flag(hf, "tie_word_embeddings", True) and mlm_head:
+        raise ValueError(f"{MLM} checkpoints with tie_word_embeddings=False are not supported")
     width, heads = whole(hf, "dim", 768), whole(hf, "n_heads", 12)
     divides(hf, "n_heads", "dim", heads, width)
     return EncoderConfig(

@@ -21,6 +21,7 @@ key set to null means none. The multimodal Gemma 3 (model_type "gemma3") is refu
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,7 +61,7 @@ LAYER_TYPES = {SLIDING: "sliding", FULL: "full"}
 
 
 def _gated(key: str, name: Any) -> str:
-    if name not in GATED:
+    if not isinstance(name, str) or name not in GATED:
         raise ConfigValueError(key, f"{name!r} is not supported; supported: {', '.join(GATED)}")
     return GATED[name]
 
@@ -141,9 +142,11 @@ def _config(hf: dict, kind: str) -> DecoderConfig:
     divides(hf, "num_key_value_heads", "num_attention_heads", kv_heads, heads)
     num_layers = _given(hf, kind, "num_hidden_layers")
     max_positions = _given(hf, kind, "max_position_embeddings")
-    rope_hf = {**hf, "max_position_embeddings": max_positions}
-    if kind == "gemma3_text":
-        rope_hf["rope_parameters"] = _gemma3_rope(hf)
+    # an overlay, not a copy: the other rotary keys are still looked up in the file itself
+    overlay: dict = {"max_position_embeddings": max_positions}
+    if kind == "gemma3_text":  # rope_scaling is in the full layers' parameters now
+        overlay |= {"rope_parameters": _gemma3_rope(hf), "rope_scaling": None}
+    rope_hf = ChainMap(overlay, hf)
     rope = read_rope(rope_hf, head_dim, local=kind == "gemma3_text")
     if rope["rope_dims"] is not None:  # transformers' Gemma turns every dimension
         raise ValueError(f"{name} checkpoints with partial_rotary_factor are not supported")
@@ -187,14 +190,15 @@ def _config(hf: dict, kind: str) -> DecoderConfig:
     )
 
 
+MULTIMODAL = ("multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; qkv "
+              "reads Gemma 3's text-only checkpoints (model_type 'gemma3_text')")  # fmt: skip
+
+
 def config(hf: dict) -> DecoderConfig:
     """A Gemma, Gemma 2 or Gemma 3 text config.json -> the qkv config of the same decoder."""
     kind = hf.get("model_type")
     if kind == "gemma3":
-        raise ValueError(
-            "multimodal Gemma 3 checkpoints (model_type 'gemma3') are not supported; qkv reads "
-            "Gemma 3's text-only checkpoints (model_type 'gemma3_text')"
-        )
+        raise ValueError(MULTIMODAL)
     if kind not in NAMES:
         raise ValueError(f"model_type {kind!r} is not a Gemma; Gemma's: {', '.join(NAMES)}")
     return _config(hf, kind)
@@ -346,7 +350,8 @@ GEMMA2 = Family(
     reads=READS + LATER_READS, inert=INERT, config_classes=("Gemma2Config",),
 )  # fmt: skip
 GEMMA3 = Family(
-    "gemma3", ("gemma3_text", "gemma3"), Decoder, config, hf_config, weights, ignored=IGNORED,
+    "gemma3", ("gemma3_text",), Decoder, config, hf_config, weights, ignored=IGNORED,
+    refused_types=(("gemma3", MULTIMODAL),),
     reads=READS + LATER_READS + ("sliding_window_pattern", "rope_local_base_freq"),
     # transformers' own note of the pattern it made layer_types from; layer_types decides
     inert=(*INERT, "_sliding_window_pattern"), config_classes=("Gemma3TextConfig",),

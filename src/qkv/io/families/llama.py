@@ -9,6 +9,7 @@ what qkv does not compute; `hf_config` writes it back, refusing what the family 
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ def read_decoder(
     max_positions: int,
     tie: bool,
     head_dim: int | None = None,
+    rope_base: float = 10000.0,
     layer_types: tuple[LayerType, ...] | None = None,
     rope_layers: tuple[bool, ...] | None = None,
     **block: Any,
@@ -47,9 +49,10 @@ def read_decoder(
     """The qkv config of a Llama-shaped config.json: the keys every such family shares are
     read here; `block` holds the family's own BlockConfig fields (biases, window, QK-norm).
 
-    max_positions, tie, head_dim: the family's defaults of max_position_embeddings,
-    tie_word_embeddings and head_dim (transformers' config class fills them in where a file
-    has none; head_dim None: hidden_size / num_attention_heads)."""
+    max_positions, tie, head_dim, rope_base: the family's defaults of
+    max_position_embeddings, tie_word_embeddings, head_dim and rope_theta (transformers'
+    config class fills them in where a file has none; head_dim None: hidden_size /
+    num_attention_heads)."""
     require(hf, family, hidden_act=("silu", "swish"))
     width, heads = whole(hf, "hidden_size"), whole(hf, "num_attention_heads")
     kv_heads = whole(hf, "num_key_value_heads", heads)
@@ -59,7 +62,9 @@ def read_decoder(
         divides(hf, "num_attention_heads", "hidden_size", heads, width)
         head_dim = width // heads
     max_positions = whole(hf, "max_position_embeddings", max_positions)
-    rope = read_rope({**hf, "max_position_embeddings": max_positions}, head_dim)
+    # an overlay, not a copy: the rotary keys are still looked up in the file itself
+    rope = read_rope(ChainMap({"max_position_embeddings": max_positions}, hf), head_dim,
+                     default_base=rope_base)  # fmt: skip
     if rope["rope_dims"] is not None:  # transformers' rotate_half would fail on a part
         raise ConfigValueError(
             "partial_rotary_factor", f"must be 1 in a {family} checkpoint: it turns whole heads"
@@ -300,8 +305,9 @@ def smollm3_config(hf: dict) -> DecoderConfig:
     use_sliding_window is set (as transformers derives them)."""
     layers = whole(hf, "num_hidden_layers")
     given = hf.get("no_rope_layers")
+    # read even where no_rope_layers wins over it (as in transformers), so a wrong kind fails
+    interval = whole(hf, "no_rope_layer_interval", 4)
     if given is None:
-        interval = whole(hf, "no_rope_layer_interval", 4)
         given = [int((i + 1) % interval != 0) for i in range(layers)]
     if (
         not isinstance(given, list)
@@ -317,7 +323,8 @@ def smollm3_config(hf: dict) -> DecoderConfig:
     if "sliding" in types and not use_window:  # eager would window them, flash would not
         raise ConfigValueError("use_sliding_window", "must be true where layer_types slides")
     return read_decoder(
-        hf, "SmolLM3", max_positions=32768, tie=True, bias=one_bias(hf, "SmolLM3"),
+        hf, "SmolLM3", max_positions=32768, tie=True, rope_base=2000000.0,  # SmolLM3Config's
+        bias=one_bias(hf, "SmolLM3"),
         window=window, layer_types=types, rope_layers=tuple(bool(v) for v in given),
     )  # fmt: skip
 

@@ -9,6 +9,8 @@ of which transformers activates the first half, as qkv's fused gated MLP does.
 
 from __future__ import annotations
 
+from collections import ChainMap
+from collections.abc import Mapping
 from dataclasses import replace
 
 from qkv.io.families.checks import ConfigValueError, divides, flag, real, whole
@@ -42,15 +44,26 @@ def _layer_types(hf: dict, layers: int) -> tuple[str, ...]:
     return tuple(TYPES[t] for t in given)
 
 
-def _rope(hf: dict, head_dim: int) -> dict:
+def _rope(hf: Mapping, head_dim: int) -> dict:
     """The rotary fields; older config.json files name the two bases at the top level."""
-    if not hf.get("rope_parameters"):
-        if hf.get("rope_scaling") is not None:
-            raise ValueError("ModernBERT checkpoints with rope_scaling are not supported")
-        bases = {FULL: hf.get("global_rope_theta", 160000.0),
-                 SLIDING: hf.get("local_rope_theta", 10000.0)}  # fmt: skip
-        hf = {**hf, "rope_parameters": {t: {"rope_type": "default", "rope_theta": b}
-                                        for t, b in bases.items()}}  # fmt: skip
+    # transformers merges a rope_scaling into both layer types' parameters, even beside
+    # rope_parameters; qkv computes no scaling of ModernBERT, so none is read at all
+    if hf.get("rope_scaling") is not None:
+        raise ValueError("ModernBERT checkpoints with rope_scaling are not supported")
+    given = hf.get("rope_parameters") or {}
+    if not isinstance(given, Mapping) or not {FULL, SLIDING} >= set(given):
+        nesting = f"must be nested by layer type ({FULL}, {SLIDING}), got {given!r}"
+        raise ConfigValueError("rope_parameters", nesting)
+    # as transformers fills them in: a layer type's base, where its parameters have none,
+    # is the older top-level key's (global_rope_theta, local_rope_theta)
+    nested = {t: dict(given.get(t) or {"rope_type": "default"}) for t in (FULL, SLIDING)}
+    for kind, key, default in ((FULL, "global_rope_theta", 160000.0),
+                               (SLIDING, "local_rope_theta", 10000.0)):  # fmt: skip
+        if nested[kind].get("rope_theta") is None:
+            base = hf.get(key)
+            nested[kind]["rope_theta"] = default if base is None else base
+    # an overlay, not a copy: the other rotary keys are still looked up in the file
+    hf = ChainMap({"rope_parameters": nested}, hf)
     fields = read_rope(hf, head_dim, partial_keys=(), default_base=160000.0, local=True)
     if fields["rope_scaling"] is not None:
         raise ValueError(
@@ -73,11 +86,18 @@ def config(hf: dict) -> EncoderConfig:
             "are not supported"
         )
     mlm_head = MLM in (hf.get("architectures") or ())
+    # the head's settings matter only where there is a head (ModernBertModel has none), but
+    # a value of the wrong kind is refused everywhere
+    head = {"tie_word_embeddings": flag(hf, "tie_word_embeddings", True),
+            "decoder_bias": flag(hf, "decoder_bias", True),
+            "classifier_bias": flag(hf, "classifier_bias", False)}  # fmt: skip
+    head_act = hf.get("classifier_activation", "gelu")
+    if not isinstance(head_act, str):
+        raise ConfigValueError("classifier_activation", f"must be a name, got {head_act!r}")
     if mlm_head:  # qkv's head: the blocks' gate activation and biases, a biased decoder
-        require(hf, MLM, tie_word_embeddings=(True,), decoder_bias=(True,),
+        require(head, MLM, tie_word_embeddings=(True,), decoder_bias=(True,),
                 classifier_bias=(bias,))  # fmt: skip
-        head_act = hf.get("classifier_activation", "gelu")
-        if not isinstance(head_act, str) or GATED.get(head_act) != GATED[act]:
+        if GATED.get(head_act) != GATED[act]:
             raise ValueError(
                 f"{MLM} checkpoints with classifier_activation={head_act!r} and "
                 f"hidden_activation={act!r} are not supported: qkv's head uses the MLP's"

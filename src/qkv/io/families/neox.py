@@ -5,6 +5,7 @@ grouped by head ([h0: q, k, v][h1: q, k, v]...), where qkv's are grouped by kind
 
 from __future__ import annotations
 
+from collections import ChainMap
 from functools import partial
 
 from torch import Tensor
@@ -40,8 +41,8 @@ def config(hf: dict) -> DecoderConfig:
     divides(hf, "num_attention_heads", "hidden_size", heads, width)
     # GPTNeoXConfig reads the base and the fraction from rope_parameters, else from
     # rotary_emb_base and rotary_pct (a top-level rope_theta or partial_rotary_factor is
-    # not read)
-    rotary = {"rotary_pct": ROTARY_PCT} | {k: v for k, v in hf.items() if v is not None}
+    # not read); an overlay of GPTNeoXConfig's rotary_pct, not a copy of every key
+    rotary = ChainMap({} if hf.get("rotary_pct") is not None else {"rotary_pct": ROTARY_PCT}, hf)
     rope = read_rope(rotary, width // heads, base_keys=("rotary_emb_base",),
                      partial_keys=("rotary_pct",))  # fmt: skip
     return DecoderConfig(

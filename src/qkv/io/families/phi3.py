@@ -5,6 +5,7 @@ value matrices are one (`qkv_proj`, rows [q; k; v]) and whose gate and up matric
 
 from __future__ import annotations
 
+from collections import ChainMap
 from collections.abc import Mapping
 
 from qkv.io.families.checks import ConfigValueError, divides, flag, real, whole
@@ -20,23 +21,25 @@ TRAINED_LENGTH = 4096  # Phi3Config's original_max_position_embeddings when a fi
 PAD_TOKEN = 32000  # Phi3Config's pad_token_id when a file has none
 
 
-def _standard(hf: dict) -> dict:
-    """hf with Phi-3's rotary spellings made standard, as Phi3Config reads them."""
-    out = dict(hf)
+def _standard(hf: Mapping) -> Mapping:
+    """hf with Phi-3's rotary spellings made standard, as Phi3Config reads them: an overlay
+    of the values that change, so every other key is still looked up in the file itself."""
+    changed: dict = {}
     for key in ("rope_parameters", "rope_scaling"):
-        given = out.get(key)
+        given = hf.get(key)
         if isinstance(given, Mapping):
             given = dict(given)
             for kind in ("rope_type", "type"):
                 if given.get(kind) in LONGROPE_ALIASES:
                     given[kind] = "longrope"
-            out[key] = given
-    if out.get("original_max_position_embeddings") is None:
-        out["original_max_position_embeddings"] = TRAINED_LENGTH
-    return out
+            changed[key] = given
+    # read with or without a scaling that uses it, so a wrong kind fails either way
+    trained = whole(hf, "original_max_position_embeddings", TRAINED_LENGTH)
+    changed["original_max_position_embeddings"] = trained
+    return ChainMap(changed, hf)
 
 
-def config(hf: dict) -> DecoderConfig:
+def config(hf: Mapping) -> DecoderConfig:
     """A config.json -> the qkv config of the same decoder."""
     require(hf, "Phi-3", hidden_act=("silu",))
     hf = _standard(hf)

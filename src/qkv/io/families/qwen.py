@@ -22,7 +22,8 @@ WINDOW_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "lay
 def _windows(hf: Mapping) -> dict:
     """read_decoder's window and layer_types of a Qwen config.json: sliding_window counts
     only with use_sliding_window (as transformers' config reads it)."""
-    window = llama.sliding_window(hf, 4096) if flag(hf, "use_sliding_window", False) else None
+    window = llama.sliding_window(hf, 4096)  # read either way, so a wrong kind fails
+    window = window if flag(hf, "use_sliding_window", False) else None
     first = whole(hf, "max_window_layers", 28, minimum=0)
     layers = whole(hf, "num_hidden_layers")
     derived = ["sliding_attention" if window is not None and i >= first else "full_attention"

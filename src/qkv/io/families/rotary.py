@@ -25,10 +25,14 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 
 
 def _parameters(hf: Mapping, layer_type: str | None) -> dict[str, Any]:
-    """The rope parameters of one layer type (or of every layer), as one flat dict."""
-    given = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    """The rope parameters of one layer type (or of every layer), as one flat dict. A
+    rope_scaling beside rope_parameters replaces it, as transformers 5 reads the two
+    (convert_rope_params_to_dict): a scaling added to a newer file is the one computed."""
+    scaling = hf.get("rope_scaling")
+    given = scaling or hf.get("rope_parameters") or {}
     if not isinstance(given, Mapping):
-        raise ConfigValueError("rope_parameters", f"must be an object, got {given!r}")
+        key = "rope_scaling" if scaling else "rope_parameters"
+        raise ConfigValueError(key, f"must be an object, got {given!r}")
     if FULL in given or SLIDING in given:  # transformers 5, one object per layer type
         given = given.get(layer_type or FULL) or {}
         if not isinstance(given, Mapping):

@@ -48,9 +48,11 @@ def _scaled(hf: dict) -> bool:
     """Whether the decoder's output is scaled by d_model ** -0.5 before the LM head:
     transformers 5 writes scale_decoder_outputs; older config.json files say it by
     tie_word_embeddings (v1.1: false, an LM head of its own, no scale)."""
+    # read either way, so a wrong kind fails: transformers 5 then ties the head whatever it says
+    tied = flag(hf, "tie_word_embeddings", True)
     if "scale_decoder_outputs" in hf:
         return flag(hf, "scale_decoder_outputs")
-    return flag(hf, "tie_word_embeddings", True)
+    return tied
 
 
 def config(hf: dict) -> EncoderDecoderConfig:
