@@ -194,7 +194,7 @@ class EncoderDecoderConfig(StackConfig):
                 "vocab_size", "block", "max_positions", "position", "rope_base", "rope_dims",
                 "rope_scaling", "type_vocab_size", "embed_norm", "embed_scale",
                 "embed_scale_rounded", "final_norm", "sinusoid_layout", "relative_buckets",
-                "relative_max_distance",
+                "relative_max_distance", "layer_types", "local_rope_base", "rope_layers",
             )
         }  # fmt: skip
 
