@@ -127,3 +127,20 @@ def test_a_layer_with_every_variant_keeps_a_record_that_recomputes_its_output(qk
             record.steps(head, query, batch=1).contextualized.float(),
             record.out[1, head, query], atol=1e-6, rtol=0,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_takes_a_window_as_the_mask_it_is_and_equals_the_loop(causal):
+    """The kernel (in Triton's interpreter here) gets the window folded into its mask; a
+    layer on flash keeps the window in its record, so the lse-made weights hide those keys."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 9, 16, generator=gen) for _ in range(3))
+    want = attend(q, k, v, causal=causal, window=3, backend="loop")
+    got = attend(q, k, v, causal=causal, window=3, backend="flash")
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    mha = MultiHeadAttention(32, 2, window=3, backend="flash")
+    _, record = mha(torch.randn(1, 9, 32, generator=gen), causal=causal, record=True)
+    assert record.lse is not None and record.window == 3
+    weights = record.weights()
+    assert weights[0, :, 8, :6].eq(0).all()
+    torch.testing.assert_close(weights @ record.v, record.out, atol=1e-5, rtol=0)
