@@ -11,10 +11,13 @@ data-index) makes it the query and lists its row as percentages in id="row". The
 
 Given `vectors` = (q, k, v), every layer's and head's query, key and value vectors as attention
 received them (`Attentions.vectors()`), and the `scale` on their dot products (1/sqrt(D) by
-default, the records' `scale`), the page also traces a pair: clicking a
+default, the records' `scale`) and, per layer, what it does to a score beyond the scale
+(`scores`: its window, Gemma 2's soft-cap, a bias such as T5's distances; `page_trace` reads
+both from a text's records), the page also traces a pair: clicking a
 heatmap cell (query i, key j), or a key in the query's row, redoes the article's steps for it
 in the panel id="trace" (#t-scalar, #t-scaled, #t-weight, #t-contextualized, ..., each with
-its full value as JSON in data-values). They are stored exactly (float32, zlib, base64, one
+its full value as JSON in data-values; #t-capped, #t-bias and #t-score where a layer caps or
+biases its scores). They are stored exactly (float32, zlib, base64, one
 string per head) for texts up to 128 tokens; longer pages leave them out and say so.
 
 The weights are stored exactly as the model gave them (float32, zlib, base64, one string per
