@@ -307,17 +307,19 @@ def show(
                          title=f"{model}{kind} L{lh[0]} H{lh[1]}",
                          query_tokens=seen.query_tokens)  # fmt: skip
         else:  # a page, which traces a clicked pair from the q, k, v vectors (not cross-attention)
-            from qkv.inspect.trace import beyond_the_vectors
+            from qkv.viz.report import page_trace, untraceable
 
-            beyond = beyond_the_vectors(seen.records)
-            traceable = isinstance(pretrained.model, Encoder | Decoder) and beyond is None
-            vectors = seen.vectors() if traceable else None
-            if beyond is not None:  # the page would redo the pairs without it: wrong numbers
-                typer.echo(f"(the page traces no pair: {beyond}; qkv explain and qkv serve "
+            vectors = scores = None
+            why = untraceable(seen.records)
+            if why is not None:  # the page would redo the pairs without it: wrong numbers
+                typer.echo(f"(the page traces no pair: {why}; qkv explain and qkv serve "
                            "trace this model)", err=True)  # fmt: skip
+            elif isinstance(pretrained.model, Encoder | Decoder):
+                relative = getattr(pretrained.model.config, "position", None) == "relative"
+                vectors, scores = page_trace(seen.records, bias_is_distance=relative)
             write = write_html if out.suffix.lower() in (".html", ".htm") else write_report
             write(out, seen.weights, seen.tokens, vectors=vectors, causal=seen.causal,
-                  scale=seen.scale, **common)  # fmt: skip
+                  scale=seen.scale, scores=scores, **common)  # fmt: skip
     typer.echo(f"wrote {out}")
 
 

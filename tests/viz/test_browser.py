@@ -14,12 +14,16 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+import torch
 from playwright.sync_api import sync_playwright
 
 import qkv
 from browser import ARTIFACTS, CHROMIUM, FLAGS
 from qkv.inspect.trace import attention_vectors
-from qkv.viz import write_html
+from qkv.models import EncoderConfig
+from qkv.nn import BlockConfig
+from qkv.viz import page_trace, write_html
+from variant_models import TEXT, WORDS, gemma2_like, tiny
 
 SENTENCE = "The bank on the side of the river"
 
@@ -143,3 +147,84 @@ def test_a_decoders_later_key_is_masked_in_the_trace(tmp_path):
     assert "causal mask" not in seen_back["text"]
     assert seen_back["weight"] == pytest.approx(back.weight, abs=1e-5)
     assert seen_back["scalar"] == pytest.approx(back.attention_scalar, rel=1e-4)
+
+
+def traced_variants(page, layer: int, head: int, query: int, key: int) -> dict:
+    """The trace of (layer, head, query, key), with the cap, bias and score steps it shows."""
+    got = traced_in_the_page(page, layer, head, query, key)
+    for name in ("capped", "bias", "score"):
+        if page.locator(f"#t-{name}").count():
+            got[name] = json.loads(page.get_attribute(f"#t-{name}", "data-values"))
+    return got
+
+
+def assert_the_page_redoes(got: dict, steps, key: int) -> None:
+    """The page's numbers for (query, key) are `AttentionRecord.steps()`'s, its loop's."""
+    pair = steps.pairs[key]
+    assert got["scalar"] == pytest.approx(pair.attention_scalar.item(), rel=1e-9, abs=1e-9)
+    assert got["scaled"] == pytest.approx(pair.scaled_scalar.item(), rel=1e-9, abs=1e-9)
+    assert got["weight"] == pytest.approx(pair.normalized_weight.item(), abs=1e-9)
+    if "score" in got:  # what the softmax reads
+        assert got["score"] == pytest.approx(pair.score.item(), rel=1e-9, abs=1e-9)
+    else:
+        assert pair.score.item() == pair.scaled_scalar.item()
+    assert got["sum"] == pytest.approx(1.0, abs=1e-9)
+    assert got["contextualized"] == pytest.approx(steps.contextualized.tolist(), rel=1e-9, abs=1e-9)
+
+
+def test_a_decoders_window_and_soft_cap_are_redone_in_the_page(tmp_path):
+    model = tiny(gemma2_like())  # layer 0: a window of 3 and a cap of 0.02; layer 1: the cap
+    seen = model.attentions(TEXT)
+    vectors, scores = page_trace(seen.records)
+    page_file = write_html(tmp_path / "gemma2.html", seen.weights, seen.tokens, vectors=vectors,
+                           causal=True, scale=seen.scale, scores=scores)  # fmt: skip
+    record = seen.records[0]
+    steps = record.steps(head=1, query=8)
+    with offline(page_file) as page:
+        near = traced_variants(page, 0, 1, 8, 7)  # one token back: inside the window
+        far = traced_variants(page, 0, 1, 8, 2)  # six back: outside it
+        full = traced_variants(page, 1, 0, 8, 2)  # layer 1 has no window
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.locator("#trace").screenshot(path=str(ARTIFACTS / "trace-gemma2.png"))
+    assert_the_page_redoes(near, steps, 7)
+    assert_the_page_redoes(far, steps, 2)
+    assert_the_page_redoes(full, seen.records[1].steps(head=0, query=8), 2)
+    pair = steps.pairs[7]
+    assert abs(pair.scaled_scalar.item()) > 0.02  # the cap acts on this pair
+    assert near["capped"] == pytest.approx(pair.score.item(), rel=1e-9)
+    assert "bias" not in near
+    text = " ".join(near["text"].split())
+    assert "Capped to 0.02 tanh(s/0.02) = " in text and "no score leaves -0.02..+0.02" in text
+    assert f"The softmax reads this score: {pair.score.item():+.4f}" in text
+    assert "keys 3 or more tokens back are hidden (weight 0)" in text
+    assert not steps.pairs[2].allowed and far["weight"] == 0
+    assert "is 6 tokens back: outside the window, so its weight is 0" in far["text"]
+    assert full["weight"] > 0 and "window" not in full["text"]
+
+
+def test_an_encoders_distance_bias_is_redone_in_the_page(tmp_path):
+    config = EncoderConfig(vocab_size=len(WORDS), num_layers=2, position="relative",
+                           relative_buckets=8, relative_max_distance=16,
+                           block=BlockConfig(width=32, num_heads=2, attn_scale=1.0))  # fmt: skip
+    model = tiny(config)
+    with torch.no_grad():  # a bias as large as the scores, so a wrong one shows
+        for name, p in model.model.named_parameters():
+            if "relative" in name:
+                p.mul_(20.0)
+    seen = model.attentions(TEXT)
+    assert seen.records[0].bias is not None
+    vectors, scores = page_trace(seen.records, bias_is_distance=True)
+    page_file = write_html(tmp_path / "t5.html", seen.weights, seen.tokens, vectors=vectors,
+                           scale=seen.scale, scores=scores)  # fmt: skip
+    steps = seen.records[1].steps(head=1, query=1)
+    with offline(page_file) as page:
+        before = traced_variants(page, 1, 1, 1, 0)  # encoders look both ways
+        after = traced_variants(page, 1, 1, 1, 5)
+    for key, got in ((0, before), (5, after)):
+        assert_the_page_redoes(got, steps, key)
+        bias = seen.records[1].bias.expand(1, 2, 9, 9)[0, 1, 1, key].item()
+        assert got["bias"] == bias and abs(bias) > 0.1
+        assert "capped" not in got
+        assert f"Plus a learned bias for the distance between the words: {bias:+.4f}" in got["text"]
+    assert before["bias"] != after["bias"]
+    assert "causal mask" not in after["text"] and after["weight"] > 0

@@ -225,8 +225,9 @@ def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def beyond_the_vectors(records: dict) -> str | None:
-    """Why q, k, v and the scale cannot redo a layer's weights (a soft-cap, a window or a
-    score bias, which the pages' own steps do not compute), or None where they can.
+    """Why q, k, v and the scale alone (`attention_vectors`' softmax(q k^T * scale)) cannot
+    redo a layer's weights (a soft-cap, a window or a score bias), or None where they can. The
+    qkv show page redoes these too, from each layer's own (`qkv.viz.page_trace`).
 
     >>> beyond_the_vectors({})
     """

@@ -11,10 +11,13 @@ data-index) makes it the query and lists its row as percentages in id="row". The
 
 Given `vectors` = (q, k, v), every layer's and head's query, key and value vectors as attention
 received them (`Attentions.vectors()`), and the `scale` on their dot products (1/sqrt(D) by
-default, the records' `scale`), the page also traces a pair: clicking a
+default, the records' `scale`) and, per layer, what it does to a score beyond the scale
+(`scores`: its window, Gemma 2's soft-cap, a bias such as T5's distances; `page_trace` reads
+both from a text's records), the page also traces a pair: clicking a
 heatmap cell (query i, key j), or a key in the query's row, redoes the article's steps for it
 in the panel id="trace" (#t-scalar, #t-scaled, #t-weight, #t-contextualized, ..., each with
-its full value as JSON in data-values). They are stored exactly (float32, zlib, base64, one
+its full value as JSON in data-values; #t-capped, #t-bias and #t-score where a layer caps or
+biases its scores). They are stored exactly (float32, zlib, base64, one
 string per head) for texts up to 128 tokens; longer pages leave them out and say so.
 
 The weights are stored exactly as the model gave them (float32, zlib, base64, one string per
@@ -59,6 +62,58 @@ VECTORS_MAX_BYTES = 8 * 2**20
 VECTOR_ENCODING = "float32, little-endian, row-major T x D, zlib, base64; one per head"
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerScores:
+    """What one layer does to a pair's scaled scalar beyond the article, for the page to redo:
+    `window` (keys `window` or more tokens away hidden: back only in a decoder, both ways in
+    an encoder), `softcap` (score s -> softcap * tanh(s / softcap)) and `bias` ((H, T, T)
+    floats added after the cap, e.g. T5's relative positions; `bias_is_distance` says so)."""
+
+    window: int | None = None
+    softcap: float | None = None
+    bias: object = None  # (H, T, T) array or tensor
+    bias_is_distance: bool = False
+
+
+def page_trace(records: dict, *, bias_is_distance: bool = False):
+    """(vectors, scores) for a page from one text's `AttentionRecord`s (layer -> record): each
+    layer's q, k and v (L, H, T, D), grouped key/value heads repeated so that query head h sits
+    beside the one it reads, and its `LayerScores`. A record whose keys a mask hides (padding)
+    is refused: the page knows the causal rule and the window only.
+    """
+    why = untraceable(records)
+    if why is not None:
+        raise ValueError(f"the page cannot redo these pairs: {why}")
+    qs, ks, vs, scores = [], [], [], []
+    for _, record in sorted(records.items()):
+        s = record.shape
+        qs.append(record.q[0])  # (H, T, D)
+        ks.append(record.k[0].repeat_interleave(s.group, dim=0))
+        vs.append(record.v[0].repeat_interleave(s.group, dim=0))
+        bias = None
+        if record.bias is not None:
+            bias = record.bias.float().expand(s.B, s.H, s.Tq, s.Tk)[0]
+        scores.append(LayerScores(record.window, record.softcap, bias, bias_is_distance))
+    stack = [np.stack([x.detach().float().cpu().numpy() for x in xs]) for xs in (qs, ks, vs)]
+    return stack, scores
+
+
+def untraceable(records: dict) -> str | None:
+    """Why the page's script cannot redo these records' pairs, or None where it can: it knows
+    q, k, v, the scale, the causal rule, a window, a soft-cap and a score bias, not a mask (a
+    padded batch) nor attention across two texts.
+
+    >>> untraceable({})
+    """
+    for layer, record in sorted(records.items()):
+        s = record.shape
+        if record.mask is not None:
+            return f"layer {layer} masks keys beyond the causal rule and the window"
+        if s.B != 1 or s.Tq != s.Tk:
+            return f"layer {layer} is not one text's self-attention"
+    return None
+
+
 def write_html(
     path: str | Path,
     weights,
@@ -72,6 +127,7 @@ def write_html(
     vectors=None,
     causal: bool = False,
     scale: float | None = None,
+    scores: Sequence[LayerScores] | None = None,
 ) -> Path:
     """Write the interactive page of (L, H, T, T) `weights` over `tokens` as one .html file.
 
@@ -79,7 +135,8 @@ def write_html(
     the token selected first (none by default), `extra` a JSON-able dict shown as a list of
     keys and values and embedded with the data. `vectors` = (q, k, v), each (L, H, T, D), lets
     the page trace a clicked pair (`causal`: keys after the query are masked, as in decoders;
-    `scale`: the factor on each dot product, 1/sqrt(D) if None). Returns the path written.
+    `scale`: the factor on each dot product, 1/sqrt(D) if None; `scores`: each layer's
+    window, soft-cap and score bias, `LayerScores`, none if None). Returns the path written.
     """
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
@@ -87,7 +144,7 @@ def write_html(
         raise ValueError(f"{path}: the extension must be .html, not {got}")
     page = render_page(
         weights, tokens, title=title, text=text, extra=extra, head=head, query=query,
-        vectors=vectors, causal=causal, scale=scale,
+        vectors=vectors, causal=causal, scale=scale, scores=scores,
     )  # fmt: skip
     write_atomically(path, lambda file: file.write(page))
     return path
@@ -106,11 +163,12 @@ def write_report(
     vectors=None,
     causal: bool = False,
     scale: float | None = None,
+    scores: Sequence[LayerScores] | None = None,
 ) -> Path:
     """Write a report folder: index.html (the page of `write_html`), model_view.png (every
     layer and head) and head_L{l}_H{h}.png (the head shown first, by default the
     `strongest_head`). All or nothing: the folder is built beside the target and renamed.
-    `vectors`, `causal` and `scale` are as in `write_html`.
+    `vectors`, `causal`, `scale` and `scores` are as in `write_html`.
 
     The target must not exist or be an empty folder. Returns the folder.
     """
@@ -121,7 +179,7 @@ def write_report(
     layer, chosen = head if head is not None else strongest_head(stack)
     page = render_page(
         stack, tokens, title=title, text=text, extra=extra, head=(layer, chosen), query=query,
-        vectors=vectors, causal=causal, scale=scale,
+        vectors=vectors, causal=causal, scale=scale, scores=scores,
     )  # fmt: skip
     why = "chosen" if head is not None else "the strongest weight from one token to another"
 
@@ -184,6 +242,7 @@ def render_page(
     vectors=None,
     causal: bool = False,
     scale: float | None = None,
+    scores: Sequence[LayerScores] | None = None,
 ) -> bytes:
     """The page's HTML, UTF-8 encoded; every argument is checked before anything is built."""
     tokens = [str(token) for token in tokens]
@@ -203,7 +262,11 @@ def render_page(
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict of names to values, not {type(extra).__name__}")
     kept = _check_vectors(vectors, (L, H, T)) if vectors is not None else None  # 3 x (L, H, T, D)
+    rules = _check_scores(scores, (L, H, T)) if scores is not None else None
+    if rules is not None and kept is None:
+        raise ValueError("scores change how the page redoes a pair: pass them with the vectors")
     size = 0 if kept is None else 3 * kept[0].size * 4
+    size += sum(rule.bias.size * 4 for rule in rules or () if rule.bias is not None)
     if size > VECTORS_MAX_BYTES:
         kept = None
         trace_note = (
@@ -240,7 +303,7 @@ def render_page(
         },
         "selected": {"layer": int(layer), "head": int(chosen), "query": _maybe_int(query)},
         "causal": bool(causal),
-        "vectors": None if kept is None else _vectors_data(kept, scale),
+        "vectors": None if kept is None else _vectors_data(kept, scale, rules),
         "extra": extra,
     }
     slots = {
@@ -288,16 +351,56 @@ def _check_vectors(vectors, shape: tuple[int, int, int]) -> list[np.ndarray]:
     return arrays
 
 
-def _vectors_data(vectors: list[np.ndarray], scale: float | None) -> dict:
+def _vectors_data(
+    vectors: list[np.ndarray], scale: float | None, rules: list[LayerScores] | None
+) -> dict:
     """The page's "vectors": q, k and v as one packed (T, D) float32 matrix per layer and head,
-    and the scale on their dot products."""
+    the scale on their dot products and, per layer, what it does to a score beyond the scale
+    (its window, soft-cap, and bias as one packed (T, T) float32 matrix per head)."""
     packed = {
         name: [[_pack(matrix.astype("<f4")) for matrix in heads] for heads in array]
         for name, array in zip(("query", "key", "value"), vectors, strict=True)
     }
     D = int(vectors[0].shape[-1])
     scale = 1 / math.sqrt(D) if scale is None else float(scale)
-    return {"encoding": VECTOR_ENCODING, "size": D, "scale": scale, **packed}
+    layers = [
+        {
+            "window": rule.window,
+            "softcap": rule.softcap,
+            "bias": None if rule.bias is None else [_pack(m.astype("<f4")) for m in rule.bias],
+            "bias_is_distance": rule.bias_is_distance,
+        }
+        for rule in rules or [LayerScores()] * len(vectors[0])
+    ]
+    return {"encoding": VECTOR_ENCODING, "size": D, "scale": scale, **packed, "layers": layers}
+
+
+def _check_scores(scores, shape: tuple[int, int, int]) -> list[LayerScores]:
+    """One LayerScores per layer, each bias (H, T, T) finite float32."""
+    L, H, T = shape
+    rules = list(scores)
+    if len(rules) != L or not all(isinstance(rule, LayerScores) for rule in rules):
+        raise ValueError(f"scores must be one LayerScores per layer: {L}, not {len(rules)}")
+    kept = []
+    for layer, rule in enumerate(rules):
+        bias = rule.bias
+        if bias is not None:
+            if hasattr(bias, "detach"):
+                bias = bias.detach().float().cpu().numpy()
+            bias = np.asarray(bias, dtype=np.float32)
+            if bias.shape != (H, T, T):
+                raise ValueError(
+                    f"layer {layer}'s score bias must be (H, T, T) = ({H}, {T}, {T}), "
+                    f"not {tuple(bias.shape)}"
+                )
+            if not np.isfinite(bias).all():
+                raise ValueError(f"layer {layer}'s score bias holds NaN or infinite numbers")
+        if rule.window is not None and not (isinstance(rule.window, int) and rule.window > 0):
+            raise ValueError(f"layer {layer}'s window must be a positive whole number or None")
+        if rule.softcap is not None and not 0 < rule.softcap < float("inf"):
+            raise ValueError(f"layer {layer}'s soft-cap must be a positive number or None")
+        kept.append(dataclasses.replace(rule, bias=bias))
+    return kept
 
 
 def _pack(matrix: np.ndarray) -> str:
