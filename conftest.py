@@ -16,6 +16,13 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="qkv-test-cache-")
 # Set before anything imports them: Triton reads it when a kernel is defined.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+# `make test` runs two test processes on the machine's cores (pytest-xdist). Each one's torch,
+# and each qkv command it starts, computing with every core would oversubscribe them: OpenMP's
+# threads spin waiting for each other, and two training runs side by side took 264 s instead
+# of 20 s on a 2-core machine. One thread per process.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
