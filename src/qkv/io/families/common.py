@@ -73,6 +73,15 @@ def expand(
     return weights
 
 
+def decoder_weights(templates: Iterable[Template], cfg, **prefixes) -> list[Weight]:
+    """A decoder's weights: `templates` expanded for its layers, and its own LM head
+    (lm_head.weight) unless the head reuses the token matrix. prefixes: as in `expand`."""
+    out = expand(templates, cfg.num_layers, **prefixes)
+    if not cfg.tie_embeddings:
+        out += expand([("lm_head.weight", "lm_head.weight")], 0)
+    return out
+
+
 @dataclass(frozen=True)
 class Family:
     """A Hugging Face model family: its config.json both ways, and its weight map."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qkv.io.families.checks import ConfigValueError, divides, flag, real, whole
-from qkv.io.families.common import Family, Weight, expand, fits, require
+from qkv.io.families.common import Family, Weight, decoder_weights, fits, require
 from qkv.io.families.rotary import FULL, SLIDING, hf_rope, read_rope
 from qkv.models import Decoder, DecoderConfig
 from qkv.nn import BlockConfig
@@ -324,10 +324,7 @@ def weights(cfg: DecoderConfig) -> list[Weight]:
     templates = ATTENTION + (SANDWICH_NORMS if cfg.block.sublayer_norm else GEMMA_NORMS)
     if cfg.block.qk_norm is not None:
         templates += QK_NORMS
-    out = expand(templates, cfg.num_layers)
-    if not cfg.tie_embeddings:
-        out += expand([("lm_head.weight", "lm_head.weight")], 0)
-    return out
+    return decoder_weights(templates, cfg)
 
 
 READS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -9,7 +9,7 @@ from qkv.io.families.common import (
     Family,
     Weight,
     activation,
-    expand,
+    decoder_weights,
     fits,
     hf_activation,
     one_head_size,
@@ -98,10 +98,7 @@ TEMPLATES = [
 
 def weights(cfg: DecoderConfig) -> list[Weight]:
     # GPT2LMHeadModel's names start with "transformer."; GPT2Model's do not
-    out = expand(TEMPLATES, cfg.num_layers, prefixes=("transformer.", ""))
-    if not cfg.tie_embeddings:
-        out += expand([("lm_head.weight", "lm_head.weight")], 0)
-    return out
+    return decoder_weights(TEMPLATES, cfg, prefixes=("transformer.", ""))
 
 
 FAMILY = Family(

@@ -9,7 +9,7 @@ from collections import ChainMap
 from collections.abc import Mapping
 
 from qkv.io.families.checks import ConfigValueError, divides, flag, real, whole
-from qkv.io.families.common import Family, Weight, expand, fits, require
+from qkv.io.families.common import Family, Weight, decoder_weights, fits, require
 from qkv.io.families.rotary import hf_rope, read_rope
 from qkv.models import Decoder, DecoderConfig
 from qkv.nn import BlockConfig
@@ -141,10 +141,7 @@ TEMPLATES = [
 
 
 def weights(cfg: DecoderConfig) -> list[Weight]:
-    out = expand(TEMPLATES, cfg.num_layers)
-    if not cfg.tie_embeddings:
-        out += expand([("lm_head.weight", "lm_head.weight")], 0)
-    return out
+    return decoder_weights(TEMPLATES, cfg)
 
 
 FAMILY = Family(
