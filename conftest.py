@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -10,8 +12,10 @@ import torch
 
 # Tests never download: a model that is not embedded or built locally must fail, not fetch.
 os.environ["HF_HUB_OFFLINE"] = "1"
-# The dequantized-GGUF cache goes to a folder of this test run, never the user's home.
+# The dequantized-GGUF cache goes to a folder of this test run, never the user's home, and
+# goes away with the run (SmolLM2's alone is 0.5 GB: a machine's disk filled up with them).
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="qkv-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 # Without a GPU, the `flash` backend's real Triton kernels run in Triton's CPU interpreter.
 # Set before anything imports them: Triton reads it when a kernel is defined.
 if not torch.cuda.is_available():
