@@ -15,7 +15,13 @@ try:
 except PackageNotFoundError:  # running from a source tree with PYTHONPATH=src
     __version__ = "0.0.0+source"
 
-__all__ = ["Pretrained", "__version__", "attend", "explain_choice", "load", "trace"]
+__all__ = [
+    "Pretrained", "__version__", "ablate", "attend", "explain_choice", "hide", "load", "patch",
+    "trace",
+]  # fmt: skip
+
+# interventions: "what if" asked of the model (qkv.inspect.intervene)
+_INTERVENTIONS = ("hide", "ablate", "patch")
 
 
 def __getattr__(name: str):
@@ -28,4 +34,8 @@ def __getattr__(name: str):
         from qkv.inspect.trace import trace
 
         return trace
+    if name in _INTERVENTIONS:
+        from qkv.inspect import intervene
+
+        return getattr(intervene, name)
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")

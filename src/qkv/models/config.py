@@ -277,6 +277,23 @@ def mask_positions(attention_mask: Tensor, length: int) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -length:]
 
 
+def check_resume(
+    resume: tuple[int, Tensor] | None, input_ids: Tensor, config: StackConfig
+) -> tuple[int, Tensor | None]:
+    """(the first block to run, its input or None for the embeddings) from a forward's
+    `resume=(layer, x)`: x must be (B, T, C) for input_ids (B, T), the layer one the model has."""
+    if resume is None:
+        return 0, None
+    layer, x = resume
+    check_indices("layer", [layer], config.num_layers, "the model")
+    expected = (*input_ids.shape, config.block.width)
+    if x.dim() != 3 or x.shape[1:] != expected[1:] or x.shape[0] not in (1, expected[0]):
+        raise ValueError(
+            f"resume's x has shape {tuple(x.shape)}; block {layer} reads {expected} for these ids"
+        )
+    return layer, x.expand(expected)
+
+
 def key_padding(attention_mask: Tensor | None) -> Tensor | None:
     """A (B, T) mask of 1/True for real tokens, 0/False for padding, as booleans."""
     if attention_mask is None:

@@ -11,12 +11,14 @@ from qkv.models.config import (
     DecoderConfig,
     Layers,
     Rotaries,
+    check_resume,
     init_weights,
     key_padding,
     mask_positions,
     recorded_layers,
 )
 from qkv.nn import AttentionRecord, DecoderBlock, KVCache
+from qkv.nn.edit import Edits, check_edits
 from qkv.nn.position import positions_for
 
 
@@ -96,6 +98,8 @@ class Decoder(nn.Module):
         cross_layers: Layers = None,
         logits: bool = True,
         hidden_states: bool = False,
+        edits: Edits | None = None,
+        resume: tuple[int, Tensor] | None = None,
     ) -> DecoderOutput:
         """input_ids (B, T): the new tokens (after the cached ones, if a cache is given).
 
@@ -109,18 +113,28 @@ class Decoder(nn.Module):
           return (indices, or "all").
         logits: False skips the LM head (the caller applies it to the positions it needs).
         hidden_states: also return every layer's input and the last one's output.
+        edits: {layer: Edit}, interventions in those layers' self-attention and outputs
+          (`qkv.nn.edit`).
+        resume: (layer, x): start at that block with x (B, T, C) as its input, the blocks
+          before it skipped (x is their output, e.g. an earlier run's hidden_states[layer]);
+          hidden_states then starts at x. Not with a cache.
         """
         cfg = self.config
         wanted = recorded_layers(layers, cfg.num_layers)
         wanted_cross = recorded_layers(cross_layers, cfg.num_layers)
         if wanted_cross and not cfg.cross_attention:
             raise ValueError("cross_layers needs a decoder with cross-attention")
+        edits = check_edits(edits, cfg.num_layers)
+        first, x = check_resume(resume, input_ids, cfg)
+        if resume is not None and cache is not None:
+            raise ValueError("resume starts a pass part-way; it cannot fill a KV cache")
         if positions is None and attention_mask is not None and not bool(attention_mask.all()):
             positions = mask_positions(attention_mask, input_ids.shape[1])
         offset = cache.length if cache is not None else 0
         if positions is None:
             positions = positions_for(input_ids.shape[1], offset, input_ids.device)
-        x = self.embed(input_ids, positions)  # (B, T, C)
+        if x is None:
+            x = self.embed(input_ids, positions)  # (B, T, C)
         rotations = self.rotary.rotations(positions, x.dtype)
         bias = None  # T5's relative positions: the new tokens' queries over every key so far
         if self.relative is not None:
@@ -129,8 +143,8 @@ class Decoder(nn.Module):
         padding = key_padding(attention_mask)
         context_padding = key_padding(context_mask)
         out = DecoderOutput(None, x, hidden_states=[x] if hidden_states else [])
-        for layer, block in enumerate(self.blocks):
-            x, kept, kept_cross = block(
+        for layer in range(first, cfg.num_layers):
+            x, kept, kept_cross = self.blocks[layer](
                 x,
                 context,
                 key_padding_mask=padding,
@@ -139,6 +153,7 @@ class Decoder(nn.Module):
                 cache=cache.layers[layer] if cache is not None else None,
                 cross_cache=cache.cross[layer] if cache is not None and cache.cross else None,
                 bias=bias,
+                edit=edits.get(layer),
                 record=layer in wanted,
                 record_cross=layer in wanted_cross,
             )

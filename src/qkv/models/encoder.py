@@ -10,11 +10,13 @@ from qkv.models.config import (
     EncoderConfig,
     Layers,
     Rotaries,
+    check_resume,
     init_weights,
     key_padding,
     recorded_layers,
 )
 from qkv.nn import AttentionRecord, EncoderBlock
+from qkv.nn.edit import Edits, check_edits
 from qkv.nn.layers import _ACTIVATIONS, GATED, Activation
 from qkv.nn.position import positions_for
 
@@ -133,12 +135,18 @@ class Encoder(nn.Module):
         layers: Layers = None,
         hidden_states: bool = False,
         logits: bool = False,
+        edits: Edits | None = None,
+        resume: tuple[int, Tensor] | None = None,
     ) -> EncoderOutput:
         """attention_mask (B, T): 1 for real tokens, 0 for padding, which no token attends to.
 
         layers: the layers whose AttentionRecord to return (indices, or "all").
         hidden_states: also return every layer's input and the last one's output.
         logits: also return the MLM head's logits (B, T, vocab); needs mlm_head=True.
+        edits: {layer: Edit}, interventions in those layers (`qkv.nn.edit`).
+        resume: (layer, x): start at that block with x (B, T, C) as its input, the blocks
+          before it skipped (x is their output, e.g. an earlier run's hidden_states[layer]);
+          hidden_states then starts at x.
         """
         if logits and self.mlm is None:
             raise ValueError(
@@ -146,11 +154,14 @@ class Encoder(nn.Module):
                 "EncoderConfig(mlm_head=True), or load a BertForMaskedLM checkpoint"
             )
         wanted = recorded_layers(layers, self.config.num_layers)
+        edits = check_edits(edits, self.config.num_layers)
+        first, x = check_resume(resume, input_ids, self.config)
         if self.config.position_padding is None:
             positions = positions_for(input_ids.shape[1], device=input_ids.device)  # (T,)
         else:
             positions = padded_positions(input_ids, self.config.position_padding)  # (B, T)
-        x = self.embed(input_ids, positions, token_type_ids)  # (B, T, C)
+        if x is None:
+            x = self.embed(input_ids, positions, token_type_ids)  # (B, T, C)
         rotations = self.rotary.rotations(positions, x.dtype)
         padding = key_padding(attention_mask)
         mask = None if padding is None else padding[:, None, None, :]  # (B, 1, 1, T)
@@ -158,9 +169,12 @@ class Encoder(nn.Module):
         bias = None if self.relative is None else self.relative(T, T).to(x.dtype)  # (1, H, T, T)
         records: dict[int, AttentionRecord] = {}
         states = [x] if hidden_states else []
-        for layer, block in enumerate(self.blocks):
+        for layer in range(first, len(self.blocks)):
             rotation = self.rotary.rotation_for(rotations, layer)
-            x, kept = block(x, mask=mask, rotation=rotation, bias=bias, record=layer in wanted)
+            x, kept = self.blocks[layer](
+                x, mask=mask, rotation=rotation, bias=bias, edit=edits.get(layer),
+                record=layer in wanted,
+            )  # fmt: skip
             if kept is not None:
                 records[layer] = kept
             if hidden_states:

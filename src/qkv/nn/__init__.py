@@ -2,6 +2,7 @@
 
 from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.blocks import BlockConfig, DecoderBlock, EncoderBlock
+from qkv.nn.edit import Edit, Edits
 from qkv.nn.layers import MLP, Embeddings, RMSNorm, SwiGLU, make_norm
 from qkv.nn.position import (
     LearnedPositions,
@@ -13,6 +14,8 @@ from qkv.nn.position import (
 from qkv.nn.record import AttentionRecord
 
 __all__ = [
+    "Edit",
+    "Edits",
     "MLP",
     "AttentionRecord",
     "BlockConfig",

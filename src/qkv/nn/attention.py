@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from qkv.attention import attend, backend_names, flash
 from qkv.attention.inputs import with_window
+from qkv.nn.edit import Edit
 from qkv.nn.layers import NormKind, make_norm
 from qkv.nn.position import RotaryEmbedding, Rotation, positions_for
 from qkv.nn.record import AttentionRecord
@@ -182,6 +183,7 @@ class MultiHeadAttention(nn.Module):
         rotation: Rotation | None = None,
         cache: KVCache | None = None,
         bias: Tensor | None = None,
+        edit: Edit | None = None,
         record: bool = False,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """Contextualize x; return (out (B, T, C), this call's AttentionRecord or None).
@@ -198,6 +200,8 @@ class MultiHeadAttention(nn.Module):
           them; cross-attention computes the context's keys and values once and reuses them.
         bias: a float tensor added to every score, broadcastable to (B, H, T, Tk) (T5's
           relative positions, made once by the model and shared by its layers).
+        edit: an intervention (`qkv.nn.edit.Edit`): pairs hidden (joined to the mask, so
+          on every backend) and head outputs replaced before the projection.
         record: also return what attention received and computed (see AttentionRecord).
         """
         B, T, _ = x.shape
@@ -231,6 +235,8 @@ class MultiHeadAttention(nn.Module):
         if key_padding_mask is not None:
             padding = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, Tk)
             mask = padding if mask is None else mask & padding
+        if edit is not None:
+            mask = edit.mask(mask)
         lse = None
         # a window applies to self-attention only (cross-attention reads the whole context)
         window = self.window if context is None else None
@@ -251,5 +257,7 @@ class MultiHeadAttention(nn.Module):
                 q, k, v, out, mask, causal, self.scale, self.backend, lse, q_plain, k_plain,
                 window, self.softcap, bias,
             )  # fmt: skip
+        if edit is not None:
+            out = edit.head_outputs(out)
         out = self.out(out.transpose(1, 2).reshape(B, T, -1))  # concatenate heads, (B, T, C)
         return out, kept

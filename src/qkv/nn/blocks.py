@@ -16,6 +16,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from qkv.nn.attention import KVCache, MultiHeadAttention
+from qkv.nn.edit import Edit
 from qkv.nn.layers import GATED, MLP, Activation, GatedMLP, NormKind, make_norm
 from qkv.nn.position import RotaryEmbedding, Rotation
 from qkv.nn.record import AttentionRecord
@@ -171,18 +172,22 @@ class EncoderBlock(_Block):
         mask: Tensor | None = None,
         rotation: Rotation | None = None,
         bias: Tensor | None = None,
+        edit: Edit | None = None,
         record: bool = False,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """x (B, T, C) -> (B, T, C), and the attention's record if asked (MultiHeadAttention).
 
         mask: any mask `attend` takes, e.g. key padding (B, 1, 1, T).
+        edit: an intervention in this block (`qkv.nn.edit.Edit`).
         """
         h = self.sublayer_input(x, self.attn_norm)
-        attended, kept = self.attn(h, mask=mask, rotation=rotation, bias=bias, record=record)
+        attended, kept = self.attn(
+            h, mask=mask, rotation=rotation, bias=bias, edit=edit, record=record
+        )
         if self.parallel:
-            return self.feed_forward(x, attended), kept
+            return _edited(self.feed_forward(x, attended), edit), kept
         x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
-        return self.feed_forward(x), kept
+        return _edited(self.feed_forward(x), edit), kept
 
 
 class DecoderBlock(_Block):
@@ -215,6 +220,7 @@ class DecoderBlock(_Block):
         cross_cache: KVCache | None = None,
         bias: Tensor | None = None,
         cross_bias: Tensor | None = None,
+        edit: Edit | None = None,
         record: bool = False,
         record_cross: bool = False,
     ) -> tuple[Tensor, AttentionRecord | None, AttentionRecord | None]:
@@ -223,14 +229,15 @@ class DecoderBlock(_Block):
         key_padding_mask: (B, Tk), True for the decoder's real tokens (cached ones too).
         context: the encoder's output (B, S, C), with context_mask (B, S) True for real
         tokens; needed on every step when the block has cross-attention.
+        edit: an intervention in this block's self-attention and output (`Edit`).
         """
         h = self.sublayer_input(x, self.attn_norm)
         attended, kept = self.attn(
             h, key_padding_mask=key_padding_mask, causal=True, rotation=rotation, cache=cache,
-            bias=bias, record=record,
+            bias=bias, edit=edit, record=record,
         )  # fmt: skip
         if self.parallel:
-            return self.feed_forward(x, attended), kept, None
+            return _edited(self.feed_forward(x, attended), edit), kept, None
         x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
         kept_cross = None
         if self.cross_attn is not None:
@@ -242,4 +249,8 @@ class DecoderBlock(_Block):
                 record=record_cross,
             )  # fmt: skip
             x = self.residual(x, attended, self.cross_norm, self.cross_out_norm)
-        return self.feed_forward(x), kept, kept_cross
+        return _edited(self.feed_forward(x), edit), kept, kept_cross
+
+
+def _edited(x: Tensor, edit: Edit | None) -> Tensor:
+    return x if edit is None else edit.block_output(x)

@@ -1,0 +1,272 @@
+"""Interventions (`qkv.inspect.intervene`) are exact by construction: a hidden pair is a
+masked pair, a patch of everything is the clean run, an ablation of every head is a layer
+without attention; each checked against an independent computation, never against itself."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import transformers
+from variant_models import TEXT, WORDS, decoder, gemma2_like, tiny
+
+from qkv.attention import attend
+from qkv.inspect.intervene import (
+    Metric,
+    ablate,
+    hide,
+    hide_mask,
+    patch,
+    run,
+    stack_of,
+)
+from qkv.io.embedded import embedded_path
+from qkv.models import EncoderConfig
+from qkv.nn import BlockConfig
+from qkv.nn.edit import Edit
+
+
+def gentle(pretrained):
+    """`tiny`'s weights a quarter as large: attention spread over several keys, not one."""
+    with torch.no_grad():
+        for p in pretrained.model.parameters():
+            p.div_(4.0)
+    return pretrained
+
+
+def llama_like(**block):
+    return gentle(tiny(decoder(num_kv_heads=1, mlp="swiglu", norm="rmsnorm", **block)))
+
+
+def encoder_like():
+    config = EncoderConfig(vocab_size=len(WORDS), num_layers=2, max_positions=16,
+                           block=BlockConfig(width=32, num_heads=4, norm_position="post"))  # fmt: skip
+    return gentle(tiny(config))
+
+
+def snapshot(pretrained):
+    """The parameters, and the outputs for TEXT: what a call must leave as they were."""
+    ids = torch.tensor([pretrained.encode(TEXT).ids])
+    with torch.inference_mode():
+        states = stack_of(pretrained)(ids).hidden.clone()
+    return {k: v.clone() for k, v in pretrained.model.state_dict().items()}, states
+
+
+def assert_unchanged(pretrained, before):
+    params, states = snapshot(pretrained)
+    assert params.keys() == before[0].keys()
+    assert all(torch.equal(params[k], before[0][k]) for k in params)
+    assert torch.equal(states, before[1])
+
+
+@pytest.mark.parametrize("backend", ["loop", "eager", "sdpa"])
+def test_a_hidden_pair_is_the_loop_backend_with_that_pair_masked(backend):
+    """The record of the layer where 'river' is hidden from 'bank': its q, k, v are the
+    clean run's (nothing before changed), and its output is the loop backend's over them
+    with the pair masked, on every backend."""
+    pretrained = llama_like(backend=backend)
+    stack = pretrained.model
+    ids = torch.tensor([pretrained.encode("the river bank was deep").ids])  # bank: token 2
+    hidden = hide_mask(5, 2, key=(1, 2), query=(2, 3), heads=[1])  # river from bank, head 1
+    with torch.inference_mode():
+        clean = stack(ids, layers=[1])
+        edited = stack(ids, layers=[1], edits={1: Edit(hide=hidden)})
+    before, record = clean.records[1], edited.records[1]
+    assert torch.equal(record.q, before.q) and torch.equal(record.k, before.k)
+    allowed = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].repeat(1, 2, 1, 1)
+    allowed[0, 1, 2, 1] = False
+    expected = attend(record.q.double(), record.k.double(), record.v.double(), mask=allowed,
+                      backend="loop")  # fmt: skip
+    torch.testing.assert_close(record.out.double(), expected, atol=1e-5, rtol=1e-5)
+    # the pair's weight is zero, the rest of the row renormalized; head 0 untouched
+    weights = record.weights()[0]
+    assert weights[1, 2, 1] == 0 and weights[1, 2].sum() == pytest.approx(1, abs=1e-6)
+    row = before.weights()[0, 1, 2].double()
+    renormalized = row * (torch.arange(5) != 1) / (1 - row[1])
+    torch.testing.assert_close(weights[1, 2].double(), renormalized, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(record.out[0, 0], before.out[0, 0])
+    assert not torch.allclose(record.out[0, 1, 2], before.out[0, 1, 2])
+
+
+def test_hiding_a_word_from_every_word_everywhere_is_transformers_key_padding(minilm):
+    """qkv.hide with no query, in every layer and head, on the embedded MiniLM equals the same
+    checkpoint in transformers with the word's token padded out of attention_mask."""
+    text = "The bank of the river was muddy"
+    hidden = hide(minilm, text, "river")
+    encoded = minilm.encode(text)
+    start, end = encoded.find("river")
+    reference = transformers.AutoModel.from_pretrained(embedded_path("minilm")).eval()
+    mask = torch.ones(1, len(encoded.ids), dtype=torch.long)
+    mask[0, start:end] = 0
+    with torch.inference_mode():
+        expected = reference(torch.tensor([encoded.ids]), attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(hidden.states, expected[0], atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(hidden.states, hidden.clean_states, atol=1e-3)
+    # the whole-model change is larger than any single head's
+    assert hidden.total > float(hidden.effect.max()) > 0
+
+
+def test_hide_table_is_each_head_alone_and_resumes_from_the_clean_run():
+    """Each cell of the (L, H) table equals a full forward from the embeddings with the key
+    hidden in that one head: the table's shortcut (resume from the first hidden layer, heads
+    batched) computes the same numbers."""
+    pretrained = gemma2_like_pretrained()
+    result = hide(pretrained, TEXT, "river", query="deep")
+    stack = pretrained.model
+    ids = torch.tensor([pretrained.encode(TEXT).ids])
+    T = ids.shape[1]
+    span = result.query_span
+    with torch.inference_mode():
+        clean = stack(ids).hidden[0, slice(*span)].mean(0).double()
+        for layer, head in [(0, 0), (1, 1)]:
+            mask = hide_mask(T, 2, result.key_span, span, [head])
+            alone = stack(ids, edits={layer: Edit(hide=mask)}).hidden[0, slice(*span)].mean(0)
+            cosine = torch.nn.functional.cosine_similarity(clean, alone.double(), dim=0)
+            assert float(result.effect[layer, head]) == pytest.approx(1 - float(cosine), abs=1e-6)
+    assert result.effect.shape == (2, 2) and not result.effect.isnan().any()
+    assert result.ranked()[0][2] == float(result.effect.max())
+    # a decoder's next token, before and after: the clean run's own top tokens
+    assert result.next is not None and result.next.position == span[1] - 1
+    assert result.next.before[0].logprob >= result.next.before[-1].logprob
+
+
+def gemma2_like_pretrained():
+    return tiny(gemma2_like())
+
+
+def test_hide_asks_only_the_layers_and_heads_given():
+    pretrained = encoder_like()
+    result = hide(pretrained, TEXT, "river", query="bank", layers=[1], heads=[0, 2])
+    assert result.effect[0].isnan().all() and result.effect[1, [1, 3]].isnan().all()
+    assert not result.effect[1, [0, 2]].isnan().any()
+    data = result.to_dict()
+    assert data["effect"][0] == [None] * 4 and data["effect"][1][0] == float(result.effect[1, 0])
+    assert [(r["layer"], r["head"]) for r in data["ranked"]] in ([(1, 0), (1, 2)], [(1, 2), (1, 0)])
+
+
+def test_ablating_every_head_of_a_layer_removes_its_attention_output():
+    """Zero-ablating all heads of layer 0 equals a copy of the model whose layer 0 output
+    projection is zero (a model without biases: nothing of attention reaches the stream)."""
+    pretrained = llama_like()
+    result = ablate(pretrained, TEXT, [0])
+    without = copy.deepcopy(pretrained.model)
+    with torch.no_grad():
+        without.blocks[0].attn.out.weight.zero_()
+        expected = without(torch.tensor([pretrained.encode(TEXT).ids])).hidden[0]
+    torch.testing.assert_close(result.states, expected, atol=1e-6, rtol=1e-5)
+    assert result.heads == [(0, 0), (0, 1)] and result.effect[1].isnan().all()
+    assert result.total > 0 and result.next is not None
+
+
+def test_mean_ablation_puts_the_heads_mean_output_over_the_reference_in_its_place():
+    """With one reference text equal to the text, a head's mean output is the mean over the
+    text's own tokens: check against a forward where that head's outputs are set to it."""
+    pretrained = encoder_like()
+    result = ablate(pretrained, TEXT, [(1, 2)], mode="mean", reference=[TEXT])
+    ids = torch.tensor([pretrained.encode(TEXT).ids])
+    with torch.inference_mode():
+        clean = run(pretrained.model, ids)
+        mean = clean.head_outputs[1, 2].mean(0)  # (D,)
+        which = torch.zeros(1, 4, 1, 1, dtype=torch.bool)
+        which[0, 2] = True
+        values = torch.zeros(1, 4, 1, mean.shape[0])
+        values[0, 2, 0] = mean
+        expected = pretrained.model(ids, edits={1: Edit(heads=which, head_values=values)}).hidden
+    torch.testing.assert_close(result.states, expected[0], atol=1e-6, rtol=1e-5)
+    zero = ablate(pretrained, TEXT, [(1, 2)])
+    assert not torch.allclose(zero.states, result.states)
+
+
+def test_patching_clean_into_clean_changes_nothing_and_a_whole_layer_restores_it():
+    pretrained = llama_like()
+    metric = Metric.parse("diff:deep,wide")
+    same = patch(pretrained, TEXT, TEXT, metric)
+    assert same.clean == same.corrupt
+    torch.testing.assert_close(same.heads, torch.full_like(same.heads, same.clean))
+    torch.testing.assert_close(same.residual, torch.full_like(same.residual, same.clean))
+
+    corrupt = "the bank of the river was deep and wide"  # as many tokens
+    result = patch(pretrained, TEXT, corrupt, metric)
+    assert result.clean != pytest.approx(result.corrupt)
+    # every position of a layer's residual patched at once: the clean metric exactly
+    stack = pretrained.model
+    T = len(pretrained.encode(TEXT).ids)
+    with torch.inference_mode():
+        clean = run(stack, torch.tensor([pretrained.encode(TEXT).ids]))
+        target = run(stack, torch.tensor([pretrained.encode(corrupt).ids]))
+        everywhere = Edit(positions=torch.ones(1, T, dtype=torch.bool), residual=clean.inputs[1])
+        states = stack(target.ids, edits={0: everywhere}).hidden
+        restored = metric.score(stack.project(states[0, -1]), metric.ids(pretrained.tokenizer))
+    assert float(restored) == pytest.approx(result.clean, abs=1e-5)
+    # the last layer's residual at the last position decides the next token alone
+    assert float(result.residual[-1, -1]) == pytest.approx(result.clean, abs=1e-5)
+    assert float(result.residual[-1, 0]) == pytest.approx(result.corrupt, abs=1e-5)
+    restored = result.restored(result.residual)
+    assert float(restored[-1, -1]) == pytest.approx(1.0, abs=1e-4)
+    data = result.to_dict()
+    assert len(data["heads"]) == 2 and len(data["residual"][0]) == T
+
+
+def test_the_metric_scores_the_next_token():
+    logits = torch.tensor([0.0, 1.0, 2.0])
+    logprobs = logits.log_softmax(-1)
+    assert float(Metric("diff", ("a", "b")).score(logits, [2, 0])) == pytest.approx(2.0)
+    assert float(Metric("prob", ("a",)).score(logits, [1])) == pytest.approx(
+        math.exp(float(logprobs[1]))
+    )
+    assert Metric.parse("diff: Mary, John").tokens == (" Mary", " John")
+    assert Metric.parse(("prob", "x")) == Metric("prob", ("x",))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda p: patch(p, TEXT, "the bank", "diff:deep,wide"), "equal token length"),
+        (lambda p: patch(p, TEXT, TEXT, "diff:deep,wide and"), "not one token"),
+        (lambda p: patch(p, TEXT, TEXT, "diff:deep"), "takes 2 token"),
+        (lambda p: patch(p, TEXT, TEXT, "deep"), "a metric is"),
+        (lambda p: hide(p, TEXT, "river", query="bank"), "comes after"),
+        (lambda p: hide(p, TEXT, "lake"), "the key word: 'lake' is not a word"),
+        (lambda p: hide(p, TEXT, "river", layers=[2]), "layer 2"),
+        (lambda p: hide(p, TEXT, "the"), "occurs 2 times"),
+        (lambda p: ablate(p, TEXT, [(0, 5)]), "head 5"),
+        (lambda p: ablate(p, TEXT, "all", mode="half"), "mode must be"),
+        (lambda p: ablate(p, TEXT, "all", reference=[TEXT]), "mode='mean'"),
+    ],
+)
+def test_bad_input_is_one_clear_error(call, message):
+    pretrained = llama_like()
+    before = snapshot(pretrained)
+    with pytest.raises(ValueError, match=message):
+        call(pretrained)
+    assert_unchanged(pretrained, before)
+
+
+def test_patch_needs_a_decoder():
+    with pytest.raises(ValueError, match="needs a decoder"):
+        patch(encoder_like(), TEXT, TEXT, "prob:deep")
+
+
+@pytest.mark.parametrize("make", [llama_like, encoder_like, gemma2_like_pretrained])
+def test_no_call_changes_the_model(make):
+    pretrained = make()
+    before = snapshot(pretrained)
+    hide(pretrained, TEXT, "river", query="deep")
+    ablate(pretrained, TEXT, "all", mode="mean", reference=[TEXT, "the river"])
+    if make is not encoder_like:
+        patch(pretrained, TEXT, "the bank of the river was deep and wide", "prob:deep")
+    assert_unchanged(pretrained, before)
+    assert not torch.is_grad_enabled() or all(
+        p.grad is None for p in pretrained.model.parameters()
+    )
+
+
+def test_backends_agree_on_a_hide_table():
+    """The same table from the loop, eager and sdpa backends (hiding is a mask: every backend
+    computes it)."""
+    tables = [hide(llama_like(backend=b), TEXT, "river", query="deep").effect
+              for b in ("loop", "eager", "sdpa")]  # fmt: skip
+    for table in tables[1:]:
+        torch.testing.assert_close(table, tables[0], atol=1e-5, rtol=1e-3)
