@@ -10,7 +10,6 @@ import math
 import pytest
 import torch
 import transformers
-from variant_models import TEXT, WORDS, decoder, gemma2_like, tiny
 
 from qkv.attention import attend
 from qkv.inspect.intervene import (
@@ -26,6 +25,7 @@ from qkv.io.embedded import embedded_path
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.edit import Edit
+from variant_models import TEXT, WORDS, decoder, gemma2_like, tiny
 
 
 def gentle(pretrained):
@@ -41,8 +41,8 @@ def llama_like(**block):
 
 
 def encoder_like():
-    config = EncoderConfig(vocab_size=len(WORDS), num_layers=2, max_positions=16,
-                           block=BlockConfig(width=32, num_heads=4, norm_position="post"))  # fmt: skip
+    block = BlockConfig(width=32, num_heads=4, norm_position="post")
+    config = EncoderConfig(vocab_size=len(WORDS), num_layers=2, max_positions=16, block=block)
     return gentle(tiny(config))
 
 
@@ -258,9 +258,7 @@ def test_no_call_changes_the_model(make):
     if make is not encoder_like:
         patch(pretrained, TEXT, "the bank of the river was deep and wide", "prob:deep")
     assert_unchanged(pretrained, before)
-    assert not torch.is_grad_enabled() or all(
-        p.grad is None for p in pretrained.model.parameters()
-    )
+    assert not torch.is_grad_enabled() or all(p.grad is None for p in pretrained.model.parameters())
 
 
 def test_backends_agree_on_a_hide_table():

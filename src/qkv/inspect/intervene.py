@@ -511,9 +511,7 @@ class Metric:
         if isinstance(spec, tuple | list) and spec:
             return cls(spec[0], tuple(spec[1:]))
         if not isinstance(spec, str) or ":" not in spec:
-            raise ValueError(
-                f"a metric is 'diff:TOKEN_A,TOKEN_B' or 'prob:TOKEN', got {spec!r}"
-            )
+            raise ValueError(f"a metric is 'diff:TOKEN_A,TOKEN_B' or 'prob:TOKEN', got {spec!r}")
         kind, _, rest = spec.partition(":")
         return cls(kind.strip(), tuple(rest.split(",")))
 
@@ -580,8 +578,11 @@ class Patched:
             "corrupt_text": self.corrupt_text,
             "clean_tokens": self.clean_tokens,
             "corrupt_tokens": self.corrupt_tokens,
-            "metric": {"kind": self.metric.kind, "tokens": list(self.metric.tokens),
-                       "text": str(self.metric)},  # fmt: skip
+            "metric": {
+                "kind": self.metric.kind,
+                "tokens": list(self.metric.tokens),
+                "text": str(self.metric),
+            },
             "clean": self.clean,
             "corrupt": self.corrupt,
             "heads": grid_dict(self.heads),

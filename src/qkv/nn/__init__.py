@@ -14,12 +14,12 @@ from qkv.nn.position import (
 from qkv.nn.record import AttentionRecord
 
 __all__ = [
-    "Edit",
-    "Edits",
     "MLP",
     "AttentionRecord",
     "BlockConfig",
     "DecoderBlock",
+    "Edit",
+    "Edits",
     "Embeddings",
     "EncoderBlock",
     "KVCache",
