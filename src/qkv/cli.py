@@ -402,6 +402,132 @@ def plot(
         typer.echo(f"wrote {plot_run(run, out)}")
 
 
+Layers = Annotated[str | None, typer.Option(help="these layers only, e.g. 0,2,5 or 0-3")]
+Heads = Annotated[str | None, typer.Option(help="these heads only, e.g. 0,2,5 or 0-3")]
+Json = Annotated[bool, typer.Option("--json", help="every number, as JSON")]
+Png = Annotated[Path | None, typer.Option(help="write a layer x head heatmap PNG")]
+
+
+def _stack_shape(pretrained) -> tuple[int, int]:
+    from qkv.inspect.intervene import stack_of
+
+    config = stack_of(pretrained).config
+    return config.num_layers, config.block.num_heads
+
+
+@app.command()
+def hide(
+    text: str,
+    key: Annotated[str, typer.Option(help='the word to hide, e.g. river or "river#2"')],
+    query: Annotated[
+        str | None, typer.Option(help="the word it is hidden from; default: every word")
+    ] = None,
+    model: Model = "minilm",
+    layers: Layers = None,
+    heads: Heads = None,
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """Which heads carry KEY into QUERY: hide it in each head alone, then in all at once."""
+    from qkv import load
+    from qkv.inspect.intervene import hide as run_hide
+    from qkv.inspect.intervene import hide_lines
+
+    with user_errors(out):
+        if out is not None:
+            check_out(out, (".png",))
+        pretrained = load(model, backend=backend)
+        L, H = _stack_shape(pretrained)
+        result = run_hide(pretrained, text, key, query=query,
+                          layers=_numbers(layers, "layers", L, model),
+                          heads=_numbers(heads, "heads", H, model))  # fmt: skip
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            who = f"'{query}'" if query else "every word"
+            grid_plot([("1 - cosine", result.effect, None)], out, label="change",
+                      title=f"{model}: '{key}' hidden from {who}, one head at a time")  # fmt: skip
+    typer.echo(json.dumps(result.to_dict()) if as_json else hide_lines(result))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
+
+
+@app.command()
+def ablate(
+    text: str,
+    model: Model = "minilm",
+    layers: Layers = None,
+    heads: Heads = None,
+    mode: Annotated[
+        str, typer.Option(help="zero, or mean (each head's mean output over reference texts)")
+    ] = "zero",
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """What each head does to TEXT: ablate it alone (zero or mean), then all chosen at once."""
+    from qkv import load
+    from qkv.inspect.intervene import ablate as run_ablate
+    from qkv.inspect.intervene import ablate_lines
+
+    with user_errors(out):
+        if out is not None:
+            check_out(out, (".png",))
+        pretrained = load(model, backend=backend)
+        L, H = _stack_shape(pretrained)
+        chosen_layers = _numbers(layers, "layers", L, model) or range(L)
+        chosen_heads = _numbers(heads, "heads", H, model) or range(H)
+        pairs = [(n, h) for n in chosen_layers for h in chosen_heads]
+        result = run_ablate(pretrained, text, pairs, mode=mode)
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            grid_plot([("1 - cosine", result.effect, None)], out, label="change",
+                      title=f"{model}: each head {mode}-ablated alone")  # fmt: skip
+    typer.echo(json.dumps(result.to_dict()) if as_json else ablate_lines(result))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
+
+
+@app.command()
+def patch(
+    clean: str,
+    corrupt: str,
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="'diff: Mary, John' (log p(' Mary') - log p(' John')) or 'prob: Paris', "
+            "of the next token; tokens as written, spaces kept"
+        ),
+    ],
+    model: Model = "smollm2",
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
+    the next token: which parts of the model carry the difference."""
+    from qkv import load
+    from qkv.inspect.intervene import patch as run_patch
+    from qkv.inspect.intervene import patch_lines
+
+    with user_errors(out):
+        if out is not None:
+            check_out(out, (".png",))
+        result = run_patch(load(model, backend=backend), clean, corrupt, metric)
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            grids = [("head outputs (layer x head)", result.restored(result.heads), None),
+                     ("residual (layer x position)", result.restored(result.residual),
+                      result.clean_tokens)]  # fmt: skip
+            grid_plot(grids, out, label="restored", title=f"{model}: {result.metric}")
+    typer.echo(json.dumps(result.to_dict()) if as_json else patch_lines(result))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
+
+
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="the report folder to write")] = Path("qkv-demo"),
