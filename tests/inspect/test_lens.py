@@ -233,3 +233,10 @@ def test_the_model_is_unchanged(smollm2):
     assert {p.dtype for p in smollm2.model.parameters()} == {torch.float32}
     with torch.inference_mode():
         assert torch.equal(smollm2.model(ids).logits, logits)
+
+
+def test_refuses_packed_weights_by_name():
+    model = random_decoder(**LLAMA)
+    model.blocks[1].attn.out = torch.nn.Identity()  # stands for an Int4Linear: no matrix
+    with pytest.raises(ValueError, match=r"packed \(int4\): load it without int4"):
+        decoder_lens(model, torch.tensor([[1, 2, 3]]))

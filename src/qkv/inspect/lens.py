@@ -246,6 +246,10 @@ def decoder_lens(
     )
 
 
+# what each refusal of the attribution adds: the logit lens itself reads any decoder
+_LENS_ALONE = "(the lens alone works: attribute=False, qkv lens --no-attribution)"
+
+
 def check_attributable(model: Decoder, source: str = "the model") -> None:
     """Refuse, by name, a decoder whose logit is not a sum of its parts' outputs."""
     block, cfg = model.config.block, model.config
@@ -253,20 +257,19 @@ def check_attributable(model: Decoder, source: str = "the model") -> None:
         raise ValueError(
             f"direct logit attribution needs pre-norm blocks; {source}'s blocks normalize after "
             "each residual sum (post-norm), so the heads' outputs are not terms of the final "
-            "stream (the lens alone works: attribute=False)"
+            "stream " + _LENS_ALONE
         )
     if block.sublayer_norm:
         raise ValueError(
             f"direct logit attribution needs sub-layer outputs added as they are; {source} "
             "normalizes each sub-layer's output before adding it (sublayer_norm, as Gemma 2 "
-            "and 3 and OLMo 2), so the heads' outputs are not terms of the stream (the lens "
-            "alone works: attribute=False)"
+            "and 3 and OLMo 2), so the heads' outputs are not terms of the stream " + _LENS_ALONE
         )
     if cfg.logit_softcap is not None:
         raise ValueError(
             f"direct logit attribution splits a linear logit; {source} soft-caps its logits "
             f"(cap {cfg.logit_softcap}: cap * tanh(logit / cap)), which is not a sum of terms "
-            "(the lens alone works: attribute=False)"
+            + _LENS_ALONE
         )
     linear = [model.lm_head, *(b.attn.out for b in model.blocks)]
     if not all(type(layer) is nn.Linear for layer in linear):
