@@ -594,6 +594,36 @@ def serve(
 _SERVE_EXTRA = {"fastapi", "uvicorn", "swagger_ui_bundle", "starlette", "pydantic"}
 
 
+@app.command()
+def lens(
+    text: str,
+    model: Model = "smollm2",
+    token: Annotated[
+        str | None, typer.Option(help="the next token to follow, e.g. ' Paris' (one token)")
+    ] = None,
+    position: Annotated[int, typer.Option(help="the position read, from 0; -1: the last")] = -1,
+    top: Annotated[int, typer.Option(help="next tokens shown per layer")] = 5,
+    terms: Annotated[int, typer.Option(help="attribution terms shown, the largest first")] = 10,
+    attribution: Annotated[
+        bool, typer.Option(help="the direct logit attribution (--no-attribution: the lens only)")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+    backend: Backend = None,
+) -> None:
+    """A decoder's next-token prediction after each layer (the logit lens), and each head's
+    and MLP's direct contribution to the token's logit."""
+    from qkv import load
+    from qkv.inspect.lens import lens as run_lens
+    from qkv.inspect.lens import lens_lines
+
+    with user_errors():
+        if terms < 0:
+            raise ValueError(f"--terms must be 0 or more, got {terms}")
+        found = run_lens(load(model, backend=backend), text, position=position, token=token,
+                         top=top, attribute=attribution)  # fmt: skip
+    typer.echo(json.dumps(found.to_dict()) if as_json else lens_lines(found, terms))
+
+
 def main() -> None:
     app()
 
