@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import copy
 import json
-import types
 
 import pytest
 import torch
 
 from qkv.inspect.lens import decoder_lens, lens
 from qkv.models import Decoder, DecoderConfig
-from qkv.nn import BlockConfig, RMSNorm
+from qkv.nn import BlockConfig
 from variant_models import decoder, gemma2_like, tiny
 
 TEXT = "The capital of France is"  # SmolLM2: 5 tokens, ' Paris' next
@@ -40,20 +39,10 @@ GEMMA = {"position": "rotary", "head_scale": 0.7,
          "block": {"norm": "rmsnorm_plus1", "mlp": "geglu_tanh", "bias": False}}  # fmt: skip
 
 
-def _rms_float64(self, x):
-    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-    return h * (1.0 + self.weight) if self.plus_one else self.weight * h
-
-
 def float64_copy(model: Decoder) -> Decoder:
-    """A float64 copy, never the model itself. qkv's RMSNorm computes in float32 (as Llama
-    checkpoints expect), even on float64 vectors; the copy's compute in float64, so that its
-    forward is float64 throughout and the identity can be checked to 1e-9."""
-    copied = copy.deepcopy(model).double()
-    for module in copied.modules():
-        if isinstance(module, RMSNorm):
-            module.forward = types.MethodType(_rms_float64, module)
-    return copied
+    """A float64 copy, never the model itself: its forward is float64 throughout (norms
+    included), so the identity can be checked to 1e-9."""
+    return copy.deepcopy(model).double()
 
 
 def check_sum(model: Decoder, ids: torch.Tensor, position: int = -1, token_id=None):
