@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -102,8 +103,10 @@ class Census:
             "heads": H,
             "prompts": list(self.prompts),
             "induction": {
-                "rows": self.induction_rows, "length": self.induction_length, "seed": self.seed,
-            },  # fmt: skip
+                "rows": self.induction_rows,
+                "length": self.induction_length,
+                "seed": self.seed,
+            },
             "windows": list(self.windows),
             "scores": {
                 "previous_token": self.previous_token.tolist(),
@@ -189,7 +192,8 @@ def census_of(
         raise ValueError(
             f"repeated rows of {T} tokens cannot hold 2 x {length} tokens from position {start}"
         )
-    if not (repeated[:, start : start + length] == repeated[:, start + length : start + 2 * length]).all():
+    first, second = repeated[:, start : start + length], repeated[:, start + length :]
+    if not (first == second[:, :length]).all():
         raise ValueError("the second half of each repeated row must equal its first half")
     if isinstance(prompts, Tensor | str) or not prompts:
         raise ValueError("prompts must be a non-empty list of token id lists")
@@ -221,6 +225,7 @@ def census_of(
             W = record.weights().double()  # (B, H, T, T)
             sums["induction"][layer] = W[:, :, q, q - length + 1].mean((0, 2))
     scores = {name: sums[name] / queries for name in SCORES if name != "induction"}
+    use = [None if windows[n] is None else sums["window_use"][n] / use_counts[n] for n in range(L)]
     return Census(
         source=source,
         prompts=[f"ids {i}" for i in range(len(prompts))],
@@ -233,8 +238,7 @@ def census_of(
         self_attention=scores["self"],
         entropy=scores["entropy"],
         windows=windows,
-        window_use=[None if windows[n] is None else sums["window_use"][n] / use_counts[n]
-                    for n in range(L)],  # fmt: skip
+        window_use=use,
     )
 
 
@@ -395,3 +399,39 @@ def text_rollout(pretrained, text: str, *, with_flow: bool = True) -> TextRollou
     seen = pretrained.attentions(text)  # (L, H, T, T) weights
     weights = seen.weights
     return TextRollout(seen.tokens, rollout(weights), flow(weights) if with_flow else None)
+
+
+def census_plot(census: Census, path) -> Path:
+    """A PNG scatter at `path`: each head's previous-token score (across) against its
+    induction score (up), colored by layer, the best head of each labelled. Written whole or
+    not at all. Returns the path."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"{path} does not end in .png; census_plot writes PNG images")
+    if not path.parent.is_dir():
+        raise ValueError(f"the folder {path.parent} does not exist; create it first")
+    from matplotlib.figure import Figure
+
+    L, H = census.previous_token.shape
+    layer_of = torch.arange(L)[:, None].expand(L, H).flatten()
+    figure = Figure(figsize=(7, 5.5), layout="constrained")
+    ax = figure.subplots()
+    dots = ax.scatter(census.previous_token.flatten(), census.induction.flatten(), c=layer_of,
+                      cmap="viridis", vmin=0, vmax=max(L - 1, 1), s=24, alpha=0.85)  # fmt: skip
+    for name in ("previous_token", "induction"):
+        layer, head, _ = census.top(name, 1)[0]
+        point = (float(census.previous_token[layer, head]), float(census.induction[layer, head]))
+        ax.annotate(f"L{layer} H{head}", point, textcoords="offset points", xytext=(5, 5),
+                    fontsize=8)  # fmt: skip
+    ax.set_xlabel("previous-token score (weight on the token before)")
+    ax.set_ylabel("induction score (repeated random tokens)")
+    ax.set_title(f"{census.source}: {L} layers x {H} heads, one dot per head", fontsize=10)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    figure.colorbar(dots, ax=ax, label="layer (from 0)")
+
+    from qkv.io.files import write_atomically
+
+    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
+    return path
