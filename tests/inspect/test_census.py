@@ -78,7 +78,7 @@ def test_planted_previous_token_and_induction_heads_rank_first():
 
 
 def test_planted_sink_gets_the_mass_computed_by_hand():
-    prompts = prompts_without_repeats(n=2, length=10) + [[3, 1, 4, 1, 5]]
+    prompts = [*prompts_without_repeats(n=2, length=10), [3, 1, 4, 1, 5]]
     census = census_of(planted_decoder(), prompts, induction_ids(range(V), 1, 4, seed=0))
     # key 0 gets 3 / (3 + i) of query i >= 1 (ln 3 against i zeros), pooled over all queries
     shares = [3 / (3 + i) for ids in prompts for i in range(1, len(ids))]

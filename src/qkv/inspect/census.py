@@ -435,3 +435,30 @@ def census_plot(census: Census, path) -> Path:
 
     write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
     return path
+
+
+_MEANING = {
+    "previous_token": "previous token (weight on key i-1)",
+    "induction": "induction (repeated random tokens: key i-n+1)",
+    "first_token": "first token (weight on key 0: a sink)",
+    "self": "self (weight on key i)",
+    "entropy": "entropy (nats; lowest first: most focused)",
+    "window_use": "window use (distance / farthest key seen)",
+}
+
+
+def census_lines(census: Census, k: int = 5) -> str:
+    """The census for people: the top k heads of each score, then each layer's first-token
+    mass (the mean over its heads) with a bar."""
+    L, H = census.previous_token.shape
+    lines = [f"{census.source}: {L} layers x {H} heads (counted from 0), each score the mean "
+             "over queries i >= 1", "", "top heads, as L(ayer) H(ead) score:"]  # fmt: skip
+    width = max(len(text) for text in _MEANING.values())
+    for name in SCORES:
+        top = census.top(name, k)
+        cells = "   ".join(f"L{layer} H{head} {score:.3f}" for layer, head, score in top)
+        lines.append(f"  {_MEANING[name]:<{width}}  {cells or '(no layer has a window)'}")
+    lines += ["", "first-token mass per layer (attention sinks):"]
+    for layer, mass in enumerate(census.sink_per_layer.tolist()):
+        lines.append(f"  layer {layer:>2}  {mass:.3f}  {'#' * round(mass * 40)}")
+    return "\n".join(lines)
