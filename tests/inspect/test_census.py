@@ -17,7 +17,7 @@ from qkv.inspect.census import (
     rollout,
     text_rollout,
 )
-from qkv.models import Decoder, DecoderConfig
+from qkv.models import Decoder, DecoderConfig, EncoderDecoder, EncoderDecoderConfig
 from qkv.nn import BlockConfig
 
 V, P = 20, 40  # tokens, positions
@@ -109,6 +109,31 @@ def test_window_use_of_uniform_heads_is_one_half():
     assert census.window_use[0].tolist() == pytest.approx([0.5, 0.5], abs=1e-6)
     assert census.to_dict()["scores"]["window_use"][1] is None
     assert [h[:2] for h in census.top("window_use", 5)] == [(0, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "loop"])
+def test_every_backend_gives_the_same_census(backend):
+    """Weights come from records, so the backend that ran does not matter (GQA included)."""
+    censuses = []
+    for name in ("eager", backend):
+        torch.manual_seed(0)
+        block = BlockConfig(width=16, num_heads=4, num_kv_heads=2, backend=name)
+        model = Decoder(DecoderConfig(vocab_size=V, num_layers=2, block=block, position="rotary"))
+        censuses.append(
+            census_of(model.eval(), [[1, 5, 2, 7, 3]], induction_ids(range(V), 2, 5, 0))
+        )
+    for name in ("previous_token", "induction", "first_token", "self", "entropy"):
+        torch.testing.assert_close(censuses[1].scores(name), censuses[0].scores(name))
+
+
+def test_an_encoder_decoder_counts_its_encoder():
+    config = EncoderDecoderConfig(vocab_size=V, encoder_layers=2, decoder_layers=3,
+                                  block=BlockConfig(width=16, num_heads=4))  # fmt: skip
+    model = EncoderDecoder(config).eval()
+    census = census_of(model, [[1, 2, 3, 4]], induction_ids(range(V), 2, 5, 0))
+    assert census.previous_token.shape == (2, 4)
+    direct = census_of(model.encoder, [[1, 2, 3, 4]], induction_ids(range(V), 2, 5, 0))
+    assert torch.equal(census.entropy, direct.entropy)
 
 
 def test_the_model_is_unchanged(minilm):

@@ -17,10 +17,11 @@ out: in a decoder it can attend to nothing but itself):
 Transformers": how much each output token draws on each input token across all layers.
 
 >>> import qkv
->>> census = heads(qkv.load("smollm2"))
+>>> census = heads(qkv.load("minilm"), prompts=["The bank of the river."], rows=1, length=8)
 >>> census.previous_token.shape  # (L, H)
-torch.Size([30, 9])
->>> layer, head, score = census.top("induction")[0]  # the strongest induction head
+torch.Size([6, 12])
+>>> census.top("previous_token", 1)[0][:2]  # (layer, head): MiniLM reads the token before
+(0, 2)
 """
 
 from __future__ import annotations
