@@ -226,7 +226,9 @@ def census_of(
             W = record.weights().double()  # (B, H, T, T)
             sums["induction"][layer] = W[:, :, q, q - length + 1].mean((0, 2))
     scores = {name: sums[name] / queries for name in SCORES if name != "induction"}
-    use = [None if windows[n] is None else sums["window_use"][n] / use_counts[n] for n in range(L)]
+    # a window of 1 lets each query see only itself: no distance to use, so None as well
+    use = [None if windows[n] is None or not use_counts[n].any()
+           else sums["window_use"][n] / use_counts[n] for n in range(L)]  # fmt: skip
     return Census(
         source=source,
         prompts=[f"ids {i}" for i in range(len(prompts))],
