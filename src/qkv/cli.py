@@ -624,6 +624,38 @@ def lens(
     typer.echo(json.dumps(found.to_dict()) if as_json else lens_lines(found, terms))
 
 
+@app.command("heads")
+def heads_census(
+    model: Model = "minilm",
+    top: Annotated[int, typer.Option(help="how many heads to list for each score")] = 5,
+    out: Annotated[
+        Path | None, typer.Option(help="a PNG scatter: previous-token vs induction per head")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="every score, as JSON")] = False,
+    backend: Backend = None,
+) -> None:
+    """A census of the model's heads: previous-token, induction, first-token (sink), self,
+    entropy and window use on built-in prompts; the top heads and each layer's sink mass."""
+    from qkv import load
+    from qkv.inspect.census import census_lines, census_plot, heads
+
+    with user_errors(out):
+        if top < 1:
+            raise ValueError(f"--top must be 1 or more, got {top}")
+        if out is not None:
+            check_out(out, (".png",))
+        census = heads(load(model, backend=backend))
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            census_plot(census, out)
+    if as_json:
+        typer.echo(json.dumps(census.to_dict(top)))
+        return
+    typer.echo(census_lines(census, top))
+    if out is not None:
+        typer.echo(f"wrote {out}")
+
+
 def main() -> None:
     app()
 
