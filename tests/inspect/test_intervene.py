@@ -61,7 +61,7 @@ def assert_unchanged(pretrained, before):
     assert torch.equal(states, before[1])
 
 
-@pytest.mark.parametrize("backend", ["loop", "eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["loop", "eager", "sdpa", "flash"])
 def test_a_hidden_pair_is_the_loop_backend_with_that_pair_masked(backend):
     """The record of the layer where 'river' is hidden from 'bank': its q, k, v are the
     clean run's (nothing before changed), and its output is the loop backend's over them
@@ -262,9 +262,22 @@ def test_no_call_changes_the_model(make):
 
 
 def test_backends_agree_on_a_hide_table():
-    """The same table from the loop, eager and sdpa backends (hiding is a mask: every backend
-    computes it)."""
+    """The same table from every backend, our Triton kernel included (in Triton's interpreter
+    on a machine without a GPU): hiding is a mask, and every backend computes masks."""
     tables = [hide(llama_like(backend=b), TEXT, "river", query="deep").effect
-              for b in ("loop", "eager", "sdpa")]  # fmt: skip
+              for b in ("loop", "eager", "sdpa", "flash")]  # fmt: skip
     for table in tables[1:]:
         torch.testing.assert_close(table, tables[0], atol=1e-5, rtol=1e-3)
+
+
+def test_the_senses_with_their_context_are_the_probes_last_layer(minilm):
+    """senses_without_context's clean side is the probe's last layer (another code path:
+    hide's unpadded runs, the probe's padded batch); hiding the context collapses it."""
+    from qkv.inspect.intervene import senses_without_context
+    from qkv.inspect.probe import probe
+
+    senses = senses_without_context(minilm, "bank")
+    probed = probe(minilm, "bank")
+    assert senses.separation == pytest.approx(probed.separation[-1], abs=1e-5)
+    assert senses.accuracy == probed.accuracy[-1]
+    assert senses.hidden_separation < senses.separation / 5
