@@ -281,3 +281,35 @@ def test_the_senses_with_their_context_are_the_probes_last_layer(minilm):
     assert senses.separation == pytest.approx(probed.separation[-1], abs=1e-5)
     assert senses.accuracy == probed.accuracy[-1]
     assert senses.hidden_separation < senses.separation / 5
+
+
+def test_an_encoder_decoder_hides_in_its_encoder_as_transformers_pads(tmp_path):
+    """T5 (relative position bias, no division of the scores): hiding a word from every word
+    in its encoder equals transformers' T5 encoder with that word padded out."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    import qkv
+    from qkv.io.hf import load_folder
+    from qkv.io.tokenizer import Tokenizer
+
+    config = transformers.T5Config(
+        vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = transformers.T5ForConditionalGeneration(config).eval()
+    theirs.save_pretrained(tmp_path)
+    model, family, ours_config, hf_config = load_folder(tmp_path, torch.float32, "sdpa")
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    t5 = qkv.Pretrained(model, Tokenizer(backend), ours_config, family=family,
+                        hf_config=hf_config, source="tiny-t5")  # fmt: skip
+    hidden = hide(t5, TEXT, "river")
+    ids = torch.tensor([t5.encode(TEXT).ids])
+    mask = (ids != WORDS.index("river")).long()
+    with torch.inference_mode():
+        expected = theirs.encoder(input_ids=ids, attention_mask=mask).last_hidden_state[0]
+    torch.testing.assert_close(hidden.states, expected, atol=1e-5, rtol=1e-4)
+    assert hidden.next is None  # an encoder has no next token
