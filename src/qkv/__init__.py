@@ -20,8 +20,8 @@ __all__ = [
     "load", "patch", "trace",
 ]  # fmt: skip
 
-# interventions: "what if" asked of the model (qkv.inspect.intervene)
-_INTERVENTIONS = ("hide", "ablate", "patch")
+# interventions: "what if" asked of the model
+_INTERVENTIONS = {"hide": "intervene", "ablate": "ablation", "patch": "ablation"}
 
 
 def __getattr__(name: str):
@@ -35,9 +35,9 @@ def __getattr__(name: str):
 
         return trace
     if name in _INTERVENTIONS:
-        from qkv.inspect import intervene
+        from importlib import import_module
 
-        return getattr(intervene, name)
+        return getattr(import_module(f"qkv.inspect.{_INTERVENTIONS[name]}"), name)
     if name == "lens":  # the logit lens and direct logit attribution (decoders)
         from qkv.inspect.lens import lens
 

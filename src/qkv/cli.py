@@ -232,7 +232,7 @@ def probe(
         return
     typer.echo(probe_lines(result))
     if senses is not None:
-        from qkv.inspect.intervene import senses_lines
+        from qkv.inspect.narrate import senses_lines
 
         typer.echo("\n" + senses_lines(senses))
     if out is not None:
@@ -453,7 +453,7 @@ def hide(
     """Which heads carry KEY into QUERY: hide it in each head alone, then in all at once."""
     from qkv import load
     from qkv.inspect.intervene import hide as run_hide
-    from qkv.inspect.intervene import hide_lines
+    from qkv.inspect.narrate import hide_lines
 
     with user_errors(out):
         if top < 1:
@@ -491,8 +491,8 @@ def ablate(
 ) -> None:
     """What each head does to TEXT: ablate it alone (zero or mean), then all chosen at once."""
     from qkv import load
-    from qkv.inspect.intervene import ablate as run_ablate
-    from qkv.inspect.intervene import ablate_lines
+    from qkv.inspect.ablation import ablate as run_ablate
+    from qkv.inspect.narrate import ablate_lines
 
     with user_errors(out):
         if out is not None:
@@ -532,8 +532,8 @@ def patch(
     """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
     the next token: which parts of the model carry the difference."""
     from qkv import load
-    from qkv.inspect.intervene import patch as run_patch
-    from qkv.inspect.intervene import patch_lines
+    from qkv.inspect.ablation import patch as run_patch
+    from qkv.inspect.narrate import patch_lines
 
     with user_errors(out):
         if out is not None:

@@ -1,6 +1,7 @@
-"""Interventions (`qkv.inspect.intervene`) are exact by construction: a hidden pair is a
-masked pair, a patch of everything is the clean run, an ablation of every head is a layer
-without attention; each checked against an independent computation, never against itself."""
+"""Interventions (`qkv.inspect.intervene`, `qkv.inspect.ablation`) are exact by construction:
+a hidden pair is a masked pair, a patch of everything is the clean run, an ablation of every
+head is a layer without attention; each checked against an independent computation, never
+against itself."""
 
 from __future__ import annotations
 
@@ -12,15 +13,8 @@ import torch
 import transformers
 
 from qkv.attention import attend
-from qkv.inspect.intervene import (
-    Metric,
-    ablate,
-    hide,
-    hide_mask,
-    patch,
-    run,
-    stack_of,
-)
+from qkv.inspect.ablation import Metric, ablate, patch
+from qkv.inspect.intervene import hide, hide_mask, run, stack_of
 from qkv.io.embedded import embedded_path
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig
@@ -313,3 +307,16 @@ def test_an_encoder_decoder_hides_in_its_encoder_as_transformers_pads(tmp_path):
         expected = theirs.encoder(input_ids=ids, attention_mask=mask).last_hidden_state[0]
     torch.testing.assert_close(hidden.states, expected, atol=1e-5, rtol=1e-4)
     assert hidden.next is None  # an encoder has no next token
+
+
+def test_without_the_table_only_the_total_is_computed_and_the_json_is_valid():
+    import json
+
+    pretrained = encoder_like()
+    full = hide(pretrained, TEXT, "river", query="bank")
+    quick = hide(pretrained, TEXT, "river", query="bank", table=False)
+    assert quick.effect.isnan().all() and quick.ranked() == []
+    assert quick.total == pytest.approx(full.total, abs=1e-7)
+    torch.testing.assert_close(quick.states, full.states)
+    for result in (quick, full):
+        json.dumps(result.to_dict(), allow_nan=False)  # null, never NaN

@@ -11,7 +11,8 @@ import matplotlib.image
 import pytest
 import torch
 
-from qkv.inspect.intervene import Metric, ablate, hide
+from qkv.inspect.ablation import Metric, ablate
+from qkv.inspect.intervene import hide
 
 TEXT = "The bank on the side of the river"
 

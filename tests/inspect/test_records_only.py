@@ -87,10 +87,17 @@ def test_show_runs_the_model_once_per_text(forwards, tmp_path):
         assert forwards == [(1, 10)], out  # the sentence is 10 tokens with [CLS] and [SEP]
 
 
-def test_the_demo_runs_the_model_once_for_its_sentence_and_once_for_the_probe(forwards, tmp_path):
+def test_the_demo_runs_once_for_its_sentence_once_for_the_probe_and_per_layer_to_hide(
+    forwards, tmp_path
+):
     from qkv.inspect.demo import article_walk
 
     sections = list(article_walk(tmp_path / "report"))
-    assert len(sections) == 7
+    assert len(sections) == 9
     assert forwards[0] == (1, 10), "the trace, the page and its vectors share one pass"
-    assert len(forwards) == 2 and forwards[1][0] == 16, "the probe reads its 16 sentences at once"
+    assert forwards[1][0] == 16, "the probe reads its 16 sentences at once"
+    # hiding "river" from "bank": one clean pass, one pass per layer with its 12 heads side by
+    # side (each resumed at its layer), one with the word hidden everywhere
+    assert forwards[2:10] == [(1, 10)] + [(12, 10)] * 6 + [(1, 10)]
+    # every other word hidden from "bank" in each of the 16 sentences: a clean and a hidden pass
+    assert len(forwards) == 10 + 2 * 16 and all(b == 1 for b, _ in forwards[10:])

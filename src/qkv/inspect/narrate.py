@@ -6,6 +6,8 @@ import math
 
 from torch import Tensor
 
+from qkv.inspect.ablation import Ablated, Patched
+from qkv.inspect.intervene import Hidden, NextTokens, Senses, Token
 from qkv.inspect.probe import Probe
 from qkv.inspect.trace import Trace
 
@@ -318,4 +320,95 @@ def probe_lines(probe: Probe) -> str:
             f'In layer {layer}, head {head}, "{probe.word}" attends most to the word that tells '
             f"its sense in {100 * share:.1f}% of the sentences (the best of every layer and head)."
         )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- interventions
+
+
+def _next_lines(next: NextTokens | None, what: str) -> list[str]:
+    if next is None:
+        return []
+
+    def listed(tokens: list[Token]) -> str:
+        return ", ".join(f"{t.token!r} {t.logprob:.3g}" for t in tokens)
+
+    return [
+        f"next token after position {next.position} (log-probabilities):",
+        f"  as the model reads it: {listed(next.before)}",
+        f"  {what}: {listed(next.after)}",
+        f"  the first one's log-probability changed by {next.top_change:+.3g}",
+    ]
+
+
+def senses_lines(result: Senses) -> str:
+    counts = ", ".join(f"{result.labels.count(s)} {s}" for s in dict.fromkeys(result.labels))
+    return "\n".join([
+        f"'{result.word}' after the last layer, in {len(result.sentences)} sentences ({counts}):",
+        f"  with its context:         same sense minus different {result.separation:+.3f}, "
+        f"sense accuracy {result.accuracy:.0%}",
+        f"  every other word hidden:  same sense minus different "
+        f"{result.hidden_separation:+.3f}, sense accuracy {result.hidden_accuracy:.0%}",
+        "  (hidden from it in every layer and head: what is left is the word itself, its",
+        "  position and the special tokens)",
+    ])  # fmt: skip
+
+
+def hide_lines(result: Hidden, top: int = 10) -> str:
+    """The heads that carry the key into the query, largest effect first, and the total."""
+    key = result.key if isinstance(result.key, str) else ", ".join(result.key)
+    query = f"'{result.query}'" if result.query is not None else "every word"
+    lines = [
+        f"hiding '{key}' from {query} in {result.source}, in each head alone:",
+        f"the change of the final vector of {query} (1 - cosine, and distance)",
+        "  layer  head   1-cos     distance",
+    ]
+    for layer, head, effect in result.ranked()[:top]:
+        distance = float(result.distance[layer, head])
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:<8.3g}  {distance:.3g}")
+    shown = len(result.layers) * len(result.heads)
+    if shown > top:
+        lines.append(f"  ({shown - top} more heads; --json lists every one)")
+    lines.append(
+        f"hidden in all {shown} heads at once: 1 - cosine {result.total:.3g}, distance "
+        f"{result.total_distance:.3g}"
+    )
+    return "\n".join(lines + _next_lines(result.next, f"with '{key}' hidden"))
+
+
+def ablate_lines(result: Ablated, top: int = 10) -> str:
+    lines = [
+        f"{result.mode}-ablating heads of {result.source}, each alone (mean change of every "
+        "token's final vector, 1 - cosine):",
+        "  layer  head   1-cos",
+    ]
+    for layer, head, effect in result.ranked()[:top]:
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:.3g}")
+    if len(result.heads) > top:
+        lines.append(f"  ({len(result.heads) - top} more heads; --json lists every one)")
+    lines.append(f"all {len(result.heads)} heads ablated at once: 1 - cosine {result.total:.3g}")
+    return "\n".join(lines + _next_lines(result.next, "with them ablated"))
+
+
+def patch_lines(result: Patched, top: int = 10) -> str:
+    restored = result.restored(result.heads)
+    cells = sorted(
+        ((n, h) for n in range(restored.shape[0]) for h in range(restored.shape[1])),
+        key=lambda c: -abs(float(result.heads[c] - result.corrupt)),
+    )
+    lines = [
+        f"metric {result.metric}: clean {result.clean:.4f}, corrupted {result.corrupt:.4f}",
+        "head outputs of the clean run patched into the corrupted one, the largest moves:",
+        "  layer  head   metric     restored",
+    ]
+    for n, h in cells[:top]:
+        lines.append(f"  {n:>5}  {h:>4}   {float(result.heads[n, h]):+.4f}   "
+                     f"{float(restored[n, h]):+.3f}")  # fmt: skip
+    residual = result.restored(result.residual)
+    lines.append("residual stream patched after each layer, restored (rows: layers; "
+                 "columns: positions):")  # fmt: skip
+    tokens = result.clean_tokens
+    lines.append("         " + " ".join(f"{shown(t)[:7]:>7}" for t in tokens))
+    for n in range(residual.shape[0]):
+        lines.append(f"  {n:>5}  " + " ".join(f"{float(v):+7.2f}" for v in residual[n]))
     return "\n".join(lines)
