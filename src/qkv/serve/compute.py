@@ -16,6 +16,7 @@ import contextlib
 import json
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 
@@ -274,3 +275,105 @@ def pack_float32(values: np.ndarray) -> str:
     'AACAPwAAAD8='
     """
     return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+
+
+def hide_word(
+    served: Served,
+    limits: Limits,
+    text: str,
+    key: str,
+    query: str | None,
+    layers: list[int] | None,
+    heads: list[int] | None,
+    stop: threading.Event | None = None,
+) -> dict:
+    """`qkv.hide(...).to_dict()` (docs/hide.md), a layer at a time so that it can stop.
+
+    A whole grid is many runs (SmolLM2's 270 heads are 270 runs through up to 30 layers),
+    so each layer's row is `hide` asked of that layer alone, with `going(stop)` between: a
+    row is the same either way, since each layer's runs resume from the clean run there.
+    The total hides the key in every layer and head asked at once, in one more run, as
+    `hide` does; a test checks the answer equals one `hide` call's.
+    """
+    from qkv.inspect import intervene
+
+    encode(served, limits, text)
+    config = served.pretrained.config
+    layers = list(range(config.num_layers)) if layers is None else layers
+    heads = list(range(config.block.num_heads)) if heads is None else heads
+    for name, chosen in (("layer", layers), ("head", heads)):
+        for value in chosen:
+            served.check_index(name, value)
+    rows = []
+    for layer in layers:
+        going(stop)
+        rows.append(intervene.hide(served.pretrained, text, key, query=query, layers=[layer],
+                                   heads=heads))  # fmt: skip
+    going(stop)
+    hidden = everywhere(served.pretrained, rows, layers, heads)
+    return {"model": served.name, **hidden.to_dict()}
+
+
+def everywhere(pretrained, rows: list, layers: list[int], heads: list[int]):
+    """The `Hidden` of `layers` and `heads` at once, from `rows` (one `Hidden` per layer, in
+    the order of `layers`): their grids merged, and the key hidden in all of them together."""
+    from dataclasses import replace
+
+    from qkv.inspect import intervene
+    from qkv.nn.edit import Edit
+
+    first = rows[0]
+    stack = intervene.stack_of(pretrained)
+    T, H = len(first.tokens), stack.config.block.num_heads
+    grids = {}
+    for name in ("effect", "distance", "next_by_head"):
+        if getattr(first, name) is not None:
+            grids[name] = getattr(first, name).clone()
+            for layer, row in zip(layers, rows, strict=True):
+                grids[name][layer] = getattr(row, name)[layer]
+    hidden = intervene.hide_mask(T, H, first.key_span, first.query_span, heads)
+    ids = torch.tensor([pretrained.encode(first.text).ids])
+    with torch.inference_mode():
+        clean = intervene.run(stack, ids)
+        edits = {layer: Edit(hide=hidden) for layer in layers}
+        states = intervene.resumed(stack, clean, min(layers), edits, 1)[0]  # (T, C)
+        if first.query_span is None:  # every token's change, averaged
+            effect, distance = (d.mean() for d in intervene.changed(clean.states, states))
+        else:
+            span = slice(*first.query_span)
+            effect, distance = intervene.changed(clean.states[span].mean(0), states[span].mean(0))
+        after = None
+        if first.next is not None:
+            position = first.next.position
+            after = intervene.next_tokens(
+                pretrained.tokenizer,
+                clean.logits[position],
+                stack.project(states[position]).float(),
+                position,
+            )
+    return replace(first, layers=layers, states=states, total=float(effect),
+                   total_distance=float(distance), next=after, **grids)  # fmt: skip
+
+
+# A model's census depends on nothing a request sends: computed once per model (and kept as
+# long as the model is), under that model's lock, so that requests arriving together wait
+# for one computation instead of each starting its own.
+_censuses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_census_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_census_guard = threading.Lock()
+
+
+def head_census(served: Served, limits: Limits, stop: threading.Event | None = None) -> dict:
+    """`qkv.heads(...).to_dict()` (docs/heads.md): the census of the model's heads over the
+    built-in prompts, the same for every request. One library call of a few forward passes
+    (it does not stop half-way); an answer past the time limit still lands in the cache."""
+    from qkv.inspect.census import heads
+
+    pretrained = served.pretrained
+    with _census_guard:
+        lock = _census_locks.setdefault(pretrained, threading.Lock())
+    with lock:
+        if pretrained not in _censuses:
+            going(stop)
+            _censuses[pretrained] = heads(pretrained).to_dict()
+    return {"model": served.name, **_censuses[pretrained]}
