@@ -16,8 +16,8 @@ except PackageNotFoundError:  # running from a source tree with PYTHONPATH=src
     __version__ = "0.0.0+source"
 
 __all__ = [
-    "Pretrained", "__version__", "ablate", "attend", "explain_choice", "hide", "load", "patch",
-    "trace",
+    "Pretrained", "__version__", "ablate", "attend", "explain_choice", "heads", "hide", "lens",
+    "load", "patch", "trace",
 ]  # fmt: skip
 
 # interventions: "what if" asked of the model (qkv.inspect.intervene)
@@ -38,4 +38,12 @@ def __getattr__(name: str):
         from qkv.inspect import intervene
 
         return getattr(intervene, name)
+    if name == "lens":  # the logit lens and direct logit attribution (decoders)
+        from qkv.inspect.lens import lens
+
+        return lens
+    if name == "heads":  # the census of heads
+        from qkv.inspect.census import heads
+
+        return heads
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")

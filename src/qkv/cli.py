@@ -402,6 +402,132 @@ def plot(
         typer.echo(f"wrote {plot_run(run, out)}")
 
 
+Layers = Annotated[str | None, typer.Option(help="these layers only, e.g. 0,2,5 or 0-3")]
+Heads = Annotated[str | None, typer.Option(help="these heads only, e.g. 0,2,5 or 0-3")]
+Json = Annotated[bool, typer.Option("--json", help="every number, as JSON")]
+Png = Annotated[Path | None, typer.Option(help="write a layer x head heatmap PNG")]
+
+
+def _stack_shape(pretrained) -> tuple[int, int]:
+    from qkv.inspect.intervene import stack_of
+
+    config = stack_of(pretrained).config
+    return config.num_layers, config.block.num_heads
+
+
+@app.command()
+def hide(
+    text: str,
+    key: Annotated[str, typer.Option(help='the word to hide, e.g. river or "river#2"')],
+    query: Annotated[
+        str | None, typer.Option(help="the word it is hidden from; default: every word")
+    ] = None,
+    model: Model = "minilm",
+    layers: Layers = None,
+    heads: Heads = None,
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """Which heads carry KEY into QUERY: hide it in each head alone, then in all at once."""
+    from qkv import load
+    from qkv.inspect.intervene import hide as run_hide
+    from qkv.inspect.intervene import hide_lines
+
+    with user_errors(out):
+        if out is not None:
+            check_out(out, (".png",))
+        pretrained = load(model, backend=backend)
+        L, H = _stack_shape(pretrained)
+        result = run_hide(pretrained, text, key, query=query,
+                          layers=_numbers(layers, "layers", L, model),
+                          heads=_numbers(heads, "heads", H, model))  # fmt: skip
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            who = f"'{query}'" if query else "every word"
+            grid_plot([("1 - cosine", result.effect, None)], out, label="change",
+                      title=f"{model}: '{key}' hidden from {who}, one head at a time")  # fmt: skip
+    typer.echo(json.dumps(result.to_dict()) if as_json else hide_lines(result))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
+
+
+@app.command()
+def ablate(
+    text: str,
+    model: Model = "minilm",
+    layers: Layers = None,
+    heads: Heads = None,
+    mode: Annotated[
+        str, typer.Option(help="zero, or mean (each head's mean output over reference texts)")
+    ] = "zero",
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """What each head does to TEXT: ablate it alone (zero or mean), then all chosen at once."""
+    from qkv import load
+    from qkv.inspect.intervene import ablate as run_ablate
+    from qkv.inspect.intervene import ablate_lines
+
+    with user_errors(out):
+        if out is not None:
+            check_out(out, (".png",))
+        pretrained = load(model, backend=backend)
+        L, H = _stack_shape(pretrained)
+        chosen_layers = _numbers(layers, "layers", L, model) or range(L)
+        chosen_heads = _numbers(heads, "heads", H, model) or range(H)
+        pairs = [(n, h) for n in chosen_layers for h in chosen_heads]
+        result = run_ablate(pretrained, text, pairs, mode=mode)
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            grid_plot([("1 - cosine", result.effect, None)], out, label="change",
+                      title=f"{model}: each head {mode}-ablated alone")  # fmt: skip
+    typer.echo(json.dumps(result.to_dict()) if as_json else ablate_lines(result))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
+
+
+@app.command()
+def patch(
+    clean: str,
+    corrupt: str,
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="'diff: Mary, John' (log p(' Mary') - log p(' John')) or 'prob: Paris', "
+            "of the next token; tokens as written, spaces kept"
+        ),
+    ],
+    model: Model = "smollm2",
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
+    the next token: which parts of the model carry the difference."""
+    from qkv import load
+    from qkv.inspect.intervene import patch as run_patch
+    from qkv.inspect.intervene import patch_lines
+
+    with user_errors(out):
+        if out is not None:
+            check_out(out, (".png",))
+        result = run_patch(load(model, backend=backend), clean, corrupt, metric)
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            grids = [("head outputs (layer x head)", result.restored(result.heads), None),
+                     ("residual (layer x position)", result.restored(result.residual),
+                      result.clean_tokens)]  # fmt: skip
+            grid_plot(grids, out, label="restored", title=f"{model}: {result.metric}")
+    typer.echo(json.dumps(result.to_dict()) if as_json else patch_lines(result))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
+
+
 @app.command()
 def demo(
     out: Annotated[Path, typer.Option(help="the report folder to write")] = Path("qkv-demo"),
@@ -466,6 +592,68 @@ def serve(
 
 # what `pip install 'qkv[serve]'` brings (pyproject.toml), with fastapi's own starlette, pydantic
 _SERVE_EXTRA = {"fastapi", "uvicorn", "swagger_ui_bundle", "starlette", "pydantic"}
+
+
+@app.command()
+def lens(
+    text: str,
+    model: Model = "smollm2",
+    token: Annotated[
+        str | None, typer.Option(help="the next token to follow, e.g. ' Paris' (one token)")
+    ] = None,
+    position: Annotated[int, typer.Option(help="the position read, from 0; -1: the last")] = -1,
+    top: Annotated[int, typer.Option(help="next tokens shown per layer")] = 5,
+    terms: Annotated[int, typer.Option(help="attribution terms shown, the largest first")] = 10,
+    attribution: Annotated[
+        bool, typer.Option(help="the direct logit attribution (--no-attribution: the lens only)")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+    backend: Backend = None,
+) -> None:
+    """A decoder's next-token prediction after each layer (the logit lens), and each head's
+    and MLP's direct contribution to the token's logit."""
+    from qkv import load
+    from qkv.inspect.lens import lens as run_lens
+    from qkv.inspect.lens import lens_lines
+
+    with user_errors():
+        if terms < 0:
+            raise ValueError(f"--terms must be 0 or more, got {terms}")
+        found = run_lens(load(model, backend=backend), text, position=position, token=token,
+                         top=top, attribute=attribution)  # fmt: skip
+    typer.echo(json.dumps(found.to_dict()) if as_json else lens_lines(found, terms))
+
+
+@app.command("heads")
+def heads_census(
+    model: Model = "minilm",
+    top: Annotated[int, typer.Option(help="how many heads to list for each score")] = 5,
+    out: Annotated[
+        Path | None, typer.Option(help="a PNG scatter: previous-token vs induction per head")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="every score, as JSON")] = False,
+    backend: Backend = None,
+) -> None:
+    """A census of the model's heads: previous-token, induction, first-token (sink), self,
+    entropy and window use on built-in prompts; the top heads and each layer's sink mass."""
+    from qkv import load
+    from qkv.inspect.census import census_lines, census_plot, heads
+
+    with user_errors(out):
+        if top < 1:
+            raise ValueError(f"--top must be 1 or more, got {top}")
+        if out is not None:
+            check_out(out, (".png",))
+        census = heads(load(model, backend=backend))
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            census_plot(census, out)
+    if as_json:
+        typer.echo(json.dumps(census.to_dict(top)))
+        return
+    typer.echo(census_lines(census, top))
+    if out is not None:
+        typer.echo(f"wrote {out}")
 
 
 def main() -> None:

@@ -69,7 +69,7 @@ def test_a_hidden_pair_is_the_loop_backend_with_that_pair_masked(backend):
     pretrained = llama_like(backend=backend)
     stack = pretrained.model
     ids = torch.tensor([pretrained.encode("the river bank was deep").ids])  # bank: token 2
-    hidden = hide_mask(5, 2, key=(1, 2), query=(2, 3), heads=[1])  # river from bank, head 1
+    hidden = hide_mask(5, 2, keys=[(1, 2)], query=(2, 3), heads=[1])  # river from bank, head 1
     with torch.inference_mode():
         clean = stack(ids, layers=[1])
         edited = stack(ids, layers=[1], edits={1: Edit(hide=hidden)})
@@ -121,7 +121,7 @@ def test_hide_table_is_each_head_alone_and_resumes_from_the_clean_run():
     with torch.inference_mode():
         clean = stack(ids).hidden[0, slice(*span)].mean(0).double()
         for layer, head in [(0, 0), (1, 1)]:
-            mask = hide_mask(T, 2, result.key_span, span, [head])
+            mask = hide_mask(T, 2, result.key_spans, span, [head])
             alone = stack(ids, edits={layer: Edit(hide=mask)}).hidden[0, slice(*span)].mean(0)
             cosine = torch.nn.functional.cosine_similarity(clean, alone.double(), dim=0)
             assert float(result.effect[layer, head]) == pytest.approx(1 - float(cosine), abs=1e-6)

@@ -190,9 +190,9 @@ class Hidden:
     source: str
     text: str
     tokens: list[str]
-    key: str
+    key: str | list[str]
     query: str | None
-    key_span: tuple[int, int]  # token span [start, end)
+    key_spans: list[tuple[int, int]]  # each key word's token span [start, end)
     query_span: tuple[int, int] | None
     layers: list[int]  # the layers and heads the key was hidden in
     heads: list[int]
@@ -219,7 +219,7 @@ class Hidden:
             "tokens": self.tokens,
             "key": self.key,
             "query": self.query,
-            "key_span": list(self.key_span),
+            "key_spans": [list(span) for span in self.key_spans],
             "query_span": None if self.query_span is None else list(self.query_span),
             "layers": self.layers,
             "heads": self.heads,
@@ -234,43 +234,55 @@ class Hidden:
 
 
 def hide_mask(
-    T: int, H: int, key: tuple[int, int], query: tuple[int, int] | None, heads: Sequence[int]
+    T: int,
+    H: int,
+    keys: Sequence[tuple[int, int]],
+    query: tuple[int, int] | None,
+    heads: Sequence[int],
 ) -> Tensor:
-    """(1, H, T, T) boolean: True where the key's tokens are hidden from the query's (every
-    token's with no query), in `heads`."""
+    """(1, H, T, T) boolean: True where the keys' tokens (spans [start, end)) are hidden from
+    the query's (every token's with no query), in `heads`."""
     hidden = torch.zeros(1, H, T, T, dtype=torch.bool)
     rows = slice(None) if query is None else slice(*query)
-    hidden[0, list(heads), rows, slice(*key)] = True
+    for key in keys:
+        hidden[:, list(heads), rows, slice(*key)] = True
     return hidden
 
 
 def hide(
     pretrained,
     text: str,
-    key: str,
+    key: str | Sequence[str],
     *,
     query: str | None = None,
     layers: Iterable[int] | None = None,
     heads: Iterable[int] | None = None,
+    table: bool = True,
 ) -> Hidden:
     """Hide `key` from `query` (from every word if None) in `layers` and `heads` (all by
     default, counted from 0) and measure what changes (see `Hidden`).
 
     Words are as `explain` takes them ("bank", "bank#2"); a word of several tokens hides,
-    and is measured by, all of them. In a decoder a word can only hide what comes before it.
+    and is measured by, all of them; several key words are hidden together. In a decoder a
+    word can only hide what comes before it. table=False skips the (L, H) table (`effect`
+    is then all NaN) and runs only the model with the key hidden everywhere asked.
     """
     stack = stack_of(pretrained)
     layers, heads = _layers_heads(stack, layers, heads, pretrained.source)
     encoded = pretrained.encode(text)
-    key_span = word_span(encoded, key, "the key word")
+    keys = [key] if isinstance(key, str) else list(key)
+    if not keys:
+        raise ValueError("no key word given; name the word to hide")
+    key_spans = [word_span(encoded, word, "the key word") for word in keys]
     query_span = None if query is None else word_span(encoded, query, "the query word")
     causal = isinstance(stack, Decoder)
-    if causal and query_span is not None and key_span[0] >= query_span[1]:
-        raise ValueError(
-            f"{pretrained.source} is a decoder: {query!r} (token {query_span[0]}) sees only "
-            f"the words before it, and {key!r} (token {key_span[0]}) comes after; hide a "
-            "word that comes earlier"
-        )
+    for word, span in zip(keys, key_spans, strict=True):
+        if causal and query_span is not None and span[0] >= query_span[1]:
+            raise ValueError(
+                f"{pretrained.source} is a decoder: {query!r} (token {query_span[0]}) sees "
+                f"only the words before it, and {word!r} (token {span[0]}) comes after; hide "
+                "a word that comes earlier"
+            )
     ids = torch.tensor([encoded.ids])
     T, H = ids.shape[1], stack.config.block.num_heads
     rows = slice(None) if query_span is None else slice(*query_span)
@@ -289,10 +301,10 @@ def hide(
     distance, by_head = effect.clone(), effect.clone() if causal else None
     with torch.inference_mode():
         clean_run = run(stack, ids)
-        for layer in layers:
+        for layer in layers if table else []:
             for part in batches(len(heads), H * T * T):
                 chosen = heads[part]
-                hidden = torch.cat([hide_mask(T, H, key_span, query_span, [h]) for h in chosen])
+                hidden = torch.cat([hide_mask(T, H, key_spans, query_span, [h]) for h in chosen])
                 states = resumed(stack, clean_run, layer, {layer: Edit(hide=hidden)}, len(chosen))
                 effect[layer, chosen], distance[layer, chosen] = measure(states)
                 if by_head is not None:
@@ -300,14 +312,14 @@ def hide(
                     clean = clean_run.logits[position].double().log_softmax(-1)
                     top = int(clean.argmax())
                     by_head[layer, chosen] = logprobs[:, top] - clean[top]
-        everywhere = hide_mask(T, H, key_span, query_span, heads)
+        everywhere = hide_mask(T, H, key_spans, query_span, heads)
         edits = {layer: Edit(hide=everywhere) for layer in layers}
         states = resumed(stack, clean_run, min(layers), edits, 1)
         total, total_distance = measure(states)
         after = _logits(stack, states[0, position]) if causal else None
     return Hidden(
         source=pretrained.source, text=text, tokens=list(encoded.tokens), key=key,
-        query=query, key_span=key_span, query_span=query_span, layers=layers, heads=heads,
+        query=query, key_spans=key_spans, query_span=query_span, layers=layers, heads=heads,
         states=states[0], clean_states=clean_run.states, effect=effect, distance=distance,
         total=float(total[0]), total_distance=float(total_distance[0]),
         next=None if after is None else next_tokens(
@@ -651,3 +663,138 @@ def patch(pretrained, clean: str, corrupt: str, metric) -> Patched:
         clean_next=_top(tokenizer, source.logits[-1].double().log_softmax(-1)),
         corrupt_next=_top(tokenizer, target.logits[-1].double().log_softmax(-1)),
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- senses
+
+
+@dataclass
+class Senses:
+    """How far a word's senses lie apart after the last layer, with its context and with
+    every other word hidden from it (in every layer and head).
+
+    separation: mean cosine between the word's vectors in sentences of the same sense
+    minus that across senses (as `probe`); accuracy: leave-one-out nearest-centroid.
+    """
+
+    word: str
+    sentences: list[str]
+    labels: list[str]
+    separation: float
+    hidden_separation: float
+    accuracy: float
+    hidden_accuracy: float
+
+    def to_dict(self) -> dict:
+        return vars(self).copy()
+
+
+def senses_without_context(pretrained, word: str = "bank", sentences=None, labels=None) -> Senses:
+    """The sense probe's last layer asked causally: hide every other word of each sentence
+    from `word` and see whether its senses still separate. Without sentences, "bank" uses
+    the built-in river / money set (`qkv.inspect.bank_sentences`)."""
+    from qkv.inspect.probe import _leave_one_out_accuracy, _same_sense, _sentences_and_labels
+
+    sentences, labels = _sentences_and_labels(word, sentences, labels)
+    if labels is None:
+        raise ValueError("senses need labels: one sense per sentence")
+    clean, hidden = [], []
+    for sentence in sentences:
+        encoded = pretrained.encode(sentence)
+        span = word_span(encoded, word, f"sentence {sentence!r}")
+        others = [f"{w.text}#{w.occurrence}" for w in encoded.words() if w.token_span != span]
+        if not others:
+            raise ValueError(f"{sentence!r} has no word but {word!r}: nothing to hide")
+        result = hide(pretrained, sentence, others, query=word, table=False)
+        clean.append(result.clean_states[slice(*span)].mean(0))
+        hidden.append(result.states[slice(*span)].mean(0))
+    same = _same_sense(labels) & ~torch.eye(len(labels), dtype=torch.bool)
+    across = ~_same_sense(labels)
+
+    def apart(vectors: list[Tensor]) -> tuple[float, float]:
+        unit = F.normalize(torch.stack(vectors).double(), dim=-1)
+        similarity = unit @ unit.T
+        gap = float(similarity[same].mean() - similarity[across].mean())
+        return gap, _leave_one_out_accuracy(unit, labels)
+
+    (separation, accuracy), (hidden_separation, hidden_accuracy) = apart(clean), apart(hidden)
+    return Senses(word, sentences, labels, separation, hidden_separation, accuracy,
+                  hidden_accuracy)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- for people
+
+
+def _next_lines(next: NextTokens | None, what: str) -> list[str]:
+    if next is None:
+        return []
+
+    def listed(tokens: list[Token]) -> str:
+        return ", ".join(f"{t.token!r} {t.logprob:.2f}" for t in tokens)
+
+    return [
+        f"next token after position {next.position} (log-probabilities):",
+        f"  as the model reads it: {listed(next.before)}",
+        f"  {what}: {listed(next.after)}",
+        f"  the first one's log-probability changed by {next.top_change:+.3f}",
+    ]
+
+
+def hide_lines(result: Hidden, top: int = 10) -> str:
+    """The heads that carry the key into the query, largest effect first, and the total."""
+    key = result.key if isinstance(result.key, str) else ", ".join(result.key)
+    query = f"'{result.query}'" if result.query is not None else "every word"
+    lines = [
+        f"hiding '{key}' from {query} in {result.source}, each head alone "
+        f"(the change of the final vector of {query}: 1 - cosine, and distance):",
+        "  layer  head   1-cos      distance",
+    ]
+    for layer, head, effect in result.ranked()[:top]:
+        distance = float(result.distance[layer, head])
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:.6f}   {distance:.4f}")
+    shown = len(result.layers) * len(result.heads)
+    if shown > top:
+        lines.append(f"  ({shown - top} more heads; --json lists every one)")
+    lines.append(
+        f"hidden in all {shown} heads at once: 1 - cosine {result.total:.6f}, distance "
+        f"{result.total_distance:.4f}"
+    )
+    return "\n".join(lines + _next_lines(result.next, f"with '{key}' hidden"))
+
+
+def ablate_lines(result: Ablated, top: int = 10) -> str:
+    lines = [
+        f"{result.mode}-ablating heads of {result.source}, each alone (mean change of every "
+        "token's final vector, 1 - cosine):",
+        "  layer  head   1-cos",
+    ]
+    for layer, head, effect in result.ranked()[:top]:
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:.6f}")
+    if len(result.heads) > top:
+        lines.append(f"  ({len(result.heads) - top} more heads; --json lists every one)")
+    lines.append(f"all {len(result.heads)} heads ablated at once: 1 - cosine {result.total:.6f}")
+    return "\n".join(lines + _next_lines(result.next, "with them ablated"))
+
+
+def patch_lines(result: Patched, top: int = 10) -> str:
+    restored = result.restored(result.heads)
+    cells = sorted(
+        ((n, h) for n in range(restored.shape[0]) for h in range(restored.shape[1])),
+        key=lambda c: -abs(float(result.heads[c] - result.corrupt)),
+    )
+    lines = [
+        f"metric {result.metric}: clean {result.clean:.4f}, corrupted {result.corrupt:.4f}",
+        "head outputs of the clean run patched into the corrupted one, the largest moves:",
+        "  layer  head   metric     restored",
+    ]
+    for n, h in cells[:top]:
+        lines.append(f"  {n:>5}  {h:>4}   {float(result.heads[n, h]):+.4f}   "
+                     f"{float(restored[n, h]):+.3f}")  # fmt: skip
+    residual = result.restored(result.residual)
+    lines.append("residual stream patched after each layer, restored (rows: layers; "
+                 "columns: positions):")  # fmt: skip
+    tokens = result.clean_tokens
+    lines.append("         " + " ".join(f"{t[:7]:>7}" for t in tokens))
+    for n in range(residual.shape[0]):
+        lines.append(f"  {n:>5}  " + " ".join(f"{float(v):+7.2f}" for v in residual[n]))
+    return "\n".join(lines)

@@ -19,7 +19,8 @@ Position = Literal["learned", "sinusoidal", "rotary", "relative", "none"]
 class RMSNorm(nn.Module):
     """Scale each vector to unit root-mean-square, then by a learned gain (Llama's norm).
 
-    Computed in float32 and cast back before the gain, as Llama checkpoints expect. With
+    Computed in float32 (float64 for float64 vectors) and cast back before the gain, as Llama
+    checkpoints expect. With
     plus_one (Gemma's norm) the gain is 1 + weight, applied in float32 before the cast, and
     the stored weight starts at 0.
     """
@@ -30,10 +31,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(width) if plus_one else torch.ones(width))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
+        h = x if x.dtype == torch.float64 else x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.plus_one:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
+            return (h * (1.0 + self.weight.to(h.dtype))).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
     def extra_repr(self) -> str:

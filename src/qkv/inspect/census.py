@@ -1,0 +1,467 @@
+"""A census of heads: what each layer's heads do on built-in prompts, read from the records.
+
+Every (layer, head) gets six scores, each a mean over query tokens i >= 1 (query 0 is left
+out: in a decoder it can attend to nothing but itself):
+
+- previous_token: the weight from query i on key i - 1, on short English sentences;
+- induction: on rows of random tokens repeated twice (x_0 .. x_n-1 x_0 .. x_n-1), the weight
+  from a second-half position on the key just after the earlier occurrence of its token
+  (query n + k on key k + 1): the head that completes "A B ... A -> B";
+- first_token: the weight on key 0 (an "attention sink": a head parked on the first token);
+- self: the weight on the query's own position (the diagonal);
+- entropy: the entropy of the query's row, in nats (0: one key; log(keys): uniform);
+- window_use (layers with a sliding window only): the mean distance |i - j| the weight goes,
+  as a share of the farthest key the query could see (1: all on the farthest key).
+
+`rollout` and `flow` are Abnar and Zuidema's (2020) "Quantifying Attention Flow in
+Transformers": how much each output token draws on each input token across all layers.
+
+>>> import qkv
+>>> census = heads(qkv.load("minilm"), prompts=["The bank of the river."], rows=1, length=8)
+>>> census.previous_token.shape  # (L, H)
+torch.Size([6, 12])
+>>> census.top("previous_token", 1)[0][:2]  # (layer, head): MiniLM reads the token before
+(0, 2)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from qkv.models import Decoder, Encoder, EncoderDecoder
+
+# Short natural sentences: previous-token, sink, self, entropy and window use are read here.
+PROMPTS = (
+    "The bank on the side of the river was covered in soft green grass.",
+    "She paid the money into her account at the bank on Monday morning.",
+    "A small boat drifted slowly down the wide river towards the sea.",
+    "The children laughed as the dog chased a red ball across the park.",
+    "After the storm, the old bridge over the stream had to be closed.",
+    "He read the letter twice before he finally put it back in the drawer.",
+)
+SCORES = ("previous_token", "induction", "first_token", "self", "entropy", "window_use")
+FLOW_MAX_TOKENS = 16  # flow is T^2 max-flows over an (L+1) x T graph: 16 tokens take seconds
+
+
+@dataclass
+class Census:
+    """Per (layer, head) scores (L, H), float64, layers and heads counted from 0."""
+
+    source: str
+    prompts: list[str]  # the sentences, or "ids 0", "ids 1", ... for token ids given directly
+    induction_rows: int  # how many rows of repeated random tokens
+    induction_length: int  # n: each row is n random tokens, then the same n again
+    seed: int | None  # the random tokens' seed, None for ids given directly
+    previous_token: Tensor  # (L, H) mean weight on key i - 1
+    induction: Tensor  # (L, H) mean weight on key i - n + 1 in the repeated half
+    first_token: Tensor  # (L, H) mean weight on key 0
+    self_attention: Tensor  # (L, H) mean weight on key i
+    entropy: Tensor  # (L, H) mean row entropy, nats
+    windows: list[int | None]  # each layer's sliding window, None for a full layer
+    window_use: list[Tensor | None]  # per layer (H,) for windowed layers, else None
+
+    @property
+    def sink_per_layer(self) -> Tensor:
+        """(L,) each layer's first-token mass, the mean over its heads."""
+        return self.first_token.mean(1)
+
+    def scores(self, name: str) -> Tensor:
+        """One score's (L, H) grid; window_use is NaN in layers without a window."""
+        if name not in SCORES:
+            raise ValueError(f"unknown score {name!r}; the scores are {', '.join(SCORES)}")
+        if name == "window_use":
+            H = self.previous_token.shape[1]
+            rows = [torch.full((H,), math.nan, dtype=torch.float64) if use is None else use
+                    for use in self.window_use]  # fmt: skip
+            return torch.stack(rows)
+        return getattr(self, "self_attention" if name == "self" else name)
+
+    def top(self, name: str, k: int = 5) -> list[tuple[int, int, float]]:
+        """The k heads that score highest on `name` (lowest for entropy: the most focused),
+        as (layer, head, score), best first; layers without a window are left out of
+        window_use."""
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be a whole number >= 1, got {k!r}")
+        grid = self.scores(name)
+        H = grid.shape[1]
+        flat = grid.flatten()
+        keep = torch.nonzero(~flat.isnan()).flatten()
+        order = flat[keep].argsort(descending=name != "entropy", stable=True)[:k]
+        return [(*divmod(int(keep[i]), H), float(flat[keep[i]])) for i in order]
+
+    def to_dict(self, k: int = 5) -> dict:
+        """JSON-ready (see docs/heads.md): lists of floats, None for a layer without a window."""
+        L, H = self.previous_token.shape
+        return {
+            "source": self.source,
+            "layers": L,
+            "heads": H,
+            "prompts": list(self.prompts),
+            "induction": {
+                "rows": self.induction_rows,
+                "length": self.induction_length,
+                "seed": self.seed,
+            },
+            "windows": list(self.windows),
+            "scores": {
+                "previous_token": self.previous_token.tolist(),
+                "induction": self.induction.tolist(),
+                "first_token": self.first_token.tolist(),
+                "self": self.self_attention.tolist(),
+                "entropy": self.entropy.tolist(),
+                "window_use": [None if use is None else use.tolist() for use in self.window_use],
+            },
+            "first_token_per_layer": self.sink_per_layer.tolist(),
+            "top": {
+                name: [{"layer": lh[0], "head": lh[1], "score": lh[2]} for lh in self.top(name, k)]
+                for name in SCORES
+            },
+        }
+
+
+def heads(
+    pretrained,
+    *,
+    prompts: Sequence[str] | None = None,
+    rows: int = 4,
+    length: int = 20,
+    seed: int = 0,
+) -> Census:
+    """The census of `pretrained`'s heads: `PROMPTS` (or `prompts`) and `rows` rows of
+    `length` random tokens repeated twice (seeded), one forward per prompt and one for the
+    random rows together, every layer recorded. An encoder-decoder's encoder is counted.
+    """
+    stack = _stack(pretrained.model, pretrained.source)
+    texts = list(PROMPTS if prompts is None else prompts)
+    if isinstance(prompts, str) or not texts:
+        raise ValueError("prompts must be a non-empty list of texts")
+    ids = []
+    for i, text in enumerate(texts):
+        encoded = pretrained.encode(text)
+        if len(encoded.ids) < 2:
+            raise ValueError(f"prompt {i} ({text!r}) has {len(encoded.ids)} token; give 2 or more")
+        ids.append(encoded.ids)
+    marked = pretrained.tokenizer.encode("a")  # the model's own markers, e.g. [CLS] a [SEP]
+    first = marked.special.index(False)
+    last = len(marked.ids) - marked.special[::-1].index(False)
+    prefix, suffix = marked.ids[:first], marked.ids[last:]
+    if len(prefix) + 2 * length + len(suffix) > pretrained.context_window:
+        raise ValueError(
+            f"2 x {length} random tokens exceed {pretrained.source}'s context window of "
+            f"{pretrained.context_window}; give a smaller length"
+        )
+    pool = ordinary_ids(pretrained.tokenizer, stack.config.vocab_size)
+    repeated = induction_ids(pool, rows, length, seed, prefix=prefix, suffix=suffix)
+    census = census_of(stack, ids, repeated, start=len(prefix), length=length,
+                       source=pretrained.source)  # fmt: skip
+    census.prompts, census.seed = texts, seed
+    return census
+
+
+def census_of(
+    model,
+    prompts: Sequence[Sequence[int]],
+    repeated: Tensor,
+    *,
+    start: int = 0,
+    length: int | None = None,
+    source: str = "the model",
+) -> Census:
+    """The census from token ids, no tokenizer needed: `prompts`, one list of ids per
+    prompt (2 tokens at least), and `repeated` (B, T) rows whose tokens start..start+length
+    are repeated at start+length..start+2*length (length: (T - start) // 2 by default).
+
+    >>> from qkv.models import DecoderConfig
+    >>> from qkv.nn import BlockConfig
+    >>> toy = Decoder(DecoderConfig(vocab_size=20, num_layers=2, block=BlockConfig(8, 2)))
+    >>> rows = induction_ids(range(20), rows=2, length=5, seed=0)
+    >>> census_of(toy, [[1, 2, 3]], rows).induction.shape
+    torch.Size([2, 2])
+    """
+    stack = _stack(model, source)
+    if not isinstance(repeated, Tensor) or repeated.dim() != 2:
+        raise ValueError("repeated must be a (B, T) tensor of token ids")
+    T = repeated.shape[1]
+    length = (T - start) // 2 if length is None else length
+    if length < 2 or start < 0 or start + 2 * length > T:
+        raise ValueError(
+            f"repeated rows of {T} tokens cannot hold 2 x {length} tokens from position {start}"
+        )
+    first, second = repeated[:, start : start + length], repeated[:, start + length :]
+    if not (first == second[:, :length]).all():
+        raise ValueError("the second half of each repeated row must equal its first half")
+    if isinstance(prompts, Tensor | str) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token id lists")
+    L, H = stack.config.num_layers, stack.config.block.num_heads
+    sums = {name: torch.zeros(L, H, dtype=torch.float64) for name in SCORES}
+    use_counts = torch.zeros(L, H, dtype=torch.float64)
+    queries = 0  # how many queries i >= 1 the prompts have
+    windows: list[int | None] = [None] * L
+    with torch.inference_mode():
+        for i, ids in enumerate(prompts):
+            ids = torch.as_tensor(ids).reshape(1, -1)  # (1, T)
+            if ids.shape[1] < 2:
+                raise ValueError(f"prompt {i} has {ids.shape[1]} token; give 2 or more")
+            for layer, record in _records(stack, ids).items():
+                W = record.weights().double()  # (1, H, T, T)
+                windows[layer] = record.window
+                rows = W[0, :, 1:]  # (H, T-1, T): queries 1..T-1
+                sums["previous_token"][layer] += W[0].diagonal(-1, -2, -1).sum(-1)
+                sums["first_token"][layer] += rows[..., 0].sum(-1)
+                sums["self"][layer] += W[0].diagonal(0, -2, -1)[:, 1:].sum(-1)
+                sums["entropy"][layer] -= torch.special.xlogy(rows, rows).sum((-1, -2))
+                if record.window is not None:
+                    use, counted = _window_use(W[0], record.allowed[0])
+                    sums["window_use"][layer] += use
+                    use_counts[layer] += counted
+            queries += ids.shape[1] - 1
+        q = torch.arange(start + length, start + 2 * length)  # the second half's queries
+        for layer, record in _records(stack, repeated).items():
+            W = record.weights().double()  # (B, H, T, T)
+            sums["induction"][layer] = W[:, :, q, q - length + 1].mean((0, 2))
+    scores = {name: sums[name] / queries for name in SCORES if name != "induction"}
+    # a window of 1 lets each query see only itself: no distance to use, so None as well
+    use = [None if windows[n] is None or not use_counts[n].any()
+           else sums["window_use"][n] / use_counts[n] for n in range(L)]  # fmt: skip
+    return Census(
+        source=source,
+        prompts=[f"ids {i}" for i in range(len(prompts))],
+        induction_rows=repeated.shape[0],
+        induction_length=length,
+        seed=None,
+        previous_token=scores["previous_token"],
+        induction=sums["induction"],
+        first_token=scores["first_token"],
+        self_attention=scores["self"],
+        entropy=scores["entropy"],
+        windows=windows,
+        window_use=use,
+    )
+
+
+def _stack(model, source: str):
+    """The stack whose self-attention is counted: an encoder, a decoder, or an
+    encoder-decoder's encoder; anything else is refused by name."""
+    if isinstance(model, EncoderDecoder):
+        return model.encoder
+    if not isinstance(model, Encoder | Decoder):
+        raise ValueError(
+            f"the census reads encoders, decoders and an encoder-decoder's encoder; {source} is "
+            f"a {type(model).__name__}"
+        )
+    return model
+
+
+def _records(stack, ids: Tensor) -> dict:
+    extra = {"logits": False} if isinstance(stack, Decoder) else {}
+    return stack(ids, layers="all", **extra).records
+
+
+def _window_use(W: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed window use over queries i >= 1 that could see a key other than themselves, and
+    how many there were. W (H, T, T); allowed (H or 1, T, T), True where a query saw a key.
+    A query's use: sum_j W[i, j] |i - j| over the largest |i - j| it was allowed."""
+    T = W.shape[-1]
+    distance = (torch.arange(T)[:, None] - torch.arange(T)[None]).abs().double()  # (T, T)
+    farthest = (distance * allowed).amax(-1).expand(W.shape[0], T)  # (H, T)
+    attended = (W * distance).sum(-1)  # (H, T)
+    counted = farthest[:, 1:] > 0
+    use = torch.where(counted, attended[:, 1:] / farthest[:, 1:].clamp(min=1), 0.0)
+    return use.sum(-1), counted.sum(-1).double()
+
+
+def ordinary_ids(tokenizer, vocab_size: int) -> list[int]:
+    """Token ids below vocab_size that are neither special nor placeholders ("[unused3]",
+    "<|endoftext|>"): the pool random rows are drawn from."""
+    special = tokenizer.special_ids
+    pool = []
+    for i in range(min(vocab_size, tokenizer.vocab_size)):
+        token = tokenizer.id_to_token(i) or ""
+        marker = (token[:1], token[-1:]) in (("[", "]"), ("<", ">")) and len(token) > 2
+        if i not in special and token and not marker:
+            pool.append(i)
+    return pool
+
+
+def induction_ids(
+    pool: Sequence[int], rows: int, length: int, seed: int, *,
+    prefix: Sequence[int] = (), suffix: Sequence[int] = (),
+) -> Tensor:  # fmt: skip
+    """(rows, P + 2 * length + S) token ids: `prefix`, `length` ids drawn from `pool`
+    (seeded, with replacement), the same ids again, `suffix`.
+
+    >>> induction_ids(range(100), rows=1, length=3, seed=0, prefix=[7])[0, 1:].tolist()[:3] \\
+    ...     == induction_ids(range(100), rows=1, length=3, seed=0, prefix=[7])[0, 4:].tolist()
+    True
+    """
+    if not isinstance(rows, int) or rows < 1 or not isinstance(length, int) or length < 2:
+        raise ValueError(f"rows must be >= 1 and length >= 2, got rows={rows!r}, length={length!r}")
+    pool = torch.as_tensor(list(pool))
+    if len(pool) < 2:
+        raise ValueError("the pool of token ids to draw from has fewer than 2 ids")
+    generator = torch.Generator().manual_seed(seed)
+    half = pool[torch.randint(len(pool), (rows, length), generator=generator)]  # (B, n)
+    ends = [torch.tensor([list(end)] * rows, dtype=torch.long).reshape(rows, -1)
+            for end in (prefix, suffix)]  # fmt: skip
+    return torch.cat([ends[0], half, half, ends[1]], dim=1)  # (B, P + 2n + S)
+
+
+# ---------------------------------------------------------------- attention rollout and flow
+
+
+def _with_residual(weights: Tensor) -> Tensor:
+    """(L, T, T) or (L, H, T, T) weights -> (L, T, T) float64: heads averaged, then 0.5 W +
+    0.5 I with each row renormalized, as in Abnar and Zuidema (2020)."""
+    if not isinstance(weights, Tensor) or weights.dim() not in (3, 4):
+        raise ValueError("weights must be (L, T, T) or (L, H, T, T) attention weights")
+    W = weights.double()
+    W = W.mean(1) if W.dim() == 4 else W  # (L, T, T)
+    if W.shape[-1] != W.shape[-2]:
+        raise ValueError(f"weights must be square (self-attention), got {tuple(W.shape[-2:])}")
+    A = 0.5 * W + 0.5 * torch.eye(W.shape[-1], dtype=W.dtype)
+    return A / A.sum(-1, keepdim=True)
+
+
+def rollout(weights: Tensor) -> Tensor:
+    """Attention rollout (T, T): A_{L-1} ... A_1 A_0 with A = 0.5 W + 0.5 I renormalized;
+    row i is how much the last layer's token i draws on each input token.
+
+    >>> rollout(torch.eye(2).expand(3, 2, 2)).tolist()  # every token keeps to itself
+    [[1.0, 0.0], [0.0, 1.0]]
+    """
+    A = _with_residual(weights)
+    out = A[0]
+    for layer in A[1:]:  # the first layer applied first
+        out = layer @ out
+    return out
+
+
+def flow(weights: Tensor) -> Tensor:
+    """Attention flow (T, T): the maximum flow from output token i (after the last layer) to
+    input token j in the layered graph whose edge from token i at layer l + 1 to token j at
+    layer l has capacity A_l[i, j] (A as in `rollout`). T^2 max-flows (networkx): refused
+    above FLOW_MAX_TOKENS tokens.
+
+    >>> flow(torch.tensor([[[1.0, 0.0], [0.5, 0.5]]] * 2)).tolist()
+    [[1.0, 0.0], [0.5, 0.75]]
+    """
+    A = _with_residual(weights)
+    L, T, _ = A.shape
+    if T > FLOW_MAX_TOKENS:
+        raise ValueError(
+            f"attention flow is {T}^2 max-flows over {L + 1} x {T} nodes; it computes "
+            f"{FLOW_MAX_TOKENS} tokens at most (rollout has no limit)"
+        )
+    import networkx as nx
+    from networkx.algorithms.flow import shortest_augmenting_path
+
+    graph = nx.DiGraph()
+    graph.add_nodes_from((layer, t) for layer in range(L + 1) for t in range(T))
+    for layer in range(L):
+        for i, j in torch.nonzero(A[layer] > 0).tolist():
+            graph.add_edge((layer + 1, i), (layer, j), capacity=float(A[layer, i, j]))
+    out = torch.zeros(T, T, dtype=torch.float64)
+    for i in range(T):
+        for j in range(T):
+            out[i, j] = nx.maximum_flow_value(
+                graph, (L, i), (0, j), flow_func=shortest_augmenting_path
+            )
+    return out
+
+
+@dataclass
+class TextRollout:
+    """Rollout and flow over one text: row i is output token i, column j input token j."""
+
+    tokens: list[str]
+    rollout: Tensor  # (T, T)
+    flow: Tensor | None  # (T, T); None when not asked for
+
+    def to_dict(self) -> dict:
+        return {"tokens": list(self.tokens), "rollout": self.rollout.tolist(),
+                "flow": None if self.flow is None else self.flow.tolist()}  # fmt: skip
+
+
+def text_rollout(pretrained, text: str, *, with_flow: bool = True) -> TextRollout:
+    """Attention rollout and flow of `pretrained` over `text`, from one forward's records
+    (an encoder-decoder's encoder). with_flow=False skips flow (and its token limit)."""
+    _stack(pretrained.model, pretrained.source)
+    if with_flow:  # refused before the forward, from the token count alone
+        count = len(pretrained.encode(text).ids)
+        if count > FLOW_MAX_TOKENS:
+            raise ValueError(
+                f"the text has {count} tokens; attention flow computes {FLOW_MAX_TOKENS} at "
+                "most (ask for rollout alone above that)"
+            )
+    seen = pretrained.attentions(text)  # (L, H, T, T) weights
+    weights = seen.weights
+    return TextRollout(seen.tokens, rollout(weights), flow(weights) if with_flow else None)
+
+
+def census_plot(census: Census, path) -> Path:
+    """A PNG scatter at `path`: each head's previous-token score (across) against its
+    induction score (up), colored by layer, the best head of each labelled. Written whole or
+    not at all. Returns the path."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise ValueError(f"{path} does not end in .png; census_plot writes PNG images")
+    if not path.parent.is_dir():
+        raise ValueError(f"the folder {path.parent} does not exist; create it first")
+    from matplotlib.figure import Figure
+
+    L, H = census.previous_token.shape
+    layer_of = torch.arange(L)[:, None].expand(L, H).flatten()
+    figure = Figure(figsize=(7, 5.5), layout="constrained")
+    ax = figure.subplots()
+    dots = ax.scatter(census.previous_token.flatten(), census.induction.flatten(), c=layer_of,
+                      cmap="viridis", vmin=0, vmax=max(L - 1, 1), s=24, alpha=0.85)  # fmt: skip
+    for name in ("previous_token", "induction"):
+        layer, head, _ = census.top(name, 1)[0]
+        point = (float(census.previous_token[layer, head]), float(census.induction[layer, head]))
+        ax.annotate(f"L{layer} H{head}", point, textcoords="offset points", xytext=(5, 5),
+                    fontsize=8)  # fmt: skip
+    ax.set_xlabel("previous-token score (weight on the token before)")
+    ax.set_ylabel("induction score (repeated random tokens)")
+    ax.set_title(f"{census.source}: {L} layers x {H} heads, one dot per head", fontsize=10)
+    ax.set_xlim(-0.02, 1.02)
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    figure.colorbar(dots, ax=ax, label="layer (from 0)")
+
+    from qkv.io.files import write_atomically
+
+    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
+    return path
+
+
+_MEANING = {
+    "previous_token": "previous token (weight on key i-1)",
+    "induction": "induction (repeated random tokens: key i-n+1)",
+    "first_token": "first token (weight on key 0: a sink)",
+    "self": "self (weight on key i)",
+    "entropy": "entropy (nats; lowest first: most focused)",
+    "window_use": "window use (distance / farthest key seen)",
+}
+
+
+def census_lines(census: Census, k: int = 5) -> str:
+    """The census for people: the top k heads of each score, then each layer's first-token
+    mass (the mean over its heads) with a bar."""
+    L, H = census.previous_token.shape
+    lines = [f"{census.source}: {L} layers x {H} heads (counted from 0), each score the mean "
+             "over queries i >= 1", "", "top heads, as L(ayer) H(ead) score:"]  # fmt: skip
+    width = max(len(text) for text in _MEANING.values())
+    for name in SCORES:
+        top = census.top(name, k)
+        cells = "   ".join(f"L{layer} H{head} {score:.3f}" for layer, head, score in top)
+        lines.append(f"  {_MEANING[name]:<{width}}  {cells or '(no layer has a window)'}")
+    lines += ["", "first-token mass per layer (attention sinks):"]
+    for layer, mass in enumerate(census.sink_per_layer.tolist()):
+        lines.append(f"  layer {layer:>2}  {mass:.3f}  {'#' * round(mass * 40)}")
+    return "\n".join(lines)

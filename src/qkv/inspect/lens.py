@@ -1,0 +1,375 @@
+"""The logit lens and direct logit attribution: what each layer of a decoder would predict.
+
+A decoder's residual stream is a sum: the embeddings, plus each layer's attention output,
+plus each layer's MLP output. The model predicts the next token from the last of these
+through its final norm and its LM head. The *logit lens* sends every intermediate stream
+(the embeddings, then each block's output) through that same norm and head, showing which
+next tokens each depth already points at. *Direct logit attribution* splits the final
+logit of one token into one term per part: the embeddings, each head of each layer (its
+output through its slice of the output projection), each layer's attention bias, each
+layer's MLP, and what the final norm adds itself. The norm is not linear; its scale is
+frozen at the value it takes on the final stream (the standard attribution), so that the
+terms add up to the model's own logit.
+
+>>> import qkv
+>>> result = lens(qkv.load("smollm2"), "The capital of France is")
+>>> result.layers[0], result.layers[-1], len(result.top_ids[0])
+('embeddings', 'layer 29', 5)
+>>> abs(result.attribution.total - result.attribution.logit) < 1e-3
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from qkv.models import Decoder, DecoderOutput
+from qkv.nn import RMSNorm
+
+
+@dataclass
+class Attribution:
+    """One token's logit at one position, split into the direct contribution of each part.
+
+    logit = embeddings + heads.sum() + attention_bias.sum() + mlps.sum() + remainder, where
+    each term is that part's output through the final norm (its scale frozen at its value
+    on the final residual stream), the LM head's row of the token and the head scale.
+    """
+
+    token_id: int
+    token: str
+    position: int
+    logit: float  # the model's own logit of the token at the position
+    embeddings: float  # the token (and position) embeddings' contribution
+    heads: Tensor  # (L, H) float64: each head's output through its slice of the output matrix
+    attention_bias: Tensor  # (L,) float64: each layer's output-projection bias (0 if none)
+    mlps: Tensor  # (L,) float64: block output - block input - attention output
+    # the logit minus every term above: what the final norm's shift and the LM head's bias add
+    remainder: float
+    remainder_explicit: float  # the same computed from the norm's bias and the head's bias
+    norm_scale: float  # the frozen scale: 1 / rms (RMSNorm) or 1 / std (LayerNorm); 1 if none
+
+    @property
+    def total(self) -> float:
+        """Every term plus the remainder: the logit, up to rounding."""
+        parts = self.heads.sum() + self.attention_bias.sum() + self.mlps.sum()
+        return float(self.embeddings + parts + self.remainder)
+
+    def terms(self) -> list[tuple[str, float]]:
+        """Every term by name, the largest in size first (a negative term pushes the token
+        down): ("layer 3 head 5", 1.2), ("layer 29 mlp", -0.4), ..."""
+        named = [("embeddings", self.embeddings)]
+        L, H = self.heads.shape
+        for layer in range(L):
+            named += [(f"layer {layer} head {h}", float(self.heads[layer, h])) for h in range(H)]
+            if self.attention_bias[layer] != 0:
+                named.append((f"layer {layer} attention bias", float(self.attention_bias[layer])))
+            named.append((f"layer {layer} mlp", float(self.mlps[layer])))
+        return sorted(named, key=lambda term: -abs(term[1]))
+
+    def to_dict(self) -> dict:
+        return {
+            "token_id": self.token_id,
+            "token": self.token,
+            "position": self.position,
+            "logit": self.logit,
+            "embeddings": self.embeddings,
+            "heads": self.heads.tolist(),
+            "attention_bias": self.attention_bias.tolist(),
+            "mlps": self.mlps.tolist(),
+            "remainder": self.remainder,
+            "remainder_explicit": self.remainder_explicit,
+            "norm_scale": self.norm_scale,
+            "total": self.total,
+            "terms": [{"name": name, "logit": value} for name, value in self.terms()],
+        }
+
+
+@dataclass
+class Lens:
+    """Each depth's next-token prediction at one position, and the attribution of a token.
+
+    Depth d is `layers[d]`: depth 0 is the embeddings, depth i + 1 the output of layer i
+    (layers count from 0); the last depth is the model's own prediction.
+    """
+
+    source: str
+    tokens: list[str]  # the text's tokens
+    position: int  # the position read, counted from 0
+    layers: list[str]  # ["embeddings", "layer 0", ..., "layer L-1"]
+    logits: Tensor  # (L+1, vocab) each depth's stream through the final norm and LM head
+    top_ids: list[list[int]]  # (L+1, top) the most likely next tokens at each depth
+    top_tokens: list[list[str]]  # the same as text
+    top_probs: list[list[float]]  # their probabilities (softmax over the whole vocabulary)
+    token_id: int  # the token followed: asked, or the model's top prediction
+    token: str
+    rank: list[int]  # (L+1,) how many tokens each depth scores above the token (0: the top)
+    logprob: list[float]  # (L+1,) the token's log-probability at each depth
+    attribution: Attribution | None  # None when asked for the lens alone
+
+    def to_dict(self) -> dict:
+        """JSON-ready (see docs/lens.md); `logits` is left out: it is the vocabulary's size
+        at every depth."""
+        return {
+            "source": self.source,
+            "tokens": list(self.tokens),
+            "position": self.position,
+            "layers": list(self.layers),
+            "top": [
+                [{"id": i, "token": t, "prob": p} for i, t, p in zip(*row, strict=True)]
+                for row in zip(self.top_ids, self.top_tokens, self.top_probs, strict=True)
+            ],
+            "token_id": self.token_id,
+            "token": self.token,
+            "rank": list(self.rank),
+            "logprob": list(self.logprob),
+            "attribution": None if self.attribution is None else self.attribution.to_dict(),
+        }
+
+
+def lens(
+    pretrained,
+    text: str,
+    *,
+    position: int = -1,
+    token: str | int | None = None,
+    top: int = 5,
+    attribute: bool = True,
+) -> Lens:
+    """The logit lens of `pretrained`'s decoder over `text`, at `position` (default the last
+    token), and the direct logit attribution of `token` there.
+
+    token: the next token to follow, as text that is one token of the vocabulary (" Paris",
+    with its leading space) or as an id; default the model's own top prediction.
+    top: how many of each depth's most likely next tokens to keep.
+    attribute: False for the lens alone (the attribution refuses some models by name).
+    """
+    model = pretrained.model
+    if not isinstance(model, Decoder) or model.config.cross_attention:
+        raise ValueError(
+            f"the logit lens reads a decoder's next-token predictions; {pretrained.source} is "
+            f"{pretrained.family.name}, not a decoder"
+        )
+    encoded = pretrained.encode(text)
+    token_id = None if token is None else token_id_of(pretrained, token)
+    ids = torch.tensor([encoded.ids])  # (1, T)
+
+    def spell(i: int) -> str:
+        return pretrained.tokenizer.decode([i], skip_special_tokens=False)
+
+    found = decoder_lens(model, ids, position=position, token_id=token_id, top=top,
+                         attribute=attribute, spell=spell, source=pretrained.source)  # fmt: skip
+    found.tokens = list(encoded.tokens)
+    return found
+
+
+def token_id_of(pretrained, token: str | int) -> int:
+    """The id of a token given as text (" Paris") or id; a clear error if it is not one
+    token of the vocabulary."""
+    size = pretrained.model.config.vocab_size
+    if isinstance(token, int) and not isinstance(token, bool):
+        if not 0 <= token < size:
+            raise ValueError(f"token id {token} is outside the vocabulary (0..{size - 1})")
+        return token
+    if not isinstance(token, str) or not token:
+        raise ValueError(f"the token must be a text such as ' Paris' or an id, got {token!r}")
+    found = pretrained.tokenizer.encode(token, add_special_tokens=False)
+    if len(found.ids) != 1:
+        raise ValueError(
+            f"{token!r} is not one token of {pretrained.source}'s vocabulary: it tokenizes as "
+            f"{list(found.tokens)}; give one of those (with its leading space where it has one)"
+        )
+    return found.ids[0]
+
+
+def decoder_lens(
+    model: Decoder,
+    ids: Tensor,
+    *,
+    position: int = -1,
+    token_id: int | None = None,
+    top: int = 5,
+    attribute: bool = True,
+    spell: Callable[[int], str] = str,
+    source: str = "the model",
+) -> Lens:
+    """The lens of a Decoder over ids (1, T): one forward with every layer's record and
+    hidden state, under inference mode. spell(id) names a token (default its id)."""
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError(f"the lens reads one text: ids of shape (1, T), got {tuple(ids.shape)}")
+    T = ids.shape[1]
+    if not isinstance(position, int) or not -T <= position < T:
+        raise ValueError(
+            f"position {position} is out of range: the text has {T} tokens (0..{T - 1}, or "
+            f"-{T}..-1 from the end)"
+        )
+    if not isinstance(top, int) or not 1 <= top <= model.config.vocab_size:
+        raise ValueError(f"top must be a whole number in 1..{model.config.vocab_size}, got {top}")
+    if attribute:
+        check_attributable(model, source)
+    position %= T
+    with torch.inference_mode():
+        out = model(ids, layers="all" if attribute else None, hidden_states=True)
+        streams = torch.stack([h[0, position] for h in out.hidden_states[:-1]])  # (L, C)
+        logits = model.project(streams if model.norm is None else model.norm(streams))
+        # the last depth is the model's own prediction, as its forward computed it: the same
+        # norm and head on one row instead of T can round differently in the last bit
+        logits = torch.cat([logits, out.logits[0, position][None]])  # (L+1, vocab)
+        logprobs = logits.double().log_softmax(-1)  # (L+1, vocab)
+        if token_id is None:
+            token_id = int(out.logits[0, position].argmax())
+        best = logprobs.topk(top, dim=-1)
+        chosen = logits[:, token_id : token_id + 1]  # (L+1, 1)
+        rank = (logits > chosen).sum(-1)  # (L+1,)
+        attribution = None
+        if attribute:
+            attribution = attribute_logit(model, out, position, token_id, spell(token_id))
+    L = model.config.num_layers
+    return Lens(
+        source=source,
+        tokens=[spell(i) for i in ids[0].tolist()],
+        position=position,
+        layers=["embeddings", *(f"layer {i}" for i in range(L))],
+        logits=logits.float(),
+        top_ids=best.indices.tolist(),
+        top_tokens=[[spell(i) for i in row] for row in best.indices.tolist()],
+        top_probs=best.values.exp().tolist(),
+        token_id=token_id,
+        token=spell(token_id),
+        rank=rank.tolist(),
+        logprob=logprobs[:, token_id].tolist(),
+        attribution=attribution,
+    )
+
+
+# what each refusal of the attribution adds: the logit lens itself reads any decoder
+_LENS_ALONE = "(the lens alone works: attribute=False, qkv lens --no-attribution)"
+
+
+def check_attributable(model: Decoder, source: str = "the model") -> None:
+    """Refuse, by name, a decoder whose logit is not a sum of its parts' outputs."""
+    block, cfg = model.config.block, model.config
+    if block.norm_position == "post":
+        raise ValueError(
+            f"direct logit attribution needs pre-norm blocks; {source}'s blocks normalize after "
+            "each residual sum (post-norm), so the heads' outputs are not terms of the final "
+            "stream " + _LENS_ALONE
+        )
+    if block.sublayer_norm:
+        raise ValueError(
+            f"direct logit attribution needs sub-layer outputs added as they are; {source} "
+            "normalizes each sub-layer's output before adding it (sublayer_norm, as Gemma 2 "
+            "and 3 and OLMo 2), so the heads' outputs are not terms of the stream " + _LENS_ALONE
+        )
+    if cfg.logit_softcap is not None:
+        raise ValueError(
+            f"direct logit attribution splits a linear logit; {source} soft-caps its logits "
+            f"(cap {cfg.logit_softcap}: cap * tanh(logit / cap)), which is not a sum of terms "
+            + _LENS_ALONE
+        )
+    linear = [model.lm_head, *(b.attn.out for b in model.blocks)]
+    if not all(type(layer) is nn.Linear for layer in linear):
+        raise ValueError(
+            f"direct logit attribution reads the output and LM head matrices; {source}'s are "
+            "packed (int4): load it without int4"
+        )
+
+
+def attribute_logit(
+    model: Decoder, out: DecoderOutput, position: int, token_id: int, token: str = ""
+) -> Attribution:
+    """Split the logit of token_id at `position` into direct contributions (float64).
+
+    out: the model's forward with every layer's record and hidden_states=True.
+    """
+    states = [h[0, position].double() for h in out.hidden_states]  # (C,) each, L+1
+    final = states[-1]
+    direction, scale, explicit = _readout(model, final, token_id)  # (C,): logit = c . direction
+    L = model.config.num_layers
+    H = model.config.block.num_heads
+    heads = torch.zeros(L, H, dtype=torch.float64)
+    biases = torch.zeros(L, dtype=torch.float64)
+    mlps = torch.zeros(L, dtype=torch.float64)
+    for layer, block in enumerate(model.blocks):
+        head_out = out.records[layer].out[0, :, position].double()  # (H, D)
+        W_o = block.attn.out.weight.double()  # (C, H*D)
+        read = (W_o.T @ direction).view(H, -1)  # (H, D): each head's slice, read out
+        heads[layer] = (head_out * read).sum(-1)
+        attended = W_o @ head_out.reshape(-1)  # (C,) the attention output, bias apart
+        if block.attn.out.bias is not None:
+            bias = block.attn.out.bias.double()
+            attended = attended + bias
+            biases[layer] = bias @ direction
+        mlp_out = states[layer + 1] - states[layer] - attended  # (C,) (a parallel block too)
+        mlps[layer] = mlp_out @ direction
+    embeddings = float(states[0] @ direction)
+    logit = float(out.logits[0, position, token_id])
+    remainder = logit - float(embeddings + heads.sum() + biases.sum() + mlps.sum())
+    return Attribution(
+        token_id=token_id, token=token, position=position, logit=logit, embeddings=embeddings,
+        heads=heads, attention_bias=biases, mlps=mlps, remainder=remainder,
+        remainder_explicit=explicit, norm_scale=scale,
+    )  # fmt: skip
+
+
+def _readout(model: Decoder, final: Tensor, token_id: int) -> tuple[Tensor, float, float]:
+    """The final norm (scale frozen on `final` (C,)) and the LM head's row of the token as
+    one linear map: (direction (C,), the frozen scale, the affine part: the norm's shift
+    and the head's bias, read out). A term c's contribution is c . direction."""
+    row = model.lm_head.weight[token_id].double()  # (C,)
+    if model.config.head_scale is not None:
+        row = row * model.config.head_scale
+    explicit = 0.0
+    if model.lm_head.bias is not None:
+        explicit += float(model.lm_head.bias[token_id])
+    norm, scale = model.norm, 1.0
+    if norm is None:
+        return row, scale, explicit
+    if isinstance(norm, RMSNorm):
+        scale = float(torch.rsqrt(final.pow(2).mean() + norm.eps))
+        gain = norm.weight.double() + (1.0 if norm.plus_one else 0.0)
+        return scale * gain * row, scale, explicit
+    if isinstance(norm, nn.LayerNorm):
+        scale = float(torch.rsqrt(final.var(unbiased=False) + norm.eps))
+        gain = row if norm.weight is None else norm.weight.double() * row
+        if norm.bias is not None:
+            explicit += float(norm.bias.double() @ row)
+        return scale * (gain - gain.mean()), scale, explicit  # centering: c - mean(c)
+    raise ValueError(f"direct logit attribution knows RMSNorm and LayerNorm, not {norm}")
+
+
+def lens_lines(found: Lens, terms: int = 10) -> str:
+    """The lens as text for people: each depth's top next tokens, then the largest direct
+    contributions to the token's logit, the rest summed, the remainder and the total."""
+    at = f"position {found.position} ({found.tokens[found.position]!r})"
+    lines = [
+        f"{found.source}, {len(found.tokens)} tokens; the next token after {at}",
+        f"logit lens: each depth's stream through the final norm and LM head; {found.token!r} "
+        "followed (rank 0: the top)",
+    ]
+    cells = [[f"{t!r} {p:.3g}" for t, p in zip(tokens, probs, strict=True)]
+             for tokens, probs in zip(found.top_tokens, found.top_probs, strict=True)]  # fmt: skip
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    name_width = max(len(name) for name in found.layers)
+    for depth, name in enumerate(found.layers):
+        row = "  ".join(cell.ljust(w) for cell, w in zip(cells[depth], widths, strict=True))
+        lines.append(f"  {name:<{name_width}}  {row}  | rank {found.rank[depth]}, "
+                     f"log-prob {found.logprob[depth]:.3g}")  # fmt: skip
+    attribution = found.attribution
+    if attribution is None:
+        return "\n".join(lines)
+    ranked = attribution.terms()
+    shown, rest = ranked[:terms], ranked[terms:]
+    lines += ["", f"direct logit attribution of {attribution.token!r} at {at}, "
+              f"logit {attribution.logit:.4f}; the largest terms first:"]  # fmt: skip
+    lines += [f"  {value:+10.4f}  {name}" for name, value in shown]
+    if rest:
+        lines.append(f"  {sum(v for _, v in rest):+10.4f}  the other {len(rest)} terms")
+    lines.append(f"  {attribution.remainder:+10.4f}  the final norm's remainder (its shift and "
+                 "the LM head's bias)")  # fmt: skip
+    lines.append(f"  {attribution.total:10.4f}  total = the logit")
+    return "\n".join(lines)
