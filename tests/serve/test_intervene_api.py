@@ -3,6 +3,8 @@ API, a decoder's too, and each kind of bad input refused in one line before any 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import qkv
@@ -96,3 +98,35 @@ def test_a_decoder_cannot_hide_a_word_from_one_before_it(decoder_client):
         "is a decoder: 'bank#1' (token 1) sees only the words before it"
         in (answer.json()["detail"])
     )
+
+
+def test_a_census_still_being_computed_is_503_ask_again(monkeypatch):
+    """The census runs once per model in a thread of its own; a request that waited half of
+    timeout_s for it is told 503, and a later one gets it."""
+    from fastapi.testclient import TestClient
+
+    import qkv.inspect.census
+    from qkv.serve import Limits, create_app
+    from variant_models import decoder, tiny
+
+    model, release, counted = tiny(decoder()), threading.Event(), []
+    real = qkv.inspect.census.heads
+
+    def slow(pretrained):
+        counted.append(pretrained)
+        assert release.wait(60)
+        return real(pretrained)
+
+    monkeypatch.setattr(qkv.inspect.census, "heads", slow)
+    with TestClient(create_app({"toy": model}, Limits(timeout_s=0.5))) as client:
+        for _ in range(2):  # the second request waits for the same census
+            answer = client.post("/api/heads", json={})
+            assert answer.status_code == 503, answer.text
+            assert "the census of toy's heads is being computed" in answer.json()["detail"]
+        release.set()
+        for _ in range(100):
+            answer = client.post("/api/heads", json={})
+            if answer.status_code == 200:
+                break
+        assert answer.json() == {"model": "toy", **real(model).to_dict()}
+    assert counted == [model]  # computed once

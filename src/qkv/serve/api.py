@@ -48,7 +48,8 @@ ERRORS = {
         422: "a value not allowed: empty text, unknown model or word, layer or head out of "
         "range or repeated, an encoder asked to generate, a decoder's key hidden from a "
         "query before it",
-        503: "the model is generating for another request for longer than the time limit",
+        503: "the model is generating for another request for longer than the time limit, "
+        "or its census of heads is still being computed: ask again",
         504: "the request took longer than the time limit; its work was stopped",
     }.items()
 }
@@ -58,7 +59,8 @@ log = logging.getLogger("qkv.serve")
 
 
 class Busy(Exception):
-    """The model is generating for someone else for longer than the time limit: HTTP 503."""
+    """The model is generating for someone else for longer than the time limit, or its
+    census is still being computed: HTTP 503."""
 
 
 @router.get("/models", response_model=ModelsAnswer, summary="The models and the limits")

@@ -289,13 +289,13 @@ def hide_word(
 ) -> dict:
     """`qkv.hide(...).to_dict()` (docs/hide.md), a layer at a time so that it can stop.
 
-    A whole grid is many runs (SmolLM2's 270 heads are 270 runs through up to 30 layers),
-    so each layer's row is `hide` asked of that layer alone, with `going(stop)` between: a
-    row is the same either way, since each layer's runs resume from the clean run there.
-    The total hides the key in every layer and head asked at once, in one more run, as
-    `hide` does; a test checks the answer equals one `hide` call's.
+    A whole table is many runs (SmolLM2's 270 heads are 270 runs through up to 30 layers),
+    so the key is first hidden everywhere asked at once (`table=False`: one run, and every
+    check of the words), then each layer's row is `hide` asked of that layer alone, with
+    `going(stop)` between. A row is the same either way, since each layer's runs resume
+    from the clean run there; a test checks the answer equals one `hide` call's.
     """
-    from qkv.inspect import intervene
+    from qkv.inspect.intervene import hide
 
     encode(served, limits, text)
     config = served.pretrained.config
@@ -304,76 +304,56 @@ def hide_word(
     for name, chosen in (("layer", layers), ("head", heads)):
         for value in chosen:
             served.check_index(name, value)
-    rows = []
+    going(stop)
+    hidden = hide(served.pretrained, text, key, query=query, layers=layers, heads=heads,
+                  table=False)  # fmt: skip
     for layer in layers:
         going(stop)
-        rows.append(intervene.hide(served.pretrained, text, key, query=query, layers=[layer],
-                                   heads=heads))  # fmt: skip
-    going(stop)
-    hidden = everywhere(served.pretrained, rows, layers, heads)
+        row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=heads)
+        for name in ("effect", "distance", "next_by_head"):
+            if getattr(hidden, name) is not None:
+                getattr(hidden, name)[layer] = getattr(row, name)[layer]
     return {"model": served.name, **hidden.to_dict()}
 
 
-def everywhere(pretrained, rows: list, layers: list[int], heads: list[int]):
-    """The `Hidden` of `layers` and `heads` at once, from `rows` (one `Hidden` per layer, in
-    the order of `layers`): their grids merged, and the key hidden in all of them together."""
-    from dataclasses import replace
-
-    from qkv.inspect import intervene
-    from qkv.nn.edit import Edit
-
-    first = rows[0]
-    stack = intervene.stack_of(pretrained)
-    T, H = len(first.tokens), stack.config.block.num_heads
-    grids = {}
-    for name in ("effect", "distance", "next_by_head"):
-        if getattr(first, name) is not None:
-            grids[name] = getattr(first, name).clone()
-            for layer, row in zip(layers, rows, strict=True):
-                grids[name][layer] = getattr(row, name)[layer]
-    hidden = intervene.hide_mask(T, H, first.key_span, first.query_span, heads)
-    ids = torch.tensor([pretrained.encode(first.text).ids])
-    with torch.inference_mode():
-        clean = intervene.run(stack, ids)
-        edits = {layer: Edit(hide=hidden) for layer in layers}
-        states = intervene.resumed(stack, clean, min(layers), edits, 1)[0]  # (T, C)
-        if first.query_span is None:  # every token's change, averaged
-            effect, distance = (d.mean() for d in intervene.changed(clean.states, states))
-        else:
-            span = slice(*first.query_span)
-            effect, distance = intervene.changed(clean.states[span].mean(0), states[span].mean(0))
-        after = None
-        if first.next is not None:
-            position = first.next.position
-            after = intervene.next_tokens(
-                pretrained.tokenizer,
-                clean.logits[position],
-                stack.project(states[position]).float(),
-                position,
-            )
-    return replace(first, layers=layers, states=states, total=float(effect),
-                   total_distance=float(distance), next=after, **grids)  # fmt: skip
-
-
-# A model's census depends on nothing a request sends: computed once per model (and kept as
-# long as the model is), under that model's lock, so that requests arriving together wait
-# for one computation instead of each starting its own.
-_censuses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_census_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# A model's census depends on nothing a request sends: computed once per model, in a thread of
+# its own (as long as the model is kept), while requests wait for it within their time limit.
+_censuses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Pretrained -> Future
 _census_guard = threading.Lock()
 
 
 def head_census(served: Served, limits: Limits, stop: threading.Event | None = None) -> dict:
     """`qkv.heads(...).to_dict()` (docs/heads.md): the census of the model's heads over the
-    built-in prompts, the same for every request. One library call of a few forward passes
-    (it does not stop half-way); an answer past the time limit still lands in the cache."""
-    from qkv.inspect.census import heads
+    built-in prompts, the same for every request. The first request starts it (SmolLM2's
+    takes a while on a small CPU: every prompt through every layer) and waits up to half of
+    timeout_s; past that it is told 503, ask again, while the census goes on to its end."""
+    from concurrent.futures import Future
+    from concurrent.futures import wait as wait_for
+
+    from qkv.serve.api import Busy
 
     pretrained = served.pretrained
     with _census_guard:
-        lock = _census_locks.setdefault(pretrained, threading.Lock())
-    with lock:
-        if pretrained not in _censuses:
-            going(stop)
-            _censuses[pretrained] = heads(pretrained).to_dict()
-    return {"model": served.name, **_censuses[pretrained]}
+        future = _censuses.get(pretrained)
+        if future is None:
+            future = _censuses[pretrained] = Future()
+            threading.Thread(target=_count, args=(pretrained, future), name="qkv-census",
+                             daemon=True).start()  # fmt: skip
+    deadline = time.monotonic() + limits.timeout_s / 2
+    while not wait_for([future], timeout=0.05).done:
+        going(stop)
+        if time.monotonic() > deadline:
+            raise Busy(
+                f"the census of {served.name}'s heads is being computed (every built-in prompt "
+                "through every layer, once per model); ask again in a few seconds"
+            )
+    return {"model": served.name, **future.result()}
+
+
+def _count(pretrained, future) -> None:
+    from qkv.inspect.census import heads
+
+    try:
+        future.set_result(heads(pretrained).to_dict())
+    except Exception as error:  # a census the model cannot give is refused on every request
+        future.set_exception(error)
