@@ -73,8 +73,19 @@ def test_the_hide_heatmap_and_the_census_are_the_librarys(app, minilm):
             sinks = page.eval_on_selector_all(
                 "#census-sinks tr", "trs => trs.map(tr => [+tr.dataset.layer, +tr.dataset.mass])"
             )
+            # a census head is a button that shows that head, and marks it in the hide grid
+            n, h, _ = census.top("induction")[0]
+            page.click(f"#census-top tr[data-score='induction'] td[data-layer='{n}'][data-head='{h}'] button")
+            page.wait_for_function(
+                f"document.getElementById('trace').dataset.pair === '{n},{h},{bank},{river}'"
+            )
+            marked = page.eval_on_selector_all(
+                "#hide-table td.shown",
+                "tds => tds.map(td => [+td.dataset.layer, +td.dataset.head])",
+            )
             ARTIFACTS.mkdir(exist_ok=True)
-            page.locator("#hide").screenshot(path=str(ARTIFACTS / "serve-hide.png"))
+            for panel in ("hide", "census-box"):
+                page.locator(f"#{panel}").screenshot(path=str(ARTIFACTS / f"serve-{panel}.png"))
         finally:
             browser.close()
 
@@ -84,7 +95,7 @@ def test_the_hide_heatmap_and_the_census_are_the_librarys(app, minilm):
     assert len(cells) == L * H and blank == 0
     for layer, head, effect in cells:  # every digit the library gave
         assert effect == want.effect[layer, head].item(), (layer, head)
-    assert shown == [[4, 7]]  # the head the page shows is marked in the grid
+    assert shown == [[4, 7]] and marked == [[n, h]]  # the head the page shows is marked
     assert best == [*want.ranked()[0][:2], want.ranked()[0][2]]
     assert total == want.total
     assert set(top) == {"previous_token", "induction", "first_token", "self", "entropy"}

@@ -304,7 +304,7 @@ function wire() {
     const cell = e.target.closest("#heatmap-table td[data-k]");
     const key = e.target.closest("#row button[data-k], .hv-key");
     const query = e.target.closest(".token, .hv-query, #heatmap-table th[data-q]");
-    const thumb = e.target.closest(".thumb");
+    const thumb = e.target.closest(".thumb, #census-top td[data-layer]");
     if (e.target.id === "heatmap-canvas") select(...canvasCell(e));
     else if (cell) select(Number(cell.dataset.q), Number(cell.dataset.k));
     else if (key && state.query !== null) select(state.query, Number(key.dataset.k ?? key.dataset.index));

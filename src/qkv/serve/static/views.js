@@ -249,12 +249,13 @@ export function drawHide(panel, h, state) {
   panel.dataset.pair = `${h.query ?? ""},${h.key}`;
   panel.innerHTML = `<h2>What if the key were hidden? ${K} hidden from ${Q}</h2>
 <p class="note">In each layer and head alone, ${Q} may not attend to ${K}: the softmax shares
- its weight among the other keys. A cell is how much ${Q}'s final vector changes, 1 − cosine
- (0: not at all); rows are layers, columns heads. Computed by qkv.hide; hover for the number.</p>
+ its weight among the other keys. A cell is how much the final vector of ${Q} changes, 1 −
+ cosine (0: not at all), coloured on its share of the largest; rows are layers, columns heads
+ (the dashed one is the head shown above). Computed by qkv.hide; hover for the number.</p>
 <p id="hide-summary">Largest: <b id="hide-best" data-layer="${best.layer}" data-head="${best.head}"
  data-effect="${best.effect}">layer ${best.layer}, head ${best.head}</b> (${tiny(best.effect)}).
  Hidden in every layer and head at once: <b id="hide-total" data-total="${h.total}">${tiny(h.total)}</b>.</p>
-${next}<div class="scroll"><table id="hide-table"><thead><tr><th></th>${head}</tr></thead>
+${next}<div class="scroll"><table id="hide-table"><thead><tr><th>head</th>${head}</tr></thead>
 <tbody>${rows}</tbody></table></div>`;
 }
 
@@ -272,16 +273,17 @@ const SCORE_NAMES = {
 export function drawCensus(box, c) {
   const rows = Object.keys(SCORE_NAMES).filter((name) => c.top[name].length).map((name) =>
     `<tr data-score="${name}"><th>${esc(SCORE_NAMES[name])}</th>${c.top[name].map((t) =>
-      `<td data-layer="${t.layer}" data-head="${t.head}" data-value="${t.score}">layer ${t.layer},`
-      + ` head ${t.head}: ${t.score.toFixed(3)}</td>`).join("")}</tr>`).join("");
+      `<td data-layer="${t.layer}" data-head="${t.head}" data-value="${t.score}"><button`
+      + ` type="button" title="show layer ${t.layer}, head ${t.head}">layer ${t.layer}, head`
+      + ` ${t.head}: ${t.score.toFixed(3)}</button></td>`).join("")}</tr>`).join("");
   const sinks = c.first_token_per_layer.map((m, l) => `<tr data-layer="${l}" data-mass="${m}">`
     + `<th>layer ${l}</th><td class="bar-cell"><span class="bar" style="width:${percent(m)}">`
     + `</span>${percent(m)}</td></tr>`).join("");
   box.dataset.model = c.model;
   box.innerHTML = `<p class="note">${esc(c.model)}'s ${c.layers} layers × ${c.heads} heads on
  ${c.prompts.length} built-in sentences and ${c.induction.rows} rows of ${c.induction.length}
- random tokens repeated; a score is a mean weight over queries (entropy in nats). Computed by
- qkv.heads.</p>
+ random tokens repeated; a score is a mean weight over queries (entropy in nats). Click a head
+ to show it. Computed by qkv.heads.</p>
 <h3>The top heads of each score</h3>
 <div class="scroll"><table class="bars" id="census-top"><tbody>${rows}</tbody></table></div>
 <h3>Each layer's weight on the first token (mean over heads)</h3>
