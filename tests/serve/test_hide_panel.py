@@ -75,7 +75,8 @@ def test_the_hide_heatmap_and_the_census_are_the_librarys(app, minilm):
             )
             # a census head is a button that shows that head, and marks it in the hide grid
             n, h, _ = census.top("induction")[0]
-            page.click(f"#census-top tr[data-score='induction'] td[data-layer='{n}'][data-head='{h}'] button")
+            cell = f"td[data-layer='{n}'][data-head='{h}']"
+            page.click(f"#census-top tr[data-score='induction'] {cell} button")
             page.wait_for_function(
                 f"document.getElementById('trace').dataset.pair === '{n},{h},{bank},{river}'"
             )
