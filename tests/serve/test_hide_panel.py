@@ -14,17 +14,20 @@ from playwright.sync_api import sync_playwright
 import qkv
 from browser import ARTIFACTS, CHROMIUM, FLAGS
 from qkv.inspect.census import heads
-from qkv.serve import running
+from qkv.serve import Limits, create_app, running
 
 TEXT = "The bank of the river flooded the bank"  # two banks: the page names them bank#1, bank#2
 
 
-def test_the_hide_heatmap_and_the_census_are_the_librarys(app, minilm):
+def test_the_hide_heatmap_and_the_census_are_the_librarys(minilm):
     # the library first: its numbers to compare, and the first run of batched heads in this
     # process (which loads what torch imports lazily) not paid within a request's time limit
     want = qkv.hide(minilm, TEXT, "river", query="bank#1")
     census = heads(minilm)
     outside = []
+    # an app of its own: a served app's worker pool ends with the server, and the shared
+    # `app` serves the `client` of the API tests, which may run after this one
+    app = create_app({"minilm": minilm}, Limits())
     with running(app) as url, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:

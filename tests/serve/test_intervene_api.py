@@ -130,3 +130,11 @@ def test_a_census_still_being_computed_is_503_ask_again(monkeypatch):
                 break
         assert answer.json() == {"model": "toy", **real(model).to_dict()}
     assert counted == [model]  # computed once
+
+
+def test_hide_without_the_table_is_the_total_alone(client, minilm):
+    body = {"text": TEXT, "key": "river", "query": "bank#1", "layers": [2, 3], "table": False}
+    answer = client.post("/api/hide", json=body).json()
+    want = qkv.hide(minilm, TEXT, "river", query="bank#1", layers=[2, 3])
+    assert answer["total"] == want.total and answer["total_distance"] == want.total_distance
+    assert answer["ranked"] == [] and {e for row in answer["effect"] for e in row} == {None}

@@ -143,6 +143,7 @@ async def hide(body: HideRequest, request: Request) -> dict:
         body.query,
         body.layers,
         body.heads,
+        body.table,
     )
 
 

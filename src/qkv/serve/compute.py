@@ -285,6 +285,7 @@ def hide_word(
     query: str | None,
     layers: list[int] | None,
     heads: list[int] | None,
+    table: bool = True,
     stop: threading.Event | None = None,
 ) -> dict:
     """`qkv.hide(...).to_dict()` (docs/hide.md), a layer at a time so that it can stop.
@@ -307,13 +308,16 @@ def hide_word(
     going(stop)
     hidden = hide(served.pretrained, text, key, query=query, layers=layers, heads=heads,
                   table=False)  # fmt: skip
-    for layer in layers:
+    for layer in layers if table else []:
         going(stop)
         row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=heads)
         for name in ("effect", "distance", "next_by_head"):
             if getattr(hidden, name) is not None:
                 getattr(hidden, name)[layer] = getattr(row, name)[layer]
-    return {"model": served.name, **hidden.to_dict()}
+    answer = hidden.to_dict()
+    if not table:  # no head alone was run: nothing to rank (and NaN is not JSON)
+        answer["ranked"] = []
+    return {"model": served.name, **answer}
 
 
 # A model's census depends on nothing a request sends: computed once per model, in a thread of

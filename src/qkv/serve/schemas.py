@@ -208,6 +208,11 @@ class HideRequest(Request):
     )
     layers: Layers | None = Field(None, description="layers to hide it in (from 0); default: all")
     heads: Heads | None = Field(None, description="heads to hide it in (from 0); default: all")
+    table: bool = Field(
+        True,
+        description="false: only the key hidden in every layer and head asked at once (total, "
+        "next: one run), no effect per head (null); the page asks that, then a layer at a time",
+    )
 
 
 class HeadsRequest(Request):

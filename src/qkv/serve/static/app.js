@@ -19,7 +19,8 @@ async function api(path, body) {
   });
   if (!response.ok) {
     const problem = await response.json().catch(() => ({ detail: response.statusText }));
-    throw new Error(problem.detail || `HTTP ${response.status}`);
+    throw Object.assign(new Error(problem.detail || `HTTP ${response.status}`),
+      { status: response.status });
   }
   return response;
 }
@@ -137,38 +138,65 @@ async function trace() {  // the article's steps for (query, key) in this layer 
 
 function resetHide() {
   hides++;
+  state.hidden = null;
   delete $("hide").dataset.pair;
   $("hide").innerHTML = HIDE_NOTE;
 }
 
 async function hide(query, key) {  // the key hidden from the query, in every layer and head
   const panel = $("hide"), pair = `${query},${key}`;
-  if (panel.dataset.pair === pair) { drawHide(panel, state.hidden, state); return; }
-  const ticket = ++hides;
+  if (state.hidden && state.hidden.pair === pair) {  // the same pair: redrawn, not asked again
+    drawHide(panel, state.hidden, state);
+    return;
+  }
+  const ticket = ++hides, asked = { model: state.model, text: state.seen.text, query, key };
   delete panel.dataset.pair;
   panel.innerHTML = `<h2>What if the key were hidden?</h2><p class="note">Hiding “${esc(key)}”`
-    + ` from “${esc(query)}” in each layer and head…</p>`;
+    + ` from “${esc(query)}” in every layer and head…</p>`;
   try {
-    const h = await post("/api/hide", { model: state.model, text: state.seen.text, query, key });
+    // first the key hidden everywhere at once (one run), then each layer's heads alone: a
+    // request per layer, so each stays short on a large model and the grid fills as it goes
+    const h = await post("/api/hide", { ...asked, table: false });
     if (ticket !== hides) return;
+    Object.assign(h, { pair, done: 0 });
     state.hidden = h;
     drawHide(panel, h, state);
+    for (const layer of h.layers) {
+      const row = await post("/api/hide", { ...asked, layers: [layer] });
+      if (ticket !== hides) return;
+      for (const name of ["effect", "distance", "next_by_head"]) {
+        if (h[name]) h[name][layer] = row[name][layer];
+      }
+      h.ranked = h.ranked.concat(row.ranked).sort((a, b) => b.effect - a.effect);
+      h.done += 1;
+      drawHide(panel, h, state);
+    }
+    panel.dataset.pair = pair;
   } catch (error) {  // e.g. a decoder's key after its query: said in the panel
     if (ticket !== hides) return;
+    state.hidden = null;
     panel.innerHTML = `<h2>What if the key were hidden?</h2><p class="masked" id="hide-error">`
       + `${esc(error.message)}</p>`;
   }
 }
 
-async function census() {  // the model's heads over built-in prompts: once per model
-  const ticket = ++censuses, box = $("census");
-  box.innerHTML = `<p class="note">Counting what ${esc(state.model)}'s heads do…</p>`;
-  delete box.dataset.model;
+async function census(again = null) {  // the model's heads on built-in prompts
+  const box = $("census"), ticket = again ?? ++censuses;
+  if (again === null) {
+    box.innerHTML = `<p class="note">Counting what ${esc(state.model)}'s heads do…</p>`;
+    delete box.dataset.model;
+  }
   try {
     const c = await post("/api/heads", { model: state.model });
     if (ticket === censuses) drawCensus(box, c);
   } catch (error) {
-    if (ticket === censuses) box.innerHTML = `<p class="masked">${esc(error.message)}</p>`;
+    if (ticket !== censuses) return;
+    if (error.status === 503) {  // still being counted (once per model): ask again soon
+      box.innerHTML = `<p class="note">${esc(error.message)}</p>`;
+      setTimeout(() => census(ticket), 3000);
+    } else {
+      box.innerHTML = `<p class="masked">${esc(error.message)}</p>`;
+    }
   }
 }
 

@@ -228,7 +228,7 @@ export function drawHide(panel, h, state) {
   const Q = h.query === null ? "every word" : `“${esc(h.query)}”`, K = `“${esc(h.key)}”`;
   const cells = h.effect.flat().filter((e) => e !== null);
   const top = cells.reduce((a, v) => (v > a ? v : a), 0) || 1;
-  const best = h.ranked[0];
+  const best = h.ranked[0] ?? { layer: -1, head: -1, effect: NaN };
   const head = h.effect[0].map((_, n) => `<th scope="col">${n}</th>`).join("");
   const rows = h.effect.map((row, l) => `<tr><th scope="row">layer ${l}</th>${row.map((e, n) => {
     if (e === null) return `<td class="none" data-layer="${l}" data-head="${n}"></td>`;
@@ -246,15 +246,18 @@ export function drawHide(panel, h, state) {
     next = `<p id="hide-next">The next token after token ${h.next.position}: ${p(before)} with`
       + ` it, ${p(after)} without.</p>`;
   }
-  panel.dataset.pair = `${h.query ?? ""},${h.key}`;
+  const done = h.done ?? h.layers.length, count = h.layers.length;
+  const progress = done < count ? ` <span class="note" id="hide-progress">(${done} of ${count}`
+    + ` layers so far)</span>` : "";
   panel.innerHTML = `<h2>What if the key were hidden? ${K} hidden from ${Q}</h2>
 <p class="note">In each layer and head alone, ${Q} may not attend to ${K}: the softmax shares
  its weight among the other keys. A cell is how much the final vector of ${Q} changes, 1 −
  cosine (0: not at all), coloured on its share of the largest; rows are layers, columns heads
  (the dashed one is the head shown above). Computed by qkv.hide; hover for the number.</p>
-<p id="hide-summary">Largest: <b id="hide-best" data-layer="${best.layer}" data-head="${best.head}"
- data-effect="${best.effect}">layer ${best.layer}, head ${best.head}</b> (${tiny(best.effect)}).
- Hidden in every layer and head at once: <b id="hide-total" data-total="${h.total}">${tiny(h.total)}</b>.</p>
+<p id="hide-summary">${h.ranked.length ? `Largest: <b id="hide-best" data-layer="${best.layer}"
+ data-head="${best.head}" data-effect="${best.effect}">layer ${best.layer}, head ${best.head}</b>
+ (${tiny(best.effect)})${progress}. ` : `Each head alone${progress}… `}Hidden in every layer and
+ head at once: <b id="hide-total" data-total="${h.total}">${tiny(h.total)}</b>.</p>
 ${next}<div class="scroll"><table id="hide-table"><thead><tr><th>head</th>${head}</tr></thead>
 <tbody>${rows}</tbody></table></div>`;
 }
