@@ -2,8 +2,9 @@
 
 Nothing here computes attention itself: the weights are `Pretrained.attentions`, a pair's
 steps and contributions are `qkv.trace`, the sense probe is `qkv.inspect.probe.probe`,
-generation is `Pretrained.generate`. This module checks what only a model can tell (tokens,
-layers and heads in range, an answer's size) and shapes the answer. Requests share a model
+generation is `Pretrained.generate`, a hidden key is `qkv.hide`, the census `qkv.heads`.
+This module checks what only a model can tell (tokens, layers and heads in range, an
+answer's size) and shapes the answer. Requests share a model
 with no lock: each forward pass returns the records its numbers come from (see
 `qkv.serve.models`). Each function takes `stop`, an event the server sets when the request's
 time is up; the work checks it between its expensive steps (`going`) and stops there.
