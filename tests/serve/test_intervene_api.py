@@ -42,16 +42,24 @@ def test_hide_in_a_decoder_gives_the_next_token_before_and_after(decoder_client,
     assert answer["next_by_head"][29][8] is not None and answer["next_by_head"][28][8] is None
 
 
-def test_the_census_is_qkv_heads_computed_once_per_model(client, minilm):
+def census_answer(client, body: dict):
+    """/api/heads's answer once the census is counted: on a busy machine it may take longer
+    than the half of timeout_s one request waits (503: ask again), so ask again, as the page
+    does."""
+    for _ in range(30):
+        answer = client.post("/api/heads", json=body)
+        if answer.status_code != 503:
+            return answer
+    return answer
+
+
+def test_the_census_is_qkv_heads(client, minilm):
     want = qkv.heads(minilm).to_dict()
-    first = client.post("/api/heads", json={})
+    first = census_answer(client, {})
     assert first.status_code == 200, first.text
     assert first.json() == {"model": "minilm", **want}
-    again = client.post("/api/heads", json={"model": "minilm"}).json()
-    assert again == first.json()
-    from qkv.serve import compute
-
-    assert minilm in compute._censuses  # kept: the second answer was not computed again
+    again = client.post("/api/heads", json={"model": "minilm"})  # kept: answered at once
+    assert again.status_code == 200 and again.json() == first.json()
 
 
 LONG = "bank " * 200  # 202 tokens with [CLS] and [SEP]: over 128
@@ -124,10 +132,7 @@ def test_a_census_still_being_computed_is_503_ask_again(monkeypatch):
             assert answer.status_code == 503, answer.text
             assert "the census of toy's heads is being computed" in answer.json()["detail"]
         release.set()
-        for _ in range(100):
-            answer = client.post("/api/heads", json={})
-            if answer.status_code == 200:
-                break
+        answer = census_answer(client, {})
         assert answer.json() == {"model": "toy", **real(model).to_dict()}
     assert counted == [model]  # computed once
 
