@@ -98,6 +98,23 @@ SECTIONS = [
     ),
 ]
 
+CAUSAL = [
+    (
+        "Asked causally: hide a word",
+        'Attention weights say how much "bank" looks at "river"; they do not say what "river" '
+        'changes. `qkv hide` takes "river" away from "bank" (a mask, exactly as padding: the '
+        "softmax renormalizes over the other words) in one head at a time, then in all of them, "
+        'and measures how much the final vector of "bank" moves.',
+        ["hide", SENTENCE, "--key", "river", "--query", "bank", "--top", "5"],
+    ),
+    (
+        "Asked causally: hide the context",
+        'The sense probe again, and then every other word hidden from "bank" in every layer '
+        "and head: without its context, the two senses of \"bank\" no longer separate.",
+        ["probe", "bank", "--hide-context"],
+    ),
+]
+
 CROSS_ATTENTION = """## Cross-attention
 
 In cross-attention the query words come from one sequence (the decoder's) and the key and
@@ -149,7 +166,7 @@ def walkthrough() -> str:
         "do not edit by hand.",
         "",
     ]
-    for title, words, args in SECTIONS:
+    for title, words, args in SECTIONS + CAUSAL:
         output = run(args)
         if "--json" in args:
             output = json.dumps(four_digits(json.loads(output)), ensure_ascii=False)

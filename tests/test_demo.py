@@ -9,6 +9,7 @@ import pytest
 
 import qkv
 from qkv.inspect.demo import SENTENCE
+from qkv.inspect.intervene import senses_without_context
 from qkv.viz import read_weights
 
 
@@ -23,8 +24,20 @@ def test_demo_walks_the_article_with_minilms_own_numbers(tmp_path, minilm):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for section in ("1. Tokens", "2. The article's steps", "3. What added most", "4. Several heads",
-                    "5. Context pulls", "6. The report"):  # fmt: skip
+                    "5. Context pulls", "6. Asked causally", "7. Hide every other word",
+                    "8. The report"):  # fmt: skip
         assert section in out
+    # the causal sections are the library's numbers: the head that carries "river" into
+    # "bank" most, and the senses that stop separating once the context is hidden
+    hidden = qkv.hide(minilm, SENTENCE, "river", query="bank")
+    layer, head, effect = hidden.ranked()[0]
+    assert f"  {layer:>5}  {head:>4}   {effect:<8.3g}" in out
+    senses = senses_without_context(minilm, "bank")
+    assert senses.hidden_separation < senses.separation / 5
+    hidden_line = (
+        f"every other word hidden:  same sense minus different {senses.hidden_separation:+.3f}"
+    )
+    assert hidden_line in out
     traced = qkv.trace(minilm, SENTENCE, "bank", "river")
     assert f'"river" gets {100 * traced.weight:.1f}%' in out
     assert f"Layer {traced.layer}, head {traced.head} of minilm" in out

@@ -196,6 +196,13 @@ def probe(
     model: Model = "minilm",
     out: Annotated[Path | None, typer.Option(help="write the similarity matrices as a PNG")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+    hide_context: Annotated[
+        bool,
+        typer.Option(
+            help="also hide every other word from WORD (every layer and head): do its senses "
+            "still separate?"
+        ),
+    ] = False,
 ) -> None:
     """How context separates the senses of WORD across sentences, layer by layer."""
     from qkv import load
@@ -207,14 +214,27 @@ def probe(
         texts, labels, cues = _read_sentences(sentences) if sentences else (None, None, None)
         if out is not None:
             check_out(out, (".png",))
-        result = run_probe(load(model), word, texts, labels, cues=cues)
+        pretrained = load(model)
+        result = run_probe(pretrained, word, texts, labels, cues=cues)
+        senses = None
+        if hide_context:
+            from qkv.inspect.intervene import senses_without_context
+
+            senses = senses_without_context(pretrained, word, result.sentences, result.labels)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)  # as `qkv show` makes its folders
             probe_plot(result, out)
     if as_json:
-        typer.echo(json.dumps(result.to_dict()))
+        data = result.to_dict()
+        if senses is not None:
+            data["hidden_context"] = senses.to_dict()
+        typer.echo(json.dumps(data))
         return
     typer.echo(probe_lines(result))
+    if senses is not None:
+        from qkv.inspect.intervene import senses_lines
+
+        typer.echo("\n" + senses_lines(senses))
     if out is not None:
         typer.echo(f"wrote {out}")
 
@@ -425,6 +445,7 @@ def hide(
     model: Model = "minilm",
     layers: Layers = None,
     heads: Heads = None,
+    top: Annotated[int, typer.Option(help="heads listed, the largest effect first")] = 10,
     out: Png = None,
     as_json: Json = False,
     backend: Backend = None,
@@ -435,6 +456,8 @@ def hide(
     from qkv.inspect.intervene import hide_lines
 
     with user_errors(out):
+        if top < 1:
+            raise ValueError(f"--top must be 1 or more, got {top}")
         if out is not None:
             check_out(out, (".png",))
         pretrained = load(model, backend=backend)
@@ -448,7 +471,7 @@ def hide(
             who = f"'{query}'" if query else "every word"
             grid_plot([("1 - cosine", result.effect, None)], out, label="change",
                       title=f"{model}: '{key}' hidden from {who}, one head at a time")  # fmt: skip
-    typer.echo(json.dumps(result.to_dict()) if as_json else hide_lines(result))
+    typer.echo(json.dumps(result.to_dict()) if as_json else hide_lines(result, top))
     if out is not None and not as_json:
         typer.echo(f"wrote {out}")
 

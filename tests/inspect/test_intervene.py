@@ -61,7 +61,7 @@ def assert_unchanged(pretrained, before):
     assert torch.equal(states, before[1])
 
 
-@pytest.mark.parametrize("backend", ["loop", "eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["loop", "eager", "sdpa", "flash"])
 def test_a_hidden_pair_is_the_loop_backend_with_that_pair_masked(backend):
     """The record of the layer where 'river' is hidden from 'bank': its q, k, v are the
     clean run's (nothing before changed), and its output is the loop backend's over them
@@ -262,9 +262,54 @@ def test_no_call_changes_the_model(make):
 
 
 def test_backends_agree_on_a_hide_table():
-    """The same table from the loop, eager and sdpa backends (hiding is a mask: every backend
-    computes it)."""
+    """The same table from every backend, our Triton kernel included (in Triton's interpreter
+    on a machine without a GPU): hiding is a mask, and every backend computes masks."""
     tables = [hide(llama_like(backend=b), TEXT, "river", query="deep").effect
-              for b in ("loop", "eager", "sdpa")]  # fmt: skip
+              for b in ("loop", "eager", "sdpa", "flash")]  # fmt: skip
     for table in tables[1:]:
         torch.testing.assert_close(table, tables[0], atol=1e-5, rtol=1e-3)
+
+
+def test_the_senses_with_their_context_are_the_probes_last_layer(minilm):
+    """senses_without_context's clean side is the probe's last layer (another code path:
+    hide's unpadded runs, the probe's padded batch); hiding the context collapses it."""
+    from qkv.inspect.intervene import senses_without_context
+    from qkv.inspect.probe import probe
+
+    senses = senses_without_context(minilm, "bank")
+    probed = probe(minilm, "bank")
+    assert senses.separation == pytest.approx(probed.separation[-1], abs=1e-5)
+    assert senses.accuracy == probed.accuracy[-1]
+    assert senses.hidden_separation < senses.separation / 5
+
+
+def test_an_encoder_decoder_hides_in_its_encoder_as_transformers_pads(tmp_path):
+    """T5 (relative position bias, no division of the scores): hiding a word from every word
+    in its encoder equals transformers' T5 encoder with that word padded out."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    import qkv
+    from qkv.io.hf import load_folder
+    from qkv.io.tokenizer import Tokenizer
+
+    config = transformers.T5Config(
+        vocab_size=len(WORDS), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = transformers.T5ForConditionalGeneration(config).eval()
+    theirs.save_pretrained(tmp_path)
+    model, family, ours_config, hf_config = load_folder(tmp_path, torch.float32, "sdpa")
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    t5 = qkv.Pretrained(model, Tokenizer(backend), ours_config, family=family,
+                        hf_config=hf_config, source="tiny-t5")  # fmt: skip
+    hidden = hide(t5, TEXT, "river")
+    ids = torch.tensor([t5.encode(TEXT).ids])
+    mask = (ids != WORDS.index("river")).long()
+    with torch.inference_mode():
+        expected = theirs.encoder(input_ids=ids, attention_mask=mask).last_hidden_state[0]
+    torch.testing.assert_close(hidden.states, expected, atol=1e-5, rtol=1e-4)
+    assert hidden.next is None  # an encoder has no next token

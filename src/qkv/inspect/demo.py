@@ -2,7 +2,8 @@
 
 Each section is text for a person, in the article's order: tokens, the seven steps for
 "bank" getting context from "river", what contributed most, heads and layers, the sense
-probe, and a report folder with the interactive page and heatmaps.
+probe, the same question asked causally (hide "river" from "bank"; hide all of its context),
+and a report folder with the interactive page and heatmaps.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ def free_folder(path: Path) -> Path:
         n += 1
         candidate = path.with_name(f"{path.name}-{n}")
     return candidate
+
+
+def _indented(text: str) -> str:
+    return "\n".join("   " + line for line in text.splitlines())
 
 
 def article_walk(out: Path) -> Iterator[str]:
@@ -51,6 +56,18 @@ def article_walk(out: Path) -> Iterator[str]:
         '5. Context pulls the two senses of "bank" apart: the same word in 8 river and 8 money\n'
         "   sentences, its vector before attention and after each layer.\n" + probe_lines(senses)
     )
+    from qkv.inspect.intervene import hide, hide_lines, senses_lines, senses_without_context
+
+    hidden = hide(minilm, SENTENCE, "river", query="bank")
+    yield (
+        '6. Asked causally: take "river" away from "bank" (a mask, exactly as padding) in one\n'
+        "   head at a time, then in all of them.\n" + _indented(hide_lines(hidden, top=5))
+    )
+    without = senses_without_context(minilm, "bank")
+    yield (
+        '7. Hide every other word from "bank" in the 16 sentences, and its two senses no longer\n'
+        "   separate: the context did it.\n" + _indented(senses_lines(without))
+    )
     folder = free_folder(out)
     from qkv.viz import write_report
 
@@ -69,4 +86,4 @@ def article_walk(out: Path) -> Iterator[str]:
     )
     probe_plot(senses, folder / "bank_senses.png")
     files = "\n".join(f"   {path}" for path in sorted(folder.iterdir()))
-    yield f"6. The report: open {folder / 'index.html'} in a browser (no network needed).\n{files}"
+    yield f"8. The report: open {folder / 'index.html'} in a browser (no network needed).\n{files}"

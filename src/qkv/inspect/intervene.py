@@ -730,14 +730,27 @@ def _next_lines(next: NextTokens | None, what: str) -> list[str]:
         return []
 
     def listed(tokens: list[Token]) -> str:
-        return ", ".join(f"{t.token!r} {t.logprob:.2f}" for t in tokens)
+        return ", ".join(f"{t.token!r} {t.logprob:.3g}" for t in tokens)
 
     return [
         f"next token after position {next.position} (log-probabilities):",
         f"  as the model reads it: {listed(next.before)}",
         f"  {what}: {listed(next.after)}",
-        f"  the first one's log-probability changed by {next.top_change:+.3f}",
+        f"  the first one's log-probability changed by {next.top_change:+.3g}",
     ]
+
+
+def senses_lines(result: Senses) -> str:
+    counts = ", ".join(f"{result.labels.count(s)} {s}" for s in dict.fromkeys(result.labels))
+    return "\n".join([
+        f"'{result.word}' after the last layer, in {len(result.sentences)} sentences ({counts}):",
+        f"  with its context:         same sense minus different {result.separation:+.3f}, "
+        f"sense accuracy {result.accuracy:.0%}",
+        f"  every other word hidden:  same sense minus different "
+        f"{result.hidden_separation:+.3f}, sense accuracy {result.hidden_accuracy:.0%}",
+        "  (hidden from it in every layer and head: what is left is the word itself, its",
+        "  position and the special tokens)",
+    ])  # fmt: skip
 
 
 def hide_lines(result: Hidden, top: int = 10) -> str:
@@ -745,19 +758,19 @@ def hide_lines(result: Hidden, top: int = 10) -> str:
     key = result.key if isinstance(result.key, str) else ", ".join(result.key)
     query = f"'{result.query}'" if result.query is not None else "every word"
     lines = [
-        f"hiding '{key}' from {query} in {result.source}, each head alone "
-        f"(the change of the final vector of {query}: 1 - cosine, and distance):",
-        "  layer  head   1-cos      distance",
+        f"hiding '{key}' from {query} in {result.source}, in each head alone:",
+        f"the change of the final vector of {query} (1 - cosine, and distance)",
+        "  layer  head   1-cos     distance",
     ]
     for layer, head, effect in result.ranked()[:top]:
         distance = float(result.distance[layer, head])
-        lines.append(f"  {layer:>5}  {head:>4}   {effect:.6f}   {distance:.4f}")
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:<8.3g}  {distance:.3g}")
     shown = len(result.layers) * len(result.heads)
     if shown > top:
         lines.append(f"  ({shown - top} more heads; --json lists every one)")
     lines.append(
-        f"hidden in all {shown} heads at once: 1 - cosine {result.total:.6f}, distance "
-        f"{result.total_distance:.4f}"
+        f"hidden in all {shown} heads at once: 1 - cosine {result.total:.3g}, distance "
+        f"{result.total_distance:.3g}"
     )
     return "\n".join(lines + _next_lines(result.next, f"with '{key}' hidden"))
 
@@ -769,10 +782,10 @@ def ablate_lines(result: Ablated, top: int = 10) -> str:
         "  layer  head   1-cos",
     ]
     for layer, head, effect in result.ranked()[:top]:
-        lines.append(f"  {layer:>5}  {head:>4}   {effect:.6f}")
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:.3g}")
     if len(result.heads) > top:
         lines.append(f"  ({len(result.heads) - top} more heads; --json lists every one)")
-    lines.append(f"all {len(result.heads)} heads ablated at once: 1 - cosine {result.total:.6f}")
+    lines.append(f"all {len(result.heads)} heads ablated at once: 1 - cosine {result.total:.3g}")
     return "\n".join(lines + _next_lines(result.next, "with them ablated"))
 
 
