@@ -208,6 +208,8 @@ def test_the_openapi_page_describes_every_endpoint_from_local_files(client):
         "/api/next",
         "/api/generate",
         "/api/generate/stream",
+        "/api/hide",
+        "/api/heads",
     }
     assert set(spec["paths"]) == paths
     assert "AttentionRequest" in spec["components"]["schemas"]

@@ -231,8 +231,13 @@ expected-statuses = ["400", "413", "422"]
 [[operations]]
 # what no schema can say: a word of the text, a layer or head of the model chosen (the schema
 # gives the largest model's), one label per sentence
-include-path = ["/api/attention", "/api/trace", "/api/contributions", "/api/probe"]
+include-path = ["/api/attention", "/api/trace", "/api/contributions", "/api/probe", "/api/hide"]
 checks.positive_data_acceptance.expected-statuses = ["200", "422"]
+
+[[operations]]
+# a model's census is counted once, in a thread of its own: until it is, a request is told 503
+include-path = "/api/heads"
+checks.positive_data_acceptance.expected-statuses = ["200", "503"]
 
 [[operations]]
 # the same request and the same checks as /api/generate, whose coverage cases (each a

@@ -30,6 +30,8 @@ from qkv.serve.schemas import (
     ContributionsRequest,
     GenerateAnswer,
     GenerateRequest,
+    HeadsRequest,
+    HideRequest,
     ModelsAnswer,
     NextAnswer,
     NextRequest,
@@ -44,8 +46,10 @@ ERRORS = {
         400: "the body is not JSON",
         413: "over a size limit: body, characters, tokens, sentences or weights",
         422: "a value not allowed: empty text, unknown model or word, layer or head out of "
-        "range or repeated, an encoder asked to generate",
-        503: "the model is generating for another request for longer than the time limit",
+        "range or repeated, an encoder asked to generate, a decoder's key hidden from a "
+        "query before it",
+        503: "the model is generating for another request for longer than the time limit, "
+        "or its census of heads is still being computed: ask again",
         504: "the request took longer than the time limit; its work was stopped",
     }.items()
 }
@@ -55,7 +59,8 @@ log = logging.getLogger("qkv.serve")
 
 
 class Busy(Exception):
-    """The model is generating for someone else for longer than the time limit: HTTP 503."""
+    """The model is generating for someone else for longer than the time limit, or its
+    census is still being computed: HTTP 503."""
 
 
 @router.get("/models", response_model=ModelsAnswer, summary="The models and the limits")
@@ -121,6 +126,34 @@ async def probe(body: ProbeRequest, request: Request) -> dict:
     return await answer(
         request, body, compute.probe_word, body.word, body.sentences, body.labels, body.cues
     )
+
+
+@router.post("/hide", summary="What if a key word were hidden from a query word?")
+async def hide(body: HideRequest, request: Request) -> dict:
+    """`qkv.hide(...).to_dict()`: the key hidden from the query (from every word without one)
+    in each asked (layer, head) alone, `effect` [layer][head] (1 - cosine of the query's final
+    vector with and without; null where not asked), `ranked`, and hidden in all of them at
+    once, `total`; for a decoder the next token before and after. Fields: docs/hide.md."""
+    return await answer(
+        request,
+        body,
+        compute.hide_word,
+        body.text,
+        body.key,
+        body.query,
+        body.layers,
+        body.heads,
+        body.table,
+    )
+
+
+@router.post("/heads", summary="The census of the model's heads")
+async def census(body: HeadsRequest, request: Request) -> dict:
+    """`qkv.heads(...).to_dict()`: each head's previous-token, induction, first-token, self,
+    entropy (and window use) scores on built-in prompts, the top heads of each, and each
+    layer's first-token mass. The same for every request: computed once per model. Fields:
+    docs/heads.md."""
+    return await answer(request, body, compute.head_census)
 
 
 @router.post("/next", response_model=NextAnswer, summary="A decoder's next-token probabilities")

@@ -2,8 +2,9 @@
 
 Nothing here computes attention itself: the weights are `Pretrained.attentions`, a pair's
 steps and contributions are `qkv.trace`, the sense probe is `qkv.inspect.probe.probe`,
-generation is `Pretrained.generate`. This module checks what only a model can tell (tokens,
-layers and heads in range, an answer's size) and shapes the answer. Requests share a model
+generation is `Pretrained.generate`, a hidden key is `qkv.hide`, the census `qkv.heads`.
+This module checks what only a model can tell (tokens, layers and heads in range, an
+answer's size) and shapes the answer. Requests share a model
 with no lock: each forward pass returns the records its numbers come from (see
 `qkv.serve.models`). Each function takes `stop`, an event the server sets when the request's
 time is up; the work checks it between its expensive steps (`going`) and stops there.
@@ -16,6 +17,7 @@ import contextlib
 import json
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 
@@ -274,3 +276,89 @@ def pack_float32(values: np.ndarray) -> str:
     'AACAPwAAAD8='
     """
     return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+
+
+def hide_word(
+    served: Served,
+    limits: Limits,
+    text: str,
+    key: str,
+    query: str | None,
+    layers: list[int] | None,
+    heads: list[int] | None,
+    table: bool = True,
+    stop: threading.Event | None = None,
+) -> dict:
+    """`qkv.hide(...).to_dict()` (docs/hide.md), a layer at a time so that it can stop.
+
+    A whole table is many runs (SmolLM2's 270 heads are 270 runs through up to 30 layers),
+    so the key is first hidden everywhere asked at once (`table=False`: one run, and every
+    check of the words), then each layer's row is `hide` asked of that layer alone, with
+    `going(stop)` between. A row is the same either way, since each layer's runs resume
+    from the clean run there; a test checks the answer equals one `hide` call's.
+    """
+    from qkv.inspect.intervene import hide
+
+    encode(served, limits, text)
+    config = served.pretrained.config
+    layers = list(range(config.num_layers)) if layers is None else layers
+    heads = list(range(config.block.num_heads)) if heads is None else heads
+    for name, chosen in (("layer", layers), ("head", heads)):
+        for value in chosen:
+            served.check_index(name, value)
+    going(stop)
+    hidden = hide(served.pretrained, text, key, query=query, layers=layers, heads=heads,
+                  table=False)  # fmt: skip
+    for layer in layers if table else []:
+        going(stop)
+        row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=heads)
+        for name in ("effect", "distance", "next_by_head"):
+            if getattr(hidden, name) is not None:
+                getattr(hidden, name)[layer] = getattr(row, name)[layer]
+    answer = hidden.to_dict()
+    if not table:  # no head alone was run: nothing to rank (and NaN is not JSON)
+        answer["ranked"] = []
+    return {"model": served.name, **answer}
+
+
+# A model's census depends on nothing a request sends: computed once per model, in a thread of
+# its own (as long as the model is kept), while requests wait for it within their time limit.
+_censuses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Pretrained -> Future
+_census_guard = threading.Lock()
+
+
+def head_census(served: Served, limits: Limits, stop: threading.Event | None = None) -> dict:
+    """`qkv.heads(...).to_dict()` (docs/heads.md): the census of the model's heads over the
+    built-in prompts, the same for every request. The first request starts it (SmolLM2's
+    takes a while on a small CPU: every prompt through every layer) and waits up to half of
+    timeout_s; past that it is told 503, ask again, while the census goes on to its end."""
+    from concurrent.futures import Future
+    from concurrent.futures import wait as wait_for
+
+    from qkv.serve.api import Busy
+
+    pretrained = served.pretrained
+    with _census_guard:
+        future = _censuses.get(pretrained)
+        if future is None:
+            future = _censuses[pretrained] = Future()
+            threading.Thread(target=_count, args=(pretrained, future), name="qkv-census",
+                             daemon=True).start()  # fmt: skip
+    deadline = time.monotonic() + limits.timeout_s / 2
+    while not wait_for([future], timeout=0.05).done:
+        going(stop)
+        if time.monotonic() > deadline:
+            raise Busy(
+                f"the census of {served.name}'s heads is being computed (every built-in prompt "
+                "through every layer, once per model); ask again in a few seconds"
+            )
+    return {"model": served.name, **future.result()}
+
+
+def _count(pretrained, future) -> None:
+    from qkv.inspect.census import heads
+
+    try:
+        future.set_result(heads(pretrained).to_dict())
+    except Exception as error:  # a census the model cannot give is refused on every request
+        future.set_exception(error)

@@ -199,6 +199,26 @@ class GenerateRequest(Request):
     chat: bool = Field(False, description="wrap the prompt in the model's chat template")
 
 
+class HideRequest(Request):
+    model: ModelName = None
+    text: Annotated[Text, Field(examples=["The bank on the side of the river"])]
+    key: Annotated[Word, Field(description="the word to hide", examples=["river"])]
+    query: Annotated[Word, Field(examples=["bank"])] | None = Field(
+        None, description="the word it is hidden from; default: from every word"
+    )
+    layers: Layers | None = Field(None, description="layers to hide it in (from 0); default: all")
+    heads: Heads | None = Field(None, description="heads to hide it in (from 0); default: all")
+    table: bool = Field(
+        True,
+        description="false: only the key hidden in every layer and head asked at once (total, "
+        "next: one run), no effect per head (null); the page asks that, then a layer at a time",
+    )
+
+
+class HeadsRequest(Request):
+    model: ModelName = None
+
+
 def with_limits(schema: dict, limits: Limits, models: dict) -> dict:
     """The app's OpenAPI description with this server's numbers: every request string's
     maxLength (max_chars), the models' names (and which generate), the largest layer and

@@ -1,13 +1,17 @@
 // The explorer's state and its conversation with the API. Every request goes to this server.
 "use strict";
-import { $, drawGrid, drawHeadView, drawHeatmap, drawRow, drawTrace, esc, percent, shown }
-  from "/static/views.js";
+import { $, drawCensus, drawGrid, drawHeadView, drawHeatmap, drawHide, drawRow, drawTrace, esc,
+  percent, shown } from "/static/views.js";
 
 const state = {
   models: [], model: null, seen: null,  // seen: the /api/attention answer, weights decoded
   layer: 0, head: 0, query: null, key: null, cursor: [0, 0], overlay: false,
+  hidden: null,  // the /api/hide answer of the pair shown
 };
-let shows = 0, traces = 0, generation = null;
+let shows = 0, traces = 0, hides = 0, censuses = 0, generation = null;
+const HIDE_NOTE = "<h2>What if the key were hidden?</h2><p class=\"note\">Choose a pair of "
+  + "words (as for the article's steps) to see, in every layer and head, how much the query "
+  + "word changes when it may not attend to the key.</p>";
 
 async function api(path, body) {
   const response = await fetch(path, body === undefined ? {} : {
@@ -15,7 +19,8 @@ async function api(path, body) {
   });
   if (!response.ok) {
     const problem = await response.json().catch(() => ({ detail: response.statusText }));
-    throw new Error(problem.detail || `HTTP ${response.status}`);
+    throw Object.assign(new Error(problem.detail || `HTTP ${response.status}`),
+      { status: response.status });
   }
   return response;
 }
@@ -98,6 +103,7 @@ function render() {  // the selected head's views
 
 function resetTrace() {
   traces++;
+  resetHide();
   delete $("trace").dataset.pair;
   $("trace").innerHTML = "<h2>The article's steps for one pair</h2><p class=\"note\">Click a "
     + "heatmap cell, or a query token and then a key in its list, to follow the article's "
@@ -109,6 +115,7 @@ async function trace() {  // the article's steps for (query, key) in this layer 
   const q = seen.wordOf[query], k = seen.wordOf[key];
   if (!q || !k) {
     const which = !q ? query : key;
+    resetHide();
     delete $("trace").dataset.pair;
     $("trace").innerHTML = `<h2>“${esc(shown(seen.tokens[which]))}” is not a word</h2><p>`
       + "It is a marker the tokenizer adds (token " + which + "), not a word of the text: its"
@@ -116,6 +123,7 @@ async function trace() {  // the article's steps for (query, key) in this layer 
       + " article's steps are traced between words; choose two.</p>";
     return;
   }
+  hide(q.word, k.word);  // beside the trace, not after it
   try {
     const t = await post("/api/trace", { model: state.model, text: seen.text, query: q.word,
       key: k.word, layer: state.layer, head: state.head });
@@ -125,6 +133,70 @@ async function trace() {  // the article's steps for (query, key) in this layer 
     drawTrace($("trace"), t, `Computed by qkv.trace with the model's own vectors.${first(q, query)}${first(k, key)}`);
   } catch (error) {
     if (ticket === traces) fail(error);
+  }
+}
+
+function resetHide() {
+  hides++;
+  state.hidden = null;
+  delete $("hide").dataset.pair;
+  $("hide").innerHTML = HIDE_NOTE;
+}
+
+async function hide(query, key) {  // the key hidden from the query, in every layer and head
+  const panel = $("hide"), pair = `${query},${key}`;
+  if (state.hidden && state.hidden.pair === pair) {  // the same pair: redrawn, not asked again
+    drawHide(panel, state.hidden, state);
+    return;
+  }
+  const ticket = ++hides, asked = { model: state.model, text: state.seen.text, query, key };
+  delete panel.dataset.pair;
+  panel.innerHTML = `<h2>What if the key were hidden?</h2><p class="note">Hiding “${esc(key)}”`
+    + ` from “${esc(query)}” in every layer and head…</p>`;
+  try {
+    // first the key hidden everywhere at once (one run), then each layer's heads alone: a
+    // request per layer, so each stays short on a large model and the grid fills as it goes
+    const h = await post("/api/hide", { ...asked, table: false });
+    if (ticket !== hides) return;
+    Object.assign(h, { pair, done: 0 });
+    state.hidden = h;
+    drawHide(panel, h, state);
+    for (const layer of h.layers) {
+      const row = await post("/api/hide", { ...asked, layers: [layer] });
+      if (ticket !== hides) return;
+      for (const name of ["effect", "distance", "next_by_head"]) {
+        if (h[name]) h[name][layer] = row[name][layer];
+      }
+      h.ranked = h.ranked.concat(row.ranked).sort((a, b) => b.effect - a.effect);
+      h.done += 1;
+      drawHide(panel, h, state);
+    }
+    panel.dataset.pair = pair;
+  } catch (error) {  // e.g. a decoder's key after its query: said in the panel
+    if (ticket !== hides) return;
+    state.hidden = null;
+    panel.innerHTML = `<h2>What if the key were hidden?</h2><p class="masked" id="hide-error">`
+      + `${esc(error.message)}</p>`;
+  }
+}
+
+async function census(again = null) {  // the model's heads on built-in prompts
+  const box = $("census"), ticket = again ?? ++censuses;
+  if (again === null) {
+    box.innerHTML = `<p class="note">Counting what ${esc(state.model)}'s heads do…</p>`;
+    delete box.dataset.model;
+  }
+  try {
+    const c = await post("/api/heads", { model: state.model });
+    if (ticket === censuses) drawCensus(box, c);
+  } catch (error) {
+    if (ticket !== censuses) return;
+    if (error.status === 503) {  // still being counted (once per model): ask again soon
+      box.innerHTML = `<p class="note">${esc(error.message)}</p>`;
+      setTimeout(() => census(ticket), 3000);
+    } else {
+      box.innerHTML = `<p class="masked">${esc(error.message)}</p>`;
+    }
   }
 }
 
@@ -245,6 +317,7 @@ function wire() {
     $("decoder").hidden = !info().generates;
     $("compare-table").innerHTML = "";  // its numbers were the other model's
     show();
+    census();
   });
   $("layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); select(state.query, state.key); });
   $("head").addEventListener("change", (e) => { state.head = Number(e.target.value); select(state.query, state.key); });
@@ -259,7 +332,7 @@ function wire() {
     const cell = e.target.closest("#heatmap-table td[data-k]");
     const key = e.target.closest("#row button[data-k], .hv-key");
     const query = e.target.closest(".token, .hv-query, #heatmap-table th[data-q]");
-    const thumb = e.target.closest(".thumb");
+    const thumb = e.target.closest(".thumb, #census-top td[data-layer]");
     if (e.target.id === "heatmap-canvas") select(...canvasCell(e));
     else if (cell) select(Number(cell.dataset.q), Number(cell.dataset.k));
     else if (key && state.query !== null) select(state.query, Number(key.dataset.k ?? key.dataset.index));
@@ -288,6 +361,7 @@ async function start() {
     $("text").value = answer.examples[0];
     $("decoder").hidden = !info().generates;
     await show();
+    census();
     window.qkvReady = true;
   } catch (error) {
     fail(error);

@@ -218,3 +218,77 @@ ${windowNote}<li>${scaling}:
 <table class="bars" id="t-contributions"><thead><tr><th>token</th><th></th><th>weight</th>
 <th>size</th></tr></thead><tbody>${rows}</tbody></table>`;
 }
+
+const tiny = (x) => (x === 0 ? "0" : Math.abs(x) >= 0.01 ? x.toFixed(4) : x.toExponential(2));
+
+// "What if the key were hidden?", as /api/hide gave it (qkv.hide): a layer x head grid of
+// `effect` (1 - cosine of the query word's final vector with and without), each cell
+// keeping every digit in data-effect, coloured on its share of the largest.
+export function drawHide(panel, h, state) {
+  const Q = h.query === null ? "every word" : `“${esc(h.query)}”`, K = `“${esc(h.key)}”`;
+  const cells = h.effect.flat().filter((e) => e !== null);
+  const top = cells.reduce((a, v) => (v > a ? v : a), 0) || 1;
+  const best = h.ranked[0] ?? { layer: -1, head: -1, effect: NaN };
+  const head = h.effect[0].map((_, n) => `<th scope="col">${n}</th>`).join("");
+  const rows = h.effect.map((row, l) => `<tr><th scope="row">layer ${l}</th>${row.map((e, n) => {
+    if (e === null) return `<td class="none" data-layer="${l}" data-head="${n}"></td>`;
+    const [r, g, b] = color(e / top);
+    const marks = [l === best.layer && n === best.head ? "best" : "",
+      l === state.layer && n === state.head ? "shown" : ""].join(" ").trim();
+    return `<td${marks ? ` class="${marks}"` : ""} data-layer="${l}" data-head="${n}"`
+      + ` data-effect="${e}" title="layer ${l}, head ${n}: 1 − cosine = ${tiny(e)}"`
+      + ` style="background:rgb(${r},${g},${b})"></td>`;
+  }).join("")}</tr>`).join("");
+  let next = "";
+  if (h.next) {
+    const [before, after] = [h.next.before[0], h.next.after[0]];
+    const p = (t) => `${esc(JSON.stringify(shown(t.token)))} ${percent(Math.exp(t.logprob))}`;
+    next = `<p id="hide-next">The next token after token ${h.next.position}: ${p(before)} with`
+      + ` it, ${p(after)} without.</p>`;
+  }
+  const done = h.done ?? h.layers.length, count = h.layers.length;
+  const progress = done < count ? ` <span class="note" id="hide-progress">(${done} of ${count}`
+    + ` layers so far)</span>` : "";
+  panel.innerHTML = `<h2>What if the key were hidden? ${K} hidden from ${Q}</h2>
+<p class="note">In each layer and head alone, ${Q} may not attend to ${K}: the softmax shares
+ its weight among the other keys. A cell is how much the final vector of ${Q} changes, 1 −
+ cosine (0: not at all), coloured on its share of the largest; rows are layers, columns heads
+ (the dashed one is the head shown above). Computed by qkv.hide; hover for the number.</p>
+<p id="hide-summary">${h.ranked.length ? `Largest: <b id="hide-best" data-layer="${best.layer}"
+ data-head="${best.head}" data-effect="${best.effect}">layer ${best.layer}, head ${best.head}</b>
+ (${tiny(best.effect)})${progress}. ` : `Each head alone${progress}… `}Hidden in every layer and
+ head at once: <b id="hide-total" data-total="${h.total}">${tiny(h.total)}</b>.</p>
+${next}<div class="scroll"><table id="hide-table"><thead><tr><th>head</th>${head}</tr></thead>
+<tbody>${rows}</tbody></table></div>`;
+}
+
+const SCORE_NAMES = {
+  previous_token: "previous token (weight on the token before)",
+  induction: "induction (repeated random tokens: the token after the earlier copy)",
+  first_token: "first token (the attention sink)",
+  self: "itself",
+  entropy: "entropy, lowest first (the most focused heads)",
+  window_use: "window use (share of the window the weight reaches)",
+};
+
+// The census of heads (/api/heads, qkv.heads): the top heads of each score, and each
+// layer's mean weight on the first token.
+export function drawCensus(box, c) {
+  const rows = Object.keys(SCORE_NAMES).filter((name) => c.top[name].length).map((name) =>
+    `<tr data-score="${name}"><th>${esc(SCORE_NAMES[name])}</th>${c.top[name].map((t) =>
+      `<td data-layer="${t.layer}" data-head="${t.head}" data-value="${t.score}"><button`
+      + ` type="button" title="show layer ${t.layer}, head ${t.head}">layer ${t.layer}, head`
+      + ` ${t.head}: ${t.score.toFixed(3)}</button></td>`).join("")}</tr>`).join("");
+  const sinks = c.first_token_per_layer.map((m, l) => `<tr data-layer="${l}" data-mass="${m}">`
+    + `<th>layer ${l}</th><td class="bar-cell"><span class="bar" style="width:${percent(m)}">`
+    + `</span>${percent(m)}</td></tr>`).join("");
+  box.dataset.model = c.model;
+  box.innerHTML = `<p class="note">${esc(c.model)}'s ${c.layers} layers × ${c.heads} heads on
+ ${c.prompts.length} built-in sentences and ${c.induction.rows} rows of ${c.induction.length}
+ random tokens repeated; a score is a mean weight over queries (entropy in nats). Click a head
+ to show it. Computed by qkv.heads.</p>
+<h3>The top heads of each score</h3>
+<div class="scroll"><table class="bars" id="census-top"><tbody>${rows}</tbody></table></div>
+<h3>Each layer's weight on the first token (mean over heads)</h3>
+<table class="bars" id="census-sinks"><tbody>${sinks}</tbody></table>`;
+}
