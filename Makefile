@@ -49,6 +49,7 @@ bench: $(BENCH_STAMP)
 	$(PY) benchmarks/train.py
 	$(PY) benchmarks/serve_load.py
 	$(PY) benchmarks/inspect_speed.py --tree .
+	$(PY) benchmarks/hide.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
