@@ -320,3 +320,18 @@ def test_without_the_table_only_the_total_is_computed_and_the_json_is_valid():
     torch.testing.assert_close(quick.states, full.states)
     for result in (quick, full):
         json.dumps(result.to_dict(), allow_nan=False)  # null, never NaN
+
+
+def test_a_decoder_recomputes_only_the_positions_hiding_can_change():
+    """In a decoder a word's earlier positions never see it: `hide` computes positions from
+    the first one it can change, the rest from the clean run's cache. The result is the full
+    forward from the embeddings with the key hidden from every word in every layer."""
+    pretrained = llama_like()
+    result = hide(pretrained, TEXT, "river")  # river is token 4: positions 0-3 stay clean
+    ids = torch.tensor([pretrained.encode(TEXT).ids])
+    mask = hide_mask(ids.shape[1], 2, result.key_spans, None, [0, 1])
+    with torch.inference_mode():
+        full = pretrained.model(ids, edits={n: Edit(hide=mask) for n in range(2)}).hidden[0]
+    torch.testing.assert_close(result.states, full, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(result.states[:4], result.clean_states[:4], rtol=0, atol=0)
+    assert not torch.allclose(result.states[4:], result.clean_states[4:], atol=1e-4)

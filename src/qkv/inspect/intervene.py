@@ -19,7 +19,7 @@ Everything runs under `torch.inference_mode` and leaves the model as it was.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ from torch import Tensor
 
 from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.nn.attention import KVCache
 from qkv.nn.edit import Edit, Edits
 
 # the most (rows x heads x queries x keys) mask elements one batched run builds (64 Mi
@@ -52,21 +53,27 @@ def stack_of(pretrained) -> Encoder | Decoder:
 @dataclass
 class Run:
     """One forward pass of a stack over ids (1, T): the residual stream at every block's
-    input (`inputs[l]`, then the last block's output), the final vectors and every layer's
-    head outputs (L, H, T, D), as the records keep them."""
+    input (`inputs[l]`, then the last block's output), the final vectors, every layer's head
+    outputs (L, H, T, D) and, in a decoder, its keys and values, as the records keep them."""
 
     ids: Tensor  # (1, T)
     inputs: list[Tensor]  # L + 1 tensors (1, T, C)
     states: Tensor  # (T, C) after the final norm
     head_outputs: Tensor  # (L, H, T, D)
     logits: Tensor | None  # (T, vocab), decoders
+    keys: list[Tensor] = field(default_factory=list)  # decoders: L tensors (1, Hkv, T, D)
+    values: list[Tensor] = field(default_factory=list)
 
 
 def run(stack: Encoder | Decoder, ids: Tensor, edits: Edits | None = None) -> Run:
     out = _forward(stack, ids, edits, layers="all", hidden_states=True)
-    heads = torch.stack([out.records[n].out[0] for n in range(len(stack.blocks))])
-    logits = _logits(stack, out.hidden[0]) if isinstance(stack, Decoder) else None
-    return Run(ids, out.hidden_states, out.hidden[0], heads, logits)
+    records = [out.records[n] for n in range(len(stack.blocks))]
+    heads = torch.stack([record.out[0] for record in records])
+    if not isinstance(stack, Decoder):
+        return Run(ids, out.hidden_states, out.hidden[0], heads, None)
+    logits = _logits(stack, out.hidden[0])
+    keys, values = [r.k for r in records], [r.v for r in records]
+    return Run(ids, out.hidden_states, out.hidden[0], heads, logits, keys, values)
 
 
 def _forward(stack, ids: Tensor, edits: Edits | None, **kwargs):
@@ -79,11 +86,28 @@ def _logits(stack: Decoder, hidden: Tensor) -> Tensor:
     return stack.project(hidden).float()
 
 
-def resumed(stack, clean: Run, layer: int, edits: Edits, rows: int) -> Tensor:
+def resumed(stack, clean: Run, layer: int, edits: Edits, rows: int, start: int = 0) -> Tensor:
     """The final vectors (rows, T, C) of `rows` runs from `layer` on, each starting from the
-    clean residual stream there, with `edits` (batched: row b's edit in row b)."""
-    ids = clean.ids.expand(rows, -1)
-    return _forward(stack, ids, edits, resume=(layer, clean.inputs[layer])).hidden
+    clean residual stream there, with `edits` (batched: row b's edit in row b).
+
+    start (decoders): the first position an edit can change. A decoder's earlier positions
+    never see a later one, so they keep the clean run's vectors, and their keys and values
+    come from the clean run's cache: only positions start.. are computed, and the edits'
+    masks and vectors cover those positions only (hide: (rows, H, T - start, T)).
+    """
+    if start == 0:
+        ids = clean.ids.expand(rows, -1)
+        return _forward(stack, ids, edits, resume=(layer, clean.inputs[layer])).hidden
+    assert isinstance(stack, Decoder), "only a decoder's earlier positions are left as they were"
+    cache = stack.new_cache()
+    for n, (keys, values) in enumerate(zip(clean.keys, clean.values, strict=True)):
+        prefix = (t[:, :, :start].expand(rows, -1, -1, -1) for t in (keys, values))
+        cache.layers[n] = KVCache.holding(*prefix)
+    ids = clean.ids[:, start:].expand(rows, -1)
+    x = clean.inputs[layer][:, start:]
+    after = stack(ids, edits=edits, resume=(layer, x), cache=cache, logits=False).hidden
+    before = clean.states[None, :start].expand(rows, -1, -1)
+    return torch.cat([before, after], dim=1)
 
 
 def batches(count: int, per_row: int) -> Iterator[slice]:
@@ -300,22 +324,27 @@ def hide(
     L = stack.config.num_layers
     effect = torch.full((L, H), float("nan"), dtype=torch.float64)
     distance, by_head = effect.clone(), effect.clone() if causal else None
+    # a decoder's positions before the first one hiding can change keep their clean vectors
+    start = 0
+    if causal:
+        start = query_span[0] if query_span is not None else min(s for s, _ in key_spans)
     with torch.inference_mode():
         clean_run = run(stack, ids)
         for layer in layers if table else []:
-            for part in batches(len(heads), H * T * T):
+            for part in batches(len(heads), H * (T - start) * T):
                 chosen = heads[part]
                 hidden = torch.cat([hide_mask(T, H, key_spans, query_span, [h]) for h in chosen])
-                states = resumed(stack, clean_run, layer, {layer: Edit(hide=hidden)}, len(chosen))
+                edits = {layer: Edit(hide=hidden[:, :, start:])}
+                states = resumed(stack, clean_run, layer, edits, len(chosen), start)
                 effect[layer, chosen], distance[layer, chosen] = measure(states)
                 if by_head is not None:
                     logprobs = _logits(stack, states[:, position]).double().log_softmax(-1)
                     clean = clean_run.logits[position].double().log_softmax(-1)
                     top = int(clean.argmax())
                     by_head[layer, chosen] = logprobs[:, top] - clean[top]
-        everywhere = hide_mask(T, H, key_spans, query_span, heads)
+        everywhere = hide_mask(T, H, key_spans, query_span, heads)[:, :, start:]
         edits = {layer: Edit(hide=everywhere) for layer in layers}
-        states = resumed(stack, clean_run, min(layers), edits, 1)
+        states = resumed(stack, clean_run, min(layers), edits, 1, start)
         total, total_distance = measure(states)
         after = _logits(stack, states[0, position]) if causal else None
     return Hidden(

@@ -117,7 +117,8 @@ class Decoder(nn.Module):
           (`qkv.nn.edit`).
         resume: (layer, x): start at that block with x (B, T, C) as its input, the blocks
           before it skipped (x is their output, e.g. an earlier run's hidden_states[layer]);
-          hidden_states then starts at x. Not with a cache.
+          hidden_states then starts at x. With a cache, every layer's cache already holds
+          the tokens before input_ids (an earlier run's keys and values, `KVCache.holding`).
         """
         cfg = self.config
         wanted = recorded_layers(layers, cfg.num_layers)
@@ -126,8 +127,6 @@ class Decoder(nn.Module):
             raise ValueError("cross_layers needs a decoder with cross-attention")
         edits = check_edits(edits, cfg.num_layers)
         first, x = check_resume(resume, input_ids, cfg)
-        if resume is not None and cache is not None:
-            raise ValueError("resume starts a pass part-way; it cannot fill a KV cache")
         if positions is None and attention_mask is not None and not bool(attention_mask.all()):
             positions = mask_positions(attention_mask, input_ids.shape[1])
         offset = cache.length if cache is not None else 0

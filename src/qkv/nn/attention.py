@@ -36,6 +36,14 @@ class KVCache:
         self.values: Tensor | None = None
         self.length = 0
 
+    @classmethod
+    def holding(cls, keys: Tensor, values: Tensor) -> KVCache:
+        """A cache that already holds these keys and values (B, Hkv, T, D), as if their tokens
+        had been run: appending copies them into storage of its own, never writes to them."""
+        cache = cls()
+        cache.keys, cache.values, cache.length = keys, values, keys.shape[2]
+        return cache
+
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Append k, v (B, Hkv, T, D); return all keys and values so far (B, Hkv, length, D)."""
         T = k.shape[2]
