@@ -8,7 +8,9 @@ and a longer text.
 
 - qkv: `qkv.inspect.intervene.hide(pretrained, text, key, query=query)` on the model's default
   backend ("auto"): one clean forward, then for each layer one batched run of its heads
-  (one head hidden per row) that resumes from the clean residual stream at that layer.
+  (one head hidden per row) that resumes from the clean residual stream at that layer; in a
+  decoder only from the query word's position on (the earlier positions cannot see the
+  change; their keys and values come from the clean run's cache).
 - the peer, "TransformerLens-style": what a researcher does with hooks on `transformers`
   with eager attention: one clean forward, then for each (layer, head) a full forward in
   which that layer's attention pattern has the (query, key) pairs zeroed in that head and

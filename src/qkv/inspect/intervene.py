@@ -10,8 +10,10 @@ Each question is asked of the model itself, through `Edit`s its layers apply in 
 forward pass (`qkv.nn.edit`): a hidden pair joins the layer's mask, so the softmax
 renormalizes over the remaining keys exactly as for padding, on whichever backend the
 model runs. A table over every (layer, head) reuses one clean forward: each layer's run
-resumes from the clean residual stream at that layer, and the heads of a layer run side by
-side as one batch, one head edited per row.
+resumes from the clean residual stream at that layer, the heads of a layer run side by
+side as one batch, one head edited per row, and in a decoder only the positions from the
+query word on are computed (the earlier ones never see it; their keys and values come from
+the clean run's cache).
 
 Everything runs under `torch.inference_mode` and leaves the model as it was.
 """
