@@ -110,8 +110,21 @@ CAUSAL = [
     (
         "Asked causally: hide the context",
         'The sense probe again, and then every other word hidden from "bank" in every layer '
-        "and head: without its context, the two senses of \"bank\" no longer separate.",
+        'and head: without its context, the two senses of "bank" no longer separate.',
         ["probe", "bank", "--hide-context"],
+    ),
+]
+
+PARALLEL = [
+    (
+        "Parallel computation",
+        "The article ends its algorithm with a note: every pair's dot product is independent of "
+        "the others, so they can all be computed at once. qkv's `loop` backend is the article "
+        "literally, one (query, key) pair at a time in float64; the fused backends compute "
+        "every pair of every head in a few matrix products. Same answer, to float32's "
+        "precision; the loop's cost grows much faster with the length (the ratios depend on "
+        "the machine: tests/test_walkthrough.py compares this section without them).",
+        ["backends", "--compare", "16,64,256"],
     ),
 ]
 
@@ -157,6 +170,18 @@ def shown(args: list[str]) -> str:
     return "qkv " + " ".join(f'"{a}"' if " " in a else a for a in args)
 
 
+def sections(chosen) -> list[str]:
+    parts = []
+    for title, words, args in chosen:
+        output = run(args)
+        if "--json" in args:
+            output = json.dumps(four_digits(json.loads(output)), ensure_ascii=False)
+            if len(output) > 1500:
+                output = output[:1500] + " ..."
+        parts += [f"## {title}", "", words, "", "```", f"$ {shown(args)}", output, "```", ""]
+    return parts
+
+
 def walkthrough() -> str:
     parts = [
         "# The article, with a real model's numbers",
@@ -166,14 +191,9 @@ def walkthrough() -> str:
         "do not edit by hand.",
         "",
     ]
-    for title, words, args in SECTIONS + CAUSAL:
-        output = run(args)
-        if "--json" in args:
-            output = json.dumps(four_digits(json.loads(output)), ensure_ascii=False)
-            if len(output) > 1500:
-                output = output[:1500] + " ..."
-        parts += [f"## {title}", "", words, "", "```", f"$ {shown(args)}", output, "```", ""]
+    parts += sections(SECTIONS)
     parts.append(CROSS_ATTENTION)
+    parts += sections(PARALLEL + CAUSAL)
     return "\n".join(parts)
 
 

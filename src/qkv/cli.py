@@ -40,15 +40,40 @@ def version() -> None:
 
 
 @app.command()
-def backends() -> None:
+def backends(
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            help="lengths, e.g. 16,64,128: each backend against the article's loop on random "
+            "q, k, v, their largest difference and how many times longer the loop takes"
+        ),
+    ] = None,
+) -> None:
     """List the attention backends, fastest first."""
     from qkv.attention import BACKENDS, backend_names
 
-    for name in backend_names():
-        if name == "auto":
-            typer.echo("auto     the fastest backend that supports the inputs")
-        else:
-            typer.echo(f"{name:<8} {BACKENDS[name].description}")
+    if compare is None:
+        for name in backend_names():
+            if name == "auto":
+                typer.echo("auto     the fastest backend that supports the inputs")
+            else:
+                typer.echo(f"{name:<8} {BACKENDS[name].description}")
+        return
+    from qkv.attention.compare import TOLERANCE, compare_backends
+
+    with user_errors():
+        try:
+            lengths = [int(part) for part in compare.split(",")]
+        except ValueError:
+            raise ValueError(f"--compare takes lengths like 16,64,128, got {compare!r}") from None
+        rows = compare_backends(lengths)
+    typer.echo("causal attention, 4 heads of 64 numbers, float32 (the loop: float64, one pair")
+    typer.echo("at a time); each backend's largest difference from the loop, and how many")
+    typer.echo("times longer the loop takes:")
+    for row in rows:
+        close = "below" if row.max_difference < TOLERANCE else "ABOVE"
+        typer.echo(f"  T={row.length:<5} {row.backend:<6} difference {close} {TOLERANCE:g}, "
+                   f"the loop takes {row.ratio:,.0f}x as long")  # fmt: skip
 
 
 @app.command()
