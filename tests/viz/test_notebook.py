@@ -160,6 +160,7 @@ def results(minilm) -> dict:
         "Trace": qkv.trace(minilm, TEXT, "bank", "river", attentions=seen),
         "Probe": probe(minilm, "bank"),
         "Hidden": qkv.hide(minilm, TEXT, "river", query="bank"),
+        "Hidden (decoder)": qkv.hide(small, TINY_TEXT, "bank", query="river"),
         "Ablated": qkv.ablate(minilm, TEXT, [(0, 1), (4, 7)]),
         "Patched": qkv.patch(
             small, "the bank of the river", "the river of the bank", "diff: river, bank"
@@ -170,7 +171,7 @@ def results(minilm) -> dict:
 
 
 NAMES = ["Attentions", "Attentions (some heads)", "Attentions (decoder)", "Trace", "Probe",
-         "Hidden", "Ablated", "Patched", "Lens", "Census"]  # fmt: skip
+         "Hidden", "Hidden (decoder)", "Ablated", "Patched", "Lens", "Census"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -187,6 +188,8 @@ def test_each_result_shows_itself_self_contained_with_a_short_repr(results, name
         assert all(s.startswith("data:") for s in sources), sources
         assert "<link" not in text and "@import" not in text
     assert ' id="' not in shown, "an id in one output could clash with another's"
+    if getattr(found, "next", None) is not None:  # a decoder's next tokens, before and after
+        assert f"{found.next.top_change:+.4f}" in shown
     plain = repr(found)
     assert len(plain) < 200 and "\n" not in plain and "tensor(" not in plain, plain
     assert plain.startswith(type(found).__name__ + "(")
