@@ -65,20 +65,26 @@ def attentions_html(seen) -> str:
     extra = _subset_note(seen)
     common = dict(title=f"Attention: {_cut(seen.encoded.text, 60)}", text=seen.encoded.text,
                   extra=extra, head=None, query=None, causal=seen.causal)  # fmt: skip
-    vectors, scores = _page_vectors(seen)
-    page = render_page(weights, seen.tokens, vectors=vectors, scale=_scale(seen), scores=scores,
+    scale = _scale(seen)
+    vectors, scores = _page_vectors(seen) if scale is not None else (None, None)
+    page = render_page(weights, seen.tokens, vectors=vectors, scale=scale, scores=scores,
                        **common)  # fmt: skip
     if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
         page = render_page(weights, seen.tokens, **common)
     if len(page) > NOTEBOOK_PAGE_BYTES:
-        layer, head = strongest_head(weights)
+        layer, head = strongest_head(weights)  # counted among the layers and heads shown
+        layer, head = seen.layers[layer], seen.heads[head]
         return _wrap(
             f"<p>{len(seen.tokens)} tokens: the page of every head would take "
-            f"{len(page) / 2**20:.0f} MB, more than a notebook output carries "
+            f"{len(page) / 2**20:.1f} MB, more than a notebook output carries "
             f"({NOTEBOOK_PAGE_BYTES / 2**20:.0f} MB). The strongest head, layer {layer}, head "
             f"{head} (counted from 0) is drawn below; <code>qkv.viz.write_html(path, "
             "att.weights, att.tokens)</code> writes the whole page to open in a browser.</p>"
-            + _png_heatmap(weights[layer, head], seen.tokens, f"layer {layer}, head {head}")
+            + _png_heatmap(
+                weights[seen.layers.index(layer), seen.heads.index(head)],
+                seen.tokens,
+                f"layer {layer}, head {head}",
+            )
         )
     T = len(seen.tokens)
     height = 760 + 22 * min(T, 40)  # until the page has loaded and the frame fits it
@@ -87,7 +93,7 @@ def attentions_html(seen) -> str:
         "(d.documentElement.scrollHeight+4)+'px'};fit();new ResizeObserver(fit)"
         ".observe(d.body)}catch(e){}"
     )
-    return (
+    return _ascii(
         f'<iframe class="qkv-page" title="qkv attention page" srcdoc="{html.escape(page.decode())}"'
         f' style="width:100%;height:{height}px;border:0" onload="{html.escape(fit)}"></iframe>'
     )
@@ -108,6 +114,8 @@ def _page_vectors(seen):
 
 
 def _scale(seen) -> float | None:
+    """The one scale of every layer's dot products; None where they differ, and the page,
+    which takes one, is then written without the vectors."""
     try:
         return float(seen.scale)
     except ValueError:  # the layers differ in scale: the page can only take one
@@ -451,7 +459,13 @@ def census_repr(found) -> str:
 
 
 def _wrap(body: str) -> str:
-    return f'{STYLE}<div class="qkv-nb">{body}</div>'
+    return _ascii(f'{STYLE}<div class="qkv-nb">{body}</div>')
+
+
+def _ascii(markup: str) -> str:
+    """Every character beyond ASCII as a character reference: the output reads the same
+    whatever encoding the page around it is decoded with."""
+    return markup.encode("ascii", "xmlcharrefreplace").decode("ascii")
 
 
 def _head_grid(grid, name: str, L: int) -> str:
