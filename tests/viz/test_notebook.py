@@ -30,14 +30,16 @@ TEXT = "The bank on the side of the river"  # the notebook's text
 
 
 @pytest.fixture(scope="module")
-def executed() -> nbformat.NotebookNode:
-    """The notebook, run top to bottom in a fresh ipykernel that imports this qkv."""
+def executed(tmp_path_factory) -> nbformat.NotebookNode:
+    """The notebook, run top to bottom in a fresh ipykernel that imports this qkv (its
+    IPython profile in a temporary folder, not the user's home)."""
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     source = str(Path(qkv.__file__).parents[1])  # the kernel imports the qkv under test
     path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
     client = NotebookClient(notebook, timeout=120, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})  # fmt: skip
-    client.execute(env={**os.environ, "PYTHONPATH": path})
+    home = tmp_path_factory.mktemp("ipython")
+    client.execute(env={**os.environ, "PYTHONPATH": path, "IPYTHONDIR": str(home)})
     return notebook
 
 
