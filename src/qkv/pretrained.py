@@ -97,6 +97,17 @@ class Attentions:
             vs.append(record.v[0].repeat_interleave(group, dim=0))
         return torch.stack(qs), torch.stack(ks), torch.stack(vs)
 
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import attentions_repr
+
+        return attentions_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook import attentions_html
+
+        return attentions_html(self)
+
 
 class Pretrained:
     """A pretrained model, its tokenizer and its config. Made by `qkv.load`."""

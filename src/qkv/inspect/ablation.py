@@ -88,6 +88,17 @@ class Ablated:
             "next_by_head": None if self.next_by_head is None else grid_dict(self.next_by_head),
         }
 
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import ablated_repr
+
+        return ablated_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook import ablated_html
+
+        return ablated_html(self)
+
 
 def head_pairs(stack, heads, source: str) -> list[tuple[int, int]]:
     """(layer, head) pairs from "all", a list of pairs, or a list of layers (all their heads)."""
@@ -308,6 +319,17 @@ class Patched:
             "clean_next": [vars(t) for t in self.clean_next],
             "corrupt_next": [vars(t) for t in self.corrupt_next],
         }
+
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import patched_repr
+
+        return patched_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook import patched_html
+
+        return patched_html(self)
 
 
 def patch(pretrained, clean: str, corrupt: str, metric) -> Patched:

@@ -124,6 +124,17 @@ class Census:
             },
         }
 
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import census_repr
+
+        return census_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook import census_html
+
+        return census_html(self)
+
 
 def heads(
     pretrained,

@@ -259,6 +259,17 @@ class Hidden:
             "next_by_head": None if self.next_by_head is None else grid_dict(self.next_by_head),
         }
 
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import hidden_repr
+
+        return hidden_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook import hidden_html
+
+        return hidden_html(self)
+
 
 def hide_mask(
     T: int,

@@ -130,6 +130,17 @@ class Lens:
             "attribution": None if self.attribution is None else self.attribution.to_dict(),
         }
 
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import lens_repr
+
+        return lens_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook import lens_html
+
+        return lens_html(self)
+
 
 def lens(
     pretrained,

@@ -80,6 +80,17 @@ class Probe:
             else dict(zip(("layer", "head", "share"), self.cue_head, strict=True)),
         }
 
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import probe_repr
+
+        return probe_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook import probe_html
+
+        return probe_html(self)
+
 
 def probe(
     pretrained,

@@ -91,6 +91,17 @@ class Trace:
         out["weight"] = self.weight
         return out
 
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import trace_repr
+
+        return trace_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook import trace_html
+
+        return trace_html(self)
+
 
 def trace(
     pretrained,

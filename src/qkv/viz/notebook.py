@@ -1,0 +1,585 @@
+"""qkv's results in a notebook: the HTML of each object's `_repr_html_`, and its short `repr`.
+
+Jupyter (JupyterLab, classic Notebook, VS Code) shows an object by calling its `_repr_html_`.
+Every view here is self-contained: inline styles and numbers, images as data: URIs, no CDN,
+no network, no server, no widget extension. Several outputs in one notebook must not clash,
+so nothing here uses an element id or a global name:
+
+- `Attentions` shows the interactive page of `qkv show` (`qkv.viz.report.render_page`) inside
+  an iframe whose `srcdoc` is the whole page: its ids and its script live in a window of
+  their own, one per output;
+- the other results are static HTML (tables with colored cells, each number in a `title`
+  and, exactly, in a `data-value` attribute), styled under the class `qkv-nb`.
+
+A plain `repr` stays one short line, e.g. `Hidden('river' hidden from 'bank', minilm, total
+0.0388)`: these dataclasses hold tensors whose default repr runs to pages.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import json
+import math
+import tempfile
+from pathlib import Path
+
+# The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
+# iopub data rate limit (1 MB/s over 3 s windows by default), leaving a blank cell.
+NOTEBOOK_PAGE_BYTES = 2 * 2**20
+VIRIDIS = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)]
+STYLE = """<style>
+.qkv-nb { font-family: system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif;
+  font-size: 13px; color: #1f2328; line-height: 1.35; }
+.qkv-nb h4 { margin: .6em 0 .3em; font-size: 14px; }
+.qkv-nb p { margin: .3em 0; }
+.qkv-nb table { border-collapse: collapse; margin: .2em 0 .6em; }
+.qkv-nb th, .qkv-nb td { padding: 2px 6px; text-align: right; border: 1px solid #eaeef2;
+  font-variant-numeric: tabular-nums; }
+.qkv-nb th { font-weight: 600; background: #f6f8fa; }
+.qkv-nb td.text, .qkv-nb th.text { text-align: left; }
+.qkv-nb table.grid td { min-width: 2.6em; font-size: 11px; }
+.qkv-nb td.none { color: #8c959f; background: #f6f8fa; }
+.qkv-nb .mono { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; }
+.qkv-nb .bar { display: inline-block; height: .8em; background: #21918c; vertical-align: middle; }
+.qkv-nb .bar.negative { background: #c0392b; }
+.qkv-nb .note { color: #57606a; }
+.qkv-nb td.followed { font-weight: bold; }
+</style>"""
+
+
+# ---------------------------------------------------------------------------- Attentions
+
+
+def attentions_html(seen) -> str:
+    """The interactive page of `seen` (a `qkv.pretrained.Attentions`) in an iframe of its own:
+    layer and head selectors, heatmap, head view, a query's row and, where the records allow
+    (`qkv.viz.report.untraceable`), a clicked pair's steps. Cross-attention, and a text
+    too long for a notebook output, show the strongest head as a table or a PNG."""
+    from qkv.viz.report import render_page, strongest_head
+
+    weights = seen.weights  # (L', H', Tq, Tk)
+    if seen.query_tokens is not None:
+        return _cross_html(seen, weights)
+    extra = _subset_note(seen)
+    common = dict(title=f"Attention: {_cut(seen.encoded.text, 60)}", text=seen.encoded.text,
+                  extra=extra, head=None, query=None, causal=seen.causal)  # fmt: skip
+    scale = _scale(seen)
+    vectors, scores = _page_vectors(seen) if scale is not None else (None, None)
+    page = render_page(weights, seen.tokens, vectors=vectors, scale=scale, scores=scores,
+                       **common)  # fmt: skip
+    if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
+        page = render_page(weights, seen.tokens, **common)
+    if len(page) > NOTEBOOK_PAGE_BYTES:
+        layer, head = strongest_head(weights)  # counted among the layers and heads shown
+        layer, head = seen.layers[layer], seen.heads[head]
+        return _wrap(
+            f"<p>{len(seen.tokens)} tokens: the page of every head would take "
+            f"{len(page) / 2**20:.1f} MB, more than a notebook output carries "
+            f"({NOTEBOOK_PAGE_BYTES / 2**20:.0f} MB). The strongest head, layer {layer}, head "
+            f"{head} (counted from 0) is drawn below; <code>qkv.viz.write_html(path, "
+            "att.weights, att.tokens)</code> writes the whole page to open in a browser.</p>"
+            + _png_heatmap(
+                weights[seen.layers.index(layer), seen.heads.index(head)],
+                seen.tokens,
+                f"layer {layer}, head {head}",
+            )
+        )
+    T = len(seen.tokens)
+    height = 760 + 22 * min(T, 40)  # until the page has loaded and the frame fits it
+    fit = (  # grow the frame to its page, as the page grows (a clicked pair's trace)
+        "try{const f=this,d=f.contentDocument,fit=()=>{f.style.height="
+        "(d.documentElement.scrollHeight+4)+'px'};fit();new ResizeObserver(fit)"
+        ".observe(d.body)}catch(e){}"
+    )
+    return _ascii(
+        f'<iframe class="qkv-page" title="qkv attention page" srcdoc="{html.escape(page.decode())}"'
+        f' style="width:100%;height:{height}px;border:0" onload="{html.escape(fit)}"></iframe>'
+    )
+
+
+def _page_vectors(seen):
+    """(vectors, scores) that let the page redo a pair, sliced to the heads shown; (None,
+    None) where the records cannot be redone by the page."""
+    from qkv.viz.report import page_trace, untraceable
+
+    if untraceable(seen.records) is not None:
+        return None, None
+    vectors, scores = page_trace(seen.records)  # 3 x (L', H, T, D)
+    heads = list(seen.heads)
+    vectors = [array[:, heads] for array in vectors]
+    scores = [s if s.bias is None else dataclasses.replace(s, bias=s.bias[heads]) for s in scores]
+    return vectors, scores
+
+
+def _scale(seen) -> float | None:
+    """The one scale of every layer's dot products; None where they differ, and the page,
+    which takes one, is then written without the vectors."""
+    try:
+        return float(seen.scale)
+    except ValueError:  # the layers differ in scale: the page can only take one
+        return None
+
+
+def _subset_note(seen) -> dict | None:
+    """The page counts the layers and heads it holds from 0: say which of the model's they are
+    when they are not all of them."""
+    H = next(iter(seen.records.values())).shape.H
+    layers, heads = seen.layers, list(seen.heads)
+    if layers == list(range(len(layers))) and heads == list(range(H)):
+        return None
+    return {
+        "layers shown": layers,
+        "heads shown": heads,
+        "counting": "this page counts the layers and heads it holds from 0: its layer i is "
+        "the model's layer 'layers shown'[i], its head j the model's 'heads shown'[j]",
+    }
+
+
+def _cross_html(seen, weights) -> str:
+    """Cross-attention: the head with the largest weight, target tokens down, source across."""
+    flat = weights.flatten(2).max(-1).values  # (L', H')
+    index = int(flat.argmax())
+    layer, head = divmod(index, flat.shape[1])
+    matrix = weights[layer, head].tolist()  # (Tq, Tk)
+    model_layer, model_head = seen.layers[layer], seen.heads[head]
+    return _wrap(
+        f"<h4>Cross-attention: {len(seen.query_tokens)} target tokens (down) over "
+        f"{len(seen.tokens)} source tokens (across)</h4><p>Layer {model_layer}, head "
+        f"{model_head} (counted from 0), the head holding the largest weight; every head is "
+        "in <code>.weights</code> (L, H, Tq, Tk).</p>"
+        + _grid(matrix, seen.query_tokens, seen.tokens, name="weight", low=0.0)
+    )
+
+
+def attentions_repr(seen) -> str:
+    L, H = len(seen.layers), len(seen.heads)
+    if seen.query_tokens is not None:
+        return (f"Attentions(cross-attention, {len(seen.query_tokens)} target x "
+                f"{len(seen.tokens)} source tokens, {L} layers x {H} heads)")  # fmt: skip
+    return (f"Attentions({_cut(seen.encoded.text, 60)!r}, {len(seen.tokens)} tokens, {L} layers"
+            f" x {H} heads)")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- Trace
+
+
+def trace_html(found) -> str:
+    """The article's seven steps for one pair (a `qkv.inspect.trace.Trace`), as a table of the
+    real numbers: each vector's first numbers and its norm shown, every number kept in the
+    cell's data-value."""
+    q, k = _quote(found.query), _quote(found.key)
+    rows = [
+        ("1", "query", f"Query vector of {q} (its embedding times the query matrix)",
+         _vector(found.query_vector)),
+        ("2", "key", f"Key vector of {k} (its embedding times the key matrix)",
+         _vector(found.key_vector)),
+        ("3", "scalar", "Dot product of the query and key vectors: the attention scalar",
+         _number(found.attention_scalar)),
+        ("", "scaled", f"Times the scale {found.scale:.6g} (1/&radic;{found.head_dim} = "
+         f"{1 / math.sqrt(found.head_dim):.6g}: the side note)", _number(found.scaled_scalar)),
+    ]  # fmt: skip
+    if found.score != found.scaled_scalar:
+        beyond = []
+        if found.softcap is not None:
+            beyond.append(f"soft-capped to {found.softcap:g} tanh(s/{found.softcap:g})")
+        if found.bias is not None:
+            beyond.append(f"plus the layer's score bias {found.bias:+.4f}")
+        rows.append(("", "score", f"The score the softmax reads: {', '.join(beyond)}",
+                     _number(found.score)))  # fmt: skip
+    why = ""
+    if found.masked:
+        why = " (hidden by the layer's mask" + (", outside its window)" if found.outside_window
+                                                 else ")")  # fmt: skip
+    rows += [
+        ("4", "weight", f"Softmax over every key word: the weight of {k} for {q}{why}",
+         _number(found.weight, shown=f"{100 * found.weight:.2f}% ({found.weight:.6g})")),
+        ("5", "value", f"Value vector of {k} (its embedding times the value matrix)",
+         _vector(found.value_vector)),
+        ("6", "scaled-value", "Scaled value vector: the weight times the value vector",
+         _vector(found.scaled_value_vector)),
+        ("7", "contextualized", f"The sum of every key's scaled value vector: {q}'s new vector"
+         " in this head", _vector(found.contextualized)),
+        ("", "output", "The model's own output of this head (the same, computed by its backend)",
+         _vector(found.model_output)),
+    ]  # fmt: skip
+    body = "".join(
+        f'<tr data-step="{name}"><td>{step}</td><td class="text">{words}</td>{cell}</tr>'
+        for step, name, words, cell in rows
+    )
+    where = f"layer {found.layer}, head {found.head}"
+    if found.num_kv_heads != found.num_heads:
+        where += f" (reading key/value head {found.kv_head})"
+    chosen = "" if found.chosen == "asked" else f": {html.escape(found.chosen)}"
+    text = found.text if found.target is None else f"{found.text} &rarr; {found.target}"
+    weights = [float(w) for w in found.weights]
+    keys = found.tokens
+    top = sorted(range(len(weights)), key=lambda i: -weights[i])[:8]
+    row = "".join(
+        f'<tr data-key="{i}"><td class="text">{_esc(keys[i])} ({i})</td>'
+        f'<td data-value="{weights[i]!r}">{100 * weights[i]:.2f}%</td>'
+        f'<td class="text"><span class="bar" style="width:{120 * weights[i]:.1f}px"></span></td>'
+        "</tr>"
+        for i in top
+    )
+    return _wrap(
+        f"<h4>{q} gets context from {k}: {where}, counted from 0{chosen}</h4>"
+        f"<p>{_esc(found.source)} ({found.num_layers} layers x {found.num_heads} heads, D = "
+        f"{found.head_dim}{', causal' if found.causal else ''}): "
+        f"<i>{_esc(_cut(text, 120))}</i></p>"
+        f'<table class="steps"><tr><th>step</th><th class="text">the article</th>'
+        f"<th>the model's numbers</th></tr>{body}</table>"
+        f"<h4>{q}'s weights in this head, the largest first</h4>"
+        f'<table class="row">{row}</table>'
+    )
+
+
+def trace_repr(found) -> str:
+    return (f"Trace({_cut(found.query, 20)!r} <- {_cut(found.key, 20)!r}, "
+            f"{_cut(found.source, 40)}, layer {found.layer} head {found.head}, "
+            f"weight {found.weight:.4f})")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- Probe
+
+
+def probe_html(found) -> str:
+    """The sense probe (a `qkv.inspect.probe.Probe`): per depth, the senses' separation and
+    accuracy with bars, then the similarity matrix at the last depth as colored cells."""
+    depths = found.layers
+    head = '<tr><th class="text">depth</th><th>mean cosine</th>'
+    if found.separation is not None:
+        head += '<th>separation</th><th class="text"></th><th>accuracy</th>'
+    head += "</tr>"
+    N = found.similarity.shape[-1]
+    off = ~_eye(N)
+    rows = []
+    for d, name in enumerate(depths):
+        mean = float(found.similarity[d][off].mean()) if N > 1 else 1.0
+        cells = f'<td class="text">{_esc(name)}</td>{_number(mean, shown=f"{mean:.4f}")}'
+        if found.separation is not None:
+            s, a = found.separation[d], found.accuracy[d]
+            width = max(0.0, 300 * s)
+            cells += (f'{_number(s, shown=f"{s:.4f}")}<td class="text"><span class="bar" '
+                      f'style="width:{width:.1f}px"></span></td>'
+                      f'{_number(a, shown=f"{100 * a:.0f}%")}')  # fmt: skip
+        rows.append(f'<tr data-depth="{d}">{cells}</tr>')
+    what = f"{len(found.sentences)} sentences"
+    if found.labels is not None:
+        counts = {label: found.labels.count(label) for label in dict.fromkeys(found.labels)}
+        what += " (" + ", ".join(f"{n} {_esc(label)}" for label, n in counts.items()) + ")"
+    cue = ""
+    if found.cue_head is not None:
+        layer, head_, share = found.cue_head
+        cue = (f"<p>The cue head: layer {layer}, head {head_}, where {_quote(found.word)} "
+               f"attends most to its cue in {100 * share:.0f}% of the sentences.</p>")  # fmt: skip
+    names = [f"{i} {found.labels[i]}" if found.labels else str(i) for i in range(N)]
+    last = found.similarity[-1].tolist()
+    return _wrap(
+        f"<h4>{_quote(found.word)} across {what}, at every depth</h4>"
+        '<p class="note">Separation: the mean cosine between the word\'s vectors in sentences '
+        "of the same sense minus across senses; accuracy: each sentence's sense told by the "
+        "nearest sense centroid, leaving the sentence out. Depth 0 is the embeddings, before any"
+        " attention.</p>"
+        f'<table class="depths">{head}{"".join(rows)}</table>{cue}'
+        f"<h4>Cosine similarity of {_quote(found.word)} at {_esc(depths[-1])}</h4>"
+        + _grid(last, names, [str(i) for i in range(N)], name="cosine")
+    )
+
+
+def probe_repr(found) -> str:
+    apart = ""
+    if found.separation is not None:
+        apart = f", separation {found.separation[0]:.3f} -> {found.separation[-1]:.3f}"
+    return (f"Probe({_cut(found.word, 20)!r}, {len(found.sentences)} sentences, "
+            f"{len(found.layers)} depths{apart})")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- interventions
+
+
+def hidden_html(found) -> str:
+    """`qkv.hide`'s result (a `qkv.inspect.intervene.Hidden`): the change with the key hidden
+    everywhere asked, each (layer, head)'s alone as a grid, and a decoder's next tokens."""
+    keys = " and ".join(_quote(k) for k in _listed(found.key))
+    whom = _quote(found.query) if found.query is not None else "every word"
+    L = found.effect.shape[0]
+    parts = [
+        f"<h4>{keys} hidden from {whom}: {_esc(found.source)}</h4>",
+        f"<p>Hidden in every head asked at once, {whom}'s final vector changes by "
+        f'<b class="total" data-value="{found.total!r}">{found.total:.4f}</b> (1 - cosine; '
+        f"distance {found.total_distance:.4f}). <i>{_esc(_cut(found.text, 120))}</i></p>",
+    ]
+    if bool((found.effect == found.effect).any()):  # the table was asked for (table=True)
+        parts.append("<p>Each (layer, head) alone, the change of the final vector "
+                     "(1 - cosine); blank where not asked:</p>")  # fmt: skip
+        parts.append(_head_grid(found.effect, "change", L))
+    if found.next is not None:
+        parts.append(_next_html(found.next))
+    return _wrap("".join(parts))
+
+
+def hidden_repr(found) -> str:
+    keys = "+".join(repr(_cut(k, 20)) for k in _listed(found.key))
+    whom = repr(_cut(found.query, 20)) if found.query is not None else "every word"
+    return f"Hidden({keys} hidden from {whom}, {_cut(found.source, 40)}, total {found.total:.4f})"
+
+
+def ablated_html(found) -> str:
+    """`qkv.ablate`'s result (a `qkv.inspect.ablation.Ablated`): the change with every head
+    asked ablated, each head's alone as a grid, and a decoder's next tokens."""
+    L = found.effect.shape[0]
+    parts = [
+        f"<h4>{len(found.heads)} head{'s' * (len(found.heads) != 1)} ablated ({_esc(found.mode)}"
+        f"): {_esc(found.source)}</h4>",
+        f'<p>All at once, the final vectors change by <b class="total" data-value='
+        f'"{found.total!r}">{found.total:.4f}</b> (1 - cosine, the mean over every token). '
+        f"<i>{_esc(_cut(found.text, 120))}</i></p>",
+        "<p>Each head ablated alone; blank where not asked:</p>",
+        _head_grid(found.effect, "change", L),
+    ]
+    if found.next is not None:
+        parts.append(_next_html(found.next))
+    return _wrap("".join(parts))
+
+
+def ablated_repr(found) -> str:
+    return (f"Ablated({found.mode}, {len(found.heads)} heads, {_cut(found.source, 40)}, "
+            f"total {found.total:.4f})")  # fmt: skip
+
+
+def patched_html(found) -> str:
+    """`qkv.patch`'s result (a `qkv.inspect.ablation.Patched`): the share of the clean metric
+    each patch restores, per (layer, head) and per (layer, position)."""
+    heads, residual = found.restored(found.heads), found.restored(found.residual)
+    L = found.residual.shape[0]
+    columns = [f"{i} {t}" for i, t in enumerate(found.corrupt_tokens)]
+    return _wrap(
+        f"<h4>Patching {_quote(_cut(found.clean_text, 60))} into "
+        f"{_quote(_cut(found.corrupt_text, 60))}: {_esc(found.source)}</h4>"
+        f"<p>Metric {_esc(str(found.metric))}: clean "
+        f'<b data-value="{found.clean!r}">{found.clean:.4f}</b>, corrupted '
+        f'<b data-value="{found.corrupt!r}">{found.corrupt:.4f}</b>. Each cell is the share of '
+        "the way back to clean that one patch restores (1: all of it, 0: nothing); the metric "
+        "itself is in its title.</p>"
+        "<h4>Each head's output patched in</h4>"
+        + _grid(heads.tolist(), [f"layer {n}" for n in range(L)],
+                [f"head {h}" for h in range(heads.shape[1])], name="restored",
+                raw=found.heads.tolist(), diverging=True)
+        + "<h4>The residual stream after each layer, at each position</h4>"
+        + _grid(residual.tolist(), [f"layer {n}" for n in range(L)], columns, name="restored",
+                raw=found.residual.tolist(), diverging=True)
+    )  # fmt: skip
+
+
+def patched_repr(found) -> str:
+    return (f"Patched({_cut(str(found.metric), 50)}, {_cut(found.source, 40)}, "
+            f"clean {found.clean:.4f}, corrupt {found.corrupt:.4f})")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- lens, census
+
+
+def lens_html(found) -> str:
+    """The logit lens (a `qkv.inspect.lens.Lens`): each depth's top next tokens, the followed
+    token's rank and log-probability, then the largest terms of its logit's attribution."""
+    top = len(found.top_tokens[0]) if found.top_tokens else 0
+    head = ('<tr><th class="text">depth</th>' + "".join(f"<th>#{i + 1}</th>" for i in range(top))
+            + f"<th>rank of {_quote(found.token)}</th><th>log-prob</th></tr>")  # fmt: skip
+    rows = []
+    for d, name in enumerate(found.layers):
+        cells = "".join(
+            f'<td class="text{" followed" if i == found.token_id else ""}" data-value="{p!r}" '
+            f'title="p = {p:.6g}">{_esc(repr(t))} {p:.3f}</td>'
+            for t, p, i in zip(found.top_tokens[d], found.top_probs[d], found.top_ids[d],
+                               strict=True)
+        )  # fmt: skip
+        logprob = _number(found.logprob[d], shown=f"{found.logprob[d]:.3f}")
+        rank = f'<td data-value="{found.rank[d]}">{found.rank[d]}</td>'
+        rows.append(f'<tr data-depth="{d}"><td class="text">{_esc(name)}</td>{cells}{rank}'
+                    f"{logprob}</tr>")  # fmt: skip
+    at = f"position {found.position} ({_quote(found.tokens[found.position])})"
+    parts = [f"<h4>The logit lens of {_esc(found.source)}: the next token after {at}</h4>",
+             f'<table class="lens">{head}{"".join(rows)}</table>']  # fmt: skip
+    a = found.attribution
+    if a is not None:
+        terms = a.terms()[:10]
+        most = max((abs(v) for _, v in terms), default=1.0) or 1.0
+        lines = "".join(
+            f'<tr><td class="text">{_esc(name)}</td>{_number(v, shown=f"{v:+.4f}")}<td '
+            f'class="text"><span class="bar{" negative" if v < 0 else ""}" style="width:'
+            f'{160 * abs(v) / most:.1f}px"></span></td></tr>'
+            for name, v in terms
+        )
+        parts.append(
+            f"<h4>Direct logit attribution of {_quote(a.token)}: logit "
+            f'<span data-value="{a.logit!r}">{a.logit:.4f}</span>, the largest terms</h4>'
+            f'<table class="terms">{lines}<tr><td class="text">the final norm\'s remainder</td>'
+            f"{_number(a.remainder, shown=f'{a.remainder:+.4f}')}<td></td></tr>"
+            f'<tr><td class="text">total (every term)</td>'
+            f"{_number(a.total, shown=f'{a.total:.4f}')}<td></td></tr></table>"
+        )
+    return _wrap("".join(parts))
+
+
+def lens_repr(found) -> str:
+    return (f"Lens({_cut(found.source, 40)}, position {found.position}, {_cut(found.token, 20)!r}"
+            f" rank {found.rank[-1]} at {found.layers[-1]})")  # fmt: skip
+
+
+def census_html(found) -> str:
+    """The census of heads (a `qkv.inspect.census.Census`): each score as an (L, H) grid of
+    colored cells, the top heads first."""
+    from qkv.inspect.census import SCORES  # the census's own list and order of scores
+
+    L, H = found.previous_token.shape
+    parts = [f"<h4>{_esc(found.source)}: {L} layers x {H} heads, counted from 0</h4>"]
+    for name in SCORES:
+        grid = found.scores(name)
+        if bool(grid.isnan().all()):
+            continue
+        best = ", ".join(f"L{n} H{h} {s:.3f}" for n, h, s in found.top(name, 3))
+        parts.append(f'<h4 data-score="{name}">{_esc(name.replace("_", " "))}: top {best}</h4>')
+        parts.append(_head_grid(grid, name.replace("_", " "), L))
+    return _wrap("".join(parts))
+
+
+def census_repr(found) -> str:
+    L, H = found.previous_token.shape
+    tops = ", ".join(
+        f"{name.replace('_', ' ')} L{n} H{h}"
+        for name in ("previous_token", "induction")
+        for n, h, _ in found.top(name, 1)
+    )
+    return f"Census({_cut(found.source, 40)}, {L} layers x {H} heads; {tops})"
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _wrap(body: str) -> str:
+    return _ascii(f'{STYLE}<div class="qkv-nb">{body}</div>')
+
+
+def _ascii(markup: str) -> str:
+    """Every character beyond ASCII as a character reference: the output reads the same
+    whatever encoding the page around it is decoded with."""
+    return markup.encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
+def _head_grid(grid, name: str, L: int) -> str:
+    H = grid.shape[1]
+    return _grid(grid.tolist(), [f"layer {n}" for n in range(L)],
+                 [f"head {h}" for h in range(H)], name=name)  # fmt: skip
+
+
+def _grid(values, rows, columns, *, name: str, low=None, raw=None, diverging=False) -> str:
+    """A table of colored cells: `values` (R, C) lists of floats (NaN: blank), each cell's
+    number shown to 3 places, in its title, and exactly in data-value (`raw`'s number in the
+    title, where given). Colors run over the finite values (viridis), or, `diverging`, blue
+    below 0 to red above."""
+    finite = [v for row in values for v in row if v == v]
+    top = max(finite, default=1.0)
+    bottom = min(finite, default=0.0) if low is None else low
+    span = max(abs(top), abs(bottom)) or 1.0
+    head = "".join(f'<th title="{_esc(c)}">{_esc(_cut(str(c), 10))}</th>' for c in columns)
+    lines = [f"<tr><th></th>{head}</tr>"]
+    for r, (label, row) in enumerate(zip(rows, values, strict=True)):
+        cells = []
+        for c, v in enumerate(row):
+            where = f"{label}, {columns[c]}"
+            if v != v:
+                cells.append(f'<td class="none" data-row="{r}" data-col="{c}" title="{where}: '
+                             f'not computed"></td>')  # fmt: skip
+                continue
+            rgb = _diverging(v / span) if diverging else _viridis(
+                (v - bottom) / (top - bottom) if top > bottom else 1.0)  # fmt: skip
+            ink = "#000" if 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] > 140 else "#fff"
+            shown = raw[r][c] if raw is not None else v
+            extra = f" (restored {v:.4f})" if raw is not None else ""
+            cells.append(
+                f'<td data-row="{r}" data-col="{c}" data-value="{v!r}" title="{_esc(where)}: '
+                f'{_esc(name)} {shown:.6g}{extra}" style="background:rgb{rgb};color:{ink}">'
+                f"{v:.3f}</td>"
+            )
+        lines.append(f'<tr><th class="text">{_esc(_cut(str(label), 24))}</th>{"".join(cells)}</tr>')
+    return f'<table class="grid" data-name="{_esc(name)}">{"".join(lines)}</table>'
+
+
+def _viridis(x: float) -> tuple[int, int, int]:
+    p = min(max(x, 0.0), 1.0) * (len(VIRIDIS) - 1)
+    i = min(int(p), len(VIRIDIS) - 2)
+    f = p - i
+    return tuple(round(a + f * (b - a)) for a, b in zip(VIRIDIS[i], VIRIDIS[i + 1], strict=True))
+
+
+def _diverging(x: float) -> tuple[int, int, int]:
+    """-1 blue, 0 white, +1 red."""
+    x = min(max(x, -1.0), 1.0)
+    far = (59, 76, 192) if x < 0 else (180, 4, 38)
+    return tuple(round(255 + abs(x) * (c - 255)) for c in far)
+
+
+def _next_html(next_tokens) -> str:
+    def cells(token) -> str:
+        shown = _number(token.logprob, shown=f"{token.logprob:.3f}")
+        return f'<td class="text">{_esc(repr(token.token))}</td>{shown}'
+
+    rows = "".join(
+        f"<tr>{cells(b)}{cells(a)}</tr>"
+        for b, a in zip(next_tokens.before, next_tokens.after, strict=True)
+    )
+    return (
+        f"<h4>The next token after position {next_tokens.position}: the clean top token's "
+        f"log-probability changes by {next_tokens.top_change:+.4f}</h4>"
+        '<table><tr><th class="text">before</th><th>log-prob</th><th class="text">after</th>'
+        f"<th>log-prob</th></tr>{rows}</table>"
+    )
+
+
+def _png_heatmap(matrix, tokens, title: str) -> str:
+    """One head drawn by `head_heatmap`, inline as a data: URI."""
+    from qkv.viz.heatmap import head_heatmap
+
+    with tempfile.TemporaryDirectory(prefix="qkv-notebook-") as folder:
+        path = head_heatmap(matrix, tokens, Path(folder) / "head.png", title=title)
+        data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f'<img alt="{_esc(title)}" src="data:image/png;base64,{data}" style="max-width:100%">'
+
+
+def _vector(values) -> str:
+    numbers = [float(x) for x in values]
+    norm = math.sqrt(sum(x * x for x in numbers))
+    shown = ", ".join(f"{x:.4f}" for x in numbers[:4]) + (", …" if len(numbers) > 4 else "")
+    return (f'<td class="mono" data-value="{_esc(json.dumps(numbers))}">[{shown}] '
+            f"({len(numbers)} numbers, norm {norm:.4f})</td>")  # fmt: skip
+
+
+def _number(value: float, shown: str | None = None) -> str:
+    value = float(value)
+    return f'<td data-value="{value!r}">{shown if shown is not None else f"{value:.6g}"}</td>'
+
+
+def _eye(n: int):
+    import torch
+
+    return torch.eye(n, dtype=torch.bool)
+
+
+def _listed(key) -> list[str]:
+    return [key] if isinstance(key, str) else list(key)
+
+
+def _quote(word: str) -> str:
+    return f"“{_esc(word)}”"
+
+
+def _esc(text) -> str:
+    return html.escape(str(text))
+
+
+def _cut(text: str, width: int) -> str:
+    """One line of at most `width` characters: "The bank on the side of the r…"."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 1] + "…"
