@@ -166,10 +166,9 @@ class Pretrained:
         it keeps is bounded by qkv.generate.RECORD_MAX_BYTES, checked before any step.
         Without record nothing is recorded: every step runs as it would otherwise.
 
-        >>> smollm2 = load("smollm2")
-        >>> seen = smollm2.generate("The river bank", 4, record=Recording([0, 29], [3]))
-        >>> seen.row(1).shape  # (L', H', P + 1): the second new token's attention
-        torch.Size([2, 1, 4])
+        E.g. load("smollm2").generate("The river bank", 4, record=Recording([0, 29], [3]))
+        .row(1) is (2, 1, 4): the second new token's attention over the 3 prompt tokens and
+        the first new token, in layers 0 and 29, head 3.
         """
         seq2seq = isinstance(self.model, EncoderDecoder)
         if not isinstance(self.model, Decoder) and not seq2seq:
