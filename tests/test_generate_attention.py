@@ -13,7 +13,6 @@ import pytest
 import torch
 from playwright.sync_api import sync_playwright
 
-import qkv
 from browser import CHROMIUM, FLAGS
 from qkv.generate import GenerationAttention, Recording
 from qkv.viz.generation import read_generation_page, write_generation_page
@@ -31,6 +30,14 @@ def one_forward(pretrained, seen: GenerationAttention) -> torch.Tensor:
     return torch.stack([records[n].weights(seen.heads)[0] for n in seen.layers])
 
 
+def tiny64(config):
+    """A tiny random model in float64: its weights (x 8) give scores in the hundreds, whose
+    float32 rounding alone is 1e-5 of a weight; in float64 the rows must agree to 1e-12."""
+    model = tiny(config)
+    model.model.double()
+    return model
+
+
 def check_rows(pretrained, seen: GenerationAttention, atol: float = 1e-5) -> None:
     full = one_forward(pretrained, seen)
     P = seen.prompt_length
@@ -40,7 +47,8 @@ def check_rows(pretrained, seen: GenerationAttention, atol: float = 1e-5) -> Non
         row = seen.row(j)
         assert row.shape == (len(seen.layers), len(seen.heads), P + j)
         torch.testing.assert_close(row, full[:, :, P + j - 1, : P + j], atol=atol, rtol=0)
-        torch.testing.assert_close(row.sum(-1), torch.ones(row.shape[:2]), atol=1e-5, rtol=0)
+        ones = torch.ones(row.shape[:2], dtype=row.dtype)
+        torch.testing.assert_close(row.sum(-1), ones, atol=1e-5, rtol=0)
     torch.testing.assert_close(seen.weights, full, atol=atol, rtol=0)
 
 
@@ -70,11 +78,12 @@ def test_without_record_generate_returns_the_same_text_and_records_nothing(smoll
 @pytest.mark.parametrize("config", [decoder(), gemma2_like()], ids=["decoder", "gemma2_like"])
 @pytest.mark.parametrize("record", ["all", Recording(layers=[1], heads=[1]), [0]])
 def test_tiny_models_recorded_rows_are_one_forward_pass(config, record):
-    model = tiny(config)
+    model = tiny64(config)
     before = {name: p.clone() for name, p in model.model.state_dict().items()}
     seen = model.generate("the bank of the river", 6, record=record, temperature=1.0, seed=3)
     assert seen.generated == 6 and isinstance(seen.text, str)
-    check_rows(model, seen)
+    assert seen.prompt.dtype == torch.float64
+    check_rows(model, seen, atol=1e-12)
     after = model.model.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before), "the model changed"
     assert seen.text == model.generate("the bank of the river", 6, temperature=1.0, seed=3)
@@ -125,9 +134,11 @@ def test_a_batch_and_a_recording_beyond_the_limit_are_refused(monkeypatch):
     with pytest.raises(ValueError, match="record keeps a decoder's attention over one prompt; 2"):
         model.generate(["the bank", "the river"], 3, record="all")
     monkeypatch.setattr("qkv.generate.RECORD_MAX_BYTES", 1000)
-    # 2 layers x 2 heads x (4 + 2 x 2 + 1) weights x 4 bytes = 144 bytes fit, 8 new tokens not
+    # 2 layers x 2 heads x (4 + 2 x 2 + 1) weights x 4 bytes = 144 bytes fit; 30 new tokens,
+    # 2 x 2 x (4 + 29 x 2 + 435) x 4 = 7952 bytes (7.8 KiB), do not
     assert model.generate("the bank", 3, record="all").generated == 3
-    with pytest.raises(ValueError, match=r"keeps up to .* GiB .* qkv.generate.RECORD_MAX_BYTES"):
+    with pytest.raises(ValueError, match=r"keeps up to 7.8 KiB of weights, more than the 1000 "
+                       r"bytes limit \(qkv.generate.RECORD_MAX_BYTES\)"):  # fmt: skip
         model.generate("the bank", 30, record="all")
 
 
@@ -170,7 +181,8 @@ def test_a_clicked_token_shows_its_row_offline_in_chromium(recorded, tmp_path):
             "#row li", "items => items.map(li => [Number(li.dataset.k), Number(li.dataset.w)])"
         )
         colored = page.eval_on_selector_all(
-            "#text .token", "ts => ts.map(t => t.dataset.w === undefined ? null : Number(t.dataset.w))"
+            "#text .token",
+            "ts => ts.map(t => t.dataset.w === undefined ? null : Number(t.dataset.w))",
         )
         title = page.inner_text("#row-title")
     want = recorded.row(3)[7, 4].tolist()

@@ -232,10 +232,18 @@ def check_recording_size(layers: int, heads: int, prompt: int, new: int, itemsiz
     if size > RECORD_MAX_BYTES:
         raise ValueError(
             f"recording {layers} layers x {heads} heads over {prompt} prompt tokens and "
-            f"{new} new ones keeps up to {size / 2**30:.1f} GiB of weights, more than the "
-            f"{RECORD_MAX_BYTES / 2**30:.0f} GiB limit (qkv.generate.RECORD_MAX_BYTES); record "
+            f"{new} new ones keeps up to {_bytes(size)} of weights, more than the "
+            f"{_bytes(RECORD_MAX_BYTES)} limit (qkv.generate.RECORD_MAX_BYTES); record "
             "fewer layers or heads, or generate fewer tokens"
         )
+
+
+def _bytes(size: int) -> str:
+    """1073741824 -> '1.0 GiB', 2097152 -> '2.0 MiB', 144 -> '144 bytes'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
 
 
 class RowKeeper:

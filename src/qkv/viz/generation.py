@@ -220,7 +220,8 @@ let step = null;
 function shown(piece) { return piece.trim() ? piece : JSON.stringify(piece); }
 function draw() {
   for (const t of tokens) {
-    t.style.background = ""; t.removeAttribute("data-w"); t.title = ""; t.classList.remove("selected");
+    t.style.background = ""; t.removeAttribute("data-w"); t.title = "";
+    t.classList.remove("selected");
   }
   $("row").replaceChildren();
   if (step === null) return;
@@ -231,9 +232,10 @@ function draw() {
     tokens[k].title = `${(100 * w).toFixed(2)}%`;
   });
   tokens[chosen].classList.add("selected");
-  $("row-title").textContent = `${shown(data.pieces[chosen])} (generated token ${step}) was chosen `
-    + `by the query at ${shown(data.pieces[chosen - 1])} (token ${chosen - 1}); layer `
-    + `${$("layer").value}, head ${$("head").value}, its attention over the ${chosen} tokens before it:`;
+  $("row-title").textContent = `${shown(data.pieces[chosen])} (generated token ${step}) was `
+    + `chosen by the query at ${shown(data.pieces[chosen - 1])} (token ${chosen - 1}); layer `
+    + `${$("layer").value}, head ${$("head").value}, its attention over the ${chosen} tokens `
+    + "before it:";
   const order = Array.from(weights.keys()).sort((i, j) => weights[j] - weights[i]);
   for (const k of order) {
     const li = document.createElement("li");
