@@ -220,7 +220,7 @@ let step = null;
 function shown(piece) { return piece.trim() ? piece : JSON.stringify(piece); }
 function draw() {
   for (const t of tokens) {
-    t.style.background = ""; t.removeAttribute("data-w"); t.title = "";
+    t.style.background = ""; t.style.color = ""; t.removeAttribute("data-w"); t.title = "";
     t.classList.remove("selected");
   }
   $("row").replaceChildren();
@@ -228,6 +228,7 @@ function draw() {
   const weights = row(step), chosen = P + step, top = Math.max(...weights) || 1;
   weights.forEach((w, k) => {
     tokens[k].style.background = `rgba(33, 145, 140, ${(w / top).toFixed(3)})`;
+    if (w / top > 0.6) tokens[k].style.color = "#fff";  // dark backgrounds: light text
     tokens[k].dataset.w = w;
     tokens[k].title = `${(100 * w).toFixed(2)}%`;
   });
