@@ -273,16 +273,10 @@ def test_qkv_generate_attention_writes_the_page_of_the_generation(smollm2, tmp_p
         torch.testing.assert_close(torch.from_numpy(row.copy()), seen.row(j), atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--layers", "30"], "error: layer 30 is out of range: smollm2 has 30 layers (0-29)"),
-        (["--heads", "0-9"], "error: head 9 is out of range: smollm2 has 9 heads (0-8)"),
-    ],
-)
-def test_qkv_generate_attention_bad_input_is_one_line_exit_2_and_nothing_written(
-    args, message, tmp_path
-):
+def test_qkv_generate_attention_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path):
+    # one model load: the heads' range is checked by the same check_indices (library tests)
+    args = ["--layers", "30"]
+    message = "error: layer 30 is out of range: smollm2 has 30 layers (0-29)"
     out = tmp_path / "gen.html"
     result = run("generate", PROMPT, "-n", "3", "--attention", str(out), *args)
     assert result.returncode == 2
