@@ -121,11 +121,21 @@ def generate(
     system: str | None = None,
     backend: Backend = None,
     int4: Annotated[bool, typer.Option(help="keep a .gguf file's 4-bit weights packed")] = False,
+    attention: Annotated[
+        Path | None,
+        typer.Option(help="write a page where each generated token shows what it attended to"),
+    ] = None,
+    layers: Annotated[
+        str | None, typer.Option(help="--attention's layers, e.g. 0,2,5 or 0-3 (default: all)")
+    ] = None,
+    heads: Annotated[
+        str | None, typer.Option(help="--attention's heads, e.g. 0,2 (default: all)")
+    ] = None,
 ) -> None:
     """Continue PROMPT with a pretrained decoder, printing tokens as they come."""
     from qkv import load
 
-    with user_errors():
+    with user_errors(attention):
         if not prompt.strip():
             raise ValueError(
                 "the prompt is empty; give the text to continue, e.g. qkv generate 'The river bank'"
@@ -133,7 +143,17 @@ def generate(
         from qkv.generate import Sampling
 
         Sampling(temperature, top_k, top_p, seed)  # checked before the model loads
+        if attention is None and (layers is not None or heads is not None):
+            raise ValueError("--layers and --heads choose what --attention FILE.html shows")
+        if attention is not None:
+            if attention.suffix.lower() not in (".html", ".htm"):
+                raise ValueError(f"--attention {attention} must end in .html")
+            check_out(attention, (".html", ".htm"))
         pretrained = load(model, backend=backend, int4=int4)
+        recording = None
+        if attention is not None:
+            recording = _generation_recording(pretrained, prompt, layers, heads, model, chat,
+                                              system, max_new_tokens or 64)  # fmt: skip
 
         def show(row: int, piece: str) -> None:
             sys.stdout.write(piece)
@@ -146,11 +166,38 @@ def generate(
             max_new_tokens = pretrained.context_window if seq2seq else 64
         if not chat and not seq2seq:
             typer.echo(prompt, nl=False)  # a decoder continues the prompt
-        pretrained.generate(
+        seen = pretrained.generate(
             prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-            seed=seed, stop=stop or (), stream=show, chat=chat, system=system,
+            seed=seed, stop=stop or (), stream=show, chat=chat, system=system, record=recording,
         )  # fmt: skip
         typer.echo()
+        if attention is not None:
+            from qkv.viz.generation import write_generation_page
+
+            attention.parent.mkdir(parents=True, exist_ok=True)  # as `qkv show` makes its folders
+            write_generation_page(attention, seen, title=f"{model}: attention while generating")
+            typer.echo(f"wrote {attention}")
+
+
+def _generation_recording(pretrained, prompt, layers, heads, model, chat, system, new):
+    """generate's `record` for --attention, every choice checked before any token is made:
+    the layers and heads in range, what they keep within the library's and the page's limits."""
+    from qkv.generate import Recording, check_recording_size
+    from qkv.models import Decoder
+    from qkv.viz.generation import check_page_size
+
+    if not isinstance(pretrained.model, Decoder):
+        raise ValueError(f"--attention shows a decoder's self-attention; {model} is not a decoder")
+    cfg = pretrained.model.config
+    L, H = cfg.num_layers, cfg.block.num_heads
+    recording = Recording(_numbers(layers, "layers", L, model) or "all",
+                          _numbers(heads, "heads", H, model))  # fmt: skip
+    kept_layers, kept_heads = recording.resolve(L, H, model)
+    text = pretrained._chat(prompt, system) if chat else prompt
+    P = len(pretrained.tokenizer.encode(text, add_special_tokens=not chat).ids)
+    check_recording_size(len(kept_layers), len(kept_heads), P, new)
+    check_page_size(len(kept_layers), len(kept_heads), P, new)
+    return recording
 
 
 @app.command()

@@ -8,14 +8,16 @@ that every sequence's next token is in the last column.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.decoder import cap_logits
+from qkv.nn import AttentionRecord
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,17 @@ def decode_steps(
     attention_mask: Tensor | None,
     sampling: Sampling,
     max_new_tokens: int,
+    *,
+    layers: Sequence[int] | None = None,
+    keep: Callable[[dict[int, AttentionRecord]], None] | None = None,
 ) -> Iterator[Tensor]:
     """Yield the next token of every sequence (B,), max_new_tokens times at most.
 
     input_ids (B, T) left-padded, attention_mask (B, T) with 1 for real tokens (None when
     nothing is padded). The caller stops iterating when it has what it wants.
+    layers, keep: every forward pass (the prompt's, then each fed-back token's) returns the
+    records of these layers and hands them to keep(records) before its token is yielded;
+    without them the forward passes record nothing.
     """
     generator = None
     if sampling.seed is not None:
@@ -90,7 +98,8 @@ def decode_steps(
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     else:
         attention_mask = None  # nothing padded: the faster unmasked path
-    logits = _next_logits(model, head, bias, input_ids, attention_mask, positions, cache)
+    logits = _next_logits(model, head, bias, input_ids, attention_mask, positions, cache,
+                          layers, keep)  # fmt: skip
     for step in range(max_new_tokens):
         token = sampling.pick(logits, generator)  # (B,)
         yield token
@@ -99,7 +108,8 @@ def decode_steps(
         if positions is not None:
             positions = positions[:, -1:] + 1  # (B, 1)
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
-        logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions, cache)
+        logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions, cache,
+                              layers, keep)  # fmt: skip
 
 
 def seq2seq_steps(
@@ -132,14 +142,178 @@ def seq2seq_steps(
 
 
 @torch.inference_mode()
-def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, positions, cache):
-    """The logits (B, vocab) of the token after input_ids (B, T), appending to the cache."""
+def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, positions, cache,
+                 layers=None, keep=None):  # fmt: skip
+    """The logits (B, vocab) of the token after input_ids (B, T), appending to the cache;
+    the records of `layers` go to keep(records)."""
     out = model(
-        input_ids, attention_mask=attention_mask, positions=positions, cache=cache, logits=False
-    )
+        input_ids, attention_mask=attention_mask, positions=positions, cache=cache,
+        layers=layers, logits=False,
+    )  # fmt: skip
+    if keep is not None:
+        keep(out.records)
     hidden = out.hidden[:, -1]  # (B, C)
     if model.config.head_scale is not None:  # as Decoder.project: scaled before the head
         hidden = hidden * model.config.head_scale
     logits = hidden @ head.to(out.hidden.dtype)  # (B, vocab)
     logits = logits if bias is None else logits + bias
     return cap_logits(logits, model.config.logit_softcap)
+
+
+# ---------------------------------------------------------------- attention while generating
+
+# The most bytes of weights `Pretrained.generate(record=...)` may keep: the prompt's rows
+# (L', H', P, P) and one row (L', H', Tk) per generated token, counted for max_new_tokens
+# before any step runs. 1 GiB: SmolLM2's 30 layers x 9 heads over a 100-token prompt and 500
+# new tokens keep about 0.4 GiB.
+RECORD_MAX_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What `Pretrained.generate(..., record=...)` keeps of the attention while it generates.
+
+    layers: the layers whose self-attention is kept ("all", or indices counted from 0); heads:
+    their query heads kept (all if None). generate also takes "all" for Recording(), a list of
+    layers for Recording(layers=...), and {"layers": [...], "heads": [...]}.
+
+    >>> Recording.of([0, 2]), Recording.of({"heads": [1]}).heads
+    (Recording(layers=[0, 2], heads=None), [1])
+    """
+
+    layers: str | Sequence[int] = "all"
+    heads: Sequence[int] | None = None
+
+    @classmethod
+    def of(cls, record) -> Recording:
+        """A Recording from what generate's `record` takes; a clear error for anything else."""
+        if isinstance(record, Recording):
+            return record
+        if isinstance(record, str):
+            if record != "all":
+                raise ValueError(f"record takes 'all', a list of layers or a Recording, not "
+                                 f"{record!r}")  # fmt: skip
+            return cls()
+        if isinstance(record, dict):
+            unknown = sorted(set(record) - {"layers", "heads"})
+            if unknown:
+                raise ValueError(f"record's keys are 'layers' and 'heads', not {unknown[0]!r}")
+            return cls(**record)
+        return cls(layers=list(record) if isinstance(record, Sequence | range) else record)
+
+    def resolve(self, num_layers: int, num_heads: int, owner: str) -> tuple[list[int], list[int]]:
+        """The layers and heads asked, sorted, each checked against the model's counts."""
+        every = isinstance(self.layers, str) and self.layers == "all"
+        if isinstance(self.layers, str) and not every:
+            raise ValueError(f"record's layers are 'all' or indices, not {self.layers!r}")
+        layers = range(num_layers) if every else check_indices("layer", self.layers, num_layers,
+                                                                owner)  # fmt: skip
+        heads = range(num_heads) if self.heads is None else self.heads
+        heads = check_indices("head", heads, num_heads, owner)
+        if not layers or not heads:
+            raise ValueError("record asks no layer or no head; leave layers or heads out for all")
+        return sorted(set(layers)), sorted(set(heads))
+
+
+def recorded_bytes(layers: int, heads: int, prompt: int, new: int, itemsize: int = 4) -> int:
+    """What recording `layers` x `heads` while generating `new` tokens after `prompt` keeps:
+    the prompt's (P, P) rows, then one row of P + j weights for each generated token j >= 1.
+
+    >>> recorded_bytes(1, 1, 3, 2)  # 9 weights for the prompt, 4 for the second new token
+    52
+    """
+    weights = prompt * prompt + (new - 1) * prompt + new * (new - 1) // 2
+    return layers * heads * weights * itemsize
+
+
+def check_recording_size(layers: int, heads: int, prompt: int, new: int, itemsize: int = 4):
+    """Refuse, by name, a recording larger than RECORD_MAX_BYTES."""
+    size = recorded_bytes(layers, heads, prompt, new, itemsize)
+    if size > RECORD_MAX_BYTES:
+        raise ValueError(
+            f"recording {layers} layers x {heads} heads over {prompt} prompt tokens and "
+            f"{new} new ones keeps up to {_bytes(size)} of weights, more than the "
+            f"{_bytes(RECORD_MAX_BYTES)} limit (qkv.generate.RECORD_MAX_BYTES); record "
+            "fewer layers or heads, or generate fewer tokens"
+        )
+
+
+def _bytes(size: int) -> str:
+    """1073741824 -> '1.0 GiB', 2097152 -> '2.0 MiB', 144 -> '144 bytes'."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
+
+
+class RowKeeper:
+    """The `keep` of decode_steps: reads the weights of each forward pass's records as they
+    come and drops the records, so what stays is the prompt's rows (L', H', P, P) and, for
+    each fed-back token, its one row (L', H', Tk)."""
+
+    def __init__(self, layers: list[int], heads: list[int]):
+        self.layers, self.heads = layers, heads
+        self.prompt: Tensor | None = None
+        self.steps: list[Tensor] = []
+
+    def __call__(self, records: dict[int, AttentionRecord]) -> None:
+        rows = torch.stack([records[n].weights(self.heads)[0] for n in self.layers])
+        if self.prompt is None:
+            self.prompt = rows  # (L', H', P, P)
+        else:
+            self.steps.append(rows[:, :, -1])  # (L', H', Tk): the fed-back token's row
+
+
+@dataclass(eq=False)
+class GenerationAttention:
+    """A generation and the attention it ran on, read from the layers' records as it decoded.
+
+    The final sequence is the prompt's P tokens, then every token generated (an
+    end-of-sequence token and a stop string's tokens included: `text` is what generate
+    returns without `record`). Generated token j (counted from 0, at position P + j) was chosen
+    by the query at position P + j - 1, the token before it: `row(j)` (L', H', P + j) is that
+    query's attention over every token before token j, as `transformers` keeps it in
+    `generate(output_attentions=True)`. `weights` (L', H', T - 1, T - 1) holds every row the
+    model computed, the prompt's from its one forward pass: it equals, to float rounding, one
+    forward pass over the final sequence without its last token, which the model chose but
+    never read.
+    """
+
+    text: str
+    ids: list[int]  # (T,) the final sequence: the prompt's tokens, then the generated ones
+    tokens: list[str]  # the tokens' names in the vocabulary
+    pieces: list[str]  # each token's own text, as the page shows it
+    prompt_length: int  # P
+    layers: list[int]  # counted from 0, the order of the weights' first axis
+    heads: list[int]  # counted from 0, the order of their second axis
+    prompt: Tensor  # (L', H', P, P) the prompt's rows, from the forward pass that read it
+    steps: list[Tensor]  # (L', H', P + j) for j = 1 .. generated - 1: each fed-back token's row
+
+    @property
+    def generated(self) -> int:
+        """How many tokens were generated."""
+        return len(self.ids) - self.prompt_length
+
+    def row(self, token: int) -> Tensor:
+        """(L', H', P + token): the attention that chose generated token `token` (from 0)."""
+        (token,) = check_indices("generated token", [token], self.generated, "this generation")
+        return self.prompt[:, :, -1] if token == 0 else self.steps[token - 1]
+
+    @property
+    def weights(self) -> Tensor:
+        """(L', H', T - 1, T - 1): row i is token i's attention over tokens 0..i (0 after)."""
+        P, T = self.prompt_length, len(self.ids)
+        out = self.prompt.new_zeros(*self.prompt.shape[:2], T - 1, T - 1)
+        out[:, :, :P, :P] = self.prompt
+        for j, row in enumerate(self.steps, start=1):
+            out[:, :, P + j - 1, : P + j] = row
+        return out
+
+    def to_dict(self) -> dict:
+        """Every number, for JSON: rows[j][l][h] is row(j) of layer layers[l], head heads[h]."""
+        return {
+            "text": self.text, "ids": self.ids, "tokens": self.tokens, "pieces": self.pieces,
+            "prompt_length": self.prompt_length, "layers": self.layers, "heads": self.heads,
+            "prompt": self.prompt.tolist(),
+            "rows": [self.row(j).tolist() for j in range(self.generated)],
+        }  # fmt: skip

@@ -20,7 +20,15 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.inputs import check_indices
-from qkv.generate import Sampling, decode_steps, seq2seq_steps
+from qkv.generate import (
+    GenerationAttention,
+    Recording,
+    RowKeeper,
+    Sampling,
+    check_recording_size,
+    decode_steps,
+    seq2seq_steps,
+)
 from qkv.io.families import Family
 from qkv.io.hf import Pooling, save_folder
 from qkv.models import Decoder, Encoder, EncoderDecoder
@@ -154,13 +162,24 @@ class Pretrained:
         stream: Callable[[int, str], None] | None = None,
         chat: bool = False,
         system: str | None = None,
-    ) -> str | list[str]:
+        record: str | Sequence[int] | dict | Recording | None = None,
+    ) -> str | list[str] | GenerationAttention:
         """Continue a prompt (or each of a batch of prompts) with new text.
 
         temperature 0 is greedy; top_k and top_p narrow sampling; seed makes sampling
         repeatable. Generation ends at the end-of-sequence token, at any `stop` string (not
         included in the result) or after max_new_tokens. stream(row, text) receives text as
         it is made. chat: wrap the prompt in the model's chat template as a user message.
+        record (a decoder and one prompt only): also keep the attention each generated token
+        was chosen with, read from the layers' records as they decode (no second forward
+        pass), and return a `GenerationAttention` (its `.text` the text returned otherwise):
+        "all" layers and heads, a list of layers, or `Recording(layers=..., heads=...)`. What
+        it keeps is bounded by qkv.generate.RECORD_MAX_BYTES, checked before any step.
+        Without record nothing is recorded: every step runs as it would otherwise.
+
+        E.g. load("smollm2").generate("The river bank", 4, record=Recording([0, 29], [3]))
+        .row(1) is (2, 1, 4): the second new token's attention over the 3 prompt tokens and
+        the first new token, in layers 0 and 29, head 3.
         """
         seq2seq = isinstance(self.model, EncoderDecoder)
         if not isinstance(self.model, Decoder) and not seq2seq:
@@ -174,6 +193,12 @@ class Pretrained:
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts:
             raise ValueError("no prompt given")
+        if record is not None and (seq2seq or len(prompts) != 1):
+            raise ValueError(
+                "record keeps a decoder's attention over one prompt; "
+                + (f"{self.source} is an encoder-decoder" if seq2seq else
+                   f"{len(prompts)} prompts were given: generate them one at a time")
+            )  # fmt: skip
         if seq2seq:
             return self._translate(prompts, sampling, max_new_tokens, list(stop), stream)
         if chat:
@@ -193,8 +218,33 @@ class Pretrained:
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                 f"{self.source}'s context window of {self.context_window} tokens"
             )
+        if record is not None:
+            return self._generate_recorded(ids, Recording.of(record), sampling, max_new_tokens,
+                                           list(stop), stream)  # fmt: skip
         steps = decode_steps(self.model, ids, mask, sampling, max_new_tokens)
         return self._decode(steps, list(stop), stream, len(prompts))
+
+    def _generate_recorded(self, ids, recording, sampling, max_new_tokens, stop, stream):
+        """generate for one prompt ids (1, P), keeping the attention rows `recording` asks."""
+        cfg = self.model.config
+        layers, heads = recording.resolve(cfg.num_layers, cfg.block.num_heads, self.source)
+        itemsize = 8 if next(self.model.parameters()).dtype == torch.float64 else 4
+        check_recording_size(len(layers), len(heads), ids.shape[1], max_new_tokens, itemsize)
+        keeper, chosen = RowKeeper(layers, heads), []
+
+        def steps():
+            for token in decode_steps(self.model, ids, None, sampling, max_new_tokens,
+                                      layers=layers, keep=keeper):  # fmt: skip
+                chosen.append(int(token[0]))
+                yield token
+
+        text = self._decode(steps(), stop, stream, 1)
+        every = ids[0].tolist() + chosen
+        return GenerationAttention(
+            text, every, [self.tokenizer.id_to_token(i) or str(i) for i in every],
+            [self.tokenizer.decode([i], skip_special_tokens=False) for i in every],
+            ids.shape[1], layers, heads, keeper.prompt, keeper.steps,
+        )  # fmt: skip
 
     def _translate(self, sources, sampling, max_new_tokens, stop, stream) -> str | list[str]:
         """An encoder-decoder's output for each source: the encoder reads the source, the
