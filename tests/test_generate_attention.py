@@ -291,3 +291,18 @@ def test_qkv_generate_attention_checks_its_options_before_loading(tmp_path):
     result = run("generate", PROMPT, "--attention", str(tmp_path / "gen.png"))
     assert result.returncode == 2 and "must end in .html" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_generation_displays_itself_in_a_notebook(smollm2):
+    """Its _repr_html_ is the page of `qkv generate --attention`, inline in an iframe; its
+    repr is one short line."""
+    import html as markup
+
+    from qkv.viz.generation import read_generation_page
+
+    seen = smollm2.generate("The river bank", 3, record={"layers": [0, 29], "heads": [0]})
+    shown = seen._repr_html_()
+    assert shown.startswith("<iframe") and "http://" not in shown and "https://" not in shown
+    page = markup.unescape(shown.split('srcdoc="', 1)[1].split('"', 1)[0])
+    assert read_generation_page(page)["pieces"] == seen.pieces
+    assert len(repr(seen)) < 200 and "\n" not in repr(seen)

@@ -317,3 +317,13 @@ class GenerationAttention:
             "prompt": self.prompt.tolist(),
             "rows": [self.row(j).tolist() for j in range(self.generated)],
         }  # fmt: skip
+
+    def __repr__(self) -> str:
+        from qkv.viz.notebook import generation_repr
+
+        return generation_repr(self)
+
+    def _repr_html_(self) -> str:
+        from qkv.viz.notebook import generation_html
+
+        return generation_html(self)

@@ -458,6 +458,34 @@ def census_repr(found) -> str:
 # ---------------------------------------------------------------------------- helpers
 
 
+def generation_html(seen) -> str:
+    """The page of `qkv generate --attention` (a `qkv.generate.GenerationAttention`) in an
+    iframe of its own: click a generated token to see the row that chose it."""
+    from qkv.viz.generation import render_generation_page
+
+    page = render_generation_page(seen, title=f"Attention while generating: {_cut(seen.text, 60)}")
+    if len(page) > NOTEBOOK_PAGE_BYTES:
+        return _wrap(
+            f"<p>the page of {len(seen.layers)} layers x {len(seen.heads)} heads would take "
+            f"{len(page) / 2**20:.1f} MB, more than a notebook output carries; record fewer "
+            "(generate(..., record={'layers': [...], 'heads': [...]})) or write it with "
+            "<code>qkv.viz.generation.write_generation_page(path, seen)</code>.</p>"
+        )
+    height = 420 + 18 * min(len(seen.ids) // 8, 30)
+    return _ascii(
+        f'<iframe class="qkv-page" title="qkv generation page" '
+        f'srcdoc="{html.escape(page.decode())}" style="width:100%;height:{height}px;border:0">'
+        "</iframe>"
+    )
+
+
+def generation_repr(seen) -> str:
+    return (
+        f"GenerationAttention({seen.generated} tokens generated after {seen.prompt_length}, "
+        f"{len(seen.layers)} layers x {len(seen.heads)} heads: {_cut(seen.text, 40)!r})"
+    )
+
+
 def _wrap(body: str) -> str:
     return _ascii(f'{STYLE}<div class="qkv-nb">{body}</div>')
 
