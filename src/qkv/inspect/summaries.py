@@ -109,16 +109,18 @@ def summarize(
                 raise ValueError(f"layer {layer} has {record.shape.Tq} x {record.shape.Tk} "
                                  f"queries x keys, layer {layers[0]} {Tq} x {Tk}: summarize "
                                  "one text's records")  # fmt: skip
-            for start, w in chunk_weights(record, heads, chunk=chunk):  # w: (H, c, Tk)
-                rows = slice(start, start + w.shape[1])
+            for start, w in chunk_weights(record, heads, chunk=chunk):  # w: (H, c, K <= Tk)
+                rows, K = slice(start, start + w.shape[1]), w.shape[2]
                 entropy[n, :, rows] = torch.special.entr(w).sum(-1)
                 first_mass[n, :, rows] = w[..., 0]
-                top = w.topk(k, dim=-1)  # (H, c, k)
+                wide = torch.nn.functional.pad(w, (0, k - K)) if k > K else w  # hidden keys: 0
+                top = wide.topk(k, dim=-1)  # (H, c, k)
                 top_keys[n, :, rows], top_weights[n, :, rows] = top.indices, top.values
-                received[n] += w.sum(1, dtype=torch.float64)
-                cells = block_max(w, key_bin)  # (H, c, Rk): each row's block maxima
+                received[n, :, :K] += w.sum(1)  # each chunk in float32, the total in float64
+                cells = block_max(w, key_bin)  # (H, c, ceil(K / key_bin)): each row's maxima
                 bins_of_rows = (torch.arange(rows.start, rows.stop) // query_bin)[None, :, None]
-                heatmap[n].scatter_reduce_(1, bins_of_rows.expand_as(cells), cells, "amax")
+                heatmap[n, :, :, : cells.shape[2]].scatter_reduce_(
+                    1, bins_of_rows.expand_as(cells), cells, "amax")  # fmt: skip
     return Summaries(layers, heads, tokens, entropy, first_mass, top_keys, top_weights,
                      received, heatmap, query_bin, key_bin)  # fmt: skip
 
@@ -126,8 +128,10 @@ def summarize(
 def chunk_weights(
     record: AttentionRecord, heads: Sequence[int] | None = None, *, chunk: int = CHUNK
 ) -> Iterator[tuple[int, Tensor]]:
-    """(first query, weights (len(heads), c, Tk)) for query rows of one text in chunks of at
-    most `chunk`: together, exactly `record.weights(heads)[0]`, never all at once.
+    """(first query, weights (len(heads), c, K)) for query rows of one text in chunks of at
+    most `chunk`, never all at once: chunk by chunk, `record.weights(heads)[0]`, where the
+    keys K.. that none of the chunk's queries may see (in a causal model, the later ones)
+    are left out: their weights are all 0.
 
     Each chunk is `record.weights` of the record cut to those queries, its causal rule and
     window turned into the mask they give those rows (so the queries keep their positions).
@@ -137,19 +141,27 @@ def chunk_weights(
         raise ValueError(f"the record holds {s.B} texts; summaries are of one text (B = 1)")
     for start in range(0, s.Tq, chunk):
         stop = min(start + chunk, s.Tq)
-        yield start, rows_of(record, start, stop).weights(heads)[0]
+        # a causal query i sees keys up to i + Tk - Tq: the chunk's last query sees the most
+        keys = min(s.Tk, stop + s.Tk - s.Tq) if record.causal else s.Tk
+        yield start, rows_of(record, start, stop, keys=keys).weights(heads)[0]
 
 
-def rows_of(record: AttentionRecord, start: int, stop: int) -> AttentionRecord:
-    """The record of queries start..stop-1 only, over every key, with the mask those rows saw:
-    its `weights()` are rows start..stop-1 of the whole record's."""
+def rows_of(
+    record: AttentionRecord, start: int, stop: int, *, keys: int | None = None
+) -> AttentionRecord:
+    """The record of queries start..stop-1 only, with the mask those rows saw: its
+    `weights()` are rows start..stop-1 of the whole record's. keys: keep only the first
+    `keys` keys, for queries that see none of the others (their weights would be 0)."""
     s = record.shape
-    rows = slice(start, stop)
+    rows, cols = slice(start, stop), slice(0, s.Tk if keys is None else keys)
     cut = None if record.lse is None else record.lse[:, :, rows]
+    mask, bias = _allowed_rows(record, start, stop), _rows_of(record.bias, rows, s.Tq)
     return dataclasses.replace(
         record, q=record.q[:, :, rows], out=record.out[:, :, rows], lse=cut,
-        mask=_allowed_rows(record, start, stop), causal=False, window=None,
-        bias=_rows_of(record.bias, rows, s.Tq), q_before_rotary=None, k_before_rotary=None,
+        k=record.k[:, :, cols], v=record.v[:, :, cols],
+        mask=None if mask is None else mask[..., cols], causal=False, window=None,
+        bias=None if bias is None else bias[..., cols], q_before_rotary=None,
+        k_before_rotary=None,
     )  # fmt: skip
 
 
