@@ -168,3 +168,90 @@ def test_to_dict_is_json_ready(minilm):
     data = json.loads(json.dumps(summary.to_dict()))
     assert data["layers"] == list(range(6)) and len(data["heatmap"][0][0]) == 3
     assert data["top_keys"][0][0][0] == summary.top_keys[0, 0, 0].tolist()
+
+
+# ------------------------------------------------------------------ `qkv show` of a long text
+
+LONG_TEXT = " ".join(["The bank of the river was wide and deep, and we sat on it."] * 38)
+
+
+@pytest.fixture
+def no_full_weights(monkeypatch, smollm2):
+    """`Attentions.weights` (L, H, T, T) is never asked for; `qkv show -m smollm2` reads the
+    session's SmolLM2 rather than loading its own."""
+    import qkv
+    from qkv.pretrained import Attentions
+
+    monkeypatch.setattr(qkv, "load", lambda name, backend=None: smollm2)
+
+    def refuse(self):
+        raise AssertionError("the (L, H, T, T) weights of a long text were computed")
+
+    monkeypatch.setattr(Attentions, "weights", property(refuse))
+
+
+def test_show_draws_a_long_text_from_its_summaries(tmp_path, smollm2, no_full_weights):
+    import matplotlib.image as mpimg
+    from typer.testing import CliRunner
+
+    from qkv.cli import app
+
+    T = len(smollm2.encode(LONG_TEXT).ids)
+    assert T > 512
+    runner = CliRunner()
+    png, page = tmp_path / "long.png", tmp_path / "long.html"
+    drawn = runner.invoke(app, ["show", LONG_TEXT, "-m", "smollm2", "--out", str(png),
+                                "--layer", "3", "--head", "2"])  # fmt: skip
+    assert drawn.exit_code == 0, drawn.output
+    assert drawn.stdout == f"wrote {png}\n" and mpimg.imread(png).ndim == 3
+    written = runner.invoke(app, ["show", LONG_TEXT, "-m", "smollm2", "--out", str(page)])
+    assert written.exit_code == 0, written.output
+    html = page.read_text(encoding="utf-8")
+    assert f"A text of {T} tokens" in html and "<script" not in html and "http" not in html
+    assert html.count("<tr><td>") == 30 * 9 and "data:image/png;base64," in html
+    summary = summarize(smollm2.attentions(LONG_TEXT))
+    first = f"<tr><td>0</td><td>0</td><td>{float(summary.entropy[0, 0].mean()):.3f}</td>"
+    assert first in html  # the page's numbers are the library's
+
+
+def test_show_opens_a_region_at_full_resolution(tmp_path, smollm2, monkeypatch, no_full_weights):
+    from typer.testing import CliRunner
+
+    import qkv.viz
+    from qkv.cli import app
+
+    drawn = {}
+    real = qkv.viz.head_heatmap
+
+    def capture(weights, tokens, path, **options):
+        drawn.update(weights=weights, tokens=tokens, **options)
+        return real(weights, tokens, path, **options)
+
+    monkeypatch.setattr(qkv.viz, "head_heatmap", capture)
+    out = tmp_path / "region.png"
+    result = CliRunner().invoke(app, ["show", LONG_TEXT, "-m", "smollm2", "--out", str(out),
+                                      "--layer", "5", "--head", "7", "--region",
+                                      "500:540,0:30"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    full = smollm2.attentions(LONG_TEXT).records[5].weights([7])[0, 0]
+    torch.testing.assert_close(drawn["weights"], full[500:540, :30], **EXACT)
+    tokens = smollm2.encode(LONG_TEXT).tokens
+    assert drawn["tokens"] == tokens[:30] and drawn["query_tokens"] == tokens[500:540]
+    assert out.exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--out", "r.png", "--region", "0:10"], "--region takes Q0:Q1,K0:K1"),
+    (["--out", "r.png", "--region", "0:5,5:99"], "--region keys 5:99 is not within 0:7"),
+    (["--out", "r.html", "--region", "0:2,0:2"], "a --region is drawn as PNG"),
+    (["--out", "r.png", "--region", "0:2,0:2", "--layer", "6"], "layer 6 is out of range"),
+])  # fmt: skip
+def test_show_refuses_a_bad_region_by_name(tmp_path, monkeypatch, args, message):
+    from typer.testing import CliRunner
+
+    from qkv.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["show", "The bank of the river", *args])  # minilm
+    assert result.exit_code == 2 and message in result.stderr, result.output
+    assert list(tmp_path.iterdir()) == []
