@@ -7,7 +7,8 @@ keys, the attention each key receives, a 256 x 256 max-downsampled heatmap):
   `qkv.inspect.summaries.summarize`, which recomputes the weights 256 queries at a time;
 - transformers: SmolLM2 loaded from the same GGUF file (as the `smollm2_hf` test fixture),
   eager attention, `output_attentions=True` (every layer's (H, T, T) float32 weights, the
-  way bertviz and most notebooks get them), then the same summaries from those weights.
+  way bertviz and most notebooks get them), then the same summaries from those weights, a
+  layer at a time (so that the peer's memory is its weights, not copies of them).
 
 Each measurement runs in its own process (so that one's memory never counts in another's):
 it loads the model, runs the whole thing once at 128 tokens (warm-up), then once at T, timed
@@ -104,9 +105,8 @@ def run_peer(T: int) -> dict:
     def once(n: int):
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.model(ids[n], output_attentions=True)
-            weights = torch.stack([a[0] for a in out.attentions])  # (L, H, T, T) float32
-            summary = peer_summaries(weights)
+            out = model.model(ids[n], output_attentions=True)  # L x (1, H, T, T) float32
+            summary = peer_summaries(out.attentions)
         return time.perf_counter() - start, summary
 
     once(128)
@@ -116,18 +116,25 @@ def run_peer(T: int) -> dict:
             "check": float(summary["entropy"][-1, 0].mean())}  # fmt: skip
 
 
-def peer_summaries(w: torch.Tensor) -> dict:
-    """The same summaries, the direct way, from the whole (L, H, T, T) weights."""
-    L, H, T, _ = w.shape
+def peer_summaries(attentions) -> dict:
+    """The same summaries, the direct way, from each layer's whole (H, T, T) weights."""
+    summaries = [layer_summaries(a[0]) for a in attentions]
+    return {name: torch.stack([s[name] for s in summaries]) for name in summaries[0]}
+
+
+def layer_summaries(w: torch.Tensor) -> dict:
+    H, T, _ = w.shape
     f = -(-T // BINS)
-    padded = torch.nn.functional.pad(w, (0, -T % f, 0, -T % f))
+    padded = torch.nn.functional.pad(w, (0, -T % f, 0, -T % f)) if T % f else w
     R = padded.shape[-1] // f
+    top = w.topk(TOP_K, dim=-1)
     return {
         "entropy": torch.special.entr(w).sum(-1),
         "first_token_mass": w[..., 0],
-        "top": w.topk(TOP_K, dim=-1),
-        "received": w.sum(2, dtype=torch.float64),
-        "heatmap": padded.reshape(L, H, R, f, R, f).amax(dim=(3, 5)),
+        "top_keys": top.indices,
+        "top_weights": top.values,
+        "received": w.sum(1, dtype=torch.float64),
+        "heatmap": padded.reshape(H, R, f, R, f).amax(dim=(2, 4)),
     }
 
 
