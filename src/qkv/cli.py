@@ -364,12 +364,18 @@ def show(
         typer.Option(help="encoder-decoder models: the decoder's text; a PNG of cross-attention"),
     ] = None,
     backend: Backend = None,
+    region: Annotated[
+        str | None,
+        typer.Option(help="Q0:Q1,K0:K1: these queries x keys of --layer/--head, every weight"),
+    ] = None,
 ) -> None:
     """Every layer's and head's attention over TEXT: a page, heatmaps, or a report folder.
 
     A .png is one head's heatmap (--layer, --head), or with --layers/--heads a grid of
     every chosen layer x head. With --target, an encoder-decoder's cross-attention: the
-    target's tokens down, TEXT's across (a .png only).
+    target's tokens down, TEXT's across (a .png only). A text of more than 512 tokens is
+    drawn from its summaries (docs/long.md): heatmaps where each cell is the maximum of its
+    block of weights, a page of per-head summaries; --region opens a part at full resolution.
     """
     from qkv import load
     from qkv.attention.inputs import check_indices
@@ -382,6 +388,10 @@ def show(
         check_out(out)
         pretrained = load(model, backend=backend)
         seen = pretrained.attentions(text, target=target)  # the one forward pass
+        if region is not None or max(len(seen.tokens), len(seen.query_tokens or ())) > LONG:
+            _show_long(seen, out, model, text, layers, heads, layer, head, region)
+            typer.echo(f"wrote {out}")
+            return
         L, H = seen.weights.shape[:2]
         for name, value, most in (("layer", layer, L), ("head", head, H)):
             if value is not None:
@@ -413,6 +423,63 @@ def show(
             write(out, seen.weights, seen.tokens, vectors=vectors, causal=seen.causal,
                   scale=seen.scale, scores=scores, **common)  # fmt: skip
     typer.echo(f"wrote {out}")
+
+
+LONG = 512  # tokens beyond which `show` draws summaries rather than every weight
+
+
+def _show_long(seen, out: Path, model: str, text: str, layers, heads, layer, head, region):
+    """`show` of a long text (or of a --region): from summaries computed a chunk of queries at
+    a time, never the (L, H, T, T) weights."""
+    from qkv.attention.inputs import check_indices
+    from qkv.inspect.summaries import region as region_of
+    from qkv.inspect.summaries import summarize
+    from qkv.viz import head_heatmap
+    from qkv.viz.long import downsampled_grid, downsampled_heatmap, summary_page
+
+    L, H = len(seen.layers), len(seen.heads)
+    for name, value, most in (("layer", layer, L), ("head", head, H)):
+        if value is not None:
+            check_indices(name, [value], most, model)
+    lh = (layer or 0, head or 0)
+    suffix = out.suffix.lower()
+    if region is not None:
+        if suffix != ".png":
+            raise ValueError("a --region is drawn as PNG; use --out FILE.png")
+        spans = _region(region, len(seen.query_tokens or seen.tokens), len(seen.tokens))
+        (q0, q1), (k0, k1) = spans
+        weights = region_of(seen.records[lh[0]], queries=spans[0], keys=spans[1], heads=[lh[1]])
+        queries = seen.query_tokens or seen.tokens
+        head_heatmap(weights[0], seen.tokens[k0:k1], out, query_tokens=queries[q0:q1],
+                     title=f"{model} L{lh[0]} H{lh[1]}: queries {q0}-{q1 - 1} over keys "
+                     f"{k0}-{k1 - 1}, every weight")  # fmt: skip
+        return
+    if suffix not in (".png", ".html", ".htm"):
+        raise ValueError(f"a text of more than {LONG} tokens is shown as FILE.png or FILE.html "
+                         "(from its summaries); a report folder draws every weight")  # fmt: skip
+    summary = summarize(seen)
+    if suffix == ".png" and (layers or heads):
+        downsampled_grid(summary, out, layers=_numbers(layers, "layers", L, model),
+                         heads=_numbers(heads, "heads", H, model))  # fmt: skip
+    elif suffix == ".png":
+        downsampled_heatmap(summary, *lh, out, title=f"{model} L{lh[0]} H{lh[1]}")
+    else:
+        summary_page(summary, out, title=f"{model}: {text[:60]}", text=text)
+
+
+def _region(spec: str, Tq: int, Tk: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """'Q0:Q1,K0:K1' -> ((Q0, Q1), (K0, K1)), each a range of token positions from 0."""
+    try:
+        spans = [tuple(int(end) for end in part.split(":")) for part in spec.split(",")]
+    except ValueError:
+        spans = []
+    if len(spans) != 2 or any(len(span) != 2 for span in spans):
+        raise ValueError(f"--region takes Q0:Q1,K0:K1 (token positions from 0), got {spec!r}")
+    for what, (first, last), count in (("queries", spans[0], Tq), ("keys", spans[1], Tk)):
+        if not 0 <= first < last <= count:
+            raise ValueError(f"--region {what} {first}:{last} is not within 0:{count} "
+                             "(first < last; the text has that many tokens)")  # fmt: skip
+    return spans[0], spans[1]
 
 
 def _numbers(spec: str | None, name: str, count: int, model: str) -> list[int] | None:
