@@ -19,3 +19,35 @@ FLAGS = [
     "--disable-sync",
 ]
 ARTIFACTS = Path(__file__).parent.parent / "test-artifacts"
+
+
+def only_file(context, page_file: Path) -> list[str]:
+    """Let `context` load `page_file` and nothing else: every other request is blocked and
+    listed in the returned list (a page that stays offline leaves it empty)."""
+    outside: list[str] = []
+
+    def block(route):
+        if route.request.url == page_file.as_uri():
+            return route.continue_()
+        outside.append(route.request.url)
+        return route.abort()
+
+    context.route("**/*", block)
+    return outside
+
+
+def only_loopback(context) -> list[str]:
+    """Let `context` reach this machine's loopback addresses only (the server under test):
+    every other request is blocked and listed in the returned list."""
+    from urllib.parse import urlsplit
+
+    outside: list[str] = []
+
+    def block(route):
+        if urlsplit(route.request.url).hostname in ("127.0.0.1", "localhost", "::1"):
+            return route.continue_()
+        outside.append(route.request.url)
+        return route.abort()
+
+    context.route("**/*", block)
+    return outside

@@ -13,7 +13,7 @@ import pytest
 import torch
 from playwright.sync_api import sync_playwright
 
-from browser import CHROMIUM, FLAGS
+from browser import CHROMIUM, FLAGS, only_file
 from qkv.generate import GenerationAttention, Recording
 from qkv.viz.generation import read_generation_page, write_generation_page
 from variant_models import decoder, gemma2_like, tiny
@@ -226,19 +226,11 @@ def test_a_clicked_token_shows_its_row_offline_in_chromium(recorded, tmp_path):
 def offline(page_file: Path):
     """A Chromium page showing `page_file`, drawn, with every other request blocked; after
     the page is closed, none may have been made."""
-    outside: list[str] = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:
             context = browser.new_context(viewport={"width": 1000, "height": 800})
-
-            def block(route):
-                if route.request.url == page_file.as_uri():
-                    return route.continue_()
-                outside.append(route.request.url)
-                return route.abort()
-
-            context.route("**/*", block)
+            outside = only_file(context, page_file)
             page = context.new_page()
             errors: list[str] = []
             page.on("pageerror", lambda error: errors.append(str(error)))

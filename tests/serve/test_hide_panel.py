@@ -6,13 +6,12 @@ top heads and first-token masses are `qkv.heads`'s."""
 from __future__ import annotations
 
 import json
-from urllib.parse import urlsplit
 
 import pytest
 from playwright.sync_api import sync_playwright
 
 import qkv
-from browser import ARTIFACTS, CHROMIUM, FLAGS
+from browser import ARTIFACTS, CHROMIUM, FLAGS, only_loopback
 from qkv.inspect.census import heads
 from qkv.serve import Limits, create_app, running
 
@@ -24,7 +23,6 @@ def test_the_hide_heatmap_and_the_census_are_the_librarys(minilm):
     # process (which loads what torch imports lazily) not paid within a request's time limit
     want = qkv.hide(minilm, TEXT, "river", query="bank#1")
     census = heads(minilm)
-    outside = []
     # an app of its own: a served app's worker pool ends with the server, and the shared
     # `app` serves the `client` of the API tests, which may run after this one
     app = create_app({"minilm": minilm}, Limits())
@@ -32,14 +30,7 @@ def test_the_hide_heatmap_and_the_census_are_the_librarys(minilm):
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:
             context = browser.new_context(viewport={"width": 1366, "height": 900})
-
-            def only_loopback(route):
-                if urlsplit(route.request.url).hostname in ("127.0.0.1", "localhost", "::1"):
-                    return route.continue_()
-                outside.append(route.request.url)
-                return route.abort()
-
-            context.route("**/*", only_loopback)
+            outside = only_loopback(context)
             page = context.new_page()
             page.goto(url + "/")
             page.wait_for_function("window.qkvReady === true", timeout=20_000)

@@ -18,7 +18,7 @@ import torch
 from playwright.sync_api import sync_playwright
 
 import qkv
-from browser import ARTIFACTS, CHROMIUM, FLAGS
+from browser import ARTIFACTS, CHROMIUM, FLAGS, only_file
 from qkv.inspect.trace import attention_vectors
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig
@@ -64,19 +64,11 @@ def test_the_page_works_offline_and_shows_the_models_numbers(seen, tmp_path):
 @contextmanager
 def offline(page_file: Path):
     """A Chromium page showing `page_file`, drawn, with every other request blocked."""
-    outside = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:
             context = browser.new_context(viewport={"width": 1200, "height": 900})
-
-            def block(route):
-                if route.request.url == page_file.as_uri():
-                    return route.continue_()
-                outside.append(route.request.url)
-                return route.abort()
-
-            context.route("**/*", block)
+            outside = only_file(context, page_file)
             page = context.new_page()
             page.goto(page_file.as_uri())
             page.wait_for_function("window.qkvReady === true", timeout=20_000)

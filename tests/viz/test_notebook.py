@@ -19,7 +19,7 @@ from nbclient import NotebookClient
 from playwright.sync_api import sync_playwright
 
 import qkv
-from browser import ARTIFACTS, CHROMIUM, FLAGS
+from browser import ARTIFACTS, CHROMIUM, FLAGS, only_file
 from qkv.inspect.census import heads
 from qkv.inspect.probe import probe
 from variant_models import TEXT as TINY_TEXT
@@ -79,19 +79,11 @@ def test_the_notebook_runs_and_its_outputs_show_the_models_numbers(executed, min
     page_file.write_text(f"<!doctype html><html><body>{document}</body></html>", "utf-8")
 
     bank, river = seen.tokens.index("bank"), seen.tokens.index("river")
-    outside = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:
             context = browser.new_context(viewport={"width": 1200, "height": 900})
-
-            def block(route):
-                if route.request.url == page_file.as_uri():
-                    return route.continue_()
-                outside.append(route.request.url)
-                return route.abort()
-
-            context.route("**/*", block)
+            outside = only_file(context, page_file)
             page = context.new_page()
             page.goto(page_file.as_uri())
             first, second = (
