@@ -124,7 +124,7 @@ PARALLEL = [
         "every pair of every head in a few matrix products. Same answer, to float32's "
         "precision; the loop's cost grows much faster with the length (the ratios depend on "
         "the machine: tests/test_walkthrough.py compares this section without them).",
-        ["backends", "--compare", "16,64,256"],
+        ["backends", "--compare", "16,64,128"],
     ),
 ]
 

@@ -36,8 +36,12 @@ class Compared:
 
 def _best(backend: str, q, k, v, repeats: int) -> tuple[float, torch.Tensor]:
     """The best time of `repeats` causal attend calls on `backend` (after one untimed call),
-    and its output."""
-    attend(q, k, v, causal=True, backend=backend)
+    and its output. The loop is timed once, without a warm-up: a pair at a time in Python, it
+    takes seconds at a few hundred tokens, and a first call costs it nothing more."""
+    if backend == "loop":
+        repeats = 1
+    else:
+        attend(q, k, v, causal=True, backend=backend)
     best, out = float("inf"), None
     for _ in range(repeats):
         start = time.perf_counter()
