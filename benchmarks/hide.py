@@ -44,8 +44,6 @@ import io
 import os
 import platform
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -56,7 +54,7 @@ import qkv
 from qkv.inspect.intervene import hide, stack_of, word_span
 from qkv.io.embedded import embedded_path
 from qkv.models import Decoder
-from timing import CORES
+from timing import CORES, time_peers
 
 # the key comes before the query, so that a decoder's query can see it
 SHORT = "The river rose in the night, and by morning the bank was under water."
@@ -157,19 +155,6 @@ def load_peers() -> dict:
 # ---------------------------------------------------------------------------- timing
 
 
-def best_of(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Fastest seconds per call of each fn, the calls interleaved across the peers, who goes
-    first rotating each round (as `timing.time_peers`, which takes the median)."""
-    names = list(fns)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            fns[name]()
-            times[name].append(time.perf_counter() - start)
-    return {name: min(t) for name, t in times.items()}
-
-
 def backend_of(pretrained, T: int) -> str:
     """What "auto" runs a hide table on: a boolean mask per row, as `hide` gives it."""
     from qkv.attention import explain_choice
@@ -234,7 +219,7 @@ def main() -> int:
             ok = gap < BOUND[name]
             if not ok:
                 failed.append(f"{name} {label}: max |qkv - peer| {gap:.2e} >= {BOUND[name]}")
-            seconds = best_of(fns, repeats)
+            seconds = time_peers(fns, repeats, warmup=0, statistic=min)  # the best of each
             rows.append((name, L, H, label, ids.shape[1], backend_of(pretrained, ids.shape[1]),
                          seconds["qkv"], seconds["peer"], gap, ok))  # fmt: skip
             print(f"  {name} {label} ({ids.shape[1]} tokens): done", file=sys.stderr)

@@ -10,8 +10,14 @@ from collections.abc import Callable
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-def time_peers(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 1) -> dict:
-    """Median seconds per call of each fn, the calls interleaved across the peers.
+def time_peers(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    warmup: int = 1,
+    statistic: Callable[[list[float]], float] = statistics.median,
+) -> dict:
+    """Median (or `statistic`, e.g. min) seconds per call of each fn, the calls interleaved
+    across the peers.
 
     Who goes first rotates each round, so drift in the machine (other load, clock speed)
     falls on every peer alike.
@@ -26,4 +32,4 @@ def time_peers(fns: dict[str, Callable[[], object]], repeats: int, warmup: int =
             start = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return {name: statistic(t) for name, t in times.items()}
