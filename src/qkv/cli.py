@@ -361,7 +361,7 @@ def show(
     head: Annotated[int | None, typer.Option(help="the one head to show, from 0")] = None,
     target: Annotated[
         str | None,
-        typer.Option(help="encoder-decoder models: the decoder's text; a PNG of cross-attention"),
+        typer.Option(help="encoder-decoder models: the decoder's text; shows cross-attention"),
     ] = None,
     backend: Backend = None,
     region: Annotated[
@@ -373,9 +373,10 @@ def show(
 
     A .png is one head's heatmap (--layer, --head), or with --layers/--heads a grid of
     every chosen layer x head. With --target, an encoder-decoder's cross-attention: the
-    target's tokens down, TEXT's across (a .png only). A text of more than 512 tokens is
-    drawn from its summaries (docs/long.md): heatmaps where each cell is the maximum of its
-    block of weights, a page of per-head summaries; --region opens a part at full resolution.
+    target's tokens down, TEXT's across (a page, a .png or a report folder). A text of more
+    than 512 tokens is drawn from its summaries (docs/long.md): heatmaps where each cell is the
+    maximum of its block of weights, a page of per-head summaries; --region opens a part at
+    full resolution.
     """
     from qkv import load
     from qkv.attention.inputs import check_indices
@@ -383,8 +384,6 @@ def show(
     from qkv.viz import head_heatmap, model_view, write_html, write_report
 
     with user_errors(out):
-        if target is not None and out.suffix.lower() != ".png":
-            raise ValueError("cross-attention is drawn as PNG; use --out FILE.png")
         check_out(out)
         pretrained = load(model, backend=backend)
         seen = pretrained.attentions(text, target=target)  # the one forward pass
@@ -408,20 +407,24 @@ def show(
             head_heatmap(seen.weights[lh], seen.tokens, out,
                          title=f"{model}{kind} L{lh[0]} H{lh[1]}",
                          query_tokens=seen.query_tokens)  # fmt: skip
-        else:  # a page, which traces a clicked pair from the q, k, v vectors (not cross-attention)
+        else:  # a page, which traces a clicked pair from the q, k, v vectors
             from qkv.viz.report import page_trace, untraceable
 
             vectors = scores = None
-            why = untraceable(seen.records)
+            cross = target is not None  # the decoder's q over the encoder output's k and v
+            why = untraceable(seen.records, cross=cross)
             if why is not None:  # the page would redo the pairs without it: wrong numbers
                 typer.echo(f"(the page traces no pair: {why}; qkv explain and qkv serve "
                            "trace this model)", err=True)  # fmt: skip
+            elif cross:
+                vectors, scores = page_trace(seen.records, cross=True)
             elif isinstance(pretrained.model, Encoder | Decoder):
                 relative = getattr(pretrained.model.config, "position", None) == "relative"
                 vectors, scores = page_trace(seen.records, bias_is_distance=relative)
             write = write_html if out.suffix.lower() in (".html", ".htm") else write_report
             write(out, seen.weights, seen.tokens, vectors=vectors, causal=seen.causal,
-                  scale=seen.scale, scores=scores, **common)  # fmt: skip
+                  scale=seen.scale, scores=scores, query_tokens=seen.query_tokens,
+                  **common)  # fmt: skip
     typer.echo(f"wrote {out}")
 
 

@@ -233,10 +233,13 @@ def _unescape(text: str) -> str:
     return html.unescape(text)
 
 
-def test_cross_attention_shows_its_strongest_head_as_a_table(tmp_path):
+def test_a_cross_attention_page_too_large_shows_its_strongest_head_as_a_table(
+    tmp_path, monkeypatch
+):  # the page itself: tests/viz/test_cross_page.py
     from tokenizers import Tokenizer as Backend
     from tokenizers import models, pre_tokenizers
 
+    import qkv.viz.notebook as notebook
     from qkv.io.hf import load_folder
     from qkv.io.tokenizer import Tokenizer
     from tiny_models import save_tiny
@@ -249,8 +252,11 @@ def test_cross_attention_shows_its_strongest_head_as_a_table(tmp_path):
     bart = qkv.Pretrained(model, Tokenizer(backend), config, family=family,
                           hf_config=hf_config, source="tiny-bart")  # fmt: skip
     seen = bart.attentions("the bank of the river", target="la banque")
+    assert "<iframe" in seen._repr_html_()
+    monkeypatch.setattr(notebook, "NOTEBOOK_PAGE_BYTES", 10_000)
     shown = seen._repr_html_()
     assert shown.isascii() and "<iframe" not in shown and "src=" not in shown
+    assert "more than a notebook output carries" in shown
     flat = seen.weights.flatten(2).max(-1).values  # (L, H)
     layer, head = divmod(int(flat.argmax()), flat.shape[1])
     assert f"Layer {layer}, head {head}" in shown

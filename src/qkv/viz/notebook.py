@@ -55,8 +55,9 @@ STYLE = """<style>
 def attentions_html(seen) -> str:
     """The interactive page of `seen` (a `qkv.pretrained.Attentions`) in an iframe of its own:
     layer and head selectors, heatmap, head view, a query's row and, where the records allow
-    (`qkv.viz.report.untraceable`), a clicked pair's steps. Cross-attention, and a text
-    too long for a notebook output, show the strongest head as a table or a PNG."""
+    (`qkv.viz.report.untraceable`), a clicked pair's steps; cross-attention's page has the
+    target's tokens down and the source's across. A page too large for a notebook output
+    shows the strongest head as a PNG (cross-attention: as a table)."""
     from qkv.viz.report import render_page, strongest_head
 
     weights = seen.weights  # (L', H', Tq, Tk)
@@ -99,14 +100,14 @@ def attentions_html(seen) -> str:
     )
 
 
-def _page_vectors(seen):
+def _page_vectors(seen, cross: bool = False):
     """(vectors, scores) that let the page redo a pair, sliced to the heads shown; (None,
     None) where the records cannot be redone by the page."""
     from qkv.viz.report import page_trace, untraceable
 
-    if untraceable(seen.records) is not None:
+    if untraceable(seen.records, cross=cross) is not None:
         return None, None
-    vectors, scores = page_trace(seen.records)  # 3 x (L', H, T, D)
+    vectors, scores = page_trace(seen.records, cross=cross)  # 3 x (L', H, T, D)
     heads = list(seen.heads)
     vectors = [array[:, heads] for array in vectors]
     scores = [s if s.bias is None else dataclasses.replace(s, bias=s.bias[heads]) for s in scores]
@@ -138,7 +139,22 @@ def _subset_note(seen) -> dict | None:
 
 
 def _cross_html(seen, weights) -> str:
-    """Cross-attention: the head with the largest weight, target tokens down, source across."""
+    """Cross-attention's interactive page (target tokens down, source across) in an iframe of
+    its own, as `qkv show --target` writes it; a page too large for a notebook output gives
+    the head with the largest weight as a table."""
+    from qkv.viz.report import render_page
+
+    common = dict(title=f"Cross-attention: {_cut(seen.encoded.text, 60)}",
+                  text=seen.encoded.text, extra=_subset_note(seen), head=None, query=None,
+                  query_tokens=seen.query_tokens)  # fmt: skip
+    scale = _scale(seen)
+    vectors, scores = _page_vectors(seen, cross=True) if scale is not None else (None, None)
+    page = render_page(weights, seen.tokens, vectors=vectors, scale=scale, scores=scores,
+                       **common)  # fmt: skip
+    if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
+        page = render_page(weights, seen.tokens, **common)
+    if len(page) <= NOTEBOOK_PAGE_BYTES:
+        return _page_frame(page, max(len(seen.query_tokens), len(seen.tokens)))
     flat = weights.flatten(2).max(-1).values  # (L', H')
     index = int(flat.argmax())
     layer, head = divmod(index, flat.shape[1])
@@ -146,10 +162,25 @@ def _cross_html(seen, weights) -> str:
     model_layer, model_head = seen.layers[layer], seen.heads[head]
     return _wrap(
         f"<h4>Cross-attention: {len(seen.query_tokens)} target tokens (down) over "
-        f"{len(seen.tokens)} source tokens (across)</h4><p>Layer {model_layer}, head "
-        f"{model_head} (counted from 0), the head holding the largest weight; every head is "
-        "in <code>.weights</code> (L, H, Tq, Tk).</p>"
+        f"{len(seen.tokens)} source tokens (across)</h4><p>The page of every head would take "
+        f"{len(page) / 2**20:.1f} MB, more than a notebook output carries. Layer {model_layer}, "
+        f"head {model_head} (counted from 0), the head holding the largest weight; every head "
+        "is in <code>.weights</code> (L, H, Tq, Tk).</p>"
         + _grid(matrix, seen.query_tokens, seen.tokens, name="weight", low=0.0)
+    )
+
+
+def _page_frame(page: bytes, rows: int) -> str:
+    """A page of `render_page` as an iframe's srcdoc, growing to fit its page."""
+    height = 760 + 22 * min(rows, 40)  # until the page has loaded and the frame fits it
+    fit = (  # grow the frame to its page, as the page grows (a clicked pair's trace)
+        "try{const f=this,d=f.contentDocument,fit=()=>{f.style.height="
+        "(d.documentElement.scrollHeight+4)+'px'};fit();new ResizeObserver(fit)"
+        ".observe(d.body)}catch(e){}"
+    )
+    return _ascii(
+        f'<iframe class="qkv-page" title="qkv attention page" srcdoc="{html.escape(page.decode())}"'
+        f' style="width:100%;height:{height}px;border:0" onload="{html.escape(fit)}"></iframe>'
     )
 
 

@@ -9,6 +9,11 @@ of cells with data-q, data-k and data-w up to 40 tokens, a canvas beyond) and as
 data-index) makes it the query and lists its row as percentages in id="row". The page sets
 `window.qkvReady = true` once it has drawn.
 
+Given `query_tokens`, the weights are an encoder-decoder's cross-attention, (L, H, Tq, Tk):
+the target's tokens (the queries) down, the source's (`tokens`, the keys) across, and the
+clickable tokens are the target's. Its pairs are traced as self-attention's are, from the
+decoder's q and the encoder's k and v (`page_trace(records, cross=True)`).
+
 Given `vectors` = (q, k, v), every layer's and head's query, key and value vectors as attention
 received them (`Attentions.vectors()`), and the `scale` on their dot products (1/sqrt(D) by
 default, the records' `scale`) and, per layer, what it does to a score beyond the scale
@@ -35,6 +40,13 @@ and with the pairs' traces (`causal=True` for decoders, whose keys after a query
     minilm = qkv.load("minilm")
     att = minilm.attentions("The bank on the side of the river")
     write_html("bank.html", att.weights, att.tokens, vectors=att.vectors(), causal=False)
+
+and an encoder-decoder's cross-attention (target tokens down, source tokens across)::
+
+    att = reverser.attentions("a b c d", target="d c b a")
+    vectors, scores = page_trace(att.records, cross=True)
+    write_html("cross.html", att.weights, att.tokens, query_tokens=att.query_tokens,
+               vectors=vectors, scale=att.scale, scores=scores)
 """
 
 from __future__ import annotations
@@ -53,9 +65,11 @@ from pathlib import Path
 import numpy as np
 
 from qkv.io.files import write_atomically, write_folder_atomically
-from qkv.viz.heatmap import check_weights, head_heatmap, model_view
+from qkv.viz.heatmap import check_cross_weights, check_weights, head_heatmap, model_view
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
+CROSS_ENCODING = "float32, little-endian, row-major Tq x Tk, zlib, base64; one per head"
+CROSS_HEADER = "cross-attention: target (queries) down, source (keys) across"
 # Above this many bytes of float32 q, k, v (3 x L x H x T x D x 4) the vectors are left out:
 # they barely compress, and a page of tens of MB is slow to open.
 VECTORS_MAX_BYTES = 8 * 2**20
@@ -67,7 +81,8 @@ class LayerScores:
     """What one layer does to a pair's scaled scalar beyond the article, for the page to redo:
     `window` (keys `window` or more tokens away hidden: back only in a decoder, both ways in
     an encoder), `softcap` (score s -> softcap * tanh(s / softcap)) and `bias` ((H, T, T)
-    floats added after the cap, e.g. T5's relative positions; `bias_is_distance` says so)."""
+    floats added after the cap, e.g. T5's relative positions; `bias_is_distance` says so;
+    (H, Tq, Tk) for cross-attention)."""
 
     window: int | None = None
     softcap: float | None = None
@@ -75,13 +90,17 @@ class LayerScores:
     bias_is_distance: bool = False
 
 
-def page_trace(records: dict, *, bias_is_distance: bool = False):
+def page_trace(records: dict, *, bias_is_distance: bool = False, cross: bool = False):
     """(vectors, scores) for a page from one text's `AttentionRecord`s (layer -> record): each
     layer's q, k and v (L, H, T, D), grouped key/value heads repeated so that query head h sits
     beside the one it reads, and its `LayerScores`. A record whose keys a mask hides (padding)
     is refused: the page knows the causal rule and the window only.
+
+    cross: the records are an encoder-decoder's cross-attention (`Attentions.records` of
+    `attentions(text, target=...)`): q (L, H, Tq, D) the decoder's, k and v (L, H, Tk, D) the
+    encoder output's.
     """
-    why = untraceable(records)
+    why = untraceable(records, cross=cross)
     if why is not None:
         raise ValueError(f"the page cannot redo these pairs: {why}")
     qs, ks, vs, scores = [], [], [], []
@@ -98,10 +117,12 @@ def page_trace(records: dict, *, bias_is_distance: bool = False):
     return stack, scores
 
 
-def untraceable(records: dict) -> str | None:
+def untraceable(records: dict, *, cross: bool = False) -> str | None:
     """Why the page's script cannot redo these records' pairs, or None where it can: it knows
     q, k, v, the scale, the causal rule, a window, a soft-cap and a score bias, not a mask (a
-    padded batch) nor attention across two texts.
+    padded batch). Without `cross` the records must be one text's self-attention; with it,
+    one target's cross-attention over one source, which no causal rule or window hides (the
+    page would not know where a query sits among the keys).
 
     >>> untraceable({})
     """
@@ -109,8 +130,12 @@ def untraceable(records: dict) -> str | None:
         s = record.shape
         if record.mask is not None:
             return f"layer {layer} masks keys beyond the causal rule and the window"
-        if s.B != 1 or s.Tq != s.Tk:
+        if s.B != 1:
+            return f"layer {layer} holds {s.B} texts, not one"
+        if not cross and s.Tq != s.Tk:
             return f"layer {layer} is not one text's self-attention"
+        if cross and (record.causal or record.window is not None):
+            return f"layer {layer} hides keys by position, which cross-attention does not"
     return None
 
 
@@ -128,6 +153,7 @@ def write_html(
     causal: bool = False,
     scale: float | None = None,
     scores: Sequence[LayerScores] | None = None,
+    query_tokens: Sequence[str] | None = None,
 ) -> Path:
     """Write the interactive page of (L, H, T, T) `weights` over `tokens` as one .html file.
 
@@ -136,7 +162,10 @@ def write_html(
     keys and values and embedded with the data. `vectors` = (q, k, v), each (L, H, T, D), lets
     the page trace a clicked pair (`causal`: keys after the query are masked, as in decoders;
     `scale`: the factor on each dot product, 1/sqrt(D) if None; `scores`: each layer's
-    window, soft-cap and score bias, `LayerScores`, none if None). Returns the path written.
+    window, soft-cap and score bias, `LayerScores`, none if None). With `query_tokens`, the
+    weights are cross-attention, (L, H, Tq, Tk) from the target's Tq tokens (rows) to the
+    source's Tk `tokens` (columns); `vectors` are then q (L, H, Tq, D), k and v (L, H, Tk, D).
+    Returns the path written.
     """
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
@@ -144,7 +173,7 @@ def write_html(
         raise ValueError(f"{path}: the extension must be .html, not {got}")
     page = render_page(
         weights, tokens, title=title, text=text, extra=extra, head=head, query=query,
-        vectors=vectors, causal=causal, scale=scale, scores=scores,
+        vectors=vectors, causal=causal, scale=scale, scores=scores, query_tokens=query_tokens,
     )  # fmt: skip
     write_atomically(path, lambda file: file.write(page))
     return path
@@ -164,51 +193,62 @@ def write_report(
     causal: bool = False,
     scale: float | None = None,
     scores: Sequence[LayerScores] | None = None,
+    query_tokens: Sequence[str] | None = None,
 ) -> Path:
     """Write a report folder: index.html (the page of `write_html`), model_view.png (every
     layer and head) and head_L{l}_H{h}.png (the head shown first, by default the
     `strongest_head`). All or nothing: the folder is built beside the target and renamed.
-    `vectors`, `causal`, `scale` and `scores` are as in `write_html`.
+    `vectors`, `causal`, `scale`, `scores` and `query_tokens` (cross-attention) are as in
+    `write_html`.
 
     The target must not exist or be an empty folder. Returns the folder.
     """
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"{folder} exists and is not an empty folder; choose a new one")
-    stack = check_weights(weights, tokens, ndim=4)  # (L, H, T, T)
-    layer, chosen = head if head is not None else strongest_head(stack)
+    cross = query_tokens is not None
+    stack = _check_stack(weights, tokens, query_tokens)  # (L, H, Tq, Tk)
+    layer, chosen = head if head is not None else strongest_head(stack, cross=cross)
     page = render_page(
         stack, tokens, title=title, text=text, extra=extra, head=(layer, chosen), query=query,
-        vectors=vectors, causal=causal, scale=scale, scores=scores,
+        vectors=vectors, causal=causal, scale=scale, scores=scores, query_tokens=query_tokens,
     )  # fmt: skip
-    why = "chosen" if head is not None else "the strongest weight from one token to another"
+    strongest = "the strongest weight" + ("" if cross else " from one token to another")
+    why = "chosen" if head is not None else strongest
 
     def write(staging: Path) -> None:
         write_atomically(staging / "index.html", lambda file: file.write(page))
-        model_view(stack, tokens, staging / "model_view.png")
+        model_view(stack, tokens, staging / "model_view.png", query_tokens=query_tokens)
         head_heatmap(
             stack[layer, chosen],
             tokens,
             staging / f"head_L{layer}_H{chosen}.png",
             title=f"L{layer} H{chosen} (from 0), {why}",
+            query_tokens=query_tokens,
         )
 
     return write_folder_atomically(folder, write)
 
 
-def strongest_head(weights) -> tuple[int, int]:
+def strongest_head(weights, *, cross: bool = False) -> tuple[int, int]:
     """(layer, head) holding the largest weight from one token to another (the diagonal,
-    a token's weight on itself, left out); the first such head on a tie.
+    a token's weight on itself, left out); the first such head on a tie. With `cross`, the
+    weights are cross-attention (L, H, Tq, Tk), whose diagonal is no token's weight on itself:
+    the head holding the largest weight of all.
 
     >>> w = np.tile(np.eye(3), (2, 2, 1, 1))  # (L, H, T, T): every token on itself only
     >>> w[1, 0, 2] = [0.1, 0.7, 0.2]
     >>> strongest_head(w)
     (1, 0)
+    >>> strongest_head(w, cross=True)
+    (0, 0)
     """
     if hasattr(weights, "detach"):
         weights = weights.detach().float().cpu().numpy()
     stack = np.asarray(weights, dtype=np.float32)  # (L, H, T, T)
     L, H, T = stack.shape[0], stack.shape[1], stack.shape[-1]
+    if cross:
+        return divmod(int(stack.reshape(L * H, -1).max(axis=1).argmax()), H)
     if T < 2:
         return 0, 0
     flat = stack.reshape(L * H, T * T).copy()
@@ -217,14 +257,17 @@ def strongest_head(weights) -> tuple[int, int]:
 
 
 def read_weights(page: str) -> tuple[np.ndarray, list[str]]:
-    """The (L, H, T, T) float32 weights, as stored, and the tokens embedded in a page."""
+    """The (L, H, T, T) float32 weights, as stored, and the tokens embedded in a page; for
+    cross-attention (L, H, Tq, Tk) and the source's tokens (the target's are the page data's
+    "query_tokens")."""
     found = re.search(r'<script type="application/json" id="qkv-data">(.*?)</script>', page, re.S)
     if found is None:
         raise ValueError("this page has no qkv-data script: it was not written by qkv")
     data = json.loads(found.group(1))
-    T = len(data["tokens"])
+    Tk = len(data["tokens"])
+    Tq = len(data.get("query_tokens") or data["tokens"])
     heads = [
-        [np.frombuffer(zlib.decompress(base64.b64decode(h)), "<f4").reshape(T, T) for h in layer]
+        [np.frombuffer(zlib.decompress(base64.b64decode(h)), "<f4").reshape(Tq, Tk) for h in layer]
         for layer in data["weights"]["heads"]
     ]
     return np.array(heads, dtype=np.float32), data["tokens"]
@@ -243,34 +286,39 @@ def render_page(
     causal: bool = False,
     scale: float | None = None,
     scores: Sequence[LayerScores] | None = None,
+    query_tokens: Sequence[str] | None = None,
 ) -> bytes:
-    """The page's HTML, UTF-8 encoded; every argument is checked before anything is built."""
+    """The page's HTML, UTF-8 encoded; every argument is checked before anything is built.
+    With `query_tokens`, cross-attention: (L, H, Tq, Tk) weights, target rows, source columns."""
     tokens = [str(token) for token in tokens]
-    stack = check_weights(weights, tokens, ndim=4)  # (L, H, T, T)
-    L, H, T = stack.shape[0], stack.shape[1], len(tokens)
+    cross = query_tokens is not None
+    queries = [str(token) for token in query_tokens] if cross else tokens
+    stack = _check_stack(weights, tokens, queries if cross else None)  # (L, H, Tq, Tk)
+    L, H, Tq, T = stack.shape[0], stack.shape[1], len(queries), len(tokens)
     low, high = float(stack.min()), float(stack.max())
     if low < -1e-6 or high > 1 + 1e-6:
         raise ValueError(
             f"weights must lie between 0 and 1 (each row a softmax); these run {low:.4g} to "
             f"{high:.4g}"
         )
-    layer, chosen = head if head is not None else strongest_head(stack)
+    layer, chosen = head if head is not None else strongest_head(stack, cross=cross)
     _check_index(layer, L, "layer")
     _check_index(chosen, H, "head")
     if query is not None:
-        _check_index(query, T, "token")
+        _check_index(query, Tq, "target token" if cross else "token")
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict of names to values, not {type(extra).__name__}")
-    kept = _check_vectors(vectors, (L, H, T)) if vectors is not None else None  # 3 x (L, H, T, D)
-    rules = _check_scores(scores, (L, H, T)) if scores is not None else None
+    kept = _check_vectors(vectors, (L, H, Tq, T), cross) if vectors is not None else None
+    rules = _check_scores(scores, (L, H, Tq, T), cross) if scores is not None else None
     if rules is not None and kept is None:
         raise ValueError("scores change how the page redoes a pair: pass them with the vectors")
-    size = 0 if kept is None else 3 * kept[0].size * 4
+    size = 0 if kept is None else sum(array.size * 4 for array in kept)
     size += sum(rule.bias.size * 4 for rule in rules or () if rule.bias is not None)
     if size > VECTORS_MAX_BYTES:
         kept = None
+        counted = f"{Tq} target and {T} source tokens" if cross else f"{T} tokens"
         trace_note = (
-            f"The query, key and value vectors were left out of this page: for {T} tokens "
+            f"The query, key and value vectors were left out of this page: for {counted} "
             f"they take {size / 2**20:.0f} MB, more than {VECTORS_MAX_BYTES / 2**20:.0f} MB. "
             "Trace a pair from Python with qkv.trace, or with qkv explain."
         )
@@ -289,16 +337,19 @@ def render_page(
 
     if scale is not None and not (isinstance(scale, int | float) and 0 < scale < float("inf")):
         raise ValueError(f"scale must be a positive number or None, got {scale!r}")
-    stored = stack.astype("<f4")  # (L, H, T, T): the model's own numbers, nothing rounded
+    if cross and causal:
+        raise ValueError("cross-attention hides no key by position: causal must be False")
+    stored = stack.astype("<f4")  # (L, H, Tq, Tk): the model's own numbers, nothing rounded
     data = {
         "format": "qkv-attention/2",
         "title": title,
         "text": text,
         "tokens": tokens,
+        "query_tokens": queries if cross else None,  # cross-attention: the target's, the rows
         "num_layers": L,
         "num_heads": H,
         "weights": {
-            "encoding": ENCODING,
+            "encoding": CROSS_ENCODING if cross else ENCODING,
             "heads": [[_pack(matrix) for matrix in heads] for heads in stored],
         },
         "selected": {"layer": int(layer), "head": int(chosen), "query": _maybe_int(query)},
@@ -315,7 +366,14 @@ def render_page(
         "tokens": "".join(
             f'<button type="button" class="token" data-index="{i}">{html.escape(_shown(t))}'
             "</button>"
-            for i, t in enumerate(tokens)
+            for i, t in enumerate(queries)
+        ),
+        "kind": _cross_header(queries, tokens) if cross else "",
+        "heatmap_title": (
+            "target (queries) down, source (keys) across" if cross else "queries down, keys across"
+        ),
+        "headview_title": (
+            "target (queries) left, source (keys) right" if cross else "queries left, keys right"
         ),
         "extra": _extra_section(extra),
         "trace_note": html.escape(trace_note),
@@ -329,18 +387,40 @@ def render_page(
 # ------------------------------------------------------------------ helpers
 
 
-def _check_vectors(vectors, shape: tuple[int, int, int]) -> list[np.ndarray]:
-    """(q, k, v) as three float32 (L, H, T, D) arrays, checked against the weights' L, H, T."""
+def _check_stack(weights, tokens: Sequence[str], query_tokens: Sequence[str] | None):
+    """(L, H, T, T) self-attention weights, or (L, H, Tq, Tk) cross-attention's with
+    `query_tokens`, as float32, their shape checked."""
+    if query_tokens is None:
+        return check_weights(weights, tokens, ndim=4)
+    return check_cross_weights(weights, query_tokens, tokens, ndim=4)
+
+
+def _cross_header(queries: list[str], tokens: list[str]) -> str:
+    """The line under a cross-attention page's title: what its rows and columns are."""
+    return (
+        f'<p id="kind"><b>{CROSS_HEADER}</b>: {len(queries)} target tokens, '
+        f"{len(tokens)} source tokens.</p>"
+    )
+
+
+def _check_vectors(vectors, shape: tuple[int, int, int, int], cross: bool) -> list[np.ndarray]:
+    """(q, k, v) as three float32 arrays, q (L, H, Tq, D), k and v (L, H, Tk, D), checked
+    against the weights' (L, H, Tq, Tk); Tq = Tk = T for self-attention."""
+    L, H, Tq, Tk = shape
     if isinstance(vectors, str | bytes) or len(vectors) != 3:
-        raise ValueError("vectors must be (q, k, v): three (L, H, T, D) tensors or arrays")
+        what = "(L, H, Tq, D), (L, H, Tk, D) and (L, H, Tk, D)" if cross else "three (L, H, T, D)"
+        raise ValueError(f"vectors must be (q, k, v): {what} tensors or arrays")
     arrays = []
     for name, array in zip(("query", "key", "value"), vectors, strict=True):
         if hasattr(array, "detach"):
             array = array.detach().float().cpu().numpy()
         array = np.asarray(array, dtype=np.float32)
-        if array.ndim != 4 or array.shape[:3] != shape:
+        rows, letter = (Tq, "Tq") if name == "query" else (Tk, "Tk")
+        want = (L, H, rows)
+        if array.ndim != 4 or array.shape[:3] != want:
+            form = f"(L, H, {letter}, D)" if cross else "(L, H, T, D)"
             raise ValueError(
-                f"the {name} vectors must be (L, H, T, D) = ({', '.join(map(str, shape))}, D) "
+                f"the {name} vectors must be {form} = ({', '.join(map(str, want))}, D) "
                 f"to match the weights, not {tuple(array.shape)}"
             )
         if not np.isfinite(array).all():
@@ -375,9 +455,10 @@ def _vectors_data(
     return {"encoding": VECTOR_ENCODING, "size": D, "scale": scale, **packed, "layers": layers}
 
 
-def _check_scores(scores, shape: tuple[int, int, int]) -> list[LayerScores]:
-    """One LayerScores per layer, each bias (H, T, T) finite float32."""
-    L, H, T = shape
+def _check_scores(scores, shape: tuple[int, int, int, int], cross: bool) -> list[LayerScores]:
+    """One LayerScores per layer, each bias (H, Tq, Tk) finite float32 (Tq = Tk = T for
+    self-attention); cross-attention has no window."""
+    L, H, Tq, T = shape
     rules = list(scores)
     if len(rules) != L or not all(isinstance(rule, LayerScores) for rule in rules):
         raise ValueError(f"scores must be one LayerScores per layer: {L}, not {len(rules)}")
@@ -388,13 +469,16 @@ def _check_scores(scores, shape: tuple[int, int, int]) -> list[LayerScores]:
             if hasattr(bias, "detach"):
                 bias = bias.detach().float().cpu().numpy()
             bias = np.asarray(bias, dtype=np.float32)
-            if bias.shape != (H, T, T):
+            if bias.shape != (H, Tq, T):
+                form = "(H, Tq, Tk)" if cross else "(H, T, T)"
                 raise ValueError(
-                    f"layer {layer}'s score bias must be (H, T, T) = ({H}, {T}, {T}), "
+                    f"layer {layer}'s score bias must be {form} = ({H}, {Tq}, {T}), "
                     f"not {tuple(bias.shape)}"
                 )
             if not np.isfinite(bias).all():
                 raise ValueError(f"layer {layer}'s score bias holds NaN or infinite numbers")
+        if cross and rule.window is not None:
+            raise ValueError(f"layer {layer} has a window; cross-attention hides no key by place")
         if rule.window is not None and not (isinstance(rule.window, int) and rule.window > 0):
             raise ValueError(f"layer {layer}'s window must be a positive whole number or None")
         if rule.softcap is not None and not 0 < rule.softcap < float("inf"):
@@ -404,7 +488,7 @@ def _check_scores(scores, shape: tuple[int, int, int]) -> list[LayerScores]:
 
 
 def _pack(matrix: np.ndarray) -> str:
-    """One head's matrix ((T, T) weights or (T, D) vectors, float32) as base64 of its
+    """One head's matrix ((Tq, Tk) weights or (T, D) vectors, float32) as base64 of its
     zlib-compressed bytes."""
     # level 1: 2-3x smaller on real attention, and ten times faster than level 9 for ~10% more
     return base64.b64encode(zlib.compress(matrix.tobytes(), 1)).decode("ascii")
