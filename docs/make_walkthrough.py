@@ -4,7 +4,8 @@ Every block of output below a command is what that command prints, run by this s
 tests/test_walkthrough.py runs it again and fails if the committed file differs, so the
 walkthrough can never go stale.
 
-    python docs/make_walkthrough.py [OUTPUT]   (default: docs/walkthrough.md)
+    python docs/make_walkthrough.py [OUTPUT [RUNS]]   (default: docs/walkthrough.md; RUNS
+                                                       keeps the training runs)
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SENTENCE = "The bank on the side of the river"
@@ -128,24 +130,93 @@ PARALLEL = [
     ),
 ]
 
-CROSS_ATTENTION = """## Cross-attention
+# A section's commands run in one folder, in order: `qkv train` writes runs/NAME there and the
+# commands after it read the run. Prose between commands is a string.
+TRAINED = [
+    (
+        "Learned by training",
+        '"The values of those three matrices are learned throughout training." qkv trains a '
+        "small BERT from scratch (2 layers of 4 heads, 64 numbers wide) on generated sentences "
+        "in which \"bank\" is the river's or the money's, told by one other word (river, shore, "
+        "loan, ...). A run of 0 steps writes the model as it starts: random query, key and value "
+        'matrices. "bank" after the last layer tells the senses apart no better than chance '
+        "(its vector is the same token at another position), and no head looks at the word "
+        "that tells the sense more than at the others.",
+        [
+            [
+                "train",
+                "--preset",
+                "bank",
+                "--set",
+                "train.steps=0",
+                "--out",
+                "runs/bank-before",
+                "--quiet",
+            ],
+            "The same run for its 1,500 steps (the same seed: the same matrices to start from). "
+            "The held-out sentences are frames the training never saw:",
+            ["train", "--preset", "bank", "--out", "runs/bank", "--quiet"],
+            "Layer by layer, the trained model's attention has put the sense into \"bank\"'s "
+            "vector:",
+            ["probe", "bank", "--model", "runs/bank"],
+        ],
+    ),
+]
 
-In cross-attention the query words come from one sequence (the decoder's) and the key and
-value words from another (the encoder's). qkv's `MultiHeadAttention` takes a `context` for
-this, `qkv.models.EncoderDecoder` uses it in every decoder block, and `qkv.load` reads BART
-checkpoints into it (tested against `transformers`). For such a model,
-`qkv explain SOURCE --target TARGET --query WORD --key WORD --model FOLDER` takes the query
-word from the target and the key word from the source. No pretrained encoder-decoder ships
-with qkv, so there is no real output to show here; the tests trace a small random BART and
-compare its weights with `transformers`' cross-attentions.
-"""
+CROSS_ATTENTION = [
+    (
+        "Cross-attention",
+        "In cross-attention the query words come from one sequence (the decoder's) and the "
+        "key and value words from another (the encoder's). qkv's `MultiHeadAttention` takes a "
+        "`context` for this, `qkv.models.EncoderDecoder` uses it in every decoder block, and "
+        "`qkv.load` reads BART checkpoints into it (tested against `transformers`). No "
+        "pretrained encoder-decoder ships with qkv, so it trains one: the original "
+        "transformer's shape (BART's: 2 layers, 4 heads, 128 wide) learning to reverse a "
+        "sequence of symbols, here on a third of the preset's schedule at twice its rate:",
+        [
+            [
+                "train",
+                "--preset",
+                "reverse",
+                "--set",
+                "train.steps=400",
+                "--set",
+                "train.lr=2e-3",
+                "--set",
+                "train.warmup=40",
+                "--out",
+                "runs/reverse",
+                "--quiet",
+            ],
+            "The decoder reads the target after its start token (`</s> g f e ...`), and the "
+            'row of "g" is where it writes the next word, "f": so "g" (a query from the target) '
+            'should attend to "f" (a key from the source). `--target` takes the query word from '
+            "the target and the key word from the source:",
+            [
+                "explain",
+                "a b c d e f g",
+                "--target",
+                "g f e d c b a",
+                "--query",
+                "g",
+                "--key",
+                "f",
+                "--model",
+                "runs/reverse",
+            ],
+            '`qkv show "a b c d e f g" --target "g f e d c b a" --model runs/reverse --out '
+            "cross.html` draws every head's cross-attention, target tokens down and source "
+            "tokens across: in the head above, the anti-diagonal.",
+        ],
+    ),
+]
 
 
-def run(args: list[str]) -> str:
+def run(args: list[str], folder: Path) -> str:
     env = dict(os.environ, COLUMNS="100")
     result = subprocess.run(
         [sys.executable, "-m", "qkv.cli", *args], capture_output=True, text=True, env=env,
-        check=True, timeout=600,
+        check=True, timeout=600, cwd=folder,
     )  # fmt: skip
     return result.stdout.rstrip()
 
@@ -170,39 +241,54 @@ def shown(args: list[str]) -> str:
     return "qkv " + " ".join(f'"{a}"' if " " in a else a for a in args)
 
 
-def sections(chosen) -> list[str]:
+def sections(chosen, folder: Path) -> list[str]:
+    """Each (title, words, commands) as markdown: commands is one command's arguments or a
+    list of commands and prose, run in order in `folder`."""
     parts = []
-    for title, words, args in chosen:
-        output = run(args)
-        if "--json" in args:
-            output = json.dumps(four_digits(json.loads(output)), ensure_ascii=False)
-            if len(output) > 1500:
-                output = output[:1500] + " ..."
-        parts += [f"## {title}", "", words, "", "```", f"$ {shown(args)}", output, "```", ""]
+    for title, words, commands in chosen:
+        parts += [f"## {title}", "", words, ""]
+        for item in [commands] if isinstance(commands[0], str) else commands:
+            if isinstance(item, str):
+                parts += [item, ""]
+                continue
+            output = run(item, folder)
+            if "--json" in item:
+                output = json.dumps(four_digits(json.loads(output)), ensure_ascii=False)
+                if len(output) > 1500:
+                    output = output[:1500] + " ..."
+            parts += ["```", f"$ {shown(item)}", output, "```", ""]
     return parts
 
 
-def walkthrough() -> str:
+def walkthrough(folder: Path) -> str:
+    """The walkthrough's text; the training runs are written under `folder`/runs."""
     parts = [
         "# The article, with a real model's numbers",
         "",
         "Each section of `shared/seed/self-attention-article.txt`, with the qkv command that "
         "shows it and that command's real output. Generated by `docs/make_walkthrough.py`; "
-        "do not edit by hand.",
+        "do not edit by hand. The sections that train a model show one run on a 2-core CPU: "
+        "its seconds are that machine's, and its other digits can differ on another CPU "
+        "(training adds up its round-off); tests/test_walkthrough.py checks what they claim.",
         "",
     ]
-    parts += sections(SECTIONS)
-    parts.append(CROSS_ATTENTION)
-    parts += sections(PARALLEL + CAUSAL)
+    parts += sections(SECTIONS[:2] + TRAINED + SECTIONS[2:], folder)
+    parts += sections(CROSS_ATTENTION + PARALLEL + CAUSAL, folder)
     return "\n".join(parts)
 
 
 def main() -> None:
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_name("walkthrough.md")
-    text = walkthrough()
-    temporary = out.with_name(out.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, out)
+    """python docs/make_walkthrough.py [OUTPUT [RUNS]]: RUNS keeps the training runs (by
+    default they are written to a temporary folder and deleted)."""
+    here = Path(__file__).with_name("walkthrough.md")
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else here
+    with tempfile.TemporaryDirectory() as temporary:
+        folder = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(temporary)
+        folder.mkdir(parents=True, exist_ok=True)
+        text = walkthrough(folder.resolve())
+    staging = out.with_name(out.name + ".tmp")
+    staging.write_text(text)
+    os.replace(staging, out)
 
 
 if __name__ == "__main__":

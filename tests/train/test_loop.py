@@ -158,6 +158,27 @@ def test_a_killed_run_resumes_bit_for_bit(corpus, tmp_path):
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
 
 
+def test_a_run_of_0_steps_is_the_model_before_training_and_resumes_as_one_run(tmp_path):
+    """train.steps=0 writes the initial weights as checkpoint 0 (what the walkthrough probes
+    before training); resumed to N steps it is the run trained N steps from the start."""
+    config = tiny("bert", "bank", train={"steps": 4, "checkpoint_every": 0, "eval_every": 2})
+    whole = train(config, tmp_path / "whole", quiet=True)
+    before = train(config.override(["train.steps=0"]), tmp_path / "before", quiet=True)
+    assert before.steps == 0 and step_of(before.checkpoint) == 0 and before.losses == {}
+    assert not (tmp_path / "before" / "metrics.jsonl").exists() or not metrics(
+        tmp_path / "before"
+    )
+    start = qkv.load(tmp_path / "before").model.state_dict()
+    trained = qkv.load(tmp_path / "whole").model.state_dict()
+    assert not all(torch.equal(start[k], trained[k]) for k in trained), "4 steps changed nothing"
+    resumed = train(config, tmp_path / "before", resume=True, quiet=True)
+    assert resumed.losses == whole.losses and resumed.val_losses == whole.val_losses
+    after = qkv.load(tmp_path / "before").model.state_dict()
+    assert all(torch.equal(after[k], trained[k]) for k in trained)
+    with pytest.raises(ValueError, match=r"train\.steps must be >= 0, got -1"):
+        config.override(["train.steps=-1"]).check()
+
+
 # ---------------------------------------------------------------------------- bad input
 
 

@@ -89,8 +89,10 @@ def narrate(trace: Trace) -> str:
     pairs = zip(t.tokens, t.weights.tolist(), strict=True)
     row = "  ".join(f"{shown(tok)} {percent(w)}" for tok, w in pairs)
     scores = "'s score" if t.softcap is not None or t.bias is not None else ""
+    # in cross-attention the keys are the source's tokens: the query word is not among them
+    among = f"{q} itself included" if t.query_tokens is None else "the source's tokens"
     lines += [
-        f"4. Softmax over every key word{scores} ({q} itself included), so the {len(t.tokens)} "
+        f"4. Softmax over every key word{scores} ({among}), so the {len(t.tokens)} "
         "weights sum to 100%:",
         f"     {row}",
         f"   {k} gets {percent(t.weight)}.",

@@ -109,7 +109,7 @@ class DataSpec:
 class TrainSpec:
     """How the model learns: AdamW, warmup then cosine decay, clipping, accumulation."""
 
-    steps: int = 1000
+    steps: int = 1000  # 0 writes the initial weights as checkpoint 0: the model before training
     batch_size: int = 32  # sequences per optimizer step, over all processes together
     accumulate: int = 1  # micro-batches per step: batch_size / accumulate sequences at once
     lr: float = 3e-4
@@ -130,9 +130,9 @@ class TrainSpec:
     device: str = "auto"  # auto, cpu, cuda
 
     def check(self) -> None:
-        for name in ("steps", "batch_size", "accumulate", "eval_batches", "keep"):
+        for name in ("batch_size", "accumulate", "eval_batches", "keep"):
             _positive(f"train.{name}", getattr(self, name))
-        for name in ("checkpoint_every", "eval_every", "warmup"):
+        for name in ("steps", "checkpoint_every", "eval_every", "warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_size % self.accumulate:

@@ -147,6 +147,8 @@ class _Trainer:
         if self.dist.main:
             truncate_records(metrics, step)
         began_run = time.perf_counter()
+        if step == t.steps == 0:  # the model before training, to compare the trained one with
+            result.checkpoint = self._save(0)
         with Progress(t.steps, step, quiet=self.quiet) as progress:
             while step < t.steps:
                 began = time.perf_counter()
