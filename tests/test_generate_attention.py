@@ -127,8 +127,13 @@ def test_without_record_the_forward_passes_record_nothing():
     [
         ([2], "layer 2 is out of range: tiny has 2 layers (0-1)"),
         (Recording(heads=[5]), "head 5 is out of range: tiny has 2 heads (0-1)"),
-        ("some", "record takes 'all', a list of layers or a Recording, not 'some'"),
-        ({"layer": [0]}, "record's keys are 'layers' and 'heads', not 'layer'"),
+        ("some", "record takes 'all', 'summaries', a list of layers or a Recording, not 'some'"),
+        (
+            {"layer": [0]},
+            "record's keys are 'layers', 'heads', 'summaries' and 'top_k', not 'layer'",
+        ),
+        (Recording(summaries=True, top_k=0), "record's top_k must be a whole number >= 1, got 0"),
+        ({"summaries": "yes"}, "record's summaries is True or False, not 'yes'"),
         (Recording(layers=[]), "record asks no layer or no head"),
     ],
 )
@@ -153,6 +158,59 @@ def test_a_batch_and_a_recording_beyond_the_limit_are_refused(monkeypatch):
     with pytest.raises(ValueError, match=r"keeps up to 7.8 KiB of weights, more than the 1000 "
                        r"bytes limit \(qkv.generate.RECORD_MAX_BYTES\)"):  # fmt: skip
         model.generate("the bank", 30, record="all")
+
+
+@pytest.mark.parametrize("config", [decoder(), gemma2_like()], ids=["decoder", "gemma2_like"])
+@pytest.mark.parametrize(
+    "record", ["summaries", Recording(layers=[1], heads=[1], summaries=True, top_k=3)]
+)
+def test_recorded_summaries_are_those_of_one_forward_passs_rows(config, record, monkeypatch):
+    """Each row's entropy, weight on token 0 and top keys equal those of the rows of one
+    forward pass; the prompt's rows are summarized in chunks (here of 2 queries)."""
+    monkeypatch.setattr("qkv.inspect.summaries.CHUNK", 2)
+    model = tiny64(config)
+    seen = model.generate("the bank of the river", 6, record=record, temperature=1.0, seed=3)
+    assert seen.prompt is None and seen.steps == [] and seen.summaries is not None
+    full = one_forward(model, seen)  # (L', H', T - 1, T - 1)
+    k = min(Recording.of(record).top_k, seen.prompt_length)
+    s = seen.summaries
+    entropy = -(full * full.clamp_min(1e-300).log()).sum(-1)  # 0 log 0 = 0
+    assert s.entropy.dtype == torch.float64  # a float64 model's summaries are float64
+    torch.testing.assert_close(s.entropy, entropy, atol=1e-12, rtol=0)
+    torch.testing.assert_close(s.first_token_mass, full[..., 0], atol=1e-12, rtol=0)
+    top = full.topk(k, dim=-1).values
+    torch.testing.assert_close(s.top_weights, top, atol=1e-12, rtol=0)
+    chosen = full.gather(-1, s.top_keys)  # the keys named hold those weights
+    torch.testing.assert_close(chosen, s.top_weights, atol=1e-12, rtol=0)
+    P = seen.prompt_length
+    for j in range(seen.generated):  # the row that chose token j
+        entropy_j, first_j, keys_j, weights_j = seen.summary(j)
+        assert torch.equal(entropy_j, s.entropy[:, :, P - 1 + j])
+        assert torch.equal(first_j, s.first_token_mass[:, :, P - 1 + j])
+        assert torch.equal(keys_j, s.top_keys[:, :, P - 1 + j])
+        assert torch.equal(weights_j, s.top_weights[:, :, P - 1 + j])
+    assert seen.text == model.generate("the bank of the river", 6, temperature=1.0, seed=3)
+    assert set(seen.to_dict()["summaries"]) == {"entropy", "first_token_mass", "top_keys",
+                                                "top_weights"}  # fmt: skip
+    with pytest.raises(ValueError, match="kept summaries .* not its weights: read .summary"):
+        seen.row(0)
+    with pytest.raises(ValueError, match="kept summaries"):
+        _ = seen.weights
+
+
+def test_summaries_keep_a_few_numbers_a_row_beyond_the_rows_limit(monkeypatch):
+    model = tiny(decoder())
+    monkeypatch.setattr("qkv.generate.RECORD_MAX_BYTES", 1000)  # 30 tokens' rows: 7.8 KiB
+    seen = model.generate("the bank", 30, record="summaries")
+    assert seen.summaries.entropy.shape == (2, 2, seen.prompt_length + seen.generated - 1)
+    rows = model.generate("the bank", 3, record="all")
+    with pytest.raises(ValueError, match="kept its rows, not summaries"):
+        rows.summary(0)
+    # in a notebook: a row per generated token, the mean entropy of the row that chose it
+    shown = seen._repr_html_()
+    assert shown.count("<tr><td>") == seen.generated
+    assert f"<td>{float(seen.summary(29)[0].mean()):.3f}</td>" in shown
+    assert "summaries of 2 layers x 2 heads" in repr(seen)
 
 
 def test_docs_generate_md_shows_these_numbers(recorded):

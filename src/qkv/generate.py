@@ -174,15 +174,21 @@ class Recording:
     """What `Pretrained.generate(..., record=...)` keeps of the attention while it generates.
 
     layers: the layers whose self-attention is kept ("all", or indices counted from 0); heads:
-    their query heads kept (all if None). generate also takes "all" for Recording(), a list of
-    layers for Recording(layers=...), and {"layers": [...], "heads": [...]}.
+    their query heads kept (all if None); summaries: keep each row's summaries (its entropy,
+    its weight on token 0, its top_k keys and their weights: `GenerationSummaries`) instead
+    of its weights, so that a long prompt or generation keeps a few numbers per row, not
+    every weight. generate also takes "all" for Recording(), "summaries" for
+    Recording(summaries=True), a list of layers for Recording(layers=...), and a dict of
+    these fields ({"layers": [...], "heads": [...], "summaries": True}).
 
-    >>> Recording.of([0, 2]), Recording.of({"heads": [1]}).heads
-    (Recording(layers=[0, 2], heads=None), [1])
+    >>> Recording.of([0, 2]), Recording.of({"heads": [1]}).heads, Recording.of("summaries").top_k
+    (Recording(layers=[0, 2], heads=None, summaries=False, top_k=5), [1], 5)
     """
 
     layers: str | Sequence[int] = "all"
     heads: Sequence[int] | None = None
+    summaries: bool = False
+    top_k: int = 5  # keys kept per row, with summaries
 
     @classmethod
     def of(cls, record) -> Recording:
@@ -190,14 +196,15 @@ class Recording:
         if isinstance(record, Recording):
             return record
         if isinstance(record, str):
-            if record != "all":
-                raise ValueError(f"record takes 'all', a list of layers or a Recording, not "
-                                 f"{record!r}")  # fmt: skip
-            return cls()
+            if record not in ("all", "summaries"):
+                raise ValueError(f"record takes 'all', 'summaries', a list of layers or a "
+                                 f"Recording, not {record!r}")  # fmt: skip
+            return cls(summaries=record == "summaries")
         if isinstance(record, dict):
-            unknown = sorted(set(record) - {"layers", "heads"})
+            unknown = sorted(set(record) - {"layers", "heads", "summaries", "top_k"})
             if unknown:
-                raise ValueError(f"record's keys are 'layers' and 'heads', not {unknown[0]!r}")
+                raise ValueError(f"record's keys are 'layers', 'heads', 'summaries' and "
+                                 f"'top_k', not {unknown[0]!r}")  # fmt: skip
             return cls(**record)
         return cls(layers=list(record) if isinstance(record, Sequence | range) else record)
 
@@ -210,6 +217,10 @@ class Recording:
                                                                 owner)  # fmt: skip
         heads = range(num_heads) if self.heads is None else self.heads
         heads = check_indices("head", heads, num_heads, owner)
+        if type(self.summaries) is not bool:
+            raise ValueError(f"record's summaries is True or False, not {self.summaries!r}")
+        if type(self.top_k) is not int or self.top_k < 1:
+            raise ValueError(f"record's top_k must be a whole number >= 1, got {self.top_k!r}")
         if not layers or not heads:
             raise ValueError("record asks no layer or no head; leave layers or heads out for all")
         return sorted(set(layers)), sorted(set(heads))
@@ -264,6 +275,51 @@ class RowKeeper:
             self.steps.append(rows[:, :, -1])  # (L', H', Tk): the fed-back token's row
 
 
+class SummaryKeeper:
+    """The `keep` of decode_steps for Recording(summaries=True): each row's summaries, never
+    its weights beyond the moment they are read. The prompt's rows are summarized a chunk of
+    queries at a time (`qkv.inspect.summaries.summarize`), each fed-back token's from its one
+    row, so what stays grows with the rows times top_k, not with their length."""
+
+    def __init__(self, layers: list[int], heads: list[int], top_k: int):
+        self.layers, self.heads, self.top_k = layers, heads, top_k
+        self.parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
+
+    def __call__(self, records: dict[int, AttentionRecord]) -> None:
+        from qkv.inspect import summaries
+
+        if not self.parts:  # the prompt's forward pass: P rows, a chunk at a time
+            s = summaries.summarize({n: records[n] for n in self.layers}, heads=self.heads,
+                                    top_k=self.top_k, bins=1, chunk=summaries.CHUNK)  # fmt: skip
+            self.k = s.top_keys.shape[-1]  # min(top_k, P): every later row has more keys
+            self.parts.append((s.entropy, s.first_token_mass, s.top_keys, s.top_weights))
+        else:  # (L', H', 1, Tk): the fed-back token's row
+            rows = torch.stack([records[n].weights(self.heads)[0, :, -1:] for n in self.layers])
+            entropy, first, keys, weights = summaries.row_summaries(rows, self.k)
+            self.parts.append((entropy, first, keys, weights))
+
+    def summaries(self) -> GenerationSummaries:
+        columns = zip(*self.parts, strict=True)  # entropy, first_token_mass, keys, weights
+        return GenerationSummaries(*(torch.cat(column, dim=2) for column in columns))
+
+
+@dataclass(eq=False)
+class GenerationSummaries:
+    """The summaries of every row a generation's attention computed (docs/long.md): row i is
+    the query at position i, the prompt's P rows from its one forward pass and then each
+    fed-back token's; generated token j was chosen by row P - 1 + j. Each row's weights
+    are the ones `weights` of a recording without summaries holds, over keys 0..i."""
+
+    entropy: Tensor  # (L', H', R) -sum w log w of each row's weights, in nats
+    first_token_mass: Tensor  # (L', H', R) each row's weight on token 0
+    top_keys: Tensor  # (L', H', R, k) long: each row's k strongest keys, strongest first
+    top_weights: Tensor  # (L', H', R, k) their weights
+
+    def to_dict(self) -> dict:
+        return {name: getattr(self, name).tolist() for name in
+                ("entropy", "first_token_mass", "top_keys", "top_weights")}  # fmt: skip
+
+
 @dataclass(eq=False)
 class GenerationAttention:
     """A generation and the attention it ran on, read from the layers' records as it decoded.
@@ -286,8 +342,10 @@ class GenerationAttention:
     prompt_length: int  # P
     layers: list[int]  # counted from 0, the order of the weights' first axis
     heads: list[int]  # counted from 0, the order of their second axis
-    prompt: Tensor  # (L', H', P, P) the prompt's rows, from the forward pass that read it
+    prompt: Tensor | None  # (L', H', P, P) the prompt's rows, from the forward pass that read it
     steps: list[Tensor]  # (L', H', P + j) for j = 1 .. generated - 1: each fed-back token's row
+    # with Recording(summaries=True): the rows' summaries, and no prompt or steps
+    summaries: GenerationSummaries | None = None
 
     @property
     def generated(self) -> int:
@@ -297,11 +355,31 @@ class GenerationAttention:
     def row(self, token: int) -> Tensor:
         """(L', H', P + token): the attention that chose generated token `token` (from 0)."""
         (token,) = check_indices("generated token", [token], self.generated, "this generation")
+        self._rows_kept()
         return self.prompt[:, :, -1] if token == 0 else self.steps[token - 1]
+
+    def summary(self, token: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Of the row that chose generated token `token` (from 0), with summaries: its
+        entropy (L', H'), weight on token 0 (L', H'), top keys and their weights (L', H', k)."""
+        (token,) = check_indices("generated token", [token], self.generated, "this generation")
+        if self.summaries is None:
+            raise ValueError("this generation kept its rows, not summaries: record with "
+                             "Recording(summaries=True) for them, or read row(j)")  # fmt: skip
+        s, i = self.summaries, self.prompt_length - 1 + token
+        return (s.entropy[:, :, i], s.first_token_mass[:, :, i], s.top_keys[:, :, i],
+                s.top_weights[:, :, i])  # fmt: skip
+
+    def _rows_kept(self) -> None:
+        if self.prompt is None:
+            raise ValueError(
+                "this generation kept summaries (record=Recording(summaries=True)), not its "
+                "weights: read .summary(j), or record without summaries"
+            )
 
     @property
     def weights(self) -> Tensor:
         """(L', H', T - 1, T - 1): row i is token i's attention over tokens 0..i (0 after)."""
+        self._rows_kept()
         P, T = self.prompt_length, len(self.ids)
         out = self.prompt.new_zeros(*self.prompt.shape[:2], T - 1, T - 1)
         out[:, :, :P, :P] = self.prompt
@@ -314,8 +392,9 @@ class GenerationAttention:
         return {
             "text": self.text, "ids": self.ids, "tokens": self.tokens, "pieces": self.pieces,
             "prompt_length": self.prompt_length, "layers": self.layers, "heads": self.heads,
-            "prompt": self.prompt.tolist(),
-            "rows": [self.row(j).tolist() for j in range(self.generated)],
+            **({"summaries": self.summaries.to_dict()} if self.summaries is not None else {
+                "prompt": self.prompt.tolist(),
+                "rows": [self.row(j).tolist() for j in range(self.generated)]}),
         }  # fmt: skip
 
     def __repr__(self) -> str:

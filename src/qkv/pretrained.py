@@ -25,6 +25,7 @@ from qkv.generate import (
     Recording,
     RowKeeper,
     Sampling,
+    SummaryKeeper,
     check_recording_size,
     decode_steps,
     seq2seq_steps,
@@ -175,6 +176,9 @@ class Pretrained:
         pass), and return a `GenerationAttention` (its `.text` the text returned otherwise):
         "all" layers and heads, a list of layers, or `Recording(layers=..., heads=...)`. What
         it keeps is bounded by qkv.generate.RECORD_MAX_BYTES, checked before any step.
+        "summaries" (or `Recording(..., summaries=True)`) keeps each row's entropy, weight
+        on token 0 and top keys instead of its weights: a few numbers per row, however long
+        the prompt.
         Without record nothing is recorded: every step runs as it would otherwise.
 
         E.g. load("smollm2").generate("The river bank", 4, record=Recording([0, 29], [3]))
@@ -228,9 +232,13 @@ class Pretrained:
         """generate for one prompt ids (1, P), keeping the attention rows `recording` asks."""
         cfg = self.model.config
         layers, heads = recording.resolve(cfg.num_layers, cfg.block.num_heads, self.source)
-        itemsize = 8 if next(self.model.parameters()).dtype == torch.float64 else 4
-        check_recording_size(len(layers), len(heads), ids.shape[1], max_new_tokens, itemsize)
-        keeper, chosen = RowKeeper(layers, heads), []
+        if recording.summaries:  # a few numbers per row: the prompt's are summarized in chunks
+            keeper = SummaryKeeper(layers, heads, recording.top_k)
+        else:
+            itemsize = 8 if next(self.model.parameters()).dtype == torch.float64 else 4
+            check_recording_size(len(layers), len(heads), ids.shape[1], max_new_tokens, itemsize)
+            keeper = RowKeeper(layers, heads)
+        chosen = []
 
         def steps():
             for token in decode_steps(self.model, ids, None, sampling, max_new_tokens,
@@ -243,7 +251,9 @@ class Pretrained:
         return GenerationAttention(
             text, every, [self.tokenizer.id_to_token(i) or str(i) for i in every],
             [self.tokenizer.decode([i], skip_special_tokens=False) for i in every],
-            ids.shape[1], layers, heads, keeper.prompt, keeper.steps,
+            ids.shape[1], layers, heads, *(
+                (None, [], keeper.summaries()) if recording.summaries
+                else (keeper.prompt, keeper.steps)),
         )  # fmt: skip
 
     def _translate(self, sources, sampling, max_new_tokens, stop, stream) -> str | list[str]:

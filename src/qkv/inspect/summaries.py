@@ -98,10 +98,13 @@ def summarize(
     query_bin, key_bin = math.ceil(Tq / min(bins, Tq)), math.ceil(Tk / min(bins, Tk))
     Rq, Rk = math.ceil(Tq / query_bin), math.ceil(Tk / key_bin)
     L, H = len(layers), len(heads)
-    entropy, first_mass = torch.empty(L, H, Tq), torch.empty(L, H, Tq)
-    top_keys, top_weights = torch.empty(L, H, Tq, k, dtype=torch.long), torch.empty(L, H, Tq, k)
+    # float32 (of any lower precision too), float64 for a float64 model
+    dtype = torch.float64 if records[layers[0]].q.dtype == torch.float64 else torch.float32
+    entropy, first_mass = torch.empty(L, H, Tq, dtype=dtype), torch.empty(L, H, Tq, dtype=dtype)
+    top_keys = torch.empty(L, H, Tq, k, dtype=torch.long)
+    top_weights = torch.empty(L, H, Tq, k, dtype=dtype)
     received = torch.zeros(L, H, Tk, dtype=torch.float64)
-    heatmap = torch.zeros(L, H, Rq, Rk)
+    heatmap = torch.zeros(L, H, Rq, Rk, dtype=dtype)
     with torch.inference_mode():
         for n, layer in enumerate(layers):
             record = records[layer]
@@ -110,12 +113,11 @@ def summarize(
                                  f"queries x keys, layer {layers[0]} {Tq} x {Tk}: summarize "
                                  "one text's records")  # fmt: skip
             for start, w in chunk_weights(record, heads, chunk=chunk):  # w: (H, c, K <= Tk)
+                w = w.to(dtype)
                 rows, K = slice(start, start + w.shape[1]), w.shape[2]
-                entropy[n, :, rows] = torch.special.entr(w).sum(-1)
-                first_mass[n, :, rows] = w[..., 0]
-                wide = torch.nn.functional.pad(w, (0, k - K)) if k > K else w  # hidden keys: 0
-                top = wide.topk(k, dim=-1)  # (H, c, k)
-                top_keys[n, :, rows], top_weights[n, :, rows] = top.indices, top.values
+                stats = row_summaries(w, k)
+                entropy[n, :, rows], first_mass[n, :, rows] = stats[0], stats[1]
+                top_keys[n, :, rows], top_weights[n, :, rows] = stats[2], stats[3]
                 received[n, :, :K] += w.sum(1)  # each chunk in float32, the total in float64
                 cells = block_max(w, key_bin)  # (H, c, ceil(K / key_bin)): each row's maxima
                 bins_of_rows = (torch.arange(rows.start, rows.stop) // query_bin)[None, :, None]
@@ -123,6 +125,20 @@ def summarize(
                     1, bins_of_rows.expand_as(cells), cells, "amax")  # fmt: skip
     return Summaries(layers, heads, tokens, entropy, first_mass, top_keys, top_weights,
                      received, heatmap, query_bin, key_bin)  # fmt: skip
+
+
+def row_summaries(w: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Of weights w (..., K), each row's entropy (...), weight on key 0 (...), and its k
+    strongest keys and their weights (..., k), strongest first; where k > K the keys past K
+    (ones no row may see) fill the list with weight 0.
+
+    >>> row_summaries(torch.tensor([[0.25, 0.75]]), 3)[2:]
+    (tensor([[1, 0, 2]]), tensor([[0.7500, 0.2500, 0.0000]]))
+    """
+    K = w.shape[-1]
+    wide = torch.nn.functional.pad(w, (0, k - K)) if k > K else w  # hidden keys: 0
+    top = wide.topk(k, dim=-1)
+    return torch.special.entr(w).sum(-1), w[..., 0], top.indices, top.values
 
 
 def chunk_weights(

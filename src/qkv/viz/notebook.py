@@ -494,6 +494,8 @@ def generation_html(seen) -> str:
     iframe of its own: click a generated token to see the row that chose it."""
     from qkv.viz.generation import render_generation_page
 
+    if seen.summaries is not None:
+        return _generation_summaries_html(seen)
     page = render_generation_page(seen, title=f"Attention while generating: {_cut(seen.text, 60)}")
     if len(page) > NOTEBOOK_PAGE_BYTES:
         return _wrap(
@@ -510,10 +512,36 @@ def generation_html(seen) -> str:
     )
 
 
+def _generation_summaries_html(seen) -> str:
+    """A generation recorded as summaries: a row per generated token, with the summaries of
+    the row that chose it, over every recorded layer and head."""
+    import torch
+
+    rows = []
+    for j in range(seen.generated):
+        entropy, first, keys, weights = seen.summary(j)  # (L', H'), (L', H'), (L', H', k) x 2
+        mass = torch.zeros(seen.prompt_length + j, dtype=weights.dtype)
+        mass.index_add_(0, keys.flatten(), weights.flatten())  # each key's top weights, summed
+        top = mass.topk(min(3, len(mass))).indices.tolist()
+        named = ", ".join(f"{i} {_esc(seen.pieces[i])}" for i in top)
+        piece = seen.pieces[seen.prompt_length + j]
+        rows.append(f"<tr><td>{j}</td><td>{_esc(piece)}</td><td>{float(entropy.mean()):.3f}"
+                    f"</td><td>{float(first.mean()):.3f}</td><td>{named}</td></tr>")  # fmt: skip
+    return _wrap(
+        f"<h4>Attention while generating, as summaries: {_esc(_cut(seen.text, 80))}</h4><p>"
+        f"{seen.generated} tokens after a prompt of {seen.prompt_length}; for each, the row that "
+        f"chose it, over {len(seen.layers)} layers x {len(seen.heads)} heads: mean entropy "
+        "(nats), mean weight on token 0, and the keys whose top weights sum highest over "
+        "the heads (position, text).</p><table><tr><th>token</th><th>text</th><th>entropy"
+        "</th><th>on token 0</th><th>most attended</th></tr>" + "".join(rows) + "</table>"
+    )
+
+
 def generation_repr(seen) -> str:
+    kept = "summaries of " if seen.summaries is not None else ""
     return (
         f"GenerationAttention({seen.generated} tokens generated after {seen.prompt_length}, "
-        f"{len(seen.layers)} layers x {len(seen.heads)} heads: {_cut(seen.text, 40)!r})"
+        f"{kept}{len(seen.layers)} layers x {len(seen.heads)} heads: {_cut(seen.text, 40)!r})"
     )
 
 
