@@ -165,9 +165,7 @@ def test_a_run_of_0_steps_is_the_model_before_training_and_resumes_as_one_run(tm
     whole = train(config, tmp_path / "whole", quiet=True)
     before = train(config.override(["train.steps=0"]), tmp_path / "before", quiet=True)
     assert before.steps == 0 and step_of(before.checkpoint) == 0 and before.losses == {}
-    assert not (tmp_path / "before" / "metrics.jsonl").exists() or not metrics(
-        tmp_path / "before"
-    )
+    assert not (tmp_path / "before" / "metrics.jsonl").exists() or not metrics(tmp_path / "before")
     start = qkv.load(tmp_path / "before").model.state_dict()
     trained = qkv.load(tmp_path / "whole").model.state_dict()
     assert not all(torch.equal(start[k], trained[k]) for k in trained), "4 steps changed nothing"
