@@ -89,13 +89,13 @@ class Ablated:
         }
 
     def __repr__(self) -> str:
-        from qkv.viz.notebook import ablated_repr
+        from qkv.viz.notebook_interventions import ablated_repr
 
         return ablated_repr(self)
 
     def _repr_html_(self) -> str:
         """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import ablated_html
+        from qkv.viz.notebook_interventions import ablated_html
 
         return ablated_html(self)
 
@@ -321,13 +321,13 @@ class Patched:
         }
 
     def __repr__(self) -> str:
-        from qkv.viz.notebook import patched_repr
+        from qkv.viz.notebook_interventions import patched_repr
 
         return patched_repr(self)
 
     def _repr_html_(self) -> str:
         """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import patched_html
+        from qkv.viz.notebook_interventions import patched_html
 
         return patched_html(self)
 

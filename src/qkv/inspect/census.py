@@ -125,13 +125,13 @@ class Census:
         }
 
     def __repr__(self) -> str:
-        from qkv.viz.notebook import census_repr
+        from qkv.viz.notebook_interventions import census_repr
 
         return census_repr(self)
 
     def _repr_html_(self) -> str:
         """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import census_html
+        from qkv.viz.notebook_interventions import census_html
 
         return census_html(self)
 

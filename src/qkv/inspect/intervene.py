@@ -260,13 +260,13 @@ class Hidden:
         }
 
     def __repr__(self) -> str:
-        from qkv.viz.notebook import hidden_repr
+        from qkv.viz.notebook_interventions import hidden_repr
 
         return hidden_repr(self)
 
     def _repr_html_(self) -> str:
         """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import hidden_html
+        from qkv.viz.notebook_interventions import hidden_html
 
         return hidden_html(self)
 

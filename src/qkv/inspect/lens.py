@@ -131,13 +131,13 @@ class Lens:
         }
 
     def __repr__(self) -> str:
-        from qkv.viz.notebook import lens_repr
+        from qkv.viz.notebook_interventions import lens_repr
 
         return lens_repr(self)
 
     def _repr_html_(self) -> str:
         """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import lens_html
+        from qkv.viz.notebook_interventions import lens_html
 
         return lens_html(self)
 

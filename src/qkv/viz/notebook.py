@@ -327,166 +327,8 @@ def probe_repr(found) -> str:
             f"{len(found.layers)} depths{apart})")  # fmt: skip
 
 
-# ---------------------------------------------------------------------------- interventions
-
-
-def hidden_html(found) -> str:
-    """`qkv.hide`'s result (a `qkv.inspect.intervene.Hidden`): the change with the key hidden
-    everywhere asked, each (layer, head)'s alone as a grid, and a decoder's next tokens."""
-    keys = " and ".join(_quote(k) for k in _listed(found.key))
-    whom = _quote(found.query) if found.query is not None else "every word"
-    L = found.effect.shape[0]
-    parts = [
-        f"<h4>{keys} hidden from {whom}: {_esc(found.source)}</h4>",
-        f"<p>Hidden in every head asked at once, {whom}'s final vector changes by "
-        f'<b class="total" data-value="{found.total!r}">{found.total:.4f}</b> (1 - cosine; '
-        f"distance {found.total_distance:.4f}). <i>{_esc(_cut(found.text, 120))}</i></p>",
-    ]
-    if bool((found.effect == found.effect).any()):  # the table was asked for (table=True)
-        parts.append("<p>Each (layer, head) alone, the change of the final vector "
-                     "(1 - cosine); blank where not asked:</p>")  # fmt: skip
-        parts.append(_head_grid(found.effect, "change", L))
-    if found.next is not None:
-        parts.append(_next_html(found.next))
-    return _wrap("".join(parts))
-
-
-def hidden_repr(found) -> str:
-    keys = "+".join(repr(_cut(k, 20)) for k in _listed(found.key))
-    whom = repr(_cut(found.query, 20)) if found.query is not None else "every word"
-    return f"Hidden({keys} hidden from {whom}, {_cut(found.source, 40)}, total {found.total:.4f})"
-
-
-def ablated_html(found) -> str:
-    """`qkv.ablate`'s result (a `qkv.inspect.ablation.Ablated`): the change with every head
-    asked ablated, each head's alone as a grid, and a decoder's next tokens."""
-    L = found.effect.shape[0]
-    parts = [
-        f"<h4>{len(found.heads)} head{'s' * (len(found.heads) != 1)} ablated ({_esc(found.mode)}"
-        f"): {_esc(found.source)}</h4>",
-        f'<p>All at once, the final vectors change by <b class="total" data-value='
-        f'"{found.total!r}">{found.total:.4f}</b> (1 - cosine, the mean over every token). '
-        f"<i>{_esc(_cut(found.text, 120))}</i></p>",
-        "<p>Each head ablated alone; blank where not asked:</p>",
-        _head_grid(found.effect, "change", L),
-    ]
-    if found.next is not None:
-        parts.append(_next_html(found.next))
-    return _wrap("".join(parts))
-
-
-def ablated_repr(found) -> str:
-    return (f"Ablated({found.mode}, {len(found.heads)} heads, {_cut(found.source, 40)}, "
-            f"total {found.total:.4f})")  # fmt: skip
-
-
-def patched_html(found) -> str:
-    """`qkv.patch`'s result (a `qkv.inspect.ablation.Patched`): the share of the clean metric
-    each patch restores, per (layer, head) and per (layer, position)."""
-    heads, residual = found.restored(found.heads), found.restored(found.residual)
-    L = found.residual.shape[0]
-    columns = [f"{i} {t}" for i, t in enumerate(found.corrupt_tokens)]
-    return _wrap(
-        f"<h4>Patching {_quote(_cut(found.clean_text, 60))} into "
-        f"{_quote(_cut(found.corrupt_text, 60))}: {_esc(found.source)}</h4>"
-        f"<p>Metric {_esc(str(found.metric))}: clean "
-        f'<b data-value="{found.clean!r}">{found.clean:.4f}</b>, corrupted '
-        f'<b data-value="{found.corrupt!r}">{found.corrupt:.4f}</b>. Each cell is the share of '
-        "the way back to clean that one patch restores (1: all of it, 0: nothing); the metric "
-        "itself is in its title.</p>"
-        "<h4>Each head's output patched in</h4>"
-        + _grid(heads.tolist(), [f"layer {n}" for n in range(L)],
-                [f"head {h}" for h in range(heads.shape[1])], name="restored",
-                raw=found.heads.tolist(), diverging=True)
-        + "<h4>The residual stream after each layer, at each position</h4>"
-        + _grid(residual.tolist(), [f"layer {n}" for n in range(L)], columns, name="restored",
-                raw=found.residual.tolist(), diverging=True)
-    )  # fmt: skip
-
-
-def patched_repr(found) -> str:
-    return (f"Patched({_cut(str(found.metric), 50)}, {_cut(found.source, 40)}, "
-            f"clean {found.clean:.4f}, corrupt {found.corrupt:.4f})")  # fmt: skip
-
-
-# ---------------------------------------------------------------------------- lens, census
-
-
-def lens_html(found) -> str:
-    """The logit lens (a `qkv.inspect.lens.Lens`): each depth's top next tokens, the followed
-    token's rank and log-probability, then the largest terms of its logit's attribution."""
-    top = len(found.top_tokens[0]) if found.top_tokens else 0
-    head = ('<tr><th class="text">depth</th>' + "".join(f"<th>#{i + 1}</th>" for i in range(top))
-            + f"<th>rank of {_quote(found.token)}</th><th>log-prob</th></tr>")  # fmt: skip
-    rows = []
-    for d, name in enumerate(found.layers):
-        cells = "".join(
-            f'<td class="text{" followed" if i == found.token_id else ""}" data-value="{p!r}" '
-            f'title="p = {p:.6g}">{_esc(repr(t))} {p:.3f}</td>'
-            for t, p, i in zip(found.top_tokens[d], found.top_probs[d], found.top_ids[d],
-                               strict=True)
-        )  # fmt: skip
-        logprob = _number(found.logprob[d], shown=f"{found.logprob[d]:.3f}")
-        rank = f'<td data-value="{found.rank[d]}">{found.rank[d]}</td>'
-        rows.append(f'<tr data-depth="{d}"><td class="text">{_esc(name)}</td>{cells}{rank}'
-                    f"{logprob}</tr>")  # fmt: skip
-    at = f"position {found.position} ({_quote(found.tokens[found.position])})"
-    parts = [f"<h4>The logit lens of {_esc(found.source)}: the next token after {at}</h4>",
-             f'<table class="lens">{head}{"".join(rows)}</table>']  # fmt: skip
-    a = found.attribution
-    if a is not None:
-        terms = a.terms()[:10]
-        most = max((abs(v) for _, v in terms), default=1.0) or 1.0
-        lines = "".join(
-            f'<tr><td class="text">{_esc(name)}</td>{_number(v, shown=f"{v:+.4f}")}<td '
-            f'class="text"><span class="bar{" negative" if v < 0 else ""}" style="width:'
-            f'{160 * abs(v) / most:.1f}px"></span></td></tr>'
-            for name, v in terms
-        )
-        parts.append(
-            f"<h4>Direct logit attribution of {_quote(a.token)}: logit "
-            f'<span data-value="{a.logit!r}">{a.logit:.4f}</span>, the largest terms</h4>'
-            f'<table class="terms">{lines}<tr><td class="text">the final norm\'s remainder</td>'
-            f"{_number(a.remainder, shown=f'{a.remainder:+.4f}')}<td></td></tr>"
-            f'<tr><td class="text">total (every term)</td>'
-            f"{_number(a.total, shown=f'{a.total:.4f}')}<td></td></tr></table>"
-        )
-    return _wrap("".join(parts))
-
-
-def lens_repr(found) -> str:
-    return (f"Lens({_cut(found.source, 40)}, position {found.position}, {_cut(found.token, 20)!r}"
-            f" rank {found.rank[-1]} at {found.layers[-1]})")  # fmt: skip
-
-
-def census_html(found) -> str:
-    """The census of heads (a `qkv.inspect.census.Census`): each score as an (L, H) grid of
-    colored cells, the top heads first."""
-    from qkv.inspect.census import SCORES  # the census's own list and order of scores
-
-    L, H = found.previous_token.shape
-    parts = [f"<h4>{_esc(found.source)}: {L} layers x {H} heads, counted from 0</h4>"]
-    for name in SCORES:
-        grid = found.scores(name)
-        if bool(grid.isnan().all()):
-            continue
-        best = ", ".join(f"L{n} H{h} {s:.3f}" for n, h, s in found.top(name, 3))
-        parts.append(f'<h4 data-score="{name}">{_esc(name.replace("_", " "))}: top {best}</h4>')
-        parts.append(_head_grid(grid, name.replace("_", " "), L))
-    return _wrap("".join(parts))
-
-
-def census_repr(found) -> str:
-    L, H = found.previous_token.shape
-    tops = ", ".join(
-        f"{name.replace('_', ' ')} L{n} H{h}"
-        for name in ("previous_token", "induction")
-        for n, h, _ in found.top(name, 1)
-    )
-    return f"Census({_cut(found.source, 40)}, {L} layers x {H} heads; {tops})"
-
-
-# ---------------------------------------------------------------------------- helpers
+# ---------------------------------------------------------------------------- generation
+# (the interventions' views are in notebook_interventions.py)
 
 
 def generation_html(seen) -> str:
@@ -545,6 +387,9 @@ def generation_repr(seen) -> str:
     )
 
 
+# ---------------------------------------------------------------------------- helpers
+
+
 def _wrap(body: str) -> str:
     return _ascii(f'{STYLE}<div class="qkv-nb">{body}</div>')
 
@@ -553,12 +398,6 @@ def _ascii(markup: str) -> str:
     """Every character beyond ASCII as a character reference: the output reads the same
     whatever encoding the page around it is decoded with."""
     return markup.encode("ascii", "xmlcharrefreplace").decode("ascii")
-
-
-def _head_grid(grid, name: str, L: int) -> str:
-    H = grid.shape[1]
-    return _grid(grid.tolist(), [f"layer {n}" for n in range(L)],
-                 [f"head {h}" for h in range(H)], name=name)  # fmt: skip
 
 
 def _grid(values, rows, columns, *, name: str, low=None, raw=None, diverging=False) -> str:
@@ -608,23 +447,6 @@ def _diverging(x: float) -> tuple[int, int, int]:
     return tuple(round(255 + abs(x) * (c - 255)) for c in far)
 
 
-def _next_html(next_tokens) -> str:
-    def cells(token) -> str:
-        shown = _number(token.logprob, shown=f"{token.logprob:.3f}")
-        return f'<td class="text">{_esc(repr(token.token))}</td>{shown}'
-
-    rows = "".join(
-        f"<tr>{cells(b)}{cells(a)}</tr>"
-        for b, a in zip(next_tokens.before, next_tokens.after, strict=True)
-    )
-    return (
-        f"<h4>The next token after position {next_tokens.position}: the clean top token's "
-        f"log-probability changes by {next_tokens.top_change:+.4f}</h4>"
-        '<table><tr><th class="text">before</th><th>log-prob</th><th class="text">after</th>'
-        f"<th>log-prob</th></tr>{rows}</table>"
-    )
-
-
 def _png_heatmap(matrix, tokens, title: str) -> str:
     """One head drawn by `head_heatmap`, inline as a data: URI."""
     from qkv.viz.heatmap import head_heatmap
@@ -652,10 +474,6 @@ def _eye(n: int):
     import torch
 
     return torch.eye(n, dtype=torch.bool)
-
-
-def _listed(key) -> list[str]:
-    return [key] if isinstance(key, str) else list(key)
 
 
 def _quote(word: str) -> str:
