@@ -58,20 +58,13 @@ def attentions_html(seen) -> str:
     (`qkv.viz.report.untraceable`), a clicked pair's steps; cross-attention's page has the
     target's tokens down and the source's across. A page too large for a notebook output
     shows the strongest head as a PNG (cross-attention: as a table)."""
-    from qkv.viz.report import render_page, strongest_head
+    from qkv.viz.report import strongest_head
 
     weights = seen.weights  # (L', H', Tq, Tk)
     if seen.query_tokens is not None:
         return _cross_html(seen, weights)
-    extra = _subset_note(seen)
-    common = dict(title=f"Attention: {_cut(seen.encoded.text, 60)}", text=seen.encoded.text,
-                  extra=extra, head=None, query=None, causal=seen.causal)  # fmt: skip
-    scale = _scale(seen)
-    vectors, scores = _page_vectors(seen) if scale is not None else (None, None)
-    page = render_page(weights, seen.tokens, vectors=vectors, scale=scale, scores=scores,
-                       **common)  # fmt: skip
-    if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
-        page = render_page(weights, seen.tokens, **common)
+    page = _page(seen, weights, title=f"Attention: {_cut(seen.encoded.text, 60)}",
+                 causal=seen.causal)  # fmt: skip
     if len(page) > NOTEBOOK_PAGE_BYTES:
         layer, head = strongest_head(weights)  # counted among the layers and heads shown
         layer, head = seen.layers[layer], seen.heads[head]
@@ -87,17 +80,23 @@ def attentions_html(seen) -> str:
                 f"layer {layer}, head {head}",
             )
         )
-    T = len(seen.tokens)
-    height = 760 + 22 * min(T, 40)  # until the page has loaded and the frame fits it
-    fit = (  # grow the frame to its page, as the page grows (a clicked pair's trace)
-        "try{const f=this,d=f.contentDocument,fit=()=>{f.style.height="
-        "(d.documentElement.scrollHeight+4)+'px'};fit();new ResizeObserver(fit)"
-        ".observe(d.body)}catch(e){}"
-    )
-    return _ascii(
-        f'<iframe class="qkv-page" title="qkv attention page" srcdoc="{html.escape(page.decode())}"'
-        f' style="width:100%;height:{height}px;border:0" onload="{html.escape(fit)}"></iframe>'
-    )
+    return _page_frame(page, len(seen.tokens))
+
+
+def _page(seen, weights, *, cross: bool = False, **options) -> bytes:
+    """`render_page` of `seen`, with the vectors that let it redo a clicked pair where the
+    records allow and the page still fits a notebook output; without them otherwise."""
+    from qkv.viz.report import render_page
+
+    common = dict(text=seen.encoded.text, extra=_subset_note(seen), head=None, query=None,
+                  **options)  # fmt: skip
+    scale = _scale(seen)
+    vectors, scores = _page_vectors(seen, cross=cross) if scale is not None else (None, None)
+    page = render_page(weights, seen.tokens, vectors=vectors, scale=scale, scores=scores,
+                       **common)  # fmt: skip
+    if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
+        page = render_page(weights, seen.tokens, **common)
+    return page
 
 
 def _page_vectors(seen, cross: bool = False):
@@ -142,17 +141,8 @@ def _cross_html(seen, weights) -> str:
     """Cross-attention's interactive page (target tokens down, source across) in an iframe of
     its own, as `qkv show --target` writes it; a page too large for a notebook output gives
     the head with the largest weight as a table."""
-    from qkv.viz.report import render_page
-
-    common = dict(title=f"Cross-attention: {_cut(seen.encoded.text, 60)}",
-                  text=seen.encoded.text, extra=_subset_note(seen), head=None, query=None,
-                  query_tokens=seen.query_tokens)  # fmt: skip
-    scale = _scale(seen)
-    vectors, scores = _page_vectors(seen, cross=True) if scale is not None else (None, None)
-    page = render_page(weights, seen.tokens, vectors=vectors, scale=scale, scores=scores,
-                       **common)  # fmt: skip
-    if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
-        page = render_page(weights, seen.tokens, **common)
+    page = _page(seen, weights, cross=True, title=f"Cross-attention: {_cut(seen.encoded.text, 60)}",
+                 query_tokens=seen.query_tokens)  # fmt: skip
     if len(page) <= NOTEBOOK_PAGE_BYTES:
         return _page_frame(page, max(len(seen.query_tokens), len(seen.tokens)))
     flat = weights.flatten(2).max(-1).values  # (L', H')
