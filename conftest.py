@@ -67,10 +67,9 @@ def smollm2_hf():
 # so a module's fixtures are built once). The slowest files go first, so that none of them
 # starts last and runs on alone while the other process is idle.
 SLOWEST_FIRST = (
-    "tests/train/test_presets.py",  # trains the bank and reverse presets
+    "tests/test_walkthrough.py",  # every command of the walkthrough; trains bank and reverse
     "tests/io/test_gguf.py",  # transformers' own load of SmolLM2 from GGUF
     "tests/test_demo.py",
-    "tests/test_walkthrough.py",
     "tests/train/test_loop.py",
     "tests/train/test_distributed.py",
 )

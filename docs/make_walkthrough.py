@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -213,11 +212,21 @@ CROSS_ATTENTION = [
 
 
 def run(args: list[str], folder: Path) -> str:
-    env = dict(os.environ, COLUMNS="100")
-    result = subprocess.run(
-        [sys.executable, "-m", "qkv.cli", *args], capture_output=True, text=True, env=env,
-        check=True, timeout=600, cwd=folder,
-    )  # fmt: skip
+    """What `qkv ARGS` prints, run in `folder`: the command line's own code, in this process
+    (a process of its own for each of the walkthrough's 17 commands would import torch and
+    load a model 17 times, a minute of the test that reruns this script)."""
+    from typer.testing import CliRunner
+
+    from qkv.cli import app
+
+    previous = os.getcwd()
+    os.chdir(folder)
+    try:
+        result = CliRunner().invoke(app, args, env={"COLUMNS": "100"}, catch_exceptions=False)
+    finally:
+        os.chdir(previous)
+    if result.exit_code != 0:
+        raise SystemExit(f"{shown(args)} exited {result.exit_code}:\n{result.stderr}")
     return result.stdout.rstrip()
 
 

@@ -120,28 +120,6 @@ def test_attentions_are_every_layer_and_head_whatever_the_backend(minilm):
     assert "".join(out.tokens[start:end]) == "bank"
 
 
-def test_smollm2_logits_match_transformers_on_the_same_gguf(smollm2, smollm2_hf):
-    model, tokenizer = smollm2_hf
-    ids = tokenizer("The bank on the side of the river is", return_tensors="pt").input_ids
-    assert ids.tolist()[0] == smollm2.tokenizer.encode("The bank on the side of the river is").ids
-    with torch.no_grad():
-        want = model(ids).logits
-    with torch.inference_mode():
-        got = smollm2.model(ids).logits
-    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
-
-
-def test_smollm2_greedy_continuation_equals_transformers(smollm2, smollm2_hf):
-    model, tokenizer = smollm2_hf
-    prompt = "The bank on the side of the river"
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)
-    want_text = tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True)
-    got = smollm2.generate(prompt, 32)
-    assert got == want_text
-
-
 def test_cached_generation_equals_generation_without_the_cache(smollm2):
     prompt = "Rivers carve their banks"
     ids = torch.tensor([smollm2.tokenizer.encode(prompt).ids])

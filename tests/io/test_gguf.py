@@ -35,7 +35,7 @@ STRINGS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2_file(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("gguf-cache")
     return read_gguf(SMOLLM2, cache_dir=cache_dir), cache_dir
 
@@ -48,8 +48,8 @@ def transformers_smollm2(smollm2_hf):
     return model.config, state_dict, tokenizer
 
 
-def test_smollm2_weights_equal_transformers(smollm2, transformers_smollm2):
-    model, _ = smollm2
+def test_smollm2_weights_equal_transformers(smollm2_file, transformers_smollm2):
+    model, _ = smollm2_file
     _, expected, _ = transformers_smollm2
     if model.config["tie_word_embeddings"]:  # transformers lists the tied head too
         expected = {name: t for name, t in expected.items() if name != "lm_head.weight"}
@@ -59,10 +59,36 @@ def test_smollm2_weights_equal_transformers(smollm2, transformers_smollm2):
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
 
 
-def test_smollm2_config_agrees_with_transformers(smollm2, transformers_smollm2):
+# qkv's model on those weights against transformers' (here rather than in test_pretrained.py:
+# the same file's tests share one process, so transformers' load, nearly a minute, runs once)
+
+
+def test_smollm2_logits_match_transformers_on_the_same_gguf(smollm2, smollm2_hf):
+    model, tokenizer = smollm2_hf
+    ids = tokenizer("The bank on the side of the river is", return_tensors="pt").input_ids
+    assert ids.tolist()[0] == smollm2.tokenizer.encode("The bank on the side of the river is").ids
+    with torch.no_grad():
+        want = model(ids).logits
+    with torch.inference_mode():
+        got = smollm2.model(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+def test_smollm2_greedy_continuation_equals_transformers(smollm2, smollm2_hf):
+    model, tokenizer = smollm2_hf
+    prompt = "The bank on the side of the river"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=32, do_sample=False, min_new_tokens=32)
+    want_text = tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True)
+    got = smollm2.generate(prompt, 32)
+    assert got == want_text
+
+
+def test_smollm2_config_agrees_with_transformers(smollm2_file, transformers_smollm2):
     from transformers import LlamaConfig
 
-    model, _ = smollm2
+    model, _ = smollm2_file
     expected, _, _ = transformers_smollm2
     ours = LlamaConfig(**model.config)  # transformers takes our dict as a config.json
     fields = [
@@ -86,14 +112,14 @@ def test_smollm2_config_agrees_with_transformers(smollm2, transformers_smollm2):
 
 
 @pytest.mark.parametrize("text", STRINGS)
-def test_smollm2_tokenizer_ids_equal_transformers(smollm2, transformers_smollm2, text):
-    model, _ = smollm2
+def test_smollm2_tokenizer_ids_equal_transformers(smollm2_file, transformers_smollm2, text):
+    model, _ = smollm2_file
     _, _, expected = transformers_smollm2
     assert model.tokenizer.encode(text).ids == expected(text)["input_ids"]
 
 
-def test_smollm2_tokenizer_config_agrees_with_transformers(smollm2, transformers_smollm2):
-    model, _ = smollm2
+def test_smollm2_tokenizer_config_agrees_with_transformers(smollm2_file, transformers_smollm2):
+    model, _ = smollm2_file
     _, _, expected = transformers_smollm2
     config = model.tokenizer_config
     for name in ["bos_token", "eos_token", "pad_token", "unk_token", "chat_template"]:
@@ -105,8 +131,8 @@ def test_smollm2_tokenizer_config_agrees_with_transformers(smollm2, transformers
     )
 
 
-def test_smollm2_second_read_comes_from_the_cache(smollm2):
-    first, cache_dir = smollm2
+def test_smollm2_second_read_comes_from_the_cache(smollm2_file):
+    first, cache_dir = smollm2_file
     [cache] = cache_dir.iterdir()
     assert cache.suffix == ".safetensors"
     calls = []

@@ -47,7 +47,7 @@ def test_values_are_parsed_and_checked_against_each_keys_type():
         ("train.parallel=zero", "train.parallel must be one of ddp, fsdp"),
         ("data.kind=reverse", "does not fit model.arch 'gpt2'"),
         ("data.mask_prob=1.5", "data.mask_prob must be in"),
-        ("train.steps=0", "train.steps must be >= 1"),
+        ("train.steps=-1", "train.steps must be >= 0"),
     ],
 )
 def test_a_value_out_of_range_is_one_clear_error(change, message):
