@@ -71,8 +71,9 @@ class LongTexts:
         which drops the current one and stops it at its next layer. None: not this text."""
         with self._guard:
             run = self.current
-            if run is not None and run.text == text:
-                return run
+            failed = run is not None and run.done.is_set() and run.error is not None
+            if run is not None and run.text == text and not (start and failed):
+                return run  # a run that failed is tried again when asked to start
             if not start:
                 return None
             if run is not None:

@@ -154,7 +154,8 @@ function describe(q, k) {  // what the hover line says of query q (and the block
   const h = view.head, Rk = h.shape[1];
   const i = Math.floor(q / h.query_bin), j = Math.floor(k / h.key_bin), T = h.num_tokens;
   const block = h.heatmap[i * Rk + j];
-  const top = h.top_keys[q].map((key, r) => `${tokenAt(key)} ${percent(h.top_weights[q][r])}`);
+  const top = h.top_keys[q].filter((_, r) => h.top_weights[q][r] > 0)  // not the hidden keys
+    .map((key, r) => `${tokenAt(key)} ${percent(h.top_weights[q][r])}`);
   const box = $("long-hover");
   Object.assign(box.dataset, { q, k, block });
   box.innerHTML = `Query ${tokenAt(q)}: entropy ${h.entropy[q].toFixed(3)} nats, `
