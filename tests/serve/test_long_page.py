@@ -21,8 +21,9 @@ TEXT = (
     "We walked along the old towpath, past the mill and the lock, to the bank of the river. "
     "The water was high after a week of rain, brown and fast, carrying branches down towards "
     "the town. "
-) * 6  # 6 x 46 words: 250 MiniLM tokens, over max_tokens = 16
+) * 6  # 260 MiniLM tokens: over max_tokens = 16
 LAYER, HEAD = 3, 5
+CELLS = [(0, 0), (10, 40), (63, 7), (31, 32)]  # (query, key) within the region opened
 
 
 def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
@@ -55,6 +56,7 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
                 " +tr.dataset.first])",
             )
             # the middle of the heatmap: a query's top keys on hover, then a click
+            page.locator("#long-heatmap").scroll_into_view_if_needed()
             box = page.locator("#long-heatmap").bounding_box()
             width = page.eval_on_selector("#long-heatmap", "c => c.width")
             scale = box["width"] / width
@@ -66,13 +68,13 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
             page.wait_for_selector("#long-region")
             queries = page.get_attribute("#long-region", "data-queries")
             keys = page.get_attribute("#long-region", "data-keys")
+            page.locator("#long-region").scroll_into_view_if_needed()
             region_box = page.locator("#long-region").bounding_box()
-            cells = []
-            for i, j in ((0, 0), (10, 40), (63, 7), (31, 32)):  # a few cells' hover numbers
-                page.mouse.move(region_box["x"] + (j + 0.5) * region_box["width"] / 64,
-                                region_box["y"] + (i + 0.5) * region_box["height"] / 64)  # fmt: skip
-                cells.append(page.eval_on_selector(
-                    "#long-region-hover", "p => [+p.dataset.q, +p.dataset.k, +p.dataset.w]"))  # fmt: skip
+            cells, hovered = [], "p => [+p.dataset.q, +p.dataset.k, +p.dataset.w]"
+            for i, j in CELLS:  # a few cells' hover numbers
+                x = region_box["x"] + (j + 0.5) * region_box["width"] / 64
+                page.mouse.move(x, region_box["y"] + (i + 0.5) * region_box["height"] / 64)
+                cells.append(page.eval_on_selector("#long-region-hover", hovered))
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "serve-long.png"), full_page=True)
         finally:
@@ -95,8 +97,8 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
     assert (q0, k0) == (q - 32, k - 32)  # centred on the click, away from the edges
     weights = region(seen.records[LAYER], queries=(q0, q1), keys=(k0, k1), heads=[HEAD])[0]
     full = seen.weights[LAYER, HEAD]
-    for i, j, w in cells:
-        assert q0 <= i < q1 and k0 <= j < k1
+    for (i, j, w), (di, dj) in zip(cells, CELLS, strict=True):
+        assert (i, j) == (q0 + di, k0 + dj)
         assert w == pytest.approx(weights[i - q0, j - k0].item(), abs=1e-7)
         assert w == pytest.approx(full[i, j].item(), abs=1e-6)
     picture = matplotlib.image.imread(ARTIFACTS / "serve-long.png")
