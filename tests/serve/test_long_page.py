@@ -22,6 +22,7 @@ TEXT = (
     "The water was high after a week of rain, brown and fast, carrying branches down towards "
     "the town. "
 ) * 6  # 260 MiniLM tokens: over max_tokens = 16
+SHORTER = TEXT[:600]
 LAYER, HEAD = 3, 5
 CELLS = [(0, 0), (10, 40), (63, 7), (31, 32)]  # (query, key) within the region opened
 
@@ -30,7 +31,9 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
     seen = minilm.attentions(TEXT)
     T = len(seen.tokens)
     want = summarize(seen)
-    app = create_app({"minilm": minilm}, Limits(max_tokens=16))
+    # 1,110 characters: over max_chars, so the page reads it long without asking for every
+    # weight; SHORTER is within max_chars, and the server's 413 (max_tokens) tells the page
+    app = create_app({"minilm": minilm}, Limits(max_tokens=16, max_chars=1_000))
     with running(app) as url, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         try:
@@ -77,11 +80,25 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
                 cells.append(page.eval_on_selector("#long-region-hover", hovered))
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "serve-long.png"), full_page=True)
+            page.fill("#text", SHORTER)
+            page.press("#text", "Enter")
+            page.wait_for_function(f"document.body.dataset.shown === {json.dumps(SHORTER)}",
+                                   timeout=60_000)  # fmt: skip
+            shorter_note = page.inner_text("#long-note")
+            shorter_rows = page.locator("#long-table tr[data-layer]").count()
+            page.fill("#text", "The bank of the river")  # back to every weight
+            page.press("#text", "Enter")
+            page.wait_for_function("document.body.dataset.shown === 'The bank of the river'")
+            back = page.locator("#heatmap-table").is_visible(), page.locator("#long").is_hidden()
         finally:
             browser.close()
 
     assert outside == [], f"the page asked another address for {outside}"
-    assert f"This text has {T} tokens" in note and "max_tokens" in note, note
+    assert f"This text has {len(TEXT):,} characters" in note and "(max_chars)" in note, note
+    T_shorter = len(minilm.encode(SHORTER).ids)
+    assert f"This text has {T_shorter} tokens" in shorter_note, shorter_note
+    assert "(max_tokens)" in shorter_note and shorter_rows == 72
+    assert back == (True, True), "a short text after a long one is not drawn whole"
     assert short_hidden, "the views of every weight are shown for a long text"
     assert len(rows) == 6 * 12
     for layer, head, entropy, first in rows:

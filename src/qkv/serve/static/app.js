@@ -400,7 +400,7 @@ async function start() {
     $("model").innerHTML = answer.models.map((m) =>
       `<option value="${esc(m.name)}">${esc(m.name)} (${m.kind}, ${m.num_layers} × ${m.num_heads})</option>`).join("");
     $("example").innerHTML += answer.examples.map((s) => `<option>${esc(s)}</option>`).join("");
-    $("text").maxLength = answer.limits.max_long_chars;
+    // no maxLength on the text: a pasted text is never cut silently; the server names its limit
     $("gen-max").max = answer.limits.max_new_tokens;
     $("text").value = answer.examples[0];
     $("decoder").hidden = !info().generates;
