@@ -187,7 +187,7 @@ def test_a_text_replaced_while_it_is_read_is_told_so(minilm, smollm2):
         assert read(client, TEXT).status_code == 200
     assert slot.current.text == TEXT and slot.current is not first
     for run in (first, other):  # each stopped before its forward pass: nothing kept
-        assert run.done.is_set() and isinstance(run.error, Cancelled) and run.seen is None
+        assert run.done.is_set() and isinstance(run.error, Cancelled) and run.records is None
     with pytest.raises(Busy, match="another long text replaced this one on smollm2 before it"):
         finished(app.state.qkv.models["smollm2"], other)  # what its waiting request is told
 
