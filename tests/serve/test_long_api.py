@@ -145,8 +145,8 @@ def test_the_work_runs_in_its_own_thread_202_then_200(minilm, smollm2):
     progress = waiting.json()
     T = len(smollm2.encode(OTHER).ids)
     assert progress == {"model": "smollm2", "tokens": T, "layers_done": 0, "num_layers": 30,
-                        "detail": f"smollm2 is reading this text of {T} tokens (the forward "
-                                  "pass); ask again"}  # fmt: skip
+                        "detail": f"smollm2 is reading this text of {T} tokens (waiting for the "
+                                  "long text before it to stop); ask again"}  # fmt: skip
     refused(head, 503, "smollm2 is reading this text")
     refused(region_, 503, "smollm2 is reading this text")
     assert answer.status_code == 200 and len(answer.json()["tokens"]) == T

@@ -51,6 +51,7 @@ class LongRun:
     num_layers: int
     stop: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
+    started: bool = False  # it has the model's turn (the run before it has stopped)
     layers_done: int = 0
     records: dict | None = None  # {layer: its record, `weights_only`}
     summaries: object = None  # qkv.inspect.summaries.Summaries of every layer and head
@@ -90,6 +91,7 @@ class LongTexts:
             with self._turn:  # the one before has stopped, and dropped what it kept
                 if run.stop.is_set():
                     raise Cancelled
+                run.started = True
                 seen = pretrained.attentions(run.text)
                 tokens, heads = list(seen.tokens), seen.heads
                 records = {layer: weights_only(r) for layer, r in seen.records.items()}
@@ -163,11 +165,12 @@ def encode(served, limits: Limits, text: str):
 
 
 def progress(served, run: LongRun) -> dict:
-    where = (
-        "the forward pass"
-        if run.layers_done == 0
-        else f"{run.layers_done} of {run.num_layers} layers summarized"
-    )
+    if not run.started:
+        where = "waiting for the long text before it to stop"
+    elif run.layers_done == 0:
+        where = "the forward pass"
+    else:
+        where = f"{run.layers_done} of {run.num_layers} layers summarized"
     return {
         "model": served.name,
         "detail": f"{served.name} is reading this text of {run.T:,} tokens ({where}); ask again",
