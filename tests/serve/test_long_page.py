@@ -78,6 +78,15 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
                 x = region_box["x"] + (j + 0.5) * region_box["width"] / 64
                 page.mouse.move(x, region_box["y"] + (i + 0.5) * region_box["height"] / 64)
                 cells.append(page.eval_on_selector("#long-region-hover", hovered))
+            page.click("#long-table button[data-sort='entropy']")
+            focused = page.eval_on_selector(
+                "#long-table tbody tr", "tr => [+tr.dataset.layer, +tr.dataset.head]"
+            )
+            page.click("#long-table tbody tr:first-child button")  # show the most focused head
+            page.wait_for_function(
+                f"document.getElementById('long').dataset.head === '{focused[0]},{focused[1]}'"
+            )
+            chosen = page.input_value("#layer"), page.input_value("#head")
             ARTIFACTS.mkdir(exist_ok=True)
             page.screenshot(path=str(ARTIFACTS / "serve-long.png"), full_page=True)
             page.fill("#text", SHORTER)
@@ -104,6 +113,9 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
     for layer, head, entropy, first in rows:
         assert entropy == pytest.approx(want.entropy[layer, head].mean().item(), rel=1e-6)
         assert first == pytest.approx(want.first_token_mass[layer, head].mean().item(), rel=1e-6)
+    lowest = want.entropy.mean(-1).flatten().argmin().item()
+    assert focused == [lowest // 12, lowest % 12]
+    assert chosen == (str(focused[0]), str(focused[1]))  # the layer and head controls follow
     q, k = hover
     assert 0 <= q < T and 0 <= k < T and abs(q - T * 200 / 512) <= 1 and abs(k - T * 300 / 512) <= 1
     for key in want.top_keys[LAYER, HEAD, q].tolist():

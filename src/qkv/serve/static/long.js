@@ -66,20 +66,32 @@ export async function showLong({ api, model, text, why, chosen, current }) {
   return view.table;
 }
 
-function drawTable() {  // every (layer, head): mean entropy, first-token mass, most received
+const SORTS = {  // the table's orders: a header's button picks one
+  head: (a, b) => a.layer - b.layer || a.head - b.head,
+  entropy: (a, b) => a.entropy - b.entropy,  // the most focused heads first
+  first: (a, b) => b.first - a.first,  // the strongest attention sinks first
+};
+
+function drawTable(order = "head") {  // every (layer, head): entropy, first-token mass, keys
   const t = view.table, rows = [];
-  t.layers.forEach((layer, n) => t.heads.forEach((head, h) => {
-    const keys = t.most_received_keys[n][h].map((j, r) => `${tokenAt(j)} `
-      + `${t.most_received[n][h][r].toFixed(1)}`).join(", ");
-    rows.push(`<tr data-layer="${layer}" data-head="${head}" data-entropy="`
-      + `${t.mean_entropy[n][h]}" data-first="${t.mean_first_token_mass[n][h]}"><td><button `
-      + `type="button" data-layer="${layer}" data-head="${head}">layer ${layer}, head ${head}`
-      + `</button></td><td>${t.mean_entropy[n][h].toFixed(3)}</td><td>`
-      + `${percent(t.mean_first_token_mass[n][h])}</td><td>${keys}</td></tr>`);
-  }));
-  $("long-table").innerHTML = "<thead><tr><th>head</th><th>mean entropy (nats)</th><th>mean "
-    + "first-token mass</th><th>most received keys (position, summed weight)</th></tr></thead>"
-    + `<tbody>${rows.join("")}</tbody>`;
+  t.layers.forEach((layer, n) => t.heads.forEach((head, h) => rows.push({ layer, head,
+    entropy: t.mean_entropy[n][h], first: t.mean_first_token_mass[n][h],
+    keys: t.most_received_keys[n][h].map((j, r) => `${tokenAt(j)} `
+      + `${t.most_received[n][h][r].toFixed(1)}`).join(", ") })));
+  rows.sort(SORTS[order]);
+  const shown = view.head ? [view.head.layer, view.head.head] : [];
+  const sort = (name, label) => `<th><button type="button" data-sort="${name}"`
+    + `${name === order ? ' class="sorted"' : ""}>${label}</button></th>`;
+  $("long-table").innerHTML = `<thead><tr>${sort("head", "head")}`
+    + `${sort("entropy", "mean entropy (nats), lowest first")}`
+    + `${sort("first", "mean first-token mass, highest first")}`
+    + "<th>most received keys (position, summed weight)</th></tr></thead><tbody>"
+    + rows.map((r) => `<tr data-layer="${r.layer}" data-head="${r.head}" data-entropy="`
+      + `${r.entropy}" data-first="${r.first}"${r.layer === shown[0] && r.head === shown[1]
+        ? ' class="selected"' : ""}><td><button type="button" data-layer="${r.layer}" `
+      + `data-head="${r.head}">layer ${r.layer}, head ${r.head}</button></td><td>`
+      + `${r.entropy.toFixed(3)}</td><td>${percent(r.first)}</td><td>${r.keys}</td></tr>`)
+      .join("") + "</tbody>";
 }
 
 // The head's summaries from the server, its heatmap drawn; the region is closed.
@@ -95,6 +107,7 @@ export async function chooseHead(layer, head) {
   document.querySelectorAll("#long-table tr[data-layer]").forEach((tr) => tr.classList.toggle(
     "selected", Number(tr.dataset.layer) === layer && Number(tr.dataset.head) === head));
   $("long-head-title").textContent = `layer ${layer}, head ${head}`;
+  $("long-hover").textContent = "";  // it spoke of the head before
   drawHeatmap();
   $("long-region-box").innerHTML = '<p class="note">Click the heatmap (or press Enter on it) '
     + "to open that block's region at full resolution.</p>";
@@ -256,7 +269,10 @@ export function wireLong({ choose, fail }) {
   });
   box.addEventListener("click", (e) => {
     const row = e.target.closest("#long-table button[data-layer]");
-    if (row) {
+    const order = e.target.closest("#long-table button[data-sort]");
+    if (order && view.table) {
+      drawTable(order.dataset.sort);
+    } else if (row) {
       choose(Number(row.dataset.layer), Number(row.dataset.head));
     } else if (e.target.id === "long-heatmap" && view.head) {
       const at = positionOf(e);
