@@ -39,8 +39,7 @@ class Limits:
     generate_s: float = 60.0  # one generation: it ends there, with what it has written
     workers: int = 4  # requests computed at once; the rest wait their turn (within timeout_s)
     # A long text (over max_tokens) is read by /api/long*, from per-head summaries and regions,
-    # never every weight: each model keeps one at a time (SmolLM2's records of 4,096 tokens
-    # are about 0.6 GB)
+    # never every weight: each model keeps one at a time (0.5 GB for 4,096 tokens of SmolLM2)
     max_long_tokens: int = 4_096
     max_long_chars: int = 24_000  # English prose is 4-5 characters a token: 4,096 is ~18k
     # a /api/long* body: max_long_chars of text even if each is sent as a 6-byte \uXXXX

@@ -11,7 +11,7 @@ weights at full resolution (/api/long/region) is `region` of the kept record.
 That takes longer than a request may wait (about 30 s for 4,096 tokens of SmolLM2 on two
 cores), so it runs in a thread of its own, as the census of heads does: a request waits up
 to half of timeout_s, then is told 202 with how far it has got (ask again). Memory stays
-bounded: each served model keeps ONE long text (its records and summaries: about 0.6 GB for
+bounded: each served model keeps ONE long text (its q and k and its summaries: 0.5 GB for
 4,096 tokens of SmolLM2). A new text drops the old one, and stops its computation at the
 next layer, before its own forward pass; one model's computations run one after another.
 """
