@@ -210,6 +210,9 @@ def test_the_openapi_page_describes_every_endpoint_from_local_files(client):
         "/api/generate/stream",
         "/api/hide",
         "/api/heads",
+        "/api/long",
+        "/api/long/head",
+        "/api/long/region",
     }
     assert set(spec["paths"]) == paths
     assert "AttentionRequest" in spec["components"]["schemas"]

@@ -240,6 +240,12 @@ include-path = "/api/heads"
 checks.positive_data_acceptance.expected-statuses = ["200", "503"]
 
 [[operations]]
+# a long text is read in a thread of its own: 202 until it is (or 503 if another replaced it);
+# a head or a region of a text not read first is 409, and its ranges depend on the text (422)
+include-path = ["/api/long", "/api/long/head", "/api/long/region"]
+checks.positive_data_acceptance.expected-statuses = ["200", "202", "409", "422", "503"]
+
+[[operations]]
 # the same request and the same checks as /api/generate, whose coverage cases (each a
 # generation) are the slowest of the run; its examples and fuzzing still run
 include-path = "/api/generate/stream"
@@ -251,7 +257,7 @@ def test_schemathesis_finds_nothing_the_schema_does_not_promise(minilm, smollm2,
     """Every default check (no server error, documented statuses and bodies, data the schema
     refuses is refused, data it allows is answered) on every endpoint, with small limits so
     each case is fast: the 12 characters of a text are at most 50 of SmolLM2's tokens."""
-    limits = Limits(max_chars=12, max_new_tokens=1, max_sentences=2)
+    limits = Limits(max_chars=12, max_new_tokens=1, max_sentences=2, max_long_chars=24)
     app = create_app({"minilm": minilm, "smollm2": smollm2}, limits)
     (tmp_path / "schemathesis.toml").write_text(SCHEMATHESIS)
     command = [str(Path(sys.executable).parent / "schemathesis"), "--no-color"]

@@ -19,9 +19,9 @@ import threading
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from qkv.serve import compute
+from qkv.serve import compute, long
 from qkv.serve.limits import Cancelled, TimedOut
 from qkv.serve.schemas import (
     AttentionAnswer,
@@ -32,6 +32,13 @@ from qkv.serve.schemas import (
     GenerateRequest,
     HeadsRequest,
     HideRequest,
+    LongAnswer,
+    LongHeadAnswer,
+    LongHeadRequest,
+    LongProgress,
+    LongRegionAnswer,
+    LongRegionRequest,
+    LongRequest,
     ModelsAnswer,
     NextAnswer,
     NextRequest,
@@ -44,12 +51,14 @@ ERRORS = {
     code: {"model": Problem, "description": why}
     for code, why in {
         400: "the body is not JSON",
-        413: "over a size limit: body, characters, tokens, sentences or weights",
+        413: "over a size limit: body, characters, tokens, sentences, weights or a region's "
+        "size; `limit` names it",
         422: "a value not allowed: empty text, unknown model or word, layer or head out of "
         "range or repeated, an encoder asked to generate, a decoder's key hidden from a "
         "query before it",
         503: "the model is generating for another request for longer than the time limit, "
-        "or its census of heads is still being computed: ask again",
+        "or its census of heads or the long text asked about is still being computed: ask "
+        "again",
         504: "the request took longer than the time limit; its work was stopped",
     }.items()
 }
@@ -154,6 +163,62 @@ async def census(body: HeadsRequest, request: Request) -> dict:
     layer's first-token mass. The same for every request: computed once per model. Fields:
     docs/heads.md."""
     return await answer(request, body, compute.head_census)
+
+
+LONG = {409: {"model": Problem, "description": "not the model's long text: POST /api/long first"}}
+
+
+@router.post(
+    "/long",
+    response_model=LongAnswer,
+    summary="A long text's per-head summaries (up to max_long_tokens)",
+    responses={202: {"model": LongProgress, "description": "being read: ask again (Retry-After)"}},
+)
+async def long_text(body: LongRequest, request: Request):
+    """Reads a text too long for /api/attention (up to max_long_tokens): one forward pass
+    keeps every layer's record, then `summarize` gives each (layer, head) its summaries; the
+    answer is their table (mean entropy, mean first-token mass, most received keys) and the
+    tokens. Read in a thread of its own: 202 with its progress until done, then 200. The
+    server keeps one long text per model, for /api/long/head and /api/long/region."""
+    try:
+        return await answer(request, body, long.summaries_of, body.text)
+    except long.Computing as computing:
+        return JSONResponse(computing.progress, status_code=202, headers={"Retry-After": "1"})
+
+
+@router.post(
+    "/long/head",
+    response_model=LongHeadAnswer,
+    summary="One head of the long text: its downsampled heatmap and per-query summaries",
+    responses=LONG,
+)
+async def long_head(body: LongHeadRequest, request: Request):
+    """The head's heatmap (at most 256 x 256: each cell the LARGEST weight of its block, so
+    no strong weight disappears), each query's entropy, first-token mass and top keys, and
+    the attention each key receives. The text must be the model's long text (POST /api/long)."""
+    return await answer(request, body, long.head_of, body.text, body.layer, body.head, body.format)
+
+
+@router.post(
+    "/long/region",
+    response_model=LongRegionAnswer,
+    summary="A rectangle of the long text's weights at full resolution",
+    responses=LONG,
+)
+async def long_region(body: LongRegionRequest, request: Request):
+    """Every weight of queries q0..q1-1 over keys k0..k1-1 of one head (at most max_region),
+    recomputed from the kept record exactly as `record.weights()` gives them."""
+    return await answer(
+        request,
+        body,
+        long.region_of,
+        body.text,
+        body.layer,
+        body.head,
+        body.queries,
+        body.keys,
+        body.format,
+    )
 
 
 @router.post("/next", response_model=NextAnswer, summary="A decoder's next-token probabilities")

@@ -28,6 +28,7 @@ from fastapi.staticfiles import StaticFiles
 
 from qkv.serve.api import Busy, router
 from qkv.serve.limits import BodyLimit, Limits, TimedOut, TooLarge
+from qkv.serve.long import NotComputed
 from qkv.serve.models import Served, served_models
 from qkv.serve.schemas import with_limits
 
@@ -101,7 +102,9 @@ def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
 
     app.openapi = openapi
     app.include_router(router)
-    app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+    long_body = (limits.max_long_body_bytes, "max_long_body_bytes")
+    long_routes = {path: long_body for path in ("/api/long", "/api/long/head", "/api/long/region")}
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes, routes=long_routes)
     _add_error_handlers(app)
 
     app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
@@ -132,10 +135,11 @@ def _swagger():
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    def problem(status: int, detail: str) -> JSONResponse:
+    def problem(status: int, detail: str, limit: str | None = None) -> JSONResponse:
         # a detail may quote the request; what it quotes is sent escaped, never unsendable
         detail = detail.encode("utf-8", "backslashreplace").decode("utf-8")
-        return JSONResponse({"detail": detail}, status_code=status)
+        named = {} if limit is None else {"limit": limit}
+        return JSONResponse({"detail": detail, **named}, status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError):
@@ -159,7 +163,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(TooLarge)
     async def too_large(request: Request, error: TooLarge):
-        return problem(413, str(error))
+        return problem(413, str(error), error.limit)
 
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, error: ValueError):
@@ -168,6 +172,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TimedOut)
     async def timed_out(request: Request, error: TimedOut):
         return problem(504, str(error))
+
+    @app.exception_handler(NotComputed)
+    async def not_computed(request: Request, error: NotComputed):
+        return problem(409, str(error))
 
     @app.exception_handler(Busy)
     async def busy(request: Request, error: Busy):

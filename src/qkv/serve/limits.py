@@ -38,6 +38,13 @@ class Limits:
     timeout_s: float = 10.0  # one request, from arrival to answer, waiting included
     generate_s: float = 60.0  # one generation: it ends there, with what it has written
     workers: int = 4  # requests computed at once; the rest wait their turn (within timeout_s)
+    # A long text (over max_tokens) is read by /api/long*, from per-head summaries and regions,
+    # never every weight: each model keeps one at a time (0.5 GB for 4,096 tokens of SmolLM2)
+    max_long_tokens: int = 4_096
+    max_long_chars: int = 24_000  # English prose is 4-5 characters a token: 4,096 is ~18k
+    # a /api/long* body: max_long_chars of text even if each is sent as a 6-byte \uXXXX
+    max_long_body_bytes: int = 160 * 1024
+    max_region: int = 65_536  # weights in one /api/long/region answer: 256 x 256
 
     def __post_init__(self):
         for field in fields(self):
@@ -57,7 +64,8 @@ class Limits:
         if len(text) > self.max_chars:
             raise TooLarge(
                 f"{what} has {len(text):,} characters; this server takes at most "
-                f"{self.max_chars:,} (max_chars)"
+                f"{self.max_chars:,} (max_chars)",
+                limit="max_chars",
             )
 
     def check_tokens(self, count: int, what: str = "the text") -> None:
@@ -65,12 +73,36 @@ class Limits:
         if count > self.max_tokens:
             raise TooLarge(
                 f"{what} has {count} tokens; this server takes at most {self.max_tokens} "
-                "(max_tokens)"
+                "(max_tokens)",
+                limit="max_tokens",
+            )
+
+    def check_long_text(self, text: str) -> None:
+        """TooLarge when a long text has more characters than max_long_chars."""
+        if len(text) > self.max_long_chars:
+            raise TooLarge(
+                f"the text has {len(text):,} characters; this server reads at most "
+                f"{self.max_long_chars:,} of a long text (max_long_chars)",
+                limit="max_long_chars",
+            )
+
+    def check_long_tokens(self, count: int) -> None:
+        """TooLarge when a long text of `count` tokens is over max_long_tokens."""
+        if count > self.max_long_tokens:
+            raise TooLarge(
+                f"the text has {count:,} tokens; this server reads at most "
+                f"{self.max_long_tokens:,} of a long text (max_long_tokens)",
+                limit="max_long_tokens",
             )
 
 
 class TooLarge(ValueError):
-    """A request over a size limit: HTTP 413."""
+    """A request over a size limit: HTTP 413. `limit`: the limit's name, where one is named
+    (sent beside the detail, so that a client such as the page can tell which it was)."""
+
+    def __init__(self, message: str, *, limit: str | None = None):
+        super().__init__(message)
+        self.limit = limit
 
 
 class TimedOut(Exception):
@@ -85,18 +117,20 @@ class BodyLimit:
     """ASGI middleware: a request body over `limit` bytes gets 413 before any of it is used.
 
     The declared Content-Length is checked first; a body sent in chunks is counted as it
-    arrives, so a client that declares nothing cannot send more either.
+    arrives, so a client that declares nothing cannot send more either. `routes`: {path:
+    (bytes, the limit's name)} for the paths that take more (a long text's).
     """
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, routes: dict[str, tuple[int, str]] | None = None):
+        self.app, self.limit, self.routes = app, limit, routes or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, name = self.routes.get(scope.get("path", ""), (self.limit, "max_body_bytes"))
         declared = dict(scope.get("headers", [])).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await self._too_large(send, declared.decode("latin-1"))
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await self._too_large(send, declared.decode("latin-1"), limit, name)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -104,8 +138,8 @@ class BodyLimit:
                 return
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.limit:
-                return await self._too_large(send, f"over {self.limit:,}")
+            if size > limit:
+                return await self._too_large(send, f"over {limit:,}", limit, name)
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
@@ -119,14 +153,11 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send, size: str) -> None:
+    async def _too_large(self, send, size: str, limit: int, name: str) -> None:
         from starlette.responses import JSONResponse
 
-        detail = (
-            f"the request body is {size} bytes; this server takes at most {self.limit:,} "
-            "(max_body_bytes)"
-        )
-        response = JSONResponse({"detail": detail}, status_code=413)
+        detail = f"the request body is {size} bytes; this server takes at most {limit:,} ({name})"
+        response = JSONResponse({"detail": detail, "limit": name}, status_code=413)
         await response({"type": "http"}, _nothing, send)
 
 

@@ -20,15 +20,18 @@ from dataclasses import dataclass, field
 
 from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, Encoder
+from qkv.serve.long import LongTexts
 
 
 @dataclass
 class Served:
-    """One model of the server: the loaded model, its name in requests, its generation lock."""
+    """One model of the server: the loaded model, its name in requests, its generation lock,
+    its long text (`qkv.serve.long`)."""
 
     name: str
     pretrained: object  # qkv.Pretrained
     _generating: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    long: LongTexts = field(default_factory=LongTexts)
 
     def generation_lock(self) -> asyncio.Lock:
         """This model's generation lock in the running event loop (an asyncio lock belongs to

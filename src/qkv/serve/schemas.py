@@ -219,6 +219,53 @@ class HeadsRequest(Request):
     model: ModelName = None
 
 
+# ------------------------------------------------------------------ long texts (docs/serve.md)
+
+LongText = Annotated[
+    String,
+    AfterValidator(some_text),
+    Field(
+        json_schema_extra={"pattern": r"\S", LIMIT: "max_long_chars"},
+        description="the text, up to max_long_tokens tokens (and max_long_chars characters)",
+    ),
+]
+Span = Annotated[
+    list[Annotated[int, Field(ge=0), WHOLE]],
+    Field(min_length=2, max_length=2, description="[first, last + 1]: token positions from 0"),
+]
+Format = Literal["lists", "base64"]
+FORMAT = Field(
+    "lists",
+    description="lists: nested lists of floats; base64: the float32 matrix's little-endian "
+    "bytes, row-major (exact, 4x smaller)",
+)
+
+
+class LongRequest(Request):
+    model: ModelName = None
+    text: LongText
+
+    def check(self, limits: Limits) -> None:
+        """The text against max_long_chars (not max_chars), the model's name as any string."""
+        limits.check_long_text(self.text)
+        if self.model is not None:
+            limits.check_text(self.model, "model")
+
+
+class LongHeadRequest(LongRequest):
+    layer: Layer
+    head: Head
+    format: Format = FORMAT
+
+
+class LongRegionRequest(LongRequest):
+    layer: Layer
+    head: Head
+    queries: Span = Field(examples=[[0, 64]])
+    keys: Span = Field(examples=[[0, 64]])
+    format: Format = FORMAT
+
+
 def with_limits(schema: dict, limits: Limits, models: dict) -> dict:
     """The app's OpenAPI description with this server's numbers: every request string's
     maxLength (max_chars), the models' names (and which generate), the largest layer and
@@ -237,6 +284,7 @@ def with_limits(schema: dict, limits: Limits, models: dict) -> dict:
         "heads": {"maxItems": heads},
         "max_sentences": {"maxItems": limits.max_sentences},
         "max_new_tokens": {"maximum": limits.max_new_tokens},
+        "max_long_chars": {"maxLength": limits.max_long_chars},
     }
 
     def fill(node, request: bool) -> None:
@@ -248,7 +296,7 @@ def with_limits(schema: dict, limits: Limits, models: dict) -> dict:
         if LIMIT in node:
             node.update(numbers[node.pop(LIMIT)])
         if request and node.get("type") == "string" and "enum" not in node:
-            node["maxLength"] = limits.max_chars
+            node.setdefault("maxLength", limits.max_chars)  # a long text's is its own
         for value in node.values():
             fill(value, request)
 
@@ -345,5 +393,69 @@ class GenerateAnswer(BaseModel):
     limit_s: float
 
 
+class LongProgress(BaseModel):
+    model: str
+    detail: str = Field(description="one line: how far it has got; ask again")
+    tokens: int = Field(description="the text's tokens, T")
+    layers_done: int = Field(description="layers summarized so far")
+    num_layers: int
+
+
+class LongAnswer(BaseModel):
+    model: str
+    tokens: list[str] = Field(description="the text's T tokens")
+    layers: list[int]
+    heads: list[int]
+    query_bin: int = Field(description="queries per row of a head's heatmap")
+    key_bin: int = Field(description="keys per column of a head's heatmap")
+    top_k: int = Field(description="keys kept per query in a head's top_keys")
+    mean_entropy: list[list[float]] = Field(
+        description="[layer][head]: each query's entropy (nats), averaged over the queries"
+    )
+    mean_first_token_mass: list[list[float]] = Field(
+        description="[layer][head]: each query's weight on token 0, averaged"
+    )
+    most_received_keys: list[list[list[int]]] = Field(
+        description="[layer][head]: the 3 keys whose weights summed over every query are largest"
+    )
+    most_received: list[list[list[float]]] = Field(description="[layer][head]: those sums")
+
+
+class LongHeadAnswer(BaseModel):
+    model: str
+    layer: int
+    head: int
+    num_tokens: int = Field(description="T")
+    query_bin: int
+    key_bin: int
+    shape: list[int] = Field(description="[Rq, Rk]: the heatmap's rows and columns (<= 256)")
+    format: Literal["lists", "base64"]
+    heatmap: list | str = Field(
+        description="cell [i][j]: the LARGEST weight of queries i*query_bin.. over keys "
+        "j*key_bin.. (lists, or base64 of float32)"
+    )
+    entropy: list[float] = Field(description="[query]: its weights' entropy in nats")
+    first_token_mass: list[float] = Field(description="[query]: its weight on token 0")
+    top_keys: list[list[int]] = Field(description="[query]: its top_k keys, strongest first")
+    top_weights: list[list[float]] = Field(description="[query]: their weights")
+    received: list[float] = Field(description="[key]: its weights summed over every query")
+
+
+class LongRegionAnswer(BaseModel):
+    model: str
+    layer: int
+    head: int
+    queries: list[int] = Field(description="[q0, q1]")
+    keys: list[int] = Field(description="[k0, k1]")
+    shape: list[int] = Field(description="[q1 - q0, k1 - k0]")
+    format: Literal["lists", "base64"]
+    weights: list | str = Field(description="every weight [query][key] (lists, or base64)")
+    query_tokens: list[str]
+    key_tokens: list[str]
+
+
 class Problem(BaseModel):
     detail: str = Field(description="one line: what was wrong and what is allowed")
+    limit: str | None = Field(
+        None, description="413: the name of the limit it is over, as GET /api/models lists it"
+    )

@@ -1,10 +1,11 @@
 // The explorer's state and its conversation with the API. Every request goes to this server.
 "use strict";
+import { chooseHead, leaveLong, longActive, showLong, wireLong } from "/static/long.js";
 import { $, drawCensus, drawGrid, drawHeadView, drawHeatmap, drawHide, drawRow, drawTrace, esc,
-  percent, shown } from "/static/views.js";
+  percent, shown, unpack } from "/static/views.js";
 
 const state = {
-  models: [], model: null, seen: null,  // seen: the /api/attention answer, weights decoded
+  models: [], model: null, seen: null, limits: null,  // seen: the /api/attention answer, weights decoded
   layer: 0, head: 0, query: null, key: null, cursor: [0, 0], overlay: false,
   hidden: null,  // the /api/hide answer of the pair shown
 };
@@ -20,7 +21,7 @@ async function api(path, body) {
   if (!response.ok) {
     const problem = await response.json().catch(() => ({ detail: response.statusText }));
     throw Object.assign(new Error(problem.detail || `HTTP ${response.status}`),
-      { status: response.status });
+      { status: response.status, limit: problem.limit });
   }
   return response;
 }
@@ -36,11 +37,6 @@ function clearError() {
   delete document.body.dataset.error;
 }
 
-function unpack(text) {  // base64 of little-endian float32 -> Float32Array
-  const bytes = Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
-  return new Float32Array(bytes.buffer);
-}
-
 const info = () => state.models.find((m) => m.name === state.model);
 const weights = (layer = state.layer, head = state.head) => state.seen.weights[layer][head];
 
@@ -54,9 +50,16 @@ async function show() {  // the attention of every layer and head of the text
   const ticket = ++shows, text = $("text").value, started = performance.now();
   clearError();
   $("status").textContent = "Reading…";
+  if (text.length > state.limits.max_chars) {  // too long to send every weight of
+    showLongText(ticket, text, `This text has ${text.length.toLocaleString("en")} characters, `
+      + `more than the ${state.limits.max_chars.toLocaleString("en")} whose every weight this `
+      + "page draws (max_chars)");
+    return;
+  }
   try {
     const seen = await post("/api/attention", { model: state.model, text, format: "base64" });
     if (ticket !== shows) return;
+    leaveLong();
     seen.weights = seen.weights.map((row) => row.map(unpack));  // [layer][head]: T * T
     seen.wordOf = seen.tokens.map(() => null);
     seen.words.forEach((w) => { for (let t = w.tokens[0]; t < w.tokens[1]; t++) seen.wordOf[t] = w; });
@@ -81,8 +84,42 @@ async function show() {  // the attention of every layer and head of the text
     document.body.dataset.model = state.model;
     if (model.generates) nextTokens(text);
   } catch (error) {
-    if (ticket === shows) { $("status").textContent = ""; fail(error); }
+    if (ticket !== shows) return;
+    if (error.status === 413 && ["max_tokens", "max_chars"].includes(error.limit)) {
+      showLongText(ticket, text, `${error.message.replace(/^the text/, "This text")} for the `
+        + "views of every weight");
+    } else {
+      $("status").textContent = "";
+      fail(error);
+    }
   }
+}
+
+async function showLongText(ticket, text, why) {  // over max_tokens: the long view
+  const model = info();
+  state.seen = null;
+  state.layer = Math.min(state.layer, model.num_layers - 1);
+  state.head = Math.min(state.head, model.num_heads - 1);
+  options($("layer"), model.num_layers, state.layer, "the first layer");
+  options($("head"), model.num_heads, state.head, "the first head");
+  $("status").textContent = "";
+  try {
+    const read = await showLong({ api, model: state.model, text, why,
+      chosen: () => [state.layer, state.head], current: () => ticket === shows });
+    if (read === null || ticket !== shows) return;
+    document.body.dataset.shown = text;
+    document.body.dataset.model = state.model;
+  } catch (error) {
+    if (ticket === shows) fail(error);
+  }
+}
+
+function chooseLongHead(layer, head) {
+  state.layer = layer;
+  state.head = head;
+  $("layer").value = String(layer);
+  $("head").value = String(head);
+  chooseHead(layer, head).catch(fail);
 }
 
 function render() {  // the selected head's views
@@ -319,8 +356,14 @@ function wire() {
     show();
     census();
   });
-  $("layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); select(state.query, state.key); });
-  $("head").addEventListener("change", (e) => { state.head = Number(e.target.value); select(state.query, state.key); });
+  const chosen = () => (longActive() ? chooseLongHead(state.layer, state.head)
+    : select(state.query, state.key));
+  $("layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); chosen(); });
+  $("head").addEventListener("change", (e) => { state.head = Number(e.target.value); chosen(); });
+  $("text").addEventListener("keydown", (e) => {  // Enter shows; Shift+Enter is a new line
+    if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("text-form").requestSubmit(); }
+  });
+  wireLong({ choose: chooseLongHead, fail });
   $("overlay").addEventListener("change", (e) => { state.overlay = e.target.checked; render(); });
   $("clear").addEventListener("click", () => select(null));
   $("heatmap").addEventListener("keydown", moveCursor);
@@ -353,10 +396,11 @@ async function start() {
     const answer = await (await api("/api/models")).json();
     state.models = answer.models;
     state.model = answer.models[0].name;
+    state.limits = answer.limits;
     $("model").innerHTML = answer.models.map((m) =>
       `<option value="${esc(m.name)}">${esc(m.name)} (${m.kind}, ${m.num_layers} × ${m.num_heads})</option>`).join("");
     $("example").innerHTML += answer.examples.map((s) => `<option>${esc(s)}</option>`).join("");
-    $("text").maxLength = answer.limits.max_chars;
+    // no maxLength on the text: a pasted text is never cut silently; the server names its limit
     $("gen-max").max = answer.limits.max_new_tokens;
     $("text").value = answer.examples[0];
     $("decoder").hidden = !info().generates;

@@ -17,10 +17,15 @@ export const esc = (s) => String(s).replace(/[&<>"]/g,
   (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 export const percent = (w, digits = 2) => (100 * w).toFixed(digits) + "%";
 
-function color(x) {  // x in [0, 1] -> [r, g, b] on viridis
+export function color(x) {  // x in [0, 1] -> [r, g, b] on viridis
   const p = Math.min(Math.max(x, 0), 1) * (VIRIDIS.length - 1);
   const i = Math.min(Math.floor(p), VIRIDIS.length - 2), f = p - i;
   return VIRIDIS[i].map((c, j) => Math.round(c + f * (VIRIDIS[i + 1][j] - c)));
+}
+
+export function unpack(text) {  // base64 of little-endian float32 -> Float32Array
+  const bytes = Uint8Array.from(atob(text), (c) => c.charCodeAt(0));
+  return new Float32Array(bytes.buffer);
 }
 
 const largest = (w) => w.reduce((a, v) => (v > a ? v : a), 0) || 1;
