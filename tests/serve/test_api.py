@@ -221,3 +221,17 @@ def test_the_openapi_page_describes_every_endpoint_from_local_files(client):
     assert client.get("/docs-assets/swagger-ui-bundle.js").status_code == 200
     page = client.get("/").text
     assert "/static/app.js" in page and "http" not in page.replace('href="/docs"', "")
+
+
+def test_an_app_served_again_after_it_stopped_still_computes(minilm):
+    """Stopping an app shuts its worker threads; serving it again starts new ones (it once
+    answered 500, "cannot schedule new futures after shutdown", to every later request)."""
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import Limits, create_app
+
+    app = create_app({"minilm": minilm}, Limits())
+    for _ in range(2):
+        with TestClient(app) as again:
+            answer = again.post("/api/attention", json={"text": SENTENCE})
+            assert answer.status_code == 200, answer.text

@@ -79,8 +79,15 @@ def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        state.pool.shutdown(wait=False, cancel_futures=True)
+        # each start of the app gets worker threads of its own: one app may be served again
+        # after it stopped (a test's server, then a test client), never with a shut pool
+        stopped = state.pool
+        state.pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="qkv-serve")
+        stopped.shutdown(wait=False)
+        try:
+            yield
+        finally:
+            state.pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(
         title="qkv serve",
