@@ -717,6 +717,9 @@ def serve(
     ),
     port: Annotated[int, typer.Option(help="0 picks a free port")] = 8000,
     max_tokens: Annotated[int, typer.Option(help="tokens per text, at most")] = 128,
+    max_long_tokens: Annotated[
+        int, typer.Option(help="tokens per long text (read from its summaries), at most")
+    ] = 4096,
     timeout: Annotated[float, typer.Option(help="seconds per request, at most")] = 10.0,
     backend: Backend = None,
     quiet: Annotated[bool, typer.Option(help="no request log")] = False,
@@ -738,7 +741,7 @@ def serve(
                 "install it with: pip install 'qkv[serve]'"
             ) from None
         names = list(dict.fromkeys(model or EMBEDDED))  # each once, in the order given
-        limits = Limits(max_tokens=max_tokens, timeout_s=timeout)
+        limits = Limits(max_tokens=max_tokens, max_long_tokens=max_long_tokens, timeout_s=timeout)
         sock = bind(host, port)  # a port in use fails now, not after the models load
         try:
             models = {}

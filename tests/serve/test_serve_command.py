@@ -54,6 +54,7 @@ def test_bad_options_are_one_line_and_exit_2():
             "cannot bind to 'no.such.host.invalid'",
         ),
         (["--max-tokens", "0", "--port", "0"], "max_tokens must be an integer >= 1, got 0"),
+        (["--max-long-tokens", "0", "--port", "0"], "max_long_tokens must be an integer >= 1"),
     ):
         done = runner.invoke(app, ["serve", *options])
         assert done.exit_code == 2, done.output
