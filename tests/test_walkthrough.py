@@ -136,6 +136,8 @@ def test_bank_senses_separate_through_attention_on_unseen_frames(bank_run):
 def test_bank_training_reports_what_it_learned(bank_run):
     run, stdout = bank_run
     assert stdout.startswith("runs/bank: 1500 steps, loss ")  # run in the folder above runs/
+    assert "checkpoint: runs/bank/checkpoints/step-001500 " in stdout
+    assert (run / "checkpoints" / "step-001500" / "model.safetensors").is_file()
     assert "after the last layer" in stdout and "attends most to the word that tells" in stdout
 
 
