@@ -43,7 +43,7 @@ import torch
 import qkv
 from qkv.generate import Sampling, decode_steps
 from qkv.io.embedded import embedded_path
-from timing import CORES, time_peers
+from timing import CORES, machine, time_peers
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
@@ -92,17 +92,69 @@ def bench_decode(quick: bool, repeats: int, profile: bool) -> None:
         print(f"{name}: identical to transformers token for token: {verdict}; same text: {text_ok}")
         fns[name] = partial(model.generate, PROMPT, N)
 
+    llama = llama_cpp_decode(ids[0].tolist(), N)
+    if llama is None:
+        print("llama.cpp: llama_cpp is not installed (make bench installs it); not measured")
+    else:
+        fns["llama.cpp"], (tokens, version) = llama
+        same = sum(a == b for a, b in zip(tokens, their_tokens, strict=True))
+        print(f"llama.cpp (llama-cpp-python {version}, the same file, its own Q4_1 arithmetic): "
+              f"{same} of {N} tokens equal to transformers' float32 ones")  # fmt: skip
+
     seconds = time_peers(fns, repeats)
     rate = {name: N / s for name, s in seconds.items()}
     for name in fns:
         print(f"{name:>12}: {rate[name]:7.2f} tokens/s  ({1e3 * seconds[name] / N:6.1f} ms/token)")
-    for name in ("qkv float32", "qkv int4"):
-        ratio = rate[name] / rate["transformers"]
-        print(
-            f"{name}/transformers: {ratio:.2f}x; target >= 2x -> {'PASS' if ratio >= 2 else 'MISS'}"
-        )
+    targets = [("qkv float32", "transformers", 2), ("qkv int4", "transformers", 3),
+               ("qkv int4", "llama.cpp", 1), ("qkv float32", "llama.cpp", 1)]  # fmt: skip
+    for name, peer, target in targets:
+        if peer in rate:
+            ratio = rate[name] / rate[peer]
+            verdict = "PASS" if ratio >= target else "MISS"
+            print(f"{name}/{peer}: {ratio:.2f}x; target >= {target}x -> {verdict}")
+    floor(ours, int4, rate)
     if profile:
         profile_decode(int4, N)
+
+
+def llama_cpp_decode(ids: list[int], N: int):
+    """(a call that decodes N greedy tokens after `ids` with llama.cpp on the embedded file,
+    (its tokens, its version)), or None where llama-cpp-python is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=str(embedded_path("smollm2")), n_ctx=512, n_batch=512,
+                          n_threads=CORES, n_threads_batch=CORES, verbose=False)  # fmt: skip
+
+    def decode() -> list[int]:
+        out = []
+        for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            out.append(int(token))
+            if len(out) == N:
+                return out
+        return out
+
+    return decode, (decode(), llama_cpp.__version__)
+
+
+def floor(ours, int4, rate: dict) -> None:
+    """How far each is from reading every weight once per token at the memory's speed."""
+    from timing import read_bandwidth
+
+    bandwidth = read_bandwidth()
+    path = embedded_path("smollm2")
+    sizes = {"qkv float32": sum(p.numel() * p.element_size() for p in ours.model.parameters()),
+             "llama.cpp": path.stat().st_size,  # its weights as stored: Q4_1, the head 8-bit
+             "qkv int4": sum(b.numel() * b.element_size() for b in
+                             [*int4.model.parameters(), *int4.model.buffers()])}  # fmt: skip
+    print(f"memory read {bandwidth:.1f} GB/s; the floor of a token is its weights read once:")
+    for name, size in sizes.items():
+        if name in rate:
+            least = size / bandwidth / 1e9
+            speed = rate[name] * least  # the share of the floor's tokens/s it reaches
+            print(f"{name:>12}: {size / 1e6:6.0f} MB a token, floor {1e3 * least:5.1f} ms; "
+                  f"takes {1e3 / rate[name]:5.1f} ms ({speed:.0%} of the floor's")  # fmt: skip
 
 
 def profile_decode(ours, N: int) -> None:
@@ -191,6 +243,7 @@ def main() -> None:
 
     repeats = args.repeats or (3 if args.quick else 5)
     torch.set_num_threads(CORES)
+    print(machine())
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
         f"qkv {qkv.__version__}, {torch.get_num_threads()} threads, float32, "

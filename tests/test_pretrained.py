@@ -61,7 +61,8 @@ def test_minilm_sentence_embeddings_match_the_mean_pooling_recipe(minilm, minilm
         tokens = model(**batch).last_hidden_state
     mask = batch["attention_mask"][..., None].float()
     want = torch.nn.functional.normalize((tokens * mask).sum(1) / mask.sum(1), dim=-1)
-    got = minilm.embed(SENTENCES, batch_size=3)  # length-sorted batches, order kept
+    # length-sorted batches, order kept; float32, the recipe's arithmetic on any CPU
+    got = minilm.embed(SENTENCES, batch_size=3, precision="float32")
     cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     assert (cosine > 0.99999).all(), cosine
     torch.testing.assert_close(got.norm(dim=-1), torch.ones(len(SENTENCES)))
@@ -80,7 +81,7 @@ def test_embed_reads_minilms_256_tokens_as_sentence_transformers_does(minilm, mi
     mask = batch["attention_mask"][..., None].float()
     want = torch.nn.functional.normalize((tokens * mask).sum(1) / mask.sum(1), dim=-1)
     with caplog.at_level("WARNING", logger="qkv.pretrained"):
-        got = minilm.embed(texts)
+        got = minilm.embed(texts, precision="float32")
     cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     assert (cosine > 0.99999).all(), cosine
     assert minilm.max_sentence_tokens == 256
@@ -95,10 +96,20 @@ def test_embed_reads_minilms_256_tokens_as_sentence_transformers_does(minilm, mi
 
 def test_bfloat16_embeddings_stay_within_the_target_of_float32(minilm):
     fast = minilm.embed(SENTENCES, precision="bfloat16")
-    exact = minilm.embed(SENTENCES)
+    exact = minilm.embed(SENTENCES, precision="float32")
     assert (torch.nn.functional.cosine_similarity(fast, exact, dim=-1) > 0.9999).all()
-    with pytest.raises(ValueError, match="precision must be"):
+    with pytest.raises(ValueError, match="precision must be 'auto', 'float32' or 'bfloat16'"):
         minilm.embed(SENTENCES, precision="int8")
+
+
+def test_auto_precision_is_what_this_cpu_is_told_to_choose(minilm):
+    """The default is the precision `qkv.cpu.choose_precision` picks for this CPU, exactly:
+    on an AVX2 machine float32, on one with bfloat16 instructions bfloat16."""
+    from qkv.cpu import capability, choose_precision
+
+    chosen, why = choose_precision()
+    assert chosen == ("bfloat16" if capability().bfloat16 else "float32") and why
+    assert torch.equal(minilm.embed(SENTENCES), minilm.embed(SENTENCES, precision=chosen))
 
 
 def test_attentions_are_every_layer_and_head_whatever_the_backend(minilm):

@@ -48,6 +48,9 @@ def backends(
             "q, k, v, their largest difference and how many times longer the loop takes"
         ),
     ] = None,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="also what this CPU can do, and the choices")
+    ] = False,
 ) -> None:
     """List the attention backends, fastest first."""
     from qkv.attention import BACKENDS, backend_names
@@ -58,6 +61,14 @@ def backends(
                 typer.echo("auto     the fastest backend that supports the inputs")
             else:
                 typer.echo(f"{name:<8} {BACKENDS[name].description}")
+        if verbose:
+            import torch
+
+            from qkv.cpu import capability, choose_precision
+
+            precision, why = choose_precision()
+            typer.echo(f"\nthis CPU: {capability().describe()}; {torch.get_num_threads()} threads")
+            typer.echo(f"embed(precision='auto'): {precision}, since {why}")
         return
     from qkv.attention.compare import TOLERANCE, compare_backends
 

@@ -308,21 +308,30 @@ class Pretrained:
         sentences: Sequence[str],
         *,
         batch_size: int = 64,
-        precision: Literal["float32", "bfloat16"] = "float32",
+        precision: Literal["auto", "float32", "bfloat16"] = "auto",
     ) -> Tensor:
         """One vector per sentence (N, C), pooled and normalized as the model's config says.
 
         Sentences are sorted by length and batched, so padding costs little. precision
         "bfloat16" runs the matrix products in bfloat16 (norms, softmax and pooling stay
-        float32): about twice as fast on CPUs with bfloat16 instructions, slower on others.
+        float32): about twice as fast on CPUs with bfloat16 instructions, several times slower
+        on others; "float32" is the arithmetic of transformers and sentence-transformers.
+        "auto" takes bfloat16 where the CPU has bfloat16 instructions, else float32
+        (`qkv.cpu.choose_precision`; the cosine of each to float32 stays above 0.9999).
         A sentence longer than the model reads (`max_sentence_tokens`: a sentence-transformers
         folder's max_seq_length, else the context window) is cut there, its [CLS] ... [SEP]
         kept, as sentence-transformers cuts it; a warning is logged saying which were cut.
         """
         if not isinstance(self.model, Encoder):
             raise ValueError(f"embed needs an encoder model; {self.source} is {self.family.name}")
-        if precision not in ("float32", "bfloat16"):
-            raise ValueError(f"precision must be 'float32' or 'bfloat16', got {precision!r}")
+        if precision not in ("auto", "float32", "bfloat16"):
+            raise ValueError(
+                f"precision must be 'auto', 'float32' or 'bfloat16', got {precision!r}"
+            )
+        if precision == "auto":
+            from qkv.cpu import choose_precision
+
+            precision = choose_precision()[0]
         if isinstance(sentences, str):
             sentences = [sentences]
         pooling = self.pooling or Pooling()

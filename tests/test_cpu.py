@@ -1,0 +1,55 @@
+"""qkv.cpu: the precision "auto" takes is the CPU's, read from its feature flags.
+
+The CPUs below are not this machine: their /proc/cpuinfo lines are written here (the flags of
+an AMD EPYC with AVX2 only, and of an Intel Xeon with AVX-512 and AMX), since a test cannot
+change the CPU it runs on. This machine's own choice is tested in test_pretrained.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from qkv.cpu import Capability, capability, choose_precision, cpu_flags
+
+EPYC_AVX2 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu vme de pse tsc msr sse sse2 ssse3 fma sse4_1 sse4_2 avx f16c avx2 bmi2
+"""
+XEON_AMX = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Platinum 8488C
+flags\t\t: fpu sse2 avx avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile
+"""
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "chosen", "says"),
+    [
+        (EPYC_AVX2, "float32", "no bfloat16 instructions"),
+        (XEON_AMX, "bfloat16", "bfloat16 instructions (avx512_bf16, amx_bf16)"),
+        ("", "float32", "no bfloat16 instructions"),  # flags unknown: nothing is assumed
+    ],
+)
+def test_bfloat16_only_where_the_cpu_has_instructions_for_it(cpuinfo, chosen, says):
+    cpu = Capability("AVX2", cpu_flags(cpuinfo))
+    precision, why = choose_precision(cpu)
+    assert precision == chosen and says in why
+
+
+def test_flags_are_the_first_processors_and_arm_names_them_features():
+    assert "amx_bf16" in cpu_flags(XEON_AMX) and "avx2" not in cpu_flags("flags : sse2\n")
+    assert cpu_flags("Features\t: fp asimd bf16\n") == {"fp", "asimd", "bf16"}
+    # ARM's bf16 feature is not one of the x86 instructions torch's kernels use here
+    assert not Capability("DEFAULT", cpu_flags("Features : fp asimd bf16\n")).bfloat16
+
+
+def test_backends_verbose_says_what_this_cpu_chose_and_why():
+    done = subprocess.run([sys.executable, "-m", "qkv.cli", "backends", "--verbose"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    precision, why = choose_precision()
+    assert f"embed(precision='auto'): {precision}, since {why}" in done.stdout
+    assert f"this CPU: {capability().describe()}" in done.stdout
+    assert "sdpa" in done.stdout.splitlines()[1]
