@@ -36,3 +36,26 @@ def test_int4_linear_matches_the_dequantized_product(N, K, rows):
 def test_int4_linear_refuses_shapes_it_cannot_pack():
     with pytest.raises(ValueError, match="int4 weights need"):
         Int4Linear(torch.zeros(4, 40, dtype=torch.uint8), torch.ones(4, 1), torch.zeros(4, 1))
+
+
+def test_a_bias_is_added_to_the_4_bit_product():
+    """An int4 layer once dropped its Linear's bias (Qwen2's q, k, v have one): never again."""
+    generator = torch.Generator().manual_seed(7)
+    q, scale, zero, _ = random_int4(96, 64, generator)
+    bias = torch.randn(96, generator=generator)
+    x = torch.randn(3, 64, generator=generator)
+    plain, biased = Int4Linear(q, scale, zero), Int4Linear(q, scale, zero, bias)
+    torch.testing.assert_close(biased(x), plain(x) + bias, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match=r"needs a bias of \(96,\)"):
+        Int4Linear(q, scale, zero, torch.zeros(95))
+
+
+def test_stacked_rows_are_the_separate_layers_outputs_side_by_side():
+    """One layer of [q; k; v]'s rows (what `use_int4` makes of a block's three) gives each
+    layer's own outputs: every output row is its own dot product, whichever layer holds it."""
+    generator = torch.Generator().manual_seed(11)
+    parts = [random_int4(N, 576, generator)[:3] for N in (576, 192, 192)]
+    x = torch.randn(1, 1, 576, generator=generator)
+    separate = torch.cat([Int4Linear(*part)(x) for part in parts], dim=-1)
+    stacked = Int4Linear(*(torch.cat(column) for column in zip(*parts, strict=True)))(x)
+    torch.testing.assert_close(stacked, separate, atol=1e-5, rtol=0)

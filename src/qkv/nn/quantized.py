@@ -25,10 +25,11 @@ def int4_available() -> bool:
 class Int4Linear(nn.Module):
     """y = x @ W.T with W (N, K) held as 4-bit values, a scale and a zero per 32 columns.
 
-    q (N, K) integers 0..15; scale, zero (N, K / 32). CPU only.
+    q (N, K) integers 0..15; scale, zero (N, K / 32); bias (N,) or None, added in the input's
+    dtype. CPU only.
     """
 
-    def __init__(self, q: Tensor, scale: Tensor, zero: Tensor):
+    def __init__(self, q: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None):
         super().__init__()
         if not int4_available():
             raise ValueError(f"torch {torch.__version__} has no CPU int4 kernel; use torch >= 2.6")
@@ -40,6 +41,9 @@ class Int4Linear(nn.Module):
         scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # (K/32, N, 2)
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous().bfloat16())
+        if bias is not None and bias.shape != (N,):
+            raise ValueError(f"an int4 layer of {N} outputs needs a bias of ({N},)")
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu":
@@ -48,7 +52,10 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, GROUP, self.scales_and_zeros
         )  # (B * T, N)
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits=4"
