@@ -127,9 +127,12 @@ def _rope(config) -> dict:
     return dict(rope.get("full_attention", rope))
 
 
-def convert(model: hf.PreTrainedModel, arch: str, path, *, f16: bool = False) -> None:
+def convert(
+    model: hf.PreTrainedModel, arch: str, path, *, f16: bool = False, q4: bool = False
+) -> None:
     """Write `model` as llama.cpp's convert_hf_to_gguf.py would: float32 tensors, or its
-    --outtype f16 (matrices in float16, vectors kept in float32)."""
+    --outtype f16 (matrices in float16, vectors kept in float32); q4: the blocks' matrices
+    in Q4_0 (as llama-quantize writes them; the token matrix kept in float32)."""
     c = model.config
     rope = _rope(c)
     w = gguf.GGUFWriter(str(path), arch)
@@ -201,6 +204,11 @@ def convert(model: hf.PreTrainedModel, arch: str, path, *, f16: bool = False) ->
         tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
         tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     for name, data in tensors.items():
+        if q4 and data.ndim == 2 and name.startswith("blk.") and data.shape[1] % 32 == 0:
+            packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
+            w.add_tensor(name, packed, raw_shape=packed.shape,
+                         raw_dtype=gguf.GGMLQuantizationType.Q4_0)  # fmt: skip
+            continue
         w.add_tensor(name, data.astype(np.float16) if f16 and data.ndim == 2 else data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -329,6 +337,32 @@ def test_a_float16_file_equals_transformers_reading_it(tmp_path, monkeypatch, ca
         ours = load_source(str(tmp_path / "f16.gguf")).model(_ids()).logits
         assert not torch.allclose(ours, model(_ids()).logits, rtol=0, atol=1e-4)  # rounded
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+
+
+def test_int4_keeps_qwen2s_biases_and_follows_the_dequantized_file(tmp_path, monkeypatch):
+    """Qwen2's q, k and v have biases; int4 once dropped them (the 4-bit layer had none), and
+    its logits were wrong with no word said. A Q4_0 file's int4 load follows its float32
+    load (the same 4-bit values, dequantized) up to bfloat16's rounding of the inputs."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    arch, model = tiny_model("qwen2")
+    for block in model.model.layers:  # biases large enough that dropping one shows
+        for linear in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj):
+            torch.nn.init.normal_(linear.bias, std=0.5)
+    convert(model, arch, tmp_path / "q4.gguf", q4=True)
+    dense = qkv.load(str(tmp_path / "q4.gguf"))
+    packed = qkv.load(str(tmp_path / "q4.gguf"), int4=True)
+    assert all(hasattr(b.attn, "qkv") and b.attn.qkv.bias is not None
+               for b in packed.model.blocks)  # fmt: skip
+    with torch.inference_mode():
+        want, got = dense.model(_ids()).logits, packed.model(_ids()).logits
+    spread = float(want.max() - want.min())
+    assert float((got - want).abs().max()) < 0.02 * spread
+    unbiased = qkv.load(str(tmp_path / "q4.gguf"), int4=True)
+    for block in unbiased.model.blocks:
+        block.attn.qkv.bias = None  # what int4 did before
+    with torch.inference_mode():
+        wrong = unbiased.model(_ids()).logits
+    assert float((wrong - want).abs().max()) > 0.1 * spread  # the test would have seen it
 
 
 @pytest.mark.parametrize("written", ["phi3"], indirect=True)
