@@ -10,7 +10,12 @@ Two parts:
    greedy continuation holds no end-of-sequence token within 64 tokens, so both do the same
    work. qkv runs twice: float32 (transformers' arithmetic) and int4 (`qkv.load("smollm2",
    int4=True)`: the file's Q4_1 matrices kept in 4 bits, torch's CPU int4 kernel, inputs
-   rounded to bfloat16). Target: qkv tokens/s >= 2x transformers', with the same tokens.
+   rounded to bfloat16; a block's q, k, v stacked into one kernel call, and gate, up).
+   Beside them llama.cpp (llama-cpp-python, where installed) on the same file with the same
+   prompt ids and thread count, greedy, computing with its own Q4_1 and 8-bit arithmetic.
+   Targets (issue 18): qkv float32 >= 2x transformers with the same tokens, qkv's fastest
+   >= 3x transformers and >= 1x llama.cpp. Each is also set beside the memory-bandwidth
+   floor: its weights' bytes read once a token at the memory's measured read speed.
 2. Loading. Each load runs in a fresh process that imports torch and the library first, then
    times only the load call; the process's wall time (interpreter start, imports and load) is
    reported too. qkv's cache of dequantized weights lives in a fresh temporary
@@ -97,9 +102,11 @@ def bench_decode(quick: bool, repeats: int, profile: bool) -> None:
         print("llama.cpp: llama_cpp is not installed (make bench installs it); not measured")
     else:
         fns["llama.cpp"], (tokens, version) = llama
-        same = sum(a == b for a, b in zip(tokens, their_tokens, strict=True))
-        print(f"llama.cpp (llama-cpp-python {version}, the same file, its own Q4_1 arithmetic): "
-              f"{same} of {N} tokens equal to transformers' float32 ones")  # fmt: skip
+        pairs = enumerate(zip(tokens, their_tokens, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), None)
+        verdict = f"all {N}" if same is None else f"the first {same}"
+        print(f"llama.cpp (llama-cpp-python {version}, the same file, its own Q4_1 and 8-bit "
+              f"arithmetic): {verdict} of its tokens are transformers' float32 ones")  # fmt: skip
 
     seconds = time_peers(fns, repeats)
     rate = {name: N / s for name, s in seconds.items()}
@@ -153,8 +160,9 @@ def floor(ours, int4, rate: dict) -> None:
         if name in rate:
             least = size / bandwidth / 1e9
             speed = rate[name] * least  # the share of the floor's tokens/s it reaches
-            print(f"{name:>12}: {size / 1e6:6.0f} MB a token, floor {1e3 * least:5.1f} ms; "
-                  f"takes {1e3 / rate[name]:5.1f} ms ({speed:.0%} of the floor's")  # fmt: skip
+            took = 1e3 / rate[name]
+            print(f"{name:>12}: {size / 1e6:4.0f} MB a token, floor {1e3 * least:4.1f} ms, "
+                  f"takes {took:5.1f} ms: {speed:.0%} of the floor's speed")  # fmt: skip
 
 
 def profile_decode(ours, N: int) -> None:
