@@ -253,12 +253,15 @@ def teacher_forced_logits(want_model, got_model, prompts: list[str], new_tokens:
 
 def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2):
     from qkv.io.gguf import read_int4
-    from qkv.nn.quantized import Int4Linear
+    from qkv.nn.quantized import Int4Linear, Int8Linear
 
     fast = qkv.load("smollm2", int4=True)
     layers = [m for m in fast.model.modules() if isinstance(m, Int4Linear)]
     # every Q4_1 matrix of the 30 blocks: q, k, v stacked into one, gate and up into one
     assert len(layers) == 30 * 4 and all(hasattr(b.attn, "qkv") for b in fast.model.blocks)
+    # the LM head in 8 bits (the file's is Q8_0); the token lookup stays float32
+    assert isinstance(fast.model.lm_head, Int8Linear) and fast.model.lm_head.q.dtype == torch.int8
+    assert torch.equal(fast.model.embed.tokens.weight, smollm2.model.embed.tokens.weight)
     # the 4-bit groups rebuild the float32 weights the default load uses
     groups = read_int4(embedded_path("smollm2"))
     q, scale, zero = groups["model.layers.3.self_attn.k_proj.weight"]

@@ -89,8 +89,9 @@ def decode_steps(
         generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)
     # The LM head reads the largest matrix once per token; stored (C, vocab) it is read in
     # memory order, about twice as fast at one row as the (vocab, C) Linear weight.
-    head = model.lm_head.weight.detach().t().contiguous()  # (C, vocab)
-    bias = model.lm_head.bias
+    head, bias = model.lm_head, None  # a quantized head (int4 models) computes itself
+    if isinstance(head, torch.nn.Linear):
+        head, bias = head.weight.detach().t().contiguous(), head.bias  # (C, vocab)
     cache = model.new_cache()
     positions = None
     if attention_mask is not None and not bool(attention_mask.all()):
@@ -155,7 +156,10 @@ def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, position
     hidden = out.hidden[:, -1]  # (B, C)
     if model.config.head_scale is not None:  # as Decoder.project: scaled before the head
         hidden = hidden * model.config.head_scale
-    logits = hidden @ head.to(out.hidden.dtype)  # (B, vocab)
+    if isinstance(head, torch.nn.Module):
+        logits = head(hidden)  # (B, vocab), its bias its own
+    else:
+        logits = hidden @ head.to(out.hidden.dtype)  # (B, vocab)
     logits = logits if bias is None else logits + bias
     return cap_logits(logits, model.config.logit_softcap)
 

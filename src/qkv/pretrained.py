@@ -527,7 +527,8 @@ def load(
     offline mode is respected), or a qkv training-run folder (its last checkpoint; the
     run's config is `.run`). backend: the attention backend the model runs on.
     int4: keep a .gguf file's Q4_0/Q4_1 matrices in 4 bits and run them with torch's CPU
-    int4 kernel (inputs rounded to bfloat16): faster decoding, slightly different numbers.
+    int4 kernel (inputs rounded to bfloat16), the LM head in 8 bits (a scale per row): faster
+    decoding, slightly different numbers.
     """
     from qkv.io.load import load_source
 

@@ -59,3 +59,26 @@ def test_stacked_rows_are_the_separate_layers_outputs_side_by_side():
     separate = torch.cat([Int4Linear(*part)(x) for part in parts], dim=-1)
     stacked = Int4Linear(*(torch.cat(column) for column in zip(*parts, strict=True)))(x)
     torch.testing.assert_close(stacked, separate, atol=1e-5, rtol=0)
+
+
+def test_int8_linear_is_the_product_of_its_rows_rounded_to_8_bits():
+    from qkv.nn.quantized import Int8Linear
+
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(4096, 576, generator=generator) * 0.05
+    bias = torch.randn(4096, generator=generator)
+    layer = Int8Linear(weight, bias)
+    assert layer.q.dtype == torch.int8 and layer.q.shape == weight.shape
+    # each weight within half a step of its row, but where the largest is clamped to 127
+    rebuilt = layer.q.float() * layer.scale.float()[:, None]
+    step = layer.scale.float()[:, None]
+    error = (rebuilt - weight).abs()
+    assert bool((error <= 0.5 * step * (1 + 1e-6)).logical_or(layer.q.abs() == 127).all())
+    assert bool((error <= 1.01 * step).all())
+    x = torch.randn(2, 3, 576, generator=generator)
+    expected = torch.nn.functional.linear(x.bfloat16().float(), rebuilt, bias)
+    got = layer(x)
+    assert got.shape == (2, 3, 4096) and got.dtype == x.dtype
+    torch.testing.assert_close(got, expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
+    exact = torch.nn.functional.linear(x, weight, bias)
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()

@@ -97,8 +97,9 @@ def use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) 
     bias kept). A block's query, key and value matrices become one Int4Linear (`attn.qkv`),
     and its gate and up matrices one (`mlp.gate_up`), where all of them are 4-bit: at one
     token a kernel call costs about as much as reading a small matrix, so 4 calls a block
-    instead of 7 make a faster token, with the same numbers (each output row is its own)."""
-    from qkv.nn.quantized import Int4Linear, int4_available
+    instead of 7 make a faster token, with the same numbers (each output row is its own).
+    The LM head runs in 8 bits (`Int8Linear`: a scale per row)."""
+    from qkv.nn.quantized import Int4Linear, Int8Linear, int4_available, int8_available
 
     if not int4_available():
         raise ValueError(f"int4 needs torch >= 2.6 (this is {torch.__version__})")
@@ -131,3 +132,8 @@ def use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) 
     for owner, (q, scale, zero, bias) in four_bit.items():
         parent, _, child = owner.rpartition(".")
         setattr(model.get_submodule(parent), child, Int4Linear(q, scale, zero, bias))
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, nn.Linear) and int8_available():
+        # the head in 8 bits, as llama.cpp's files keep it (Q8_0): a tied token matrix stays
+        # float32 for the embedding lookup, which reads one row a token
+        model.lm_head = Int8Linear(head.weight, head.bias)
