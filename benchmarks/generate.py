@@ -145,16 +145,26 @@ def llama_cpp_decode(ids: list[int], N: int):
     return decode, (decode(), llama_cpp.__version__)
 
 
+def read_per_token(model) -> int:
+    """The bytes of weights a decoding step reads: every parameter and buffer once, but the
+    token matrix, of which the lookup reads one row (unless it is also the LM head)."""
+    tokens = model.embed.tokens.weight
+    head = getattr(model.lm_head, "weight", None)
+    held = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    if head is not tokens:
+        held.pop(id(tokens))
+    return sum(t.numel() * t.element_size() for t in held.values())
+
+
 def floor(ours, int4, rate: dict) -> None:
     """How far each is from reading every weight once per token at the memory's speed."""
     from timing import read_bandwidth
 
     bandwidth = read_bandwidth()
     path = embedded_path("smollm2")
-    sizes = {"qkv float32": sum(p.numel() * p.element_size() for p in ours.model.parameters()),
+    sizes = {"qkv float32": read_per_token(ours.model),
              "llama.cpp": path.stat().st_size,  # its weights as stored: Q4_1, the head 8-bit
-             "qkv int4": sum(b.numel() * b.element_size() for b in
-                             [*int4.model.parameters(), *int4.model.buffers()])}  # fmt: skip
+             "qkv int4": read_per_token(int4.model)}  # fmt: skip
     print(f"memory read {bandwidth:.1f} GB/s; the floor of a token is its weights read once:")
     for name, size in sizes.items():
         if name in rate:
