@@ -16,7 +16,6 @@ on the runs.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -38,11 +37,17 @@ SECTIONS = ("The algorithm", "Normalization", "Learned by training", "Multiple h
 TRAINED = ("Learned by training", "Cross-attention")
 
 
-def qkv_command(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    """`qkv ARGS` in a fresh Python process, as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    return subprocess.run([sys.executable, "-m", "qkv.cli", *args], capture_output=True,
-                          text=True, env=env, **kwargs)  # fmt: skip
+def qkv_command(*args: str) -> subprocess.CompletedProcess:
+    """`qkv ARGS` as the command line runs it, in this process (as the walkthrough runs its
+    commands: a process each would import torch again, seconds a command)."""
+    from typer.testing import CliRunner
+
+    from qkv.cli import app
+
+    done = CliRunner().invoke(app, list(args))
+    if done.exception is not None and not isinstance(done.exception, SystemExit):
+        raise done.exception
+    return subprocess.CompletedProcess(args, done.exit_code, done.stdout, done.stderr)
 
 
 @pytest.fixture(scope="module")
