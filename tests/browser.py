@@ -4,6 +4,8 @@ and the folder their screenshots go to."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"  # `make test` installs it
@@ -51,3 +53,23 @@ def only_loopback(context) -> list[str]:
 
     context.route("**/*", block)
     return outside
+
+
+@contextmanager
+def offline(page_file: Path, viewport: dict | None = None) -> Iterator:
+    """A Chromium page showing `page_file`, drawn (`window.qkvReady`), every other request
+    blocked; on leaving, none must have been asked for."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            context = browser.new_context(viewport=viewport or {"width": 1200, "height": 900})
+            outside = only_file(context, page_file)
+            page = context.new_page()
+            page.goto(page_file.as_uri())
+            page.wait_for_function("window.qkvReady === true", timeout=20_000)
+            yield page
+        finally:
+            browser.close()
+    assert outside == [], f"the page asked the network for {outside}"

@@ -9,16 +9,13 @@ trace, computed by the page's script, must match `qkv.trace` in Python.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
-from pathlib import Path
 
 import matplotlib.image
 import pytest
 import torch
-from playwright.sync_api import sync_playwright
 
 import qkv
-from browser import ARTIFACTS, CHROMIUM, FLAGS, only_file
+from browser import ARTIFACTS, offline
 from qkv.inspect.trace import attention_vectors
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig
@@ -59,23 +56,6 @@ def test_the_page_works_offline_and_shows_the_models_numbers(seen, tmp_path):
     picture = matplotlib.image.imread(ARTIFACTS / "report.png")
     assert picture.shape[0] > 300 and picture.shape[1] > 300
     assert picture[..., :3].std() > 0.05, "the screenshot is blank"
-
-
-@contextmanager
-def offline(page_file: Path):
-    """A Chromium page showing `page_file`, drawn, with every other request blocked."""
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            context = browser.new_context(viewport={"width": 1200, "height": 900})
-            outside = only_file(context, page_file)
-            page = context.new_page()
-            page.goto(page_file.as_uri())
-            page.wait_for_function("window.qkvReady === true", timeout=20_000)
-            yield page
-        finally:
-            browser.close()
-    assert outside == [], f"the page asked the network for {outside}"
 
 
 def traced_in_the_page(page, layer: int, head: int, query: int, key: int) -> dict:

@@ -13,21 +13,10 @@ from typer.testing import CliRunner
 
 import qkv
 from qkv.cli import app
-from qkv.data import word_tokenizer
 from qkv.viz import head_heatmap, model_view
 from qkv.viz import heatmap as heatmap_module
-from tiny_models import save_tiny
 
 LETTERS = list(string.ascii_lowercase)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny random BART (transformers builds it) with a word tokenizer over the letters."""
-    folder = tmp_path_factory.mktemp("tiny-bart")
-    save_tiny("bart", folder)
-    word_tokenizer(LETTERS, style="bart").save(folder)  # <s>=0 <pad>=1 </s>=2, then a-z
-    return folder
 
 
 @pytest.fixture(scope="module")

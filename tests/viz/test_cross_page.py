@@ -12,28 +12,16 @@ import string
 import numpy as np
 import pytest
 import torch
-from playwright.sync_api import sync_playwright
 from typer.testing import CliRunner
 
 import qkv
-from browser import ARTIFACTS, CHROMIUM, FLAGS, only_file
+from browser import ARTIFACTS, offline
 from qkv.cli import app
-from qkv.data import word_tokenizer
 from qkv.nn import MultiHeadAttention
 from qkv.viz import page_trace, read_weights, write_html, write_report
 from qkv.viz.report import CROSS_HEADER, untraceable
-from tiny_models import save_tiny
 
 LETTERS = list(string.ascii_lowercase)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny random BART (transformers builds it) with a word tokenizer over the letters."""
-    folder = tmp_path_factory.mktemp("tiny-bart")
-    save_tiny("bart", folder)
-    word_tokenizer(LETTERS, style="bart").save(folder)  # <s>=0 <pad>=1 </s>=2, then a-z
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -106,39 +94,29 @@ def test_clicking_a_target_token_shows_its_row_over_the_source(bart, seen, tmp_p
     want = qkv.trace(bart, text, seen.query_tokens[query], seen.tokens[key], layer=1, head=2,
                      target=target)  # fmt: skip
     assert (want.query_index, want.key_index) == (query, key)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            context = browser.new_context(viewport={"width": 1200, "height": 900})
-            outside = only_file(context, page_file)
-            page = context.new_page()
-            page.goto(page_file.as_uri())
-            page.wait_for_function("window.qkvReady === true", timeout=20_000)
-            header = page.inner_text("#kind")
-            columns = page.eval_on_selector_all("#heatmap-table thead th", "t => t.length")
-            rows = page.locator("#heatmap-table tbody tr").count()
-            page.select_option("#layer", "1")
-            page.select_option("#head", "2")
-            page.locator(f"button.token[data-index='{query}']").click()
-            page.wait_for_function("document.querySelectorAll('#row li').length > 0")
-            shown = page.eval_on_selector_all(
-                "#row li", "items => items.map(li => [Number(li.dataset.w), li.textContent])"
-            )
-            title = page.inner_text("#row-title")
-            page.locator(f"#heatmap-table td[data-q='{query}'][data-k='{key}']").click()
-            page.wait_for_function(
-                f"document.getElementById('trace').dataset.pair === '1,2,{query},{key}'"
-            )
-            traced = {
-                name: json.loads(page.get_attribute(f"#t-{name}", "data-values"))
-                for name in ("query", "key", "scalar", "scaled", "weight", "sum", "contextualized")
-            }
-            trace_text = page.inner_text("#trace")
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "cross-page.png"), full_page=True)
-        finally:
-            browser.close()
-    assert outside == [], f"the page asked the network for {outside}"
+    with offline(page_file) as page:
+        header = page.inner_text("#kind")
+        columns = page.eval_on_selector_all("#heatmap-table thead th", "t => t.length")
+        rows = page.locator("#heatmap-table tbody tr").count()
+        page.select_option("#layer", "1")
+        page.select_option("#head", "2")
+        page.locator(f"button.token[data-index='{query}']").click()
+        page.wait_for_function("document.querySelectorAll('#row li').length > 0")
+        shown = page.eval_on_selector_all(
+            "#row li", "items => items.map(li => [Number(li.dataset.w), li.textContent])"
+        )
+        title = page.inner_text("#row-title")
+        page.locator(f"#heatmap-table td[data-q='{query}'][data-k='{key}']").click()
+        page.wait_for_function(
+            f"document.getElementById('trace').dataset.pair === '1,2,{query},{key}'"
+        )
+        traced = {
+            name: json.loads(page.get_attribute(f"#t-{name}", "data-values"))
+            for name in ("query", "key", "scalar", "scaled", "weight", "sum", "contextualized")
+        }
+        trace_text = page.inner_text("#trace")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "cross-page.png"), full_page=True)
     assert header.startswith(CROSS_HEADER) and "6 target tokens, 7 source tokens" in header
     assert (rows, columns) == (6, 1 + 7)  # a row per target token, a column per source token
     assert f"“{seen.query_tokens[query]}” (target token {query}), layer 1, head 2" in title
@@ -165,23 +143,13 @@ def test_a_long_target_is_drawn_on_a_tall_canvas(tmp_path):
     queries, keys = [f"t{i}" for i in range(Tq)], list("abcdef")
     page_file = write_html(tmp_path / "tall.html", weights, keys, query_tokens=queries,
                            head=(0, 1))  # fmt: skip
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            context = browser.new_context(viewport={"width": 1200, "height": 900})
-            outside = only_file(context, page_file)
-            page = context.new_page()
-            page.goto(page_file.as_uri())
-            page.wait_for_function("window.qkvReady === true", timeout=20_000)
-            size = page.eval_on_selector("#heatmap-canvas", "c => [c.width, c.height]")
-            page.locator("#heatmap-canvas").scroll_into_view_if_needed()
-            box = page.locator("#heatmap-canvas").bounding_box()
-            x, y = box["width"] * 4.5 / Tk, box["height"] * 30.5 / Tq  # in cell (query 30, key 4)
-            page.mouse.move(box["x"] + x, box["y"] + y)
-            cell = page.inner_text("#cell")
-        finally:
-            browser.close()
-    assert outside == []
+    with offline(page_file) as page:
+        size = page.eval_on_selector("#heatmap-canvas", "c => [c.width, c.height]")
+        page.locator("#heatmap-canvas").scroll_into_view_if_needed()
+        box = page.locator("#heatmap-canvas").bounding_box()
+        x, y = box["width"] * 4.5 / Tk, box["height"] * 30.5 / Tq  # in cell (query 30, key 4)
+        page.mouse.move(box["x"] + x, box["y"] + y)
+        cell = page.inner_text("#cell")
     assert size == [Tk, Tq]  # a pixel per weight, drawn no taller than a square map
     assert box["height"] == pytest.approx(640, abs=2)
     assert box["width"] == pytest.approx(640 * Tk / Tq, abs=2)
