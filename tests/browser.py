@@ -73,3 +73,25 @@ def offline(page_file: Path, viewport: dict | None = None) -> Iterator:
         finally:
             browser.close()
     assert outside == [], f"the page asked the network for {outside}"
+
+
+@contextmanager
+def served(app, viewport: dict | None = None) -> Iterator:
+    """A Chromium page of `app`'s explorer, served on loopback and drawn (`window.qkvReady`),
+    every request to another address blocked; on leaving, none must have been asked for."""
+    from playwright.sync_api import sync_playwright
+
+    from qkv.serve.server import running
+
+    with running(app) as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            context = browser.new_context(viewport=viewport or {"width": 1366, "height": 900})
+            outside = only_loopback(context)
+            page = context.new_page()
+            page.goto(url + "/")
+            page.wait_for_function("window.qkvReady === true", timeout=20_000)
+            yield page
+        finally:
+            browser.close()
+    assert outside == [], f"the page asked another address for {outside}"

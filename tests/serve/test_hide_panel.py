@@ -8,12 +8,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from playwright.sync_api import sync_playwright
 
 import qkv
-from browser import ARTIFACTS, CHROMIUM, FLAGS, only_loopback
+from browser import ARTIFACTS, served
 from qkv.inspect.census import heads
-from qkv.serve import Limits, create_app, running
+from qkv.serve import Limits, create_app
 
 TEXT = "The bank of the river flooded the bank"  # two banks: the page names them bank#1, bank#2
 
@@ -26,65 +25,55 @@ def test_the_hide_heatmap_and_the_census_are_the_librarys(minilm):
     # an app of its own: a served app's worker pool ends with the server, and the shared
     # `app` serves the `client` of the API tests, which may run after this one
     app = create_app({"minilm": minilm}, Limits())
-    with running(app) as url, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            context = browser.new_context(viewport={"width": 1366, "height": 900})
-            outside = only_loopback(context)
-            page = context.new_page()
-            page.goto(url + "/")
-            page.wait_for_function("window.qkvReady === true", timeout=20_000)
-            page.fill("#text", TEXT)
-            page.press("#text", "Enter")
-            page.wait_for_function(f"document.body.dataset.shown === {json.dumps(TEXT)}")
-            page.select_option("#layer", "4")
-            page.select_option("#head", "7")
-            bank, river = want.tokens.index("bank"), want.tokens.index("river")
-            page.locator(f"#heatmap-table td[data-q='{bank}'][data-k='{river}']").click()
-            page.wait_for_function(
-                "document.getElementById('hide').dataset.pair === 'bank#1,river'", timeout=30_000
-            )
-            cells = page.eval_on_selector_all(
-                "#hide-table td[data-effect]",
-                "tds => tds.map(td => [+td.dataset.layer, +td.dataset.head, +td.dataset.effect])",
-            )
-            blank = page.locator("#hide-table td.none").count()
-            shown = page.eval_on_selector_all(
-                "#hide-table td.shown",
-                "tds => tds.map(td => [+td.dataset.layer, +td.dataset.head])",
-            )
-            best = [float(page.get_attribute("#hide-best", f"data-{name}"))
-                    for name in ("layer", "head", "effect")]  # fmt: skip
-            total = float(page.get_attribute("#hide-total", "data-total"))
-            title = page.inner_text("#hide h2")
-            page.wait_for_selector("#census-top tr[data-score]", timeout=30_000)
-            top = page.eval_on_selector_all(
-                "#census-top tr",
-                "trs => Object.fromEntries(trs.map(tr => [tr.dataset.score, [...tr.cells]"
-                ".filter(td => td.dataset.layer !== undefined)"
-                ".map(td => [+td.dataset.layer, +td.dataset.head, +td.dataset.value])]))",
-            )
-            sinks = page.eval_on_selector_all(
-                "#census-sinks tr", "trs => trs.map(tr => [+tr.dataset.layer, +tr.dataset.mass])"
-            )
-            # a census head is a button that shows that head, and marks it in the hide grid
-            n, h, _ = census.top("induction")[0]
-            cell = f"td[data-layer='{n}'][data-head='{h}']"
-            page.click(f"#census-top tr[data-score='induction'] {cell} button")
-            page.wait_for_function(
-                f"document.getElementById('trace').dataset.pair === '{n},{h},{bank},{river}'"
-            )
-            marked = page.eval_on_selector_all(
-                "#hide-table td.shown",
-                "tds => tds.map(td => [+td.dataset.layer, +td.dataset.head])",
-            )
-            ARTIFACTS.mkdir(exist_ok=True)
-            for panel in ("hide", "census-box"):
-                page.locator(f"#{panel}").screenshot(path=str(ARTIFACTS / f"serve-{panel}.png"))
-        finally:
-            browser.close()
+    with served(app) as page:
+        page.fill("#text", TEXT)
+        page.press("#text", "Enter")
+        page.wait_for_function(f"document.body.dataset.shown === {json.dumps(TEXT)}")
+        page.select_option("#layer", "4")
+        page.select_option("#head", "7")
+        bank, river = want.tokens.index("bank"), want.tokens.index("river")
+        page.locator(f"#heatmap-table td[data-q='{bank}'][data-k='{river}']").click()
+        page.wait_for_function(
+            "document.getElementById('hide').dataset.pair === 'bank#1,river'", timeout=30_000
+        )
+        cells = page.eval_on_selector_all(
+            "#hide-table td[data-effect]",
+            "tds => tds.map(td => [+td.dataset.layer, +td.dataset.head, +td.dataset.effect])",
+        )
+        blank = page.locator("#hide-table td.none").count()
+        shown = page.eval_on_selector_all(
+            "#hide-table td.shown",
+            "tds => tds.map(td => [+td.dataset.layer, +td.dataset.head])",
+        )
+        best = [float(page.get_attribute("#hide-best", f"data-{name}"))
+                for name in ("layer", "head", "effect")]  # fmt: skip
+        total = float(page.get_attribute("#hide-total", "data-total"))
+        title = page.inner_text("#hide h2")
+        page.wait_for_selector("#census-top tr[data-score]", timeout=30_000)
+        top = page.eval_on_selector_all(
+            "#census-top tr",
+            "trs => Object.fromEntries(trs.map(tr => [tr.dataset.score, [...tr.cells]"
+            ".filter(td => td.dataset.layer !== undefined)"
+            ".map(td => [+td.dataset.layer, +td.dataset.head, +td.dataset.value])]))",
+        )
+        sinks = page.eval_on_selector_all(
+            "#census-sinks tr", "trs => trs.map(tr => [+tr.dataset.layer, +tr.dataset.mass])"
+        )
+        # a census head is a button that shows that head, and marks it in the hide grid
+        n, h, _ = census.top("induction")[0]
+        cell = f"td[data-layer='{n}'][data-head='{h}']"
+        page.click(f"#census-top tr[data-score='induction'] {cell} button")
+        page.wait_for_function(
+            f"document.getElementById('trace').dataset.pair === '{n},{h},{bank},{river}'"
+        )
+        marked = page.eval_on_selector_all(
+            "#hide-table td.shown",
+            "tds => tds.map(td => [+td.dataset.layer, +td.dataset.head])",
+        )
+        ARTIFACTS.mkdir(exist_ok=True)
+        for panel in ("hide", "census-box"):
+            page.locator(f"#{panel}").screenshot(path=str(ARTIFACTS / f"serve-{panel}.png"))
 
-    assert outside == [], f"the page asked another address for {outside}"
     assert "“river” hidden from “bank#1”" in title
     L, H = want.effect.shape
     assert len(cells) == L * H and blank == 0

@@ -11,11 +11,10 @@ import json
 
 import matplotlib.image
 import pytest
-from playwright.sync_api import sync_playwright
 
-from browser import ARTIFACTS, CHROMIUM, FLAGS, only_loopback
+from browser import ARTIFACTS, served
 from qkv.inspect.summaries import region, summarize
-from qkv.serve import Limits, create_app, running
+from qkv.serve import Limits, create_app
 
 TEXT = (
     "We walked along the old towpath, past the mill and the lock, to the bank of the river. "
@@ -34,75 +33,63 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
     # 1,110 characters: over max_chars, so the page reads it long without asking for every
     # weight; SHORTER is within max_chars, and the server's 413 (max_tokens) tells the page
     app = create_app({"minilm": minilm}, Limits(max_tokens=16, max_chars=1_000))
-    with running(app) as url, sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        try:
-            context = browser.new_context(viewport={"width": 1366, "height": 900})
-            outside = only_loopback(context)
-            page = context.new_page()
-            page.goto(url + "/")
-            page.wait_for_function("window.qkvReady === true", timeout=20_000)
-            page.fill("#text", TEXT)
-            page.press("#text", "Enter")
-            page.wait_for_function(f"document.body.dataset.shown === {json.dumps(TEXT)}",
-                                   timeout=60_000)  # fmt: skip
-            note = page.inner_text("#long-note")
-            short_hidden = page.locator("#heatmap").is_hidden()
-            page.select_option("#layer", str(LAYER))
-            page.select_option("#head", str(HEAD))
-            page.wait_for_function(
-                f"document.getElementById('long').dataset.head === '{LAYER},{HEAD}'"
-            )
-            rows = page.eval_on_selector_all(
-                "#long-table tr[data-layer]",
-                "trs => trs.map(tr => [+tr.dataset.layer, +tr.dataset.head, +tr.dataset.entropy,"
-                " +tr.dataset.first])",
-            )
-            # the middle of the heatmap: a query's top keys on hover, then a click
-            page.locator("#long-heatmap").scroll_into_view_if_needed()
-            box = page.locator("#long-heatmap").bounding_box()
-            width = page.eval_on_selector("#long-heatmap", "c => c.width")
-            scale = box["width"] / width
-            x, y = box["x"] + (46 + 300) * scale, box["y"] + (6 + 200) * scale
-            page.mouse.move(x, y)
-            hover = page.eval_on_selector("#long-hover", "p => [+p.dataset.q, +p.dataset.k]")
-            hover_text = page.inner_text("#long-hover")
-            page.mouse.click(x, y)
-            page.wait_for_selector("#long-region")
-            queries = page.get_attribute("#long-region", "data-queries")
-            keys = page.get_attribute("#long-region", "data-keys")
-            page.locator("#long-region").scroll_into_view_if_needed()
-            region_box = page.locator("#long-region").bounding_box()
-            cells, hovered = [], "p => [+p.dataset.q, +p.dataset.k, +p.dataset.w]"
-            for i, j in CELLS:  # a few cells' hover numbers
-                x = region_box["x"] + (j + 0.5) * region_box["width"] / 64
-                page.mouse.move(x, region_box["y"] + (i + 0.5) * region_box["height"] / 64)
-                cells.append(page.eval_on_selector("#long-region-hover", hovered))
-            page.click("#long-table button[data-sort='entropy']")
-            focused = page.eval_on_selector(
-                "#long-table tbody tr", "tr => [+tr.dataset.layer, +tr.dataset.head]"
-            )
-            page.click("#long-table tbody tr:first-child button")  # show the most focused head
-            page.wait_for_function(
-                f"document.getElementById('long').dataset.head === '{focused[0]},{focused[1]}'"
-            )
-            chosen = page.input_value("#layer"), page.input_value("#head")
-            ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "serve-long.png"), full_page=True)
-            page.fill("#text", SHORTER)
-            page.press("#text", "Enter")
-            page.wait_for_function(f"document.body.dataset.shown === {json.dumps(SHORTER)}",
-                                   timeout=60_000)  # fmt: skip
-            shorter_note = page.inner_text("#long-note")
-            shorter_rows = page.locator("#long-table tr[data-layer]").count()
-            page.fill("#text", "The bank of the river")  # back to every weight
-            page.press("#text", "Enter")
-            page.wait_for_function("document.body.dataset.shown === 'The bank of the river'")
-            back = page.locator("#heatmap-table").is_visible(), page.locator("#long").is_hidden()
-        finally:
-            browser.close()
+    with served(app) as page:
+        page.fill("#text", TEXT)
+        page.press("#text", "Enter")
+        page.wait_for_function(f"document.body.dataset.shown === {json.dumps(TEXT)}",
+                               timeout=60_000)  # fmt: skip
+        note = page.inner_text("#long-note")
+        short_hidden = page.locator("#heatmap").is_hidden()
+        page.select_option("#layer", str(LAYER))
+        page.select_option("#head", str(HEAD))
+        page.wait_for_function(f"document.getElementById('long').dataset.head === '{LAYER},{HEAD}'")
+        rows = page.eval_on_selector_all(
+            "#long-table tr[data-layer]",
+            "trs => trs.map(tr => [+tr.dataset.layer, +tr.dataset.head, +tr.dataset.entropy,"
+            " +tr.dataset.first])",
+        )
+        # the middle of the heatmap: a query's top keys on hover, then a click
+        page.locator("#long-heatmap").scroll_into_view_if_needed()
+        box = page.locator("#long-heatmap").bounding_box()
+        width = page.eval_on_selector("#long-heatmap", "c => c.width")
+        scale = box["width"] / width
+        x, y = box["x"] + (46 + 300) * scale, box["y"] + (6 + 200) * scale
+        page.mouse.move(x, y)
+        hover = page.eval_on_selector("#long-hover", "p => [+p.dataset.q, +p.dataset.k]")
+        hover_text = page.inner_text("#long-hover")
+        page.mouse.click(x, y)
+        page.wait_for_selector("#long-region")
+        queries = page.get_attribute("#long-region", "data-queries")
+        keys = page.get_attribute("#long-region", "data-keys")
+        page.locator("#long-region").scroll_into_view_if_needed()
+        region_box = page.locator("#long-region").bounding_box()
+        cells, hovered = [], "p => [+p.dataset.q, +p.dataset.k, +p.dataset.w]"
+        for i, j in CELLS:  # a few cells' hover numbers
+            x = region_box["x"] + (j + 0.5) * region_box["width"] / 64
+            page.mouse.move(x, region_box["y"] + (i + 0.5) * region_box["height"] / 64)
+            cells.append(page.eval_on_selector("#long-region-hover", hovered))
+        page.click("#long-table button[data-sort='entropy']")
+        focused = page.eval_on_selector(
+            "#long-table tbody tr", "tr => [+tr.dataset.layer, +tr.dataset.head]"
+        )
+        page.click("#long-table tbody tr:first-child button")  # show the most focused head
+        page.wait_for_function(
+            f"document.getElementById('long').dataset.head === '{focused[0]},{focused[1]}'"
+        )
+        chosen = page.input_value("#layer"), page.input_value("#head")
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "serve-long.png"), full_page=True)
+        page.fill("#text", SHORTER)
+        page.press("#text", "Enter")
+        page.wait_for_function(f"document.body.dataset.shown === {json.dumps(SHORTER)}",
+                               timeout=60_000)  # fmt: skip
+        shorter_note = page.inner_text("#long-note")
+        shorter_rows = page.locator("#long-table tr[data-layer]").count()
+        page.fill("#text", "The bank of the river")  # back to every weight
+        page.press("#text", "Enter")
+        page.wait_for_function("document.body.dataset.shown === 'The bank of the river'")
+        back = page.locator("#heatmap-table").is_visible(), page.locator("#long").is_hidden()
 
-    assert outside == [], f"the page asked another address for {outside}"
     assert f"This text has {len(TEXT):,} characters" in note and "(max_chars)" in note, note
     T_shorter = len(minilm.encode(SHORTER).ids)
     assert f"This text has {T_shorter} tokens" in shorter_note, shorter_note
