@@ -35,18 +35,6 @@ def time_peers(
     return {name: statistic(t) for name, t in times.items()}
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo), empty where the file is missing."""
-    try:
-        with open("/proc/cpuinfo") as file:
-            for line in file:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """GB/s of reading memory, as a sum over a float32 buffer far larger than the caches
     reads it (the best of `repeats`): the floor of a decode step that reads every weight."""
@@ -63,22 +51,21 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 def machine() -> str:
     """One line a benchmark prints first: the CPU, what torch's kernels use on it, the
-    instruction sets that decide the fast paths, the threads and the memory bandwidth."""
+    instruction sets that decide the fast paths (`qkv.cpu`, as the library reads them), the
+    threads and the memory bandwidth."""
     import platform
 
     import torch
 
-    flags = cpu_flags()
+    from qkv.cpu import capability
+
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as file:
             model = next(line.split(":", 1)[1].strip() for line in file if "model name" in line)
     except (OSError, StopIteration):
         pass
-    sets = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16",
-                        "amx_int8") if f in flags]  # fmt: skip
     return (
-        f"{model}; torch {torch.__version__} kernels: {torch.backends.cpu.get_cpu_capability()}; "
-        f"{' '.join(sets) or 'no AVX2'}; {torch.get_num_threads()} threads; memory read "
-        f"{read_bandwidth():.1f} GB/s"
+        f"{model}; torch {torch.__version__}; {capability().describe()}; "
+        f"{torch.get_num_threads()} threads; memory read {read_bandwidth():.1f} GB/s"
     )

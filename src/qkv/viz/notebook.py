@@ -141,13 +141,13 @@ def _cross_html(seen, weights) -> str:
     """Cross-attention's interactive page (target tokens down, source across) in an iframe of
     its own, as `qkv show --target` writes it; a page too large for a notebook output gives
     the head with the largest weight as a table."""
+    from qkv.viz.report import strongest_head
+
     title = f"Cross-attention: {_cut(seen.encoded.text, 60)}"
     page = _page(seen, weights, cross=True, title=title, query_tokens=seen.query_tokens)
     if len(page) <= NOTEBOOK_PAGE_BYTES:
         return _page_frame(page, max(len(seen.query_tokens), len(seen.tokens)))
-    flat = weights.flatten(2).max(-1).values  # (L', H')
-    index = int(flat.argmax())
-    layer, head = divmod(index, flat.shape[1])
+    layer, head = strongest_head(weights, cross=True)  # the head holding the largest weight
     matrix = weights[layer, head].tolist()  # (Tq, Tk)
     model_layer, model_head = seen.layers[layer], seen.heads[head]
     return _wrap(
