@@ -139,13 +139,49 @@ def test_cached_generation_equals_generation_without_the_cache(smollm2):
             next_id = smollm2.model(ids).logits[0, -1].argmax()
             ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
     uncached = smollm2.tokenizer.decode(ids[0, -12:].tolist())
-    assert smollm2.generate(prompt, 12) == uncached
+    assert smollm2.generate(prompt, 12, precision="loaded") == uncached
 
 
-def test_a_batch_with_left_padding_equals_each_prompt_alone(smollm2):
+@pytest.mark.parametrize("precision", ["loaded", "int4"])
+def test_a_batch_with_left_padding_equals_each_prompt_alone(smollm2, precision):
     prompts = ["Hello", "The bank on the side of the river"]
-    together = smollm2.generate(prompts, 10)
-    assert together == [smollm2.generate(p, 10) for p in prompts]
+    together = smollm2.generate(prompts, 10, precision=precision)
+    assert together == [smollm2.generate(p, 10, precision=precision) for p in prompts]
+
+
+def test_generation_decodes_the_files_own_four_bits_by_default(smollm2):
+    """auto is the .gguf file's 4-bit matrices, as load(int4=True) keeps them: the same
+    tokens; a copy sharing every other tensor with the model, made once; and the model as
+    loaded once its weights change, since the file's bits are then no longer its weights."""
+    model, why = smollm2.generation_model()
+    assert why == "SmolLM2-135M-Instruct.Q4_1.gguf's own 4-bit matrices, in 4 bits"
+    assert model is not smollm2.model and smollm2.generation_model("int4")[0] is model
+    assert model.embed.tokens.weight is smollm2.model.embed.tokens.weight
+    assert smollm2.generation_model("loaded") == (smollm2.model, "the model as loaded, as asked")
+    prompt = "The bank on the side of the river"
+    int4 = qkv.load("smollm2", int4=True)
+    assert int4.generation_model()[1] == "the model as loaded with int4=True"
+    assert smollm2.generate(prompt, 12) == int4.generate(prompt, 12)
+    # what record= computes with is the model as loaded, as attentions() is
+    assert smollm2.generate(prompt, 3, record=[0]).text == smollm2.generate(
+        prompt, 3, precision="loaded")  # fmt: skip
+    changed = qkv.load("smollm2")
+    changed.generation_model()
+    with torch.no_grad():
+        changed.model.blocks[3].mlp.down.weight[0, 0] += 1.0
+    assert changed.generation_model() == (
+        changed.model, "the model as loaded (the model's weights have changed since it was loaded)")
+    with pytest.raises(ValueError, match="precision='int4' cannot be given here: the model's"):
+        changed.generate(prompt, 2, precision="int4")
+
+
+def test_precision_int4_is_refused_by_name_where_there_are_no_four_bits(minilm):
+    with pytest.raises(ValueError, match="precision must be 'auto', 'loaded' or 'int4'"):
+        minilm.generation_model("float16")
+    assert minilm.generation_model() == (
+        minilm.model, "the model as loaded (minilm is not a .gguf file with 4-bit matrices)")
+    with pytest.raises(ValueError, match="cannot be given here: minilm is not a .gguf file"):
+        minilm.generation_model("int4")
 
 
 def test_sampling_is_repeatable_with_a_seed_and_stops_at_stop_strings(smollm2):

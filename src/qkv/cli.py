@@ -69,6 +69,14 @@ def backends(
             precision, why = choose_precision()
             typer.echo(f"\nthis CPU: {capability().describe()}; {torch.get_num_threads()} threads")
             typer.echo(f"embed(precision='auto'): {precision}, since {why}")
+            from qkv.nn.quantized import int4_available
+
+            typer.echo("generate(precision='auto'): a .gguf file's 4-bit matrices in 4 bits, "
+                       + ("since this torch has the CPU int4 kernel" if int4_available() else
+                          f"but torch {torch.__version__} has no CPU int4 kernel: the weights "
+                          "as loaded"))  # fmt: skip
+            typer.echo("  each token after the prompt's through FastStep (few operations a "
+                       "step), where a model's blocks allow it")  # fmt: skip
         return
     from qkv.attention.compare import TOLERANCE, compare_backends
 
@@ -132,6 +140,11 @@ def generate(
     system: str | None = None,
     backend: Backend = None,
     int4: Annotated[bool, typer.Option(help="keep a .gguf file's 4-bit weights packed")] = False,
+    precision: Annotated[
+        str,
+        typer.Option(help="auto: a .gguf file's 4-bit matrices in 4 bits on the CPU; loaded: "
+                     "the weights as loaded (transformers' numbers); int4"),
+    ] = "auto",
     attention: Annotated[
         Path | None,
         typer.Option(help="write a page where each generated token shows what it attended to"),
@@ -154,6 +167,8 @@ def generate(
         from qkv.generate import Sampling
 
         Sampling(temperature, top_k, top_p, seed)  # checked before the model loads
+        if precision not in ("auto", "loaded", "int4"):
+            raise ValueError(f"--precision is auto, loaded or int4, not {precision!r}")
         if attention is None and (layers is not None or heads is not None):
             raise ValueError("--layers and --heads choose what --attention FILE.html shows")
         if attention is not None:
@@ -180,6 +195,7 @@ def generate(
         seen = pretrained.generate(
             prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
             seed=seed, stop=stop or (), stream=show, chat=chat, system=system, record=recording,
+            precision=precision,
         )  # fmt: skip
         typer.echo()
         if attention is not None:

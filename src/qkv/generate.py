@@ -17,6 +17,7 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.decoder import cap_logits
+from qkv.models.fast_step import FastStep, fast_step_refusal
 from qkv.nn import AttentionRecord
 
 
@@ -101,6 +102,9 @@ def decode_steps(
         attention_mask = None  # nothing padded: the faster unmasked path
     logits = _next_logits(model, head, bias, input_ids, attention_mask, positions, cache,
                           layers, keep)  # fmt: skip
+    fast = None  # each fed-back token through FastStep, where it computes what forward does
+    if keep is None and max_new_tokens > 1 and fast_step_refusal(model, input_ids.device) is None:
+        fast = FastStep(model, cache, input_ids.shape[1] + max_new_tokens, attention_mask)
     for step in range(max_new_tokens):
         token = sampling.pick(logits, generator)  # (B,)
         yield token
@@ -108,7 +112,12 @@ def decode_steps(
             return
         if positions is not None:
             positions = positions[:, -1:] + 1  # (B, 1)
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
+            if fast is None:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)],
+                                           1)  # fmt: skip
+        if fast is not None:
+            logits = _head(model, head, bias, fast(token, positions))
+            continue
         logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions, cache,
                               layers, keep)  # fmt: skip
 
@@ -153,13 +162,18 @@ def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, position
     )  # fmt: skip
     if keep is not None:
         keep(out.records)
-    hidden = out.hidden[:, -1]  # (B, C)
+    return _head(model, head, bias, out.hidden[:, -1])
+
+
+@torch.inference_mode()
+def _head(model: Decoder, head, bias, hidden: Tensor) -> Tensor:
+    """The logits (B, vocab) of the last position's hidden vectors (B, C)."""
     if model.config.head_scale is not None:  # as Decoder.project: scaled before the head
         hidden = hidden * model.config.head_scale
     if isinstance(head, torch.nn.Module):
         logits = head(hidden)  # (B, vocab), its bias its own
     else:
-        logits = hidden @ head.to(out.hidden.dtype)  # (B, vocab)
+        logits = hidden @ head.to(hidden.dtype)  # (B, vocab)
     logits = logits if bias is None else logits + bias
     return cap_logits(logits, model.config.logit_softcap)
 

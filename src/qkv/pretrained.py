@@ -136,6 +136,10 @@ class Pretrained:
         self.family, self.hf_config, self.source = family, hf_config, source
         self.pooling = pooling
         self.run = None  # a training run's RunConfig, when loaded from a run folder
+        # a .gguf file whose 4-bit matrices this model holds dequantized (set by `load`)
+        self.four_bit_file: Path | None = None
+        # generate's 4-bit copy, made on first use, and the model's weights it was made from
+        self._int4: tuple[nn.Module, tuple] | None = None
 
     def __repr__(self) -> str:
         params = sum(p.numel() for p in self.model.parameters())
@@ -164,6 +168,7 @@ class Pretrained:
         chat: bool = False,
         system: str | None = None,
         record: str | Sequence[int] | dict | Recording | None = None,
+        precision: Literal["auto", "loaded", "int4"] = "auto",
     ) -> str | list[str] | GenerationAttention:
         """Continue a prompt (or each of a batch of prompts) with new text.
 
@@ -180,6 +185,12 @@ class Pretrained:
         on token 0 and top keys instead of its weights: a few numbers per row, however long
         the prompt.
         Without record nothing is recorded: every step runs as it would otherwise.
+        precision: the weights each step reads (`generation_model`). "auto" decodes a .gguf
+        file's own 4-bit matrices in 4 bits on the CPU, as llama.cpp does (several times
+        faster than their float32 copy, slightly different numbers), and otherwise the model
+        as loaded; "loaded" is always the model as loaded (float32 unless load was told
+        otherwise: transformers' numbers); "int4" asks for the 4-bit matrices by name. With
+        `record`, "auto" is the model as loaded: what is recorded is what `attentions` shows.
 
         E.g. load("smollm2").generate("The river bank", 4, record=Recording([0, 29], [3]))
         .row(1) is (2, 1, 4): the second new token's attention over the 3 prompt tokens and
@@ -222,26 +233,87 @@ class Pretrained:
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                 f"{self.source}'s context window of {self.context_window} tokens"
             )
+        model, _ = self.generation_model(
+            "loaded" if record is not None and precision == "auto" else precision
+        )
         if record is not None:
-            return self._generate_recorded(ids, Recording.of(record), sampling, max_new_tokens,
-                                           list(stop), stream)  # fmt: skip
-        steps = decode_steps(self.model, ids, mask, sampling, max_new_tokens)
+            return self._generate_recorded(model, ids, Recording.of(record), sampling,
+                                           max_new_tokens, list(stop), stream)  # fmt: skip
+        steps = decode_steps(model, ids, mask, sampling, max_new_tokens)
         return self._decode(steps, list(stop), stream, len(prompts))
 
-    def _generate_recorded(self, ids, recording, sampling, max_new_tokens, stop, stream):
+    def generation_model(self, precision: str = "auto") -> tuple[nn.Module, str]:
+        """The model `generate(precision=...)` decodes with, and why.
+
+        "int4" is a copy of the model whose 4-bit matrices (the .gguf file's Q4_0 and Q4_1)
+        stay 4-bit, its LM head 8-bit, as `load(..., int4=True)` makes it; it shares every
+        other tensor with the model and is made once, on first use. "auto" takes it where
+        the model was loaded from such a file onto the CPU and this torch has the int4
+        kernel; "loaded" is the model itself.
+        """
+        if precision not in ("auto", "loaded", "int4"):
+            raise ValueError(f"precision must be 'auto', 'loaded' or 'int4', got {precision!r}")
+        if self._int4_loaded():
+            return self.model, "the model as loaded with int4=True"
+        if precision == "loaded":
+            return self.model, "the model as loaded, as asked"
+        lacks = self._why_not_int4()
+        if lacks is not None:
+            if precision == "int4":
+                raise ValueError(f"precision='int4' cannot be given here: {lacks}")
+            return self.model, f"the model as loaded ({lacks})"
+        if self._int4 is None:
+            self._int4 = self._four_bit_copy(), _weights_state(self.model)
+        return self._int4[0], f"{self.four_bit_file.name}'s own 4-bit matrices, in 4 bits"
+
+    def _why_not_int4(self) -> str | None:
+        from qkv.nn.quantized import int4_available
+
+        parameter = next(self.model.parameters())
+        if self.four_bit_file is None:
+            return f"{self.source} is not a .gguf file with 4-bit matrices"
+        if not int4_available():
+            return f"torch {torch.__version__} has no CPU int4 kernel"
+        if parameter.device.type != "cpu":
+            return "the model is not on the CPU"
+        if parameter.dtype != torch.float32:
+            return f"the model is {parameter.dtype}, not float32"
+        if self._int4 is not None and self._int4[1] != _weights_state(self.model):
+            # the file's 4-bit matrices are no longer this model's weights
+            return "the model's weights have changed since it was loaded"
+        return None
+
+    def _int4_loaded(self) -> bool:
+        from qkv.nn.quantized import Int4Linear
+
+        return any(isinstance(m, Int4Linear) for m in self.model.modules())
+
+    def _four_bit_copy(self) -> nn.Module:
+        """The model with the file's 4-bit matrices swapped in, sharing every other tensor."""
+        import copy
+
+        from qkv.io.gguf import read_int4
+        from qkv.io.load import use_int4
+
+        shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        twin = copy.deepcopy(self.model, shared)  # the modules copied, their tensors not
+        use_int4(twin, self.family, self.config, read_int4(self.four_bit_file), self.source)
+        return twin.eval()
+
+    def _generate_recorded(self, model, ids, recording, sampling, max_new_tokens, stop, stream):
         """generate for one prompt ids (1, P), keeping the attention rows `recording` asks."""
-        cfg = self.model.config
+        cfg = model.config
         layers, heads = recording.resolve(cfg.num_layers, cfg.block.num_heads, self.source)
         if recording.summaries:  # a few numbers per row: the prompt's are summarized in chunks
             keeper = SummaryKeeper(layers, heads, recording.top_k)
         else:
-            itemsize = 8 if next(self.model.parameters()).dtype == torch.float64 else 4
+            itemsize = 8 if next(model.parameters()).dtype == torch.float64 else 4
             check_recording_size(len(layers), len(heads), ids.shape[1], max_new_tokens, itemsize)
             keeper = RowKeeper(layers, heads)
         chosen = []
 
         def steps():
-            for token in decode_steps(self.model, ids, None, sampling, max_new_tokens,
+            for token in decode_steps(model, ids, None, sampling, max_new_tokens,
                                       layers=layers, keep=keeper):  # fmt: skip
                 chosen.append(int(token[0]))
                 yield token
@@ -460,6 +532,19 @@ class Pretrained:
                     self.tokenizer)  # fmt: skip
 
 
+def _weights_state(model: nn.Module) -> tuple:
+    """Which tensors the model's weights are and how often each was written in place: any
+    change to them (an optimizer step, a load_state_dict, a swapped parameter) changes it."""
+    state = []
+    for p in model.parameters():
+        try:
+            version = p._version
+        except RuntimeError:  # an inference tensor keeps no count: never taken as unchanged
+            version = object()
+        state.append((id(p), version))
+    return tuple(state)
+
+
 class _Continuation:
     """The text one sequence has generated so far, cut at the first stop string.
 
@@ -536,6 +621,7 @@ def load(
     pretrained = Pretrained(loaded.model, loaded.tokenizer, loaded.config, family=loaded.family,
                             hf_config=loaded.hf_config, source=loaded.source,
                             pooling=loaded.pooling)  # fmt: skip
+    pretrained.four_bit_file = loaded.four_bit_file
     if loaded.run is not None:
         # io finds a run's checkpoint; its RunConfig is train's to parse (io never imports train)
         from qkv.io.runs import CONFIG

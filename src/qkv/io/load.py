@@ -34,6 +34,9 @@ class Loaded:
     source: str  # as the caller named it
     pooling: Pooling | None = None  # a sentence-transformers folder's pooling
     run: Path | None = None  # the training-run folder the checkpoint came from
+    # a .gguf file whose 4-bit matrices the model holds dequantized (loaded without int4):
+    # what `Pretrained.generate(precision="auto")` decodes with on the CPU
+    four_bit_file: Path | None = None
 
 
 def load_source(
@@ -89,7 +92,9 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -
     if int4:
         use_int4(model, family, config, read_int4(path), name)
     tokenizer = Tokenizer(contents.tokenizer, **contents.tokenizer_config)
-    return Loaded(model, tokenizer, config, family, contents.config, name)
+    four_bit_file = path if contents.four_bit and not int4 else None
+    return Loaded(model, tokenizer, config, family, contents.config, name,
+                  four_bit_file=four_bit_file)  # fmt: skip
 
 
 def use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) -> None:

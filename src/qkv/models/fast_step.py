@@ -1,0 +1,225 @@
+"""One decoding step with few operations: the fed-back token of every sequence through a
+plain decoder, its keys and values written into a cache allocated once.
+
+Decoding reads every weight once per token, and on a CPU each operation torch runs costs
+microseconds of its own besides: SmolLM2's 30 blocks through `Decoder.forward` are about
+1,100 operations a token, and half its time went to them, not to the weights. `FastStep`
+runs the same block modules (norms, projections, MLPs, rotary tables: the same weights and
+the same arithmetic) but none of what a step of generation never needs: records, edits,
+resumes, hidden states, the checks of `attend`, a cache that grows by doubling. The
+attention of one query over its cached keys is torch's fused function, the `sdpa` backend
+that `auto` picks for it on the CPU. `fast_step_refusal` names what it does not handle, and
+`decode_steps` then takes `Decoder.forward`, the trusted path that the tests hold it to.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.models.decoder import Decoder, DecoderCache
+from qkv.nn.layers import MLP, GatedMLP, RMSNorm
+from qkv.nn.position import Rotation
+from qkv.nn.quantized import GROUP, Int4Linear
+
+
+def fast_step_refusal(model: Decoder, device: torch.device) -> str | None:
+    """Why FastStep cannot run this model's steps exactly as Decoder.forward does, or None."""
+    if device.type != "cpu":
+        return "FastStep runs on the CPU (a GPU's own kernels choose the attention there)"
+    if model.config.cross_attention:
+        return "the decoder has cross-attention"
+    if model.relative is not None:
+        return "the decoder adds relative position biases (T5)"
+    if model.training:
+        return "the model is in training mode (dropout)"
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        if block.position == "post":
+            return f"block {i} normalizes after its residual sums (post-norm)"
+        if attn.softcap is not None:
+            return f"block {i} soft-caps its scores (torch's fused attention cannot)"
+        if attn.backend not in ("auto", "sdpa"):
+            return f"block {i} attends with the {attn.backend!r} backend, as asked"
+    return None
+
+
+class FastStep:
+    """The cache of a prompt already read (DecoderCache), then one token per call.
+
+    capacity: the most tokens the cache will hold (the prompt's and every new one's), so
+    that no step copies what is cached. attention_mask (B, P): the prompt's, 1 for real
+    tokens (None when nothing is padded). Each call takes the next token of every row (B,)
+    and their positions (B, 1) (None: the cache's length) and returns the final norm's
+    output (B, C), which the caller turns into logits.
+
+    Everything a step reads of a module (its weights, its sizes, which norm) is looked up
+    once, here: a module's attribute costs a dictionary search on every read.
+    """
+
+    def __init__(self, model: Decoder, cache: DecoderCache, capacity: int,
+                 attention_mask: Tensor | None = None):  # fmt: skip
+        self.model = model
+        self.length = cache.length
+        if capacity < self.length:
+            raise ValueError(f"capacity {capacity} is less than the {self.length} cached tokens")
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            k, v = layer.stored()  # (B, Hkv, P, D)
+            keys = k.new_empty(*k.shape[:2], capacity, k.shape[3])
+            values = v.new_empty(*v.shape[:2], capacity, v.shape[3])
+            keys[:, :, : self.length] = k
+            values[:, :, : self.length] = v
+            self.keys.append(keys)
+            self.values.append(values)
+        self.mask = None  # (B, 1, 1, capacity): True for real tokens
+        if attention_mask is not None:
+            B = attention_mask.shape[0]
+            self.mask = torch.ones(B, 1, 1, capacity, dtype=torch.bool, device=k.device)
+            self.mask[:, 0, 0, : self.length] = attention_mask.to(torch.bool)
+        self.layers = [_Layer(block, model.rotary.for_layer(i)) for i, block in
+                       enumerate(model.blocks)]  # fmt: skip
+        self.norm = None if model.norm is None else _norm_of(model.norm)
+
+    @torch.inference_mode()
+    def __call__(self, token: Tensor, positions: Tensor | None = None) -> Tensor:
+        model, at = self.model, self.length
+        if at >= self.keys[0].shape[2]:
+            raise ValueError(f"the cache holds {at} tokens, its capacity")
+        if positions is None:
+            positions = torch.full((1,), at, dtype=torch.long, device=token.device)
+        x = model.embed(token[:, None], positions)[:, 0]  # (B, C)
+        turns = {}  # each rotary embedding's (cos, sin) of these positions, made once
+        for rotary in {id(r): r for r in (model.rotary.full, model.rotary.local) if r}.values():
+            cos, sin = rotary.cos_sin(positions, x.dtype)  # (1, d) or (B, 1, d)
+            half = sin.shape[-1] // 2
+            # rotate_half(x) * sin is roll(x) * [-sin | sin]: the same products, one operation
+            signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+            turns[id(rotary)] = (cos, sin, signed, rotary.dims == rotary.head_dim)
+        where = torch.tensor([at], device=token.device)
+        self.length = length = at + 1
+        for i, layer in enumerate(self.layers):
+            h = x if layer.attn_norm is None else layer.attn_norm(x)
+            turn = None if layer.rotary is None else turns[id(layer.rotary)]
+            out = self._attend(layer, h, i, where, length, turn)
+            if layer.attn_out_norm is not None:
+                out = layer.attn_out_norm(out.to(x.dtype))
+            if layer.parallel:  # x + attention(norm(x)) + mlp(norm'(x)), as _Block does
+                x = x + out + layer.mlp(layer.mlp_norm(x))
+                continue
+            x = x + out  # a bfloat16 `out` (an int4 product) is widened by the sum, exactly
+            out = layer.mlp(x if layer.mlp_norm is None else layer.mlp_norm(x))
+            if layer.mlp_out_norm is not None:
+                out = layer.mlp_out_norm(out.to(x.dtype))
+            x = x + out
+        return x if self.norm is None else self.norm(x)
+
+    def _attend(self, layer: _Layer, h: Tensor, i: int, where: Tensor, length: int, turn):
+        """Attention's output (B, C) for h (B, C), its key and value cached at `where`; an
+        int4 output projection's in bfloat16."""
+        B, dtype = h.shape[0], h.dtype
+        H, Hkv, D = layer.heads, layer.kv_heads, layer.head_dim
+        if layer.joint and turn is not None and turn[3]:
+            # q and k side by side in one projection's output: turned by one call
+            qkv = layer.qkv(h).to(dtype)  # (B, (H + 2 Hkv) D)
+            cos, _, signed, _ = turn  # (1, D) or (B, 1, D)
+            if cos.dim() == 3:
+                cos, signed = cos[:, None], signed[:, None]  # (B, 1, 1, D)
+            qk = qkv[:, : (H + Hkv) * D].view(B, H + Hkv, 1, D)
+            qk = qk * cos + qk.roll(D // 2, -1) * signed  # (B, H + Hkv, 1, D)
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :]
+        else:
+            if layer.qkv is not None:
+                q, k, v = layer.qkv(h).to(dtype).split(layer.sizes, dim=-1)
+            else:
+                q, k, v = (f(h).to(dtype) for f in layer.q_k_v)
+            q, k = layer.attn._normed(q[:, None], k[:, None])  # (B, H, 1, D), (B, Hkv, 1, D)
+            if turn is not None:
+                rotation = Rotation(*turn[:2]) if turn[0].dim() == 2 else Rotation(
+                    turn[0][:, None], turn[1][:, None])  # (B, 1, 1, d) for (B, 1) positions
+                q, k = rotation.apply(q), rotation.apply(k)
+        keys, values = self.keys[i], self.values[i]
+        keys.index_copy_(2, where, k)
+        values.index_copy_(2, where, v.view(B, Hkv, 1, D))
+        start = 0 if layer.window is None else max(0, length - layer.window)
+        mask = None if self.mask is None else self.mask[..., start:length]
+        out = F.scaled_dot_product_attention(
+            q, keys[:, :, start:length], values[:, :, start:length], attn_mask=mask,
+            scale=layer.scale, enable_gqa=layer.gqa,
+        )  # fmt: skip
+        return layer.out(out.view(B, H * D))
+
+
+class _Layer:
+    """What a step reads of one block, looked up once."""
+
+    def __init__(self, block, rotary):
+        attn = self.attn = block.attn
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale, self.window, self.qk_norm = attn.scale, attn.window, attn.qk_norm
+        self.rotary = rotary
+        self.qkv = _matmul(attn.qkv) if hasattr(attn, "qkv") else None
+        self.q_k_v = None if self.qkv else (_matmul(attn.q), _matmul(attn.k), _matmul(attn.v))
+        self.sizes, self.gqa = attn.sizes, self.heads != self.kv_heads
+        self.joint = self.qkv is not None and self.qk_norm is None  # q, k turned as one
+        self.out = _matmul(attn.out)
+        self.parallel = block.parallel
+        self.attn_norm, self.mlp_norm = _norm_of(block.attn_norm), _norm_of(block.mlp_norm)
+        self.attn_out_norm = _norm_of(block.attn_out_norm)
+        self.mlp_out_norm = _norm_of(block.mlp_out_norm)
+        self.mlp = _mlp(block.mlp)
+
+
+def _matmul(linear):
+    """x (B, K) -> x @ W.T (+ bias): a Linear as one call, an Int4Linear as torch's kernel
+    (its output left in bfloat16 unless it has a bias); anything else as its module."""
+    if type(linear) is torch.nn.Linear:
+        weight, bias = linear.weight, linear.bias
+        return lambda x: F.linear(x, weight, bias)
+    if type(linear) is Int4Linear:
+        packed, scales, bias = linear.packed, linear.scales_and_zeros, linear.bias
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        if bias is None:
+            return lambda x: kernel(x.to(torch.bfloat16), packed, GROUP, scales)
+        return lambda x: kernel(x.to(torch.bfloat16), packed, GROUP, scales).to(x.dtype) + bias
+    return linear
+
+
+def _mlp(mlp):
+    """The MLP as calls of _matmul: the module's own arithmetic, in its order."""
+    act = mlp.activation
+    if type(mlp) is GatedMLP:
+        down = _matmul(mlp.down)
+        if hasattr(mlp, "gate_up"):
+            gate_up = _matmul(mlp.gate_up)
+
+            def gated(x):
+                gate, up = gate_up(x).to(x.dtype).chunk(2, dim=-1)
+                return down(act(gate) * up)
+
+            return gated
+        gate, up = _matmul(mlp.gate), _matmul(mlp.up)
+        return lambda x: down(act(gate(x).to(x.dtype)) * up(x).to(x.dtype))
+    if type(mlp) is MLP:
+        fc_in, fc_out = _matmul(mlp.fc_in), _matmul(mlp.fc_out)
+        return lambda x: fc_out(act(fc_in(x).to(x.dtype)))
+    return mlp
+
+
+def _norm_of(norm):
+    """norm as one call; an RMSNorm of float32 vectors as torch's fused operation, which
+    gives the module's numbers bit for bit (tests/models/test_fast_step.py), in one call,
+    not eight."""
+    if norm is None:
+        return None
+    if type(norm) is RMSNorm and not norm.plus_one:
+        weight, shape, eps = norm.weight, norm.weight.shape, norm.eps
+
+        def rms(x):
+            if x.dtype == torch.float32:
+                return torch.rms_norm(x, shape, weight, eps)
+            return norm(x)
+
+        return rms
+    return norm
