@@ -1,26 +1,29 @@
-"""CPU benchmark of greedy decoding with SmolLM2-135M-Instruct (Q4_1 GGUF), qkv vs transformers.
+"""CPU benchmark of greedy decoding with SmolLM2-135M-Instruct (Q4_1 GGUF): qkv against
+transformers and llama.cpp.
 
-Two parts:
-1. Decoding speed. `qkv.load("smollm2").generate(prompt, N)` versus transformers'
-   `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` and
-   `model.generate(ids, max_new_tokens=N, min_new_tokens=N, do_sample=False)` on the same
-   prompt ids, float32, N new tokens (64; 16 with --quick); the time includes reading the
-   prompt. First both continuations are checked to be identical token for token (qkv's
-   tokens from `qkv.generate.decode_steps`, the loop `generate` runs). The prompt is one whose
-   greedy continuation holds no end-of-sequence token within 64 tokens, so both do the same
-   work. qkv runs twice: float32 (transformers' arithmetic) and int4 (`qkv.load("smollm2",
-   int4=True)`: the file's Q4_1 matrices kept in 4 bits, torch's CPU int4 kernel, inputs
-   rounded to bfloat16; a block's q, k, v stacked into one kernel call, and gate, up).
-   Beside them llama.cpp (llama-cpp-python, where installed) on the same file with the same
-   prompt ids and thread count, greedy, computing with its own Q4_1 and 8-bit arithmetic.
-   Targets (issue 18): qkv float32 >= 2x transformers with the same tokens, qkv's fastest
-   >= 3x transformers and >= 1x llama.cpp. Each is also set beside the memory-bandwidth
-   floor: its weights' bytes read once a token at the memory's measured read speed.
+Three parts:
+1. Decoding speed. `qkv.load("smollm2").generate(prompt, N)` as a user calls it (precision
+   "auto": the file's own 4-bit matrices in 4 bits, torch's CPU int4 kernel with inputs rounded
+   to bfloat16, the LM head in 8 bits; every token after the prompt's through FastStep), the
+   same with precision="loaded" (float32: transformers' arithmetic), transformers'
+   `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` and `model.generate(ids,
+   max_new_tokens=N, min_new_tokens=N, do_sample=False)` in float32 on the same prompt ids,
+   and llama.cpp (llama-cpp-python, where installed) on the same file with the same prompt
+   ids and thread count, greedy, computing with its own Q4_1 and 8-bit arithmetic. N new
+   tokens (64; 16 with --quick); each time includes reading the prompt. First the
+   continuations are compared token for token (qkv's from `qkv.generate.decode_steps`, the
+   loop `generate` runs). The prompt is one whose greedy continuation holds no
+   end-of-sequence token within 64 tokens, so all do the same work.
+   Targets (issue 18): the default >= 1x llama.cpp and >= 3x transformers; float32 >= 2x
+   transformers with its tokens. Each is also set beside the memory-bandwidth floor: its
+   weights' bytes read once a token at the memory's measured read speed.
 2. Loading. Each load runs in a fresh process that imports torch and the library first, then
    times only the load call; the process's wall time (interpreter start, imports and load) is
    reported too. qkv's cache of dequantized weights lives in a fresh temporary
    XDG_CACHE_HOME, so the first qkv load is cold; a second qkv process then finds it warm.
    Targets: qkv cold load <= 1/5 of transformers' load; qkv cached load < 2 s.
+3. Cold start: from starting `qkv generate PROMPT -n 4` (a fresh process, the cache warm) to
+   its first generated character on stdout. Target: within 2 s.
 
 Timing: warm-up calls, then the median of --repeats calls timed with time.perf_counter;
 the peers are interleaved call by call (in a rotating order) so drift in the machine affects
@@ -42,6 +45,7 @@ import sys
 import tempfile
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -86,42 +90,48 @@ def bench_decode(quick: bool, repeats: int, profile: bool) -> None:
     print(f"1. Greedy decoding: prompt of {T} tokens, {N} new tokens, batch 1")
     their_tokens = hf_generate()[0, T:].tolist()
     print(f"transformers' continuation: {ours.tokenizer.decode(their_tokens)!r}")
-    int4 = qkv.load("smollm2", int4=True)
     fns = {"transformers": hf_generate}
-    for name, model in (("qkv float32", ours), ("qkv int4", int4)):
-        tokens = [int(t) for t in decode_steps(model.model, ids, None, Sampling(), N)]
-        pairs = enumerate(zip(tokens, their_tokens, strict=True))
-        same = next((i for i, (a, b) in pairs if a != b), None)
-        text_ok = model.generate(PROMPT, N) == ours.tokenizer.decode(their_tokens)
-        verdict = f"yes ({N} of {N})" if same is None else f"NO, first difference at token {same}"
-        print(f"{name}: identical to transformers token for token: {verdict}; same text: {text_ok}")
-        fns[name] = partial(model.generate, PROMPT, N)
+    tokens_of = {}
+    for name, precision in (("qkv float32", "loaded"), ("qkv default", "auto")):
+        model, why = ours.generation_model(precision)
+        tokens_of[name] = [int(t) for t in decode_steps(model, ids, None, Sampling(), N)]
+        text_ok = ours.generate(PROMPT, N, precision=precision) == ours.tokenizer.decode(
+            tokens_of[name])  # fmt: skip
+        print(f"{name} ({why}): {agreement(tokens_of[name], their_tokens, N)} transformers' "
+              f"tokens; generate's text is these tokens': {text_ok}")  # fmt: skip
+        fns[name] = partial(ours.generate, PROMPT, N, precision=precision)
 
     llama = llama_cpp_decode(ids[0].tolist(), N)
     if llama is None:
         print("llama.cpp: llama_cpp is not installed (make bench installs it); not measured")
     else:
         fns["llama.cpp"], (tokens, version) = llama
-        pairs = enumerate(zip(tokens, their_tokens, strict=True))
-        same = next((i for i, (a, b) in pairs if a != b), None)
-        verdict = f"all {N}" if same is None else f"the first {same}"
+        ours_too = agreement(tokens, tokens_of["qkv default"], N)
         print(f"llama.cpp (llama-cpp-python {version}, the same file, its own Q4_1 and 8-bit "
-              f"arithmetic): {verdict} of its tokens are transformers' float32 ones")  # fmt: skip
+              f"arithmetic): {agreement(tokens, their_tokens, N)} transformers' float32 "
+              f"tokens; {ours_too} qkv default's")  # fmt: skip
 
     seconds = time_peers(fns, repeats)
     rate = {name: N / s for name, s in seconds.items()}
     for name in fns:
         print(f"{name:>12}: {rate[name]:7.2f} tokens/s  ({1e3 * seconds[name] / N:6.1f} ms/token)")
-    targets = [("qkv float32", "transformers", 2), ("qkv int4", "transformers", 3),
-               ("qkv int4", "llama.cpp", 1), ("qkv float32", "llama.cpp", 1)]  # fmt: skip
+    targets = [("qkv default", "llama.cpp", 1), ("qkv default", "transformers", 3),
+               ("qkv float32", "transformers", 2), ("qkv float32", "llama.cpp", 1)]  # fmt: skip
     for name, peer, target in targets:
         if peer in rate:
             ratio = rate[name] / rate[peer]
             verdict = "PASS" if ratio >= target else "MISS"
             print(f"{name}/{peer}: {ratio:.2f}x; target >= {target}x -> {verdict}")
-    floor(ours, int4, rate)
+    floor(ours, rate)
     if profile:
-        profile_decode(int4, N)
+        profile_decode(ours, N)
+
+
+def agreement(tokens: list[int], reference: list[int], N: int) -> str:
+    """'all 64 of' or 'the first 17 of': how many leading tokens agree."""
+    same = next((i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b),
+                None)  # fmt: skip
+    return f"all {N} of its tokens are" if same is None else f"the first {same} of its tokens are"
 
 
 def llama_cpp_decode(ids: list[int], N: int):
@@ -156,15 +166,15 @@ def read_per_token(model) -> int:
     return sum(t.numel() * t.element_size() for t in held.values())
 
 
-def floor(ours, int4, rate: dict) -> None:
+def floor(ours, rate: dict) -> None:
     """How far each is from reading every weight once per token at the memory's speed."""
     from timing import read_bandwidth
 
     bandwidth = read_bandwidth()
     path = embedded_path("smollm2")
-    sizes = {"qkv float32": read_per_token(ours.model),
+    sizes = {"qkv float32": read_per_token(ours.generation_model("loaded")[0]),
              "llama.cpp": path.stat().st_size,  # its weights as stored: Q4_1, the head 8-bit
-             "qkv int4": read_per_token(int4.model)}  # fmt: skip
+             "qkv default": read_per_token(ours.generation_model("auto")[0])}  # fmt: skip
     print(f"memory read {bandwidth:.1f} GB/s; the floor of a token is its weights read once:")
     for name, size in sizes.items():
         if name in rate:
@@ -247,6 +257,28 @@ def bench_load(quick: bool) -> None:
     print(f"qkv cached load: {cached:.2f} s; target < 2 s -> {'PASS' if cached < 2 else 'MISS'}")
 
 
+def bench_cold_start(quick: bool) -> None:
+    """Seconds from starting `qkv generate` to its first generated character, cache warm."""
+    qkv.load("smollm2")  # fills the cache of dequantized weights, if it is empty
+    command = [str(Path(sys.executable).with_name("qkv")), "generate", PROMPT, "-n", "4"]
+    times = []
+    for _ in range(1 if quick else 5):
+        start = time.perf_counter()
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as run:
+            seen = b""
+            while len(seen) <= len(PROMPT.encode()):  # the prompt is echoed first
+                byte = run.stdout.read(1)
+                if not byte:
+                    raise RuntimeError(f"qkv generate printed only {seen!r}")
+                seen += byte
+            times.append(time.perf_counter() - start)
+            run.wait()
+    first = statistics.median(times)
+    print(f"\n3. Cold start: `qkv generate` to its first generated character, cache warm, "
+          f"median of {len(times)}: {first:.2f} s; target <= 2 s -> "
+          f"{'PASS' if first <= 2 else 'MISS'}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 new tokens, one load round")
@@ -269,6 +301,7 @@ def main() -> None:
     )
     bench_decode(args.quick, repeats, args.profile)
     bench_load(args.quick)
+    bench_cold_start(args.quick)
 
 
 if __name__ == "__main__":

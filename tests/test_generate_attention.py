@@ -114,7 +114,9 @@ def test_without_record_the_forward_passes_record_nothing():
     hook = model.model.register_forward_hook(lambda _, __, out: seen.append(out.records))
     try:
         model.generate("the bank of the river", 4)
-        assert len(seen) == 4 and all(records == {} for records in seen)
+        # the prompt's forward pass records nothing; each later token runs FastStep, which
+        # keeps no records at all (tests/models/test_fast_step.py)
+        assert seen == [{}]
         seen.clear()
         model.generate("the bank of the river", 4, record=[1])
         assert [sorted(records) for records in seen] == [[1]] * 4

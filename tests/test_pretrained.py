@@ -170,7 +170,9 @@ def test_generation_decodes_the_files_own_four_bits_by_default(smollm2):
     with torch.no_grad():
         changed.model.blocks[3].mlp.down.weight[0, 0] += 1.0
     assert changed.generation_model() == (
-        changed.model, "the model as loaded (the model's weights have changed since it was loaded)")
+        changed.model,
+        "the model as loaded (the model's weights have changed since it was loaded)",
+    )
     with pytest.raises(ValueError, match="precision='int4' cannot be given here: the model's"):
         changed.generate(prompt, 2, precision="int4")
 
@@ -179,7 +181,9 @@ def test_precision_int4_is_refused_by_name_where_there_are_no_four_bits(minilm):
     with pytest.raises(ValueError, match="precision must be 'auto', 'loaded' or 'int4'"):
         minilm.generation_model("float16")
     assert minilm.generation_model() == (
-        minilm.model, "the model as loaded (minilm is not a .gguf file with 4-bit matrices)")
+        minilm.model,
+        "the model as loaded (minilm is not a .gguf file with 4-bit matrices)",
+    )
     with pytest.raises(ValueError, match="cannot be given here: minilm is not a .gguf file"):
         minilm.generation_model("int4")
 

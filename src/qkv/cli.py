@@ -142,8 +142,10 @@ def generate(
     int4: Annotated[bool, typer.Option(help="keep a .gguf file's 4-bit weights packed")] = False,
     precision: Annotated[
         str,
-        typer.Option(help="auto: a .gguf file's 4-bit matrices in 4 bits on the CPU; loaded: "
-                     "the weights as loaded (transformers' numbers); int4"),
+        typer.Option(
+            help="auto: a .gguf file's 4-bit matrices in 4 bits on the CPU; loaded: "
+            "the weights as loaded (transformers' numbers); int4"
+        ),
     ] = "auto",
     attention: Annotated[
         Path | None,

@@ -170,10 +170,8 @@ def _head(model: Decoder, head, bias, hidden: Tensor) -> Tensor:
     """The logits (B, vocab) of the last position's hidden vectors (B, C)."""
     if model.config.head_scale is not None:  # as Decoder.project: scaled before the head
         hidden = hidden * model.config.head_scale
-    if isinstance(head, torch.nn.Module):
-        logits = head(hidden)  # (B, vocab), its bias its own
-    else:
-        logits = hidden @ head.to(hidden.dtype)  # (B, vocab)
+    # (B, vocab): a module (a quantized head) adds its own bias
+    logits = head(hidden) if isinstance(head, torch.nn.Module) else hidden @ head.to(hidden.dtype)
     logits = logits if bias is None else logits + bias
     return cap_logits(logits, model.config.logit_softcap)
 

@@ -166,8 +166,10 @@ def test_cached_decoding_token_by_token_equals_the_full_forward(name, folders):
                 ours(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits
             )
     got = torch.cat(steps, dim=1)
-    torch.testing.assert_close(got[0], full[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(got[1, 3:], full[1, 3:], atol=1e-5, rtol=0)
+    # one query at a time sums in another order than all at once: float32 rounding apart
+    # (1.3e-5 on logits of 0.57 was seen), not a missing term
+    torch.testing.assert_close(got[0], full[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1, 3:], full[1, 3:], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", list(TINY))

@@ -21,8 +21,8 @@ CPU = torch.device("cpu")
 
 
 def config(position="rotary", **block) -> DecoderConfig:
-    extra = {k: block.pop(k) for k in ("rope_dims", "layer_types", "local_rope_base",
-                                       "rope_layers", "embed_scale_rounded") if k in block}  # fmt: skip
+    stack = ("rope_dims", "layer_types", "local_rope_base", "rope_layers", "embed_scale_rounded")
+    extra = {k: block.pop(k) for k in stack if k in block}
     return DecoderConfig(vocab_size=VOCAB, num_layers=2, position=position, **extra,
                          block=BlockConfig(**{"width": 32, "num_heads": 4, **block}))  # fmt: skip
 
@@ -32,14 +32,30 @@ KINDS = {
     "qwen2": config(num_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False, qkv_bias=True),
     "gpt2": config("learned", fused_qkv=True, mlp="gelu"),
     "neox": config(parallel=True, rope_dims=4, mlp="gelu"),
-    "gemma3": config(num_kv_heads=1, head_dim=16, norm="rmsnorm_plus1", sublayer_norm=True,
-                     qk_norm="head", mlp="geglu_tanh", bias=False, window=3,
-                     layer_types=("sliding", "full"), local_rope_base=10.0,
-                     embed_scale_rounded=True),  # fmt: skip
-    "olmo2": config(norm="rmsnorm", norm_position="none", sublayer_norm=True, qk_norm="full",
-                    mlp="swiglu", bias=False),  # fmt: skip
-    "smollm3": config(num_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False,
-                      rope_layers=(True, False)),  # fmt: skip
+    "gemma3": config(
+        num_kv_heads=1,
+        head_dim=16,
+        norm="rmsnorm_plus1",
+        sublayer_norm=True,
+        qk_norm="head",
+        mlp="geglu_tanh",
+        bias=False,
+        window=3,
+        layer_types=("sliding", "full"),
+        local_rope_base=10.0,
+        embed_scale_rounded=True,
+    ),
+    "olmo2": config(
+        norm="rmsnorm",
+        norm_position="none",
+        sublayer_norm=True,
+        qk_norm="full",
+        mlp="swiglu",
+        bias=False,
+    ),
+    "smollm3": config(
+        num_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False, rope_layers=(True, False)
+    ),
 }
 
 
@@ -115,9 +131,9 @@ def test_what_it_cannot_run_is_refused_by_name_and_decoded_by_forward():
     training = built(KINDS["llama"]).train()
     assert "training" in fast_step_refusal(training, CPU)
     assert "CPU" in fast_step_refusal(built(KINDS["llama"]), torch.device("meta"))
-    seq2seq = EncoderDecoder(EncoderDecoderConfig(vocab_size=VOCAB, encoder_layers=1,
-                                                  decoder_layers=1,
-                                                  block=BlockConfig(width=16, num_heads=2)))  # fmt: skip
+    pair = EncoderDecoderConfig(vocab_size=VOCAB, encoder_layers=1, decoder_layers=1,
+                                block=BlockConfig(width=16, num_heads=2))  # fmt: skip
+    seq2seq = EncoderDecoder(pair)
     assert "cross-attention" in fast_step_refusal(seq2seq.decoder, CPU)
     # a refused model still decodes, through Decoder.forward
     ids = torch.tensor([[1, 2, 3]])

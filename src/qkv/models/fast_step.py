@@ -14,6 +14,8 @@ that `auto` picks for it on the CPU. `fast_step_refusal` names what it does not 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -90,13 +92,16 @@ class FastStep:
         if positions is None:
             positions = torch.full((1,), at, dtype=torch.long, device=token.device)
         x = model.embed(token[:, None], positions)[:, 0]  # (B, C)
-        turns = {}  # each rotary embedding's (cos, sin) of these positions, made once
+        turns = {}  # each rotary embedding's turn of these positions, made once a step
         for rotary in {id(r): r for r in (model.rotary.full, model.rotary.local) if r}.values():
             cos, sin = rotary.cos_sin(positions, x.dtype)  # (1, d) or (B, 1, d)
+            if cos.dim() == 3:  # (B, 1, 1, d), for queries and keys (B, H, 1, D)
+                cos, sin = cos[:, None], sin[:, None]
             half = sin.shape[-1] // 2
             # rotate_half(x) * sin is roll(x) * [-sin | sin]: the same products, one operation
             signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-            turns[id(rotary)] = (cos, sin, signed, rotary.dims == rotary.head_dim)
+            whole = rotary.dims == rotary.head_dim  # roll turns whole heads only
+            turns[id(rotary)] = _Turn(Rotation(cos, sin), signed if whole else None)
         where = torch.tensor([at], device=token.device)
         self.length = length = at + 1
         for i, layer in enumerate(self.layers):
@@ -120,14 +125,11 @@ class FastStep:
         int4 output projection's in bfloat16."""
         B, dtype = h.shape[0], h.dtype
         H, Hkv, D = layer.heads, layer.kv_heads, layer.head_dim
-        if layer.joint and turn is not None and turn[3]:
+        if layer.joint and turn is not None and turn.signed is not None:
             # q and k side by side in one projection's output: turned by one call
             qkv = layer.qkv(h).to(dtype)  # (B, (H + 2 Hkv) D)
-            cos, _, signed, _ = turn  # (1, D) or (B, 1, D)
-            if cos.dim() == 3:
-                cos, signed = cos[:, None], signed[:, None]  # (B, 1, 1, D)
             qk = qkv[:, : (H + Hkv) * D].view(B, H + Hkv, 1, D)
-            qk = qk * cos + qk.roll(D // 2, -1) * signed  # (B, H + Hkv, 1, D)
+            qk = qk * turn.rotation.cos + qk.roll(D // 2, -1) * turn.signed  # (B, H + Hkv, 1, D)
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :]
         else:
             if layer.qkv is not None:
@@ -136,9 +138,7 @@ class FastStep:
                 q, k, v = (f(h).to(dtype) for f in layer.q_k_v)
             q, k = layer.attn._normed(q[:, None], k[:, None])  # (B, H, 1, D), (B, Hkv, 1, D)
             if turn is not None:
-                rotation = Rotation(*turn[:2]) if turn[0].dim() == 2 else Rotation(
-                    turn[0][:, None], turn[1][:, None])  # (B, 1, 1, d) for (B, 1) positions
-                q, k = rotation.apply(q), rotation.apply(k)
+                q, k = turn.rotation.apply(q), turn.rotation.apply(k)
         keys, values = self.keys[i], self.values[i]
         keys.index_copy_(2, where, k)
         values.index_copy_(2, where, v.view(B, Hkv, 1, D))
@@ -149,6 +149,14 @@ class FastStep:
             scale=layer.scale, enable_gqa=layer.gqa,
         )  # fmt: skip
         return layer.out(out.view(B, H * D))
+
+
+class _Turn(NamedTuple):
+    """A rotary embedding's turn of one step's positions: its Rotation, and [-sin | sin]
+    where it turns whole heads (None where it turns part of each)."""
+
+    rotation: Rotation
+    signed: Tensor | None
 
 
 class _Layer:
