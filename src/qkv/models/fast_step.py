@@ -109,33 +109,33 @@ class FastStep:
             turn = None if layer.rotary is None else turns[id(layer.rotary)]
             out = self._attend(layer, h, i, where, length, turn)
             if layer.attn_out_norm is not None:
-                out = layer.attn_out_norm(out.to(x.dtype))
+                out = layer.attn_out_norm(_widened(out, x.dtype))
             if layer.parallel:  # x + attention(norm(x)) + mlp(norm'(x)), as _Block does
                 x = x + out + layer.mlp(layer.mlp_norm(x))
                 continue
             x = x + out  # a bfloat16 `out` (an int4 product) is widened by the sum, exactly
             out = layer.mlp(x if layer.mlp_norm is None else layer.mlp_norm(x))
             if layer.mlp_out_norm is not None:
-                out = layer.mlp_out_norm(out.to(x.dtype))
+                out = layer.mlp_out_norm(_widened(out, x.dtype))
             x = x + out
         return x if self.norm is None else self.norm(x)
 
     def _attend(self, layer: _Layer, h: Tensor, i: int, where: Tensor, length: int, turn):
         """Attention's output (B, C) for h (B, C), its key and value cached at `where`; an
         int4 output projection's in bfloat16."""
-        B, dtype = h.shape[0], h.dtype
+        B = h.shape[0]
         H, Hkv, D = layer.heads, layer.kv_heads, layer.head_dim
         if layer.joint and turn is not None and turn.signed is not None:
             # q and k side by side in one projection's output: turned by one call
-            qkv = layer.qkv(h).to(dtype)  # (B, (H + 2 Hkv) D)
+            qkv = layer.qkv(h)  # (B, (H + 2 Hkv) D)
             qk = qkv[:, : (H + Hkv) * D].view(B, H + Hkv, 1, D)
             qk = qk * turn.rotation.cos + qk.roll(D // 2, -1) * turn.signed  # (B, H + Hkv, 1, D)
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, (H + Hkv) * D :]
         else:
             if layer.qkv is not None:
-                q, k, v = layer.qkv(h).to(dtype).split(layer.sizes, dim=-1)
+                q, k, v = layer.qkv(h).split(layer.sizes, dim=-1)
             else:
-                q, k, v = (f(h).to(dtype) for f in layer.q_k_v)
+                q, k, v = (f(h) for f in layer.q_k_v)
             q, k = layer.attn._normed(q[:, None], k[:, None])  # (B, H, 1, D), (B, Hkv, 1, D)
             if turn is not None:
                 q, k = turn.rotation.apply(q), turn.rotation.apply(k)
@@ -167,8 +167,9 @@ class _Layer:
         self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.scale, self.window, self.qk_norm = attn.scale, attn.window, attn.qk_norm
         self.rotary = rotary
-        self.qkv = _matmul(attn.qkv) if hasattr(attn, "qkv") else None
-        self.q_k_v = None if self.qkv else (_matmul(attn.q), _matmul(attn.k), _matmul(attn.v))
+        self.qkv = _matmul(attn.qkv, widen=True) if hasattr(attn, "qkv") else None
+        self.q_k_v = None if self.qkv else tuple(_matmul(m, widen=True) for m in
+                                                 (attn.q, attn.k, attn.v))  # fmt: skip
         self.sizes, self.gqa = attn.sizes, self.heads != self.kv_heads
         self.joint = self.qkv is not None and self.qk_norm is None  # q, k turned as one
         self.out = _matmul(attn.out)
@@ -179,19 +180,27 @@ class _Layer:
         self.mlp = _mlp(block.mlp)
 
 
-def _matmul(linear):
-    """x (B, K) -> x @ W.T (+ bias): a Linear as one call, an Int4Linear as torch's kernel
-    (its output left in bfloat16 unless it has a bias); anything else as its module."""
+def _matmul(linear, widen: bool = False):
+    """x (B, K) -> x @ W.T (+ bias): a Linear as one call, an Int4Linear as torch's kernel,
+    its bfloat16 output widened to x's dtype where `widen` asks or it has a bias (a residual
+    sum widens it, exactly, by itself); anything else as its module."""
     if type(linear) is torch.nn.Linear:
         weight, bias = linear.weight, linear.bias
         return lambda x: F.linear(x, weight, bias)
     if type(linear) is Int4Linear:
         packed, scales, bias = linear.packed, linear.scales_and_zeros, linear.bias
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
-        if bias is None:
-            return lambda x: kernel(x.to(torch.bfloat16), packed, GROUP, scales)
-        return lambda x: kernel(x.to(torch.bfloat16), packed, GROUP, scales).to(x.dtype) + bias
+        if bias is not None:
+            return lambda x: _widened(kernel(x.bfloat16(), packed, GROUP, scales), x.dtype) + bias
+        if widen:
+            return lambda x: _widened(kernel(x.bfloat16(), packed, GROUP, scales), x.dtype)
+        return lambda x: kernel(x.bfloat16(), packed, GROUP, scales)
     return linear
+
+
+def _widened(y: Tensor, dtype: torch.dtype) -> Tensor:
+    """y in dtype; .float() costs a microsecond less than .to(torch.float32)."""
+    return y.float() if dtype is torch.float32 else y.to(dtype)
 
 
 def _mlp(mlp):
@@ -200,18 +209,18 @@ def _mlp(mlp):
     if type(mlp) is GatedMLP:
         down = _matmul(mlp.down)
         if hasattr(mlp, "gate_up"):
-            gate_up = _matmul(mlp.gate_up)
+            gate_up = _matmul(mlp.gate_up, widen=True)
 
             def gated(x):
-                gate, up = gate_up(x).to(x.dtype).chunk(2, dim=-1)
+                gate, up = gate_up(x).chunk(2, dim=-1)
                 return down(act(gate) * up)
 
             return gated
-        gate, up = _matmul(mlp.gate), _matmul(mlp.up)
-        return lambda x: down(act(gate(x).to(x.dtype)) * up(x).to(x.dtype))
+        gate, up = _matmul(mlp.gate, widen=True), _matmul(mlp.up, widen=True)
+        return lambda x: down(act(gate(x)) * up(x))
     if type(mlp) is MLP:
-        fc_in, fc_out = _matmul(mlp.fc_in), _matmul(mlp.fc_out)
-        return lambda x: fc_out(act(fc_in(x).to(x.dtype)))
+        fc_in, fc_out = _matmul(mlp.fc_in, widen=True), _matmul(mlp.fc_out)
+        return lambda x: fc_out(act(fc_in(x)))
     return mlp
 
 
