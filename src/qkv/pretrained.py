@@ -63,7 +63,23 @@ class Attentions:
     def weights(self) -> Tensor:
         """(L', H', Tq, Tk) float32 for `layers` and `heads`: row i is query token i's
         attention over the keys (T x T over one text)."""
-        return torch.stack([self.records[layer].weights(self.heads)[0] for layer in self.layers])
+        from qkv.attention.eager import compute_dtype, weights_into
+
+        out = None  # filled a layer at a time: never two copies of the weights at once
+        for i, layer in enumerate(self.layers):
+            record = self.records[layer]
+            if out is None:
+                s = record.shape
+                out = record.q.new_empty(len(self.layers), len(self.heads), s.Tq, s.Tk,
+                                         dtype=compute_dtype(record.q.dtype))  # fmt: skip
+            plain = (record.lse is None and record.mask is None and record.window is None
+                     and record.softcap is None and record.bias is None)  # fmt: skip
+            if plain and record.q.shape[0] == 1 and self.heads == list(range(record.shape.H)):
+                weights_into(out[i], record.q, record.k, causal=record.causal,
+                             scale=record.scale)  # fmt: skip
+            else:
+                out[i] = record.weights(self.heads)[0]  # (H', Tq, Tk)
+        return out
 
     @property
     def scale(self) -> float:

@@ -233,3 +233,27 @@ def test_unknown_backend_and_bad_scale_list_what_is_allowed():
     assert set(backend_names()) >= {"loop", "eager", "sdpa", "auto"}
     with pytest.raises(ValueError, match="scale must be a positive"):
         attend(q, k, v, scale=-1.0)
+
+
+@pytest.mark.parametrize(
+    ("H", "Hkv", "Tq", "Tk", "causal", "dtype"),
+    [
+        (9, 3, 64, 64, True, torch.float32),  # SmolLM2's grouping, one text
+        (4, 4, 7, 7, False, torch.float32),
+        (6, 2, 5, 9, True, torch.float64),  # fewer queries than keys: aligned to the end
+        (4, 2, 9, 5, True, torch.float32),  # more: the first queries see no key
+    ],
+)
+def test_weights_into_fills_its_tensor_with_eagers_weights(H, Hkv, Tq, Tk, causal, dtype):
+    """`Attentions.weights`' way: each layer's weights made in place in the one output."""
+    gen = torch.Generator().manual_seed(H * Tq + Tk)
+    q = torch.randn(1, H, Tq, 16, generator=gen, dtype=dtype)
+    k = torch.randn(1, Hkv, Tk, 16, generator=gen, dtype=dtype)
+    want = eager_backend.attention_weights(q, k, causal=causal, scale=0.3)[0]
+    out = torch.full((H, Tq, Tk), float("nan"), dtype=dtype)
+    assert eager_backend.weights_into(out, q, k, causal=causal, scale=0.3) is out
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-7)  # the last bit may differ
+    if causal and Tq > Tk:
+        assert bool((out[:, : Tq - Tk] == 0).all())  # blind rows are zeros, not NaN
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        eager_backend.weights_into(out.transpose(1, 2), q, k, causal=causal, scale=0.3)

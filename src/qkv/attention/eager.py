@@ -57,6 +57,33 @@ def _weights(
     return weights_from_scores(scores, allowed_keys(mask, causal, Tq, Tk, q.device))
 
 
+def weights_into(out: Tensor, q: Tensor, k: Tensor, *, causal: bool, scale: float) -> Tensor:
+    """`attention_weights(q, k, causal=causal, scale=scale)[0]` of one sequence, q (1, H, Tq,
+    D) and k (1, Hkv, Tk, D), computed in `out` (H, Tq, Tk, the compute dtype): the same
+    products, hidden-key score and softmax, with no other tensor of out's size beside it
+    (`Attentions.weights` fills every layer's this way: 1.1 GB for SmolLM2 at 1,024 tokens).
+    One matrix product per key head, not per query head, so a weight may differ from
+    attention_weights' in its last bit (the products summed in another blocking).
+    """
+    _, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    dtype = compute_dtype(q.dtype)
+    if out.shape != (H, Tq, Tk) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous ({H}, {Tq}, {Tk}) {dtype} tensor")
+    # (Hkv, group * Tq, D): query head h = kv * group + g reads key head kv, as in _weights
+    queries = (q[0].to(dtype) * scale).reshape(Hkv, H // Hkv * Tq, D)
+    torch.bmm(queries, k[0].to(dtype).transpose(-1, -2), out=out.view(Hkv, -1, Tk))
+    allowed = allowed_keys(None, causal, Tq, Tk, q.device)
+    if allowed is not None:
+        out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    torch.softmax(out, dim=-1, out=out)
+    if allowed is not None:
+        blind = ~allowed.any(dim=-1, keepdim=True)  # (Tq, 1): queries that see no key
+        if blind.any():
+            out.masked_fill_(blind, 0.0)
+    return out
+
+
 def forward(
     q: Tensor,
     k: Tensor,
