@@ -177,6 +177,23 @@ def test_generation_decodes_the_files_own_four_bits_by_default(smollm2):
         changed.generate(prompt, 2, precision="int4")
 
 
+def test_a_gguf_file_written_again_after_loading_is_not_read_for_its_four_bits(tmp_path):
+    """The 4-bit copy is made on first use, from the file: a file written since the load
+    may hold other matrices, so generate decodes the model as loaded instead."""
+    import os
+    import shutil
+
+    path = tmp_path / "smollm2.gguf"
+    shutil.copyfile(embedded_path("smollm2"), path)
+    model = qkv.load(path)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    assert model.generation_model() == (
+        model.model,
+        "the model as loaded (smollm2.gguf has changed on disk since it was loaded)",
+    )
+
+
 def test_precision_int4_is_refused_by_name_where_there_are_no_four_bits(minilm):
     with pytest.raises(ValueError, match="precision must be 'auto', 'loaded' or 'int4'"):
         minilm.generation_model("float16")

@@ -152,8 +152,10 @@ class Pretrained:
         self.family, self.hf_config, self.source = family, hf_config, source
         self.pooling = pooling
         self.run = None  # a training run's RunConfig, when loaded from a run folder
-        # a .gguf file whose 4-bit matrices this model holds dequantized (set by `load`)
+        # a .gguf file whose 4-bit matrices this model holds dequantized, and its size and
+        # modification time when it was read (set by `load`)
         self.four_bit_file: Path | None = None
+        self._four_bit_stamp: tuple | None = None
         # generate's 4-bit copy, made on first use, and the model's weights it was made from
         self._int4: tuple[nn.Module, tuple] | None = None
 
@@ -230,6 +232,11 @@ class Pretrained:
                 + (f"{self.source} is an encoder-decoder" if seq2seq else
                    f"{len(prompts)} prompts were given: generate them one at a time")
             )  # fmt: skip
+        # what each step reads, checked before anything is encoded (an encoder-decoder's is
+        # always the model as loaded: no .gguf file holds one)
+        model, _ = self.generation_model(
+            "loaded" if record is not None and precision == "auto" else precision
+        )
         if seq2seq:
             return self._translate(prompts, sampling, max_new_tokens, list(stop), stream)
         if chat:
@@ -249,9 +256,6 @@ class Pretrained:
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} exceeds "
                 f"{self.source}'s context window of {self.context_window} tokens"
             )
-        model, _ = self.generation_model(
-            "loaded" if record is not None and precision == "auto" else precision
-        )
         if record is not None:
             return self._generate_recorded(model, ids, Recording.of(record), sampling,
                                            max_new_tokens, list(stop), stream)  # fmt: skip
@@ -297,6 +301,8 @@ class Pretrained:
         if self._int4 is not None and self._int4[1] != _weights_state(self.model):
             # the file's 4-bit matrices are no longer this model's weights
             return "the model's weights have changed since it was loaded"
+        if self._int4 is None and _stamp(self.four_bit_file) != self._four_bit_stamp:
+            return f"{self.four_bit_file.name} has changed on disk since it was loaded"
         return None
 
     def _int4_loaded(self) -> bool:
@@ -548,6 +554,17 @@ class Pretrained:
                     self.tokenizer)  # fmt: skip
 
 
+def _stamp(path: Path | None) -> tuple | None:
+    """A file's size and modification time: what tells that it was written again."""
+    if path is None:
+        return None
+    try:
+        stat = path.stat()
+    except OSError:
+        return ("gone",)
+    return stat.st_size, stat.st_mtime_ns
+
+
 def _weights_state(model: nn.Module) -> tuple:
     """Which tensors the model's weights are and how often each was written in place: any
     change to them (an optimizer step, a load_state_dict, a swapped parameter) changes it."""
@@ -638,6 +655,7 @@ def load(
                             hf_config=loaded.hf_config, source=loaded.source,
                             pooling=loaded.pooling)  # fmt: skip
     pretrained.four_bit_file = loaded.four_bit_file
+    pretrained._four_bit_stamp = _stamp(loaded.four_bit_file)
     if loaded.run is not None:
         # io finds a run's checkpoint; its RunConfig is train's to parse (io never imports train)
         from qkv.io.runs import CONFIG
