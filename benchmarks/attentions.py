@@ -118,7 +118,7 @@ def main() -> None:
         f"transformers {transformers.__version__}; load average {os.getloadavg()[0]:.2f}"
     )
     print(f"each cell the faster of {REPEATS} runs in a fresh process after a 128-token "
-          "warm-up; peak = max RSS, 'above' = peak less the loaded, warmed-up model's RSS\n")  # fmt: skip
+          "warm-up; peak = max RSS, 'above' = peak less the loaded model's RSS\n")  # fmt: skip
     print(f"{'T':>5} {'qkv s':>7} {'peer s':>7} {'speed':>7} {'qkv MB':>7} {'above':>6} "
           f"{'peer MB':>7} {'above':>6} {'memory':>7}  largest difference")  # fmt: skip
     for T in [int(n) for n in args.lengths.split(",")]:

@@ -10,7 +10,9 @@ Three parts:
    max_new_tokens=N, min_new_tokens=N, do_sample=False)` in float32 on the same prompt ids,
    and llama.cpp (llama-cpp-python, where installed) on the same file with the same prompt
    ids and thread count, greedy, computing with its own Q4_1 and 8-bit arithmetic. N new
-   tokens (64; 16 with --quick); each time includes reading the prompt. First the
+   tokens (64; 16 with --quick); each time includes reading the prompt (llama-cpp-python
+   would keep the cache of a prompt it read before: it is reset, so that it reads it too),
+   and each token's time after the prompt is given apart. First the
    continuations are compared token for token (qkv's from `qkv.generate.decode_steps`, the
    loop `generate` runs). The prompt is one whose greedy continuation holds no
    end-of-sequence token within 64 tokens, so all do the same work.
@@ -122,9 +124,24 @@ def bench_decode(quick: bool, repeats: int, profile: bool) -> None:
             ratio = rate[name] / rate[peer]
             verdict = "PASS" if ratio >= target else "MISS"
             print(f"{name}/{peer}: {ratio:.2f}x; target >= {target}x -> {verdict}")
+    if llama is not None:
+        after_the_prompt(ours, ids, seconds, repeats, N)
     floor(ours, rate)
     if profile:
         profile_decode(ours, N)
+
+
+def after_the_prompt(ours, ids, seconds: dict, repeats: int, N: int) -> None:
+    """Each new token's time once the prompt is read: (N tokens' time - 1 token's) / (N - 1),
+    the 1-token calls timed like the N-token ones (the prompt read, then one token)."""
+    one_token = {"qkv default": partial(ours.generate, PROMPT, 1),
+                 "llama.cpp": llama_cpp_decode(ids[0].tolist(), 1)[0]}  # fmt: skip
+    first = time_peers(one_token, repeats)
+    each = {name: (seconds[name] - first[name]) / (N - 1) for name in one_token}
+    print(f"reading the prompt and the first token: qkv default {1e3 * first['qkv default']:.1f}"
+          f" ms, llama.cpp {1e3 * first['llama.cpp']:.1f} ms; each token after: qkv default "
+          f"{1e3 * each['qkv default']:.2f} ms, llama.cpp {1e3 * each['llama.cpp']:.2f} ms "
+          f"({each['llama.cpp'] / each['qkv default']:.2f}x)")  # fmt: skip
 
 
 def agreement(tokens: list[int], reference: list[int], N: int) -> str:
@@ -145,6 +162,9 @@ def llama_cpp_decode(ids: list[int], N: int):
                           n_threads=CORES, n_threads_batch=CORES, verbose=False)  # fmt: skip
 
     def decode() -> list[int]:
+        # generate(reset=True) keeps the cache of a prompt it has read before and reads only
+        # what follows it; qkv reads the prompt on every call, so llama.cpp does too
+        llm.reset()
         out = []
         for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
             out.append(int(token))
