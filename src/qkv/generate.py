@@ -17,7 +17,7 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.decoder import cap_logits
-from qkv.models.fast_step import FastStep, fast_step_refusal
+from qkv.models.fast_step import FastStep, fast_step_refusal, head_of
 from qkv.nn import AttentionRecord
 
 
@@ -88,10 +88,17 @@ def decode_steps(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)
+    # each token after the prompt's through FastStep, where it computes what forward does
+    use_fast = keep is None and max_new_tokens > 1
+    use_fast = use_fast and fast_step_refusal(model, input_ids.device) is None
     # The LM head reads the largest matrix once per token; stored (C, vocab) it is read in
-    # memory order, about twice as fast at one row as the (vocab, C) Linear weight.
+    # memory order, about twice as fast at one row as the (vocab, C) Linear weight, and in
+    # oneDNN's layout (FastStep's) faster still.
     head, bias = model.lm_head, None  # a quantized head (int4 models) computes itself
-    if isinstance(head, torch.nn.Linear):
+    packed = head_of(model) if use_fast else None
+    if packed is not None:
+        head = packed
+    elif isinstance(head, torch.nn.Linear):
         head, bias = head.weight.detach().t().contiguous(), head.bias  # (C, vocab)
     cache = model.new_cache()
     positions = None
@@ -102,8 +109,8 @@ def decode_steps(
         attention_mask = None  # nothing padded: the faster unmasked path
     logits = _next_logits(model, head, bias, input_ids, attention_mask, positions, cache,
                           layers, keep)  # fmt: skip
-    fast = None  # each fed-back token through FastStep, where it computes what forward does
-    if keep is None and max_new_tokens > 1 and fast_step_refusal(model, input_ids.device) is None:
+    fast = None
+    if use_fast:
         fast = FastStep(model, cache, input_ids.shape[1] + max_new_tokens, attention_mask)
     for step in range(max_new_tokens):
         token = sampling.pick(logits, generator)  # (B,)
@@ -170,8 +177,8 @@ def _head(model: Decoder, head, bias, hidden: Tensor) -> Tensor:
     """The logits (B, vocab) of the last position's hidden vectors (B, C)."""
     if model.config.head_scale is not None:  # as Decoder.project: scaled before the head
         hidden = hidden * model.config.head_scale
-    # (B, vocab): a module (a quantized head) adds its own bias
-    logits = head(hidden) if isinstance(head, torch.nn.Module) else hidden @ head.to(hidden.dtype)
+    # (B, vocab): a module or a function (a quantized or a packed head) adds its own bias
+    logits = hidden @ head.to(hidden.dtype) if isinstance(head, Tensor) else head(hidden)
     logits = logits if bias is None else logits + bias
     return cap_logits(logits, model.config.logit_softcap)
 

@@ -269,7 +269,8 @@ class Pretrained:
         stay 4-bit, its LM head 8-bit, as `load(..., int4=True)` makes it; it shares every
         other tensor with the model and is made once, on first use. "auto" takes it where
         the model was loaded from such a file onto the CPU and this torch has the int4
-        kernel; "loaded" is the model itself.
+        kernel, and the model's weights have not changed since (any write torch counts: see
+        `_weights_state`); "loaded" is the model itself.
         """
         if precision not in ("auto", "loaded", "int4"):
             raise ValueError(f"precision must be 'auto', 'loaded' or 'int4', got {precision!r}")
@@ -566,15 +567,16 @@ def _stamp(path: Path | None) -> tuple | None:
 
 
 def _weights_state(model: nn.Module) -> tuple:
-    """Which tensors the model's weights are and how often each was written in place: any
-    change to them (an optimizer step, a load_state_dict, a swapped parameter) changes it."""
+    """Which tensors the model's weights are, where their memory is and how often each was
+    written in place: an optimizer step, a load_state_dict, a swapped parameter or its
+    `.data` replaced change it. (A write into `p.data` itself is counted nowhere in torch.)"""
     state = []
     for p in model.parameters():
         try:
             version = p._version
         except RuntimeError:  # an inference tensor keeps no count: never taken as unchanged
             version = object()
-        state.append((id(p), version))
+        state.append((id(p), p.data_ptr(), version))
     return tuple(state)
 
 

@@ -141,3 +141,18 @@ def test_what_it_cannot_run_is_refused_by_name_and_decoded_by_forward():
     with torch.inference_mode():
         first = capped(ids).logits[0, -1].argmax()
     assert tokens[0] == int(first) and len(tokens) == 3
+
+
+def test_each_generation_reads_the_weights_as_they_are_now(monkeypatch):
+    """float32 matrices are copied into oneDNN's layout for each generation, never kept past
+    it: a write torch counts nowhere (through .data) is seen by the next generation."""
+    model = built(KINDS["llama"], torch.float32)
+    ids = torch.randint(VOCAB, (1, 4), generator=torch.Generator().manual_seed(4))
+    before = [int(t) for t in decode_steps(model, ids, None, Sampling(), 6)]
+    with torch.no_grad():
+        for block in model.blocks:
+            block.mlp.down.weight.data.copy_(torch.randn_like(block.mlp.down.weight) * 3)
+    after = [int(t) for t in decode_steps(model, ids, None, Sampling(), 6)]
+    monkeypatch.setattr(generate, "fast_step_refusal", lambda *a: "off")
+    assert after == [int(t) for t in decode_steps(model, ids, None, Sampling(), 6)]
+    assert after != before  # the write changed the continuation
