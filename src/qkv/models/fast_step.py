@@ -4,12 +4,15 @@ plain decoder, its keys and values written into a cache allocated once.
 Decoding reads every weight once per token, and on a CPU each operation torch runs costs
 microseconds of its own besides: SmolLM2's 30 blocks through `Decoder.forward` are about
 1,100 operations a token, and half its time went to them, not to the weights. `FastStep`
-runs the same block modules (norms, projections, MLPs, rotary tables: the same weights and
-the same arithmetic) but none of what a step of generation never needs: records, edits,
-resumes, hidden states, the checks of `attend`, a cache that grows by doubling. The
-attention of one query over its cached keys is torch's fused function, the `sdpa` backend
-that `auto` picks for it on the CPU. `fast_step_refusal` names what it does not handle, and
-`decode_steps` then takes `Decoder.forward`, the trusted path that the tests hold it to.
+runs the same block modules' weights and arithmetic (norms, projections, MLPs, rotary
+tables) but none of what a step of generation never needs: records, edits, resumes, hidden
+states, the checks of `attend`, a cache that grows by doubling. The attention of one query
+over its cached keys is torch's fused function, the `sdpa` backend that `auto` picks for it
+on the CPU. Float32 matrices are read from a copy in oneDNN's blocked layout, made for the
+generation (`_packed`), a block's q, k, v and its gate and up stacked into one product each:
+the same products, summed in another order. `fast_step_refusal` names what it does not
+handle, and `decode_steps` then takes `Decoder.forward`, the trusted path that the tests
+hold it to (tests/models/test_fast_step.py).
 """
 
 from __future__ import annotations
