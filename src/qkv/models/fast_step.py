@@ -281,9 +281,9 @@ def _mlp(mlp):
 
 
 def _norm_of(norm):
-    """norm as one call; an RMSNorm of float32 vectors as torch's fused operation, which
-    gives the module's numbers bit for bit (tests/models/test_fast_step.py), in one call,
-    not eight."""
+    """norm as one call; an RMSNorm of float32 vectors as `torch.rms_norm`, which gives the
+    module's numbers bit for bit (tests/models/test_fast_step.py) in one call from Python
+    where the module makes eight."""
     if norm is None:
         return None
     if type(norm) is RMSNorm and not norm.plus_one:
