@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from long_text import peak_mb, rss_mb, token_ids
+from long_text import eager_peer, peak_mb, rss_mb, token_ids
 from timing import CORES, machine
 
 REPEATS = 2
@@ -55,14 +55,7 @@ def run_qkv(T: int) -> dict:
 
 
 def run_peer(T: int) -> dict:
-    import transformers
-
-    from qkv.io.embedded import embedded_path
-
-    path = embedded_path("smollm2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    model = eager_peer()
     ids = {n: torch.tensor([token_ids(n)]) for n in (128, T)}
 
     def once(n: int):

@@ -93,15 +93,21 @@ def run_qkv(T: int) -> dict:
             "check": float(summary.entropy[-1, 0].mean())}  # fmt: skip
 
 
-def run_peer(T: int) -> dict:
+def eager_peer():
+    """transformers' SmolLM2 from the embedded GGUF file, eager attention (the one that
+    returns weights), float32: the peer of this file and of attentions.py."""
     import transformers
 
     from qkv.io.embedded import embedded_path
 
     path = embedded_path("smollm2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    return transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+
+
+def run_peer(T: int) -> dict:
+    model = eager_peer()
     ids = {n: torch.tensor([token_ids(n)]) for n in (128, T)}
 
     def once(n: int):
