@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import time
 
 import torch
 
-from long_text import eager_peer, peak_mb, rss_mb, token_ids
+from long_text import eager_peer, measure, peak_mb, rss_mb, token_ids
 from timing import CORES, machine
 
 REPEATS = 2
@@ -84,15 +82,6 @@ def faster(once, T: int):
     return best, result
 
 
-def measure(side: str, T: int) -> dict:
-    found = subprocess.run([sys.executable, __file__, "--one", side, "--length", str(T)],
-                           capture_output=True, text=True, check=False)  # fmt: skip
-    if found.returncode != 0:
-        last = (found.stderr.strip().splitlines() or ["killed"])[-1]
-        return {"error": f"failed (exit {found.returncode}): {last[:160]}"}
-    return json.loads(found.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="512,1024")
@@ -115,7 +104,7 @@ def main() -> None:
     print(f"{'T':>5} {'qkv s':>7} {'peer s':>7} {'speed':>7} {'qkv MB':>7} {'above':>6} "
           f"{'peer MB':>7} {'above':>6} {'memory':>7}  largest difference")  # fmt: skip
     for T in [int(n) for n in args.lengths.split(",")]:
-        ours, theirs = measure("qkv", T), measure("peer", T)
+        ours, theirs = measure("qkv", T, __file__), measure("peer", T, __file__)
         if "error" in ours or "error" in theirs:
             print(f"{T:>5} qkv: {ours.get('error', 'ran')}; peer: {theirs.get('error', 'ran')}")
             continue

@@ -155,14 +155,16 @@ def available_gb() -> float:
     return int(info["MemAvailable"].split()[0]) / 2**20
 
 
-def measure(side: str, T: int) -> dict:
+def measure(side: str, T: int, script: str = __file__) -> dict:
+    """`script --one side --length T` in a fresh process: the JSON it printed last, or why
+    it failed (attentions.py measures its cells this way too)."""
     found = subprocess.run(
-        [sys.executable, __file__, "--one", side, "--length", str(T)],
+        [sys.executable, script, "--one", side, "--length", str(T)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if found.returncode != 0:
         last = (found.stderr.strip().splitlines() or ["killed"])[-1]
-        return {"error": f"failed (exit {found.returncode}): {last[:120]}"}
+        return {"error": f"failed (exit {found.returncode}): {last[:160]}"}
     return json.loads(found.stdout.strip().splitlines()[-1])
 
 

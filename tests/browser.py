@@ -3,6 +3,7 @@ and the folder their screenshots go to."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,3 +96,10 @@ def served(app, viewport: dict | None = None) -> Iterator:
         finally:
             browser.close()
     assert outside == [], f"the page asked another address for {outside}"
+
+
+def submit(page, text: str, timeout: float = 30_000) -> None:
+    """Type `text` into the explorer's box, press Enter and wait until the page shows it."""
+    page.fill("#text", text)
+    page.press("#text", "Enter")
+    page.wait_for_function(f"document.body.dataset.shown === {json.dumps(text)}", timeout=timeout)

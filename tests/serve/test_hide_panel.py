@@ -5,12 +5,10 @@ top heads and first-token masses are `qkv.heads`'s."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 import qkv
-from browser import ARTIFACTS, served
+from browser import ARTIFACTS, served, submit
 from qkv.inspect.census import heads
 from qkv.serve import Limits, create_app
 
@@ -26,9 +24,7 @@ def test_the_hide_heatmap_and_the_census_are_the_librarys(minilm):
     # `app` serves the `client` of the API tests, which may run after this one
     app = create_app({"minilm": minilm}, Limits())
     with served(app) as page:
-        page.fill("#text", TEXT)
-        page.press("#text", "Enter")
-        page.wait_for_function(f"document.body.dataset.shown === {json.dumps(TEXT)}")
+        submit(page, TEXT)
         page.select_option("#layer", "4")
         page.select_option("#head", "7")
         bank, river = want.tokens.index("bank"), want.tokens.index("river")

@@ -7,12 +7,10 @@ is asked. A screenshot is kept in test-artifacts/serve-long.png."""
 
 from __future__ import annotations
 
-import json
-
 import matplotlib.image
 import pytest
 
-from browser import ARTIFACTS, served
+from browser import ARTIFACTS, served, submit
 from qkv.inspect.summaries import region, summarize
 from qkv.serve import Limits, create_app
 
@@ -34,10 +32,7 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
     # weight; SHORTER is within max_chars, and the server's 413 (max_tokens) tells the page
     app = create_app({"minilm": minilm}, Limits(max_tokens=16, max_chars=1_000))
     with served(app) as page:
-        page.fill("#text", TEXT)
-        page.press("#text", "Enter")
-        page.wait_for_function(f"document.body.dataset.shown === {json.dumps(TEXT)}",
-                               timeout=60_000)  # fmt: skip
+        submit(page, TEXT, timeout=60_000)
         note = page.inner_text("#long-note")
         short_hidden = page.locator("#heatmap").is_hidden()
         page.select_option("#layer", str(LAYER))
@@ -79,15 +74,10 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
         chosen = page.input_value("#layer"), page.input_value("#head")
         ARTIFACTS.mkdir(exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "serve-long.png"), full_page=True)
-        page.fill("#text", SHORTER)
-        page.press("#text", "Enter")
-        page.wait_for_function(f"document.body.dataset.shown === {json.dumps(SHORTER)}",
-                               timeout=60_000)  # fmt: skip
+        submit(page, SHORTER, timeout=60_000)
         shorter_note = page.inner_text("#long-note")
         shorter_rows = page.locator("#long-table tr[data-layer]").count()
-        page.fill("#text", "The bank of the river")  # back to every weight
-        page.press("#text", "Enter")
-        page.wait_for_function("document.body.dataset.shown === 'The bank of the river'")
+        submit(page, "The bank of the river")  # back to every weight
         back = page.locator("#heatmap-table").is_visible(), page.locator("#long").is_hidden()
 
     assert f"This text has {len(TEXT):,} characters" in note and "(max_chars)" in note, note

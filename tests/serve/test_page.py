@@ -12,7 +12,7 @@ import pytest
 from playwright.sync_api import sync_playwright
 
 import qkv
-from browser import ARTIFACTS, CHROMIUM, FLAGS
+from browser import ARTIFACTS, CHROMIUM, FLAGS, submit
 from qkv.inspect.probe import probe
 from qkv.serve import running
 
@@ -38,9 +38,7 @@ def test_the_page_shows_the_models_numbers_and_stays_on_loopback(app, minilm):
             page = context.new_page()
             page.goto(url + "/")
             page.wait_for_function("window.qkvReady === true", timeout=20_000)
-            page.fill("#text", TEXT)
-            page.press("#text", "Enter")
-            page.wait_for_function(f"document.body.dataset.shown === {json.dumps(TEXT)}")
+            submit(page, TEXT)
             page.select_option("#layer", "4")
             page.select_option("#head", "7")
             seen = minilm.attentions(TEXT)
