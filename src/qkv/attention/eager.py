@@ -64,12 +64,17 @@ def weights_into(out: Tensor, q: Tensor, k: Tensor, *, causal: bool, scale: floa
     (`Attentions.weights` fills every layer's this way: 1.1 GB for SmolLM2 at 1,024 tokens).
     One matrix product per key head, not per query head, so a weight may differ from
     attention_weights' in its last bit (the products summed in another blocking).
+
+    Causal weights are made a block of query rows at a time (`_causal_into`), each block's
+    in a small tensor the CPU's cache holds, then copied into `out` once.
     """
     _, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     dtype = compute_dtype(q.dtype)
     if out.shape != (H, Tq, Tk) or out.dtype != dtype or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous ({H}, {Tq}, {Tk}) {dtype} tensor")
+    if causal and Tk >= Tq:
+        return _causal_into(out, q[0].to(dtype) * scale, k[0].to(dtype))
     # (Hkv, group * Tq, D): query head h = kv * group + g reads key head kv, as in _weights
     queries = (q[0].to(dtype) * scale).reshape(Hkv, H // Hkv * Tq, D)
     torch.bmm(queries, k[0].to(dtype).transpose(-1, -2), out=out.view(Hkv, -1, Tk))
@@ -81,6 +86,39 @@ def weights_into(out: Tensor, q: Tensor, k: Tensor, *, causal: bool, scale: floa
         blind = ~allowed.any(dim=-1, keepdim=True)  # (Tq, 1): queries that see no key
         if blind.any():
             out.masked_fill_(blind, 0.0)
+    return out
+
+
+CACHED_BLOCK = 2**20  # bytes of one block's scores: well inside a core's share of the cache
+
+
+def _causal_into(out: Tensor, q: Tensor, k: Tensor) -> Tensor:
+    """Causal weights (H, Tq, Tk) into out from scaled queries q (H, Tq, D) and keys k (Hkv,
+    Tk, D), Tk >= Tq (query i sees keys up to i + Tk - Tq): every query sees a key.
+
+    A block of query rows [a, b) sees keys [0, b + Tk - Tq) only: its scores are a product
+    over those keys (the whole square's, less the hidden corner: about half the arithmetic
+    over a long text), hidden keys filled in its last (b - a) columns, the softmax taken in
+    place; then the block is copied into out once and the rest of its rows set to 0 (a
+    hidden key's weight, as softmax gives it). The whole (H, Tq, Tk) is written once,
+    where a product, a fill and a softmax over it read and wrote it three times or more.
+    """
+    H, Tq, D = q.shape
+    Hkv, Tk = k.shape[0], k.shape[1]
+    group, shift = H // Hkv, Tk - Tq
+    rows = max(16, min(Tq, CACHED_BLOCK // (H * Tk * out.element_size())))
+    keys = k.transpose(-1, -2)  # (Hkv, D, Tk)
+    floor = torch.finfo(out.dtype).min
+    hidden = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+    for a in range(0, Tq, rows):
+        b = min(a + rows, Tq)
+        n, seen = b - a, b + shift  # this block's rows, and the keys its last row sees
+        block = torch.bmm(q[:, a:b].reshape(Hkv, group * n, D), keys[:, :, :seen])
+        block = block.view(H, n, seen)
+        block[:, :, seen - n :].masked_fill_(hidden[:n, :n], floor)  # row i: keys after i
+        torch.softmax(block, dim=-1, out=block)
+        out[:, a:b, :seen] = block
+        out[:, a:b, seen:] = 0.0
     return out
 
 
