@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import qkv
 from qkv.cpu import Capability, capability, choose_precision, cpu_flags
 
 EPYC_AVX2 = """processor\t: 0
@@ -53,3 +55,53 @@ def test_backends_verbose_says_what_this_cpu_chose_and_why():
     assert f"embed(precision='auto'): {precision}, since {why}" in done.stdout
     assert f"this CPU: {capability().describe()}" in done.stdout
     assert "sdpa" in done.stdout.splitlines()[1]
+
+
+# A generation's worth of matrices (12 blocks of 2, 7 and 3 MB: 144 MB) made, then all
+# dropped, four times over in a fresh process: how many pages the last round found fresh
+# (each page's first write stops for the system to map and zero it).
+FRESH_PAGES = """
+import resource, sys
+import torch
+from qkv.cpu import freed_memory, reuse_freed_memory
+
+if sys.argv[1] == "program":
+    reuse_freed_memory()
+
+def round_():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    made = [torch.empty(mb * 2**18).fill_(1.0) for _ in range(12) for mb in (2, 7, 3)]
+    del made
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+print([round_() for _ in range(4)][-1], freed_memory())
+"""
+
+
+def test_the_program_reuses_freed_memory():
+    found = {}
+    for mode in ("as it was", "program"):
+        done = subprocess.run([sys.executable, "-c", FRESH_PAGES, mode],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+        count, says = done.stdout.strip().split(" ", 1)
+        found[mode] = int(count), says
+    pages = 144 * 2**20 // 4096
+    assert found["as it was"][0] >= pages // 2, found  # handed back each time: fresh again
+    assert found["as it was"][1] == "the allocator as the system set it"
+    assert found["program"][0] < pages // 16, found  # the same memory, reused
+    assert found["program"][1].startswith("glibc keeps freed memory for reuse")
+
+
+def test_only_the_program_changes_the_allocator():
+    """The allocator belongs to the whole process: the library never asks for its reuse."""
+    src = Path(qkv.__file__).parent
+    callers = sorted(
+        str(path.relative_to(src))
+        for path in src.rglob("*.py")
+        if "reuse_freed_memory()" in path.read_text() and path.name != "cpu.py"
+    )
+    assert callers == ["cli.py"]
+    done = subprocess.run([sys.executable, "-c", "import qkv; from qkv.cpu import freed_memory;"
+                           " qkv.load('minilm'); print(freed_memory())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    assert done.stdout.strip() == "the allocator as the system set it"

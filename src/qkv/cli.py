@@ -77,6 +77,9 @@ def backends(
                           "as loaded"))  # fmt: skip
             typer.echo("  each token after the prompt's through FastStep (few operations a "
                        "step), where a model's blocks allow it")  # fmt: skip
+            from qkv.cpu import freed_memory
+
+            typer.echo(f"memory: {freed_memory()}")
         return
     from qkv.attention.compare import TOLERANCE, compare_backends
 
@@ -854,6 +857,12 @@ def heads_census(
 
 
 def main() -> None:
+    """The `qkv` program. The program's process is its own, so it lets glibc keep freed
+    memory for its next tensors (`qkv.cpu.reuse_freed_memory`); the library leaves every
+    setting of a user's process as the user made it."""
+    from qkv.cpu import reuse_freed_memory
+
+    reuse_freed_memory()
     app()
 
 
