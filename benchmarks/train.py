@@ -17,6 +17,10 @@ tokens. Three peers run the same steps on the same batches:
   within 1e-4: the same model reading the same data.
 - qkv compiled: the same run with train.compile = True, from an empty compile cache in its
   first round. Its first step, which compiles, is reported apart.
+- qkv bf16 and transformers bf16: the same runs in bfloat16 mixed precision, each under
+  torch.autocast(cpu, bfloat16) (qkv's train.precision = "bf16"; the hand loop wraps its
+  forward and loss the same way), where the CPU has bfloat16 instructions (--no-bf16 skips
+  them). Their step 1 losses agree to bfloat16's rounding, not to 1e-4.
 
 Timing: every run does WARMUP untimed steps, then --steps timed ones; tokens/s is the timed
 steps' tokens over their seconds, summed over --rounds rounds. The peers take turns within a
@@ -52,7 +56,8 @@ from qkv.train.batches import Batches
 from timing import CORES
 
 WARMUP = 3  # untimed steps at the start of every run
-TARGET = 1.2  # qkv tokens/s over transformers'
+TARGET = 1.2  # qkv tokens/s over transformers', both in float32
+TARGET_BF16 = 1.0  # the same, both in bfloat16 mixed precision
 
 
 def write_corpus(path: Path, size: int = 3_000_000, seed: int = 0) -> None:
@@ -92,8 +97,11 @@ def run_qkv(config: RunConfig, run: Path) -> list[dict]:
     return [{"loss": r["loss"], "seconds": r["tokens"] / r["tokens_per_s"]} for r in records]
 
 
-def run_transformers(config: RunConfig, qkv_run: Path) -> list[dict]:
-    """The same steps with GPT2LMHeadModel, over the tokenizer and shards of `qkv_run`."""
+def run_transformers(config: RunConfig, qkv_run: Path, bf16: bool = False) -> list[dict]:
+    """The same steps with GPT2LMHeadModel, over the tokenizer and shards of `qkv_run`;
+    bf16: the forward and loss under bfloat16 autocast, as qkv's train.precision = "bf16"."""
+    from contextlib import nullcontext
+
     from transformers import GPT2Config, GPT2LMHeadModel
 
     tokenizer = Tokenizer.from_folder(qkv_run / "tokenizer")
@@ -122,12 +130,14 @@ def run_transformers(config: RunConfig, qkv_run: Path) -> list[dict]:
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
     records = []
     for step in range(t.steps):
         began = time.perf_counter()
         batch = batches.train(step, 0)
-        out = model(batch["input_ids"], labels=batch["labels"], shift_labels=batch["labels"],
-                    use_cache=False)  # fmt: skip
+        with autocast:
+            out = model(batch["input_ids"], labels=batch["labels"],
+                        shift_labels=batch["labels"], use_cache=False)  # fmt: skip
         out.loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), t.clip)
         optimizer.step()
@@ -143,9 +153,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each peer")
     parser.add_argument("--no-compile", action="store_true", help="skip qkv compiled")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 runs")
     args = parser.parse_args()
     import transformers
     from transformers.utils import logging
+
+    from qkv.cpu import capability
 
     logging.set_verbosity_error()  # the warnings about attention_mask and loss_type
     torch.set_num_threads(CORES)
@@ -154,11 +167,17 @@ def main() -> None:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache.name  # compile from an empty cache
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"qkv {qkv.__version__}, {torch.get_num_threads()} threads, float32; {WARMUP} warm-up "
+        f"qkv {qkv.__version__}, {torch.get_num_threads()} threads; {WARMUP} warm-up "
         f"+ {args.steps} timed steps per run, {args.rounds} rounds, peers interleaved"
     )
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    bf16 = not args.no_bf16 and capability().bfloat16
+    print(
+        f"this CPU: {capability().describe()}; bfloat16 runs "
+        f"{'included' if bf16 else 'skipped (no bfloat16 instructions, or --no-bf16)'}"
+    )
     peers = ["qkv", "transformers"] + ([] if args.no_compile else ["qkv compiled"])
+    peers += ["qkv bf16", "transformers bf16"] if bf16 else []
     records: dict[str, list[list[dict]]] = {peer: [] for peer in peers}
     with tempfile.TemporaryDirectory(prefix="qkv-bench-train-") as folder:
         corpus = Path(folder) / "corpus.txt"
@@ -170,12 +189,15 @@ def main() -> None:
         first_run = Path(folder) / "qkv-0"  # round 0 starts with it; transformers reads its
         for r in range(args.rounds):  # tokenizer and shards
             for peer in peers if r % 2 == 0 else peers[::-1]:
-                if peer == "transformers":
-                    records[peer].append(run_transformers(config, first_run))
+                if peer.startswith("transformers"):
+                    records[peer].append(run_transformers(config, first_run, "bf16" in peer))
                 else:
-                    compiled = config.updated({"train": {"compile": peer == "qkv compiled"}})
+                    changed = config.updated({"train": {
+                        "compile": peer == "qkv compiled",
+                        "precision": "bf16" if "bf16" in peer else "float32",
+                    }})  # fmt: skip
                     run = Path(folder) / f"{peer.replace(' ', '-')}-{r}"
-                    records[peer].append(run_qkv(compiled, run))
+                    records[peer].append(run_qkv(changed, run))
         vocab = json.loads((first_run / "data" / "shards.json").read_text())["vocab_size"]
         train_tokens = len(TokenShards(first_run / "data", "train"))
 
@@ -195,19 +217,20 @@ def main() -> None:
         step_ms[peer] = 1e3 * statistics.median(every)
     wide = max(len("by round"), *(len(text) for text in by_round.values()))
     header = (
-        f"{'':>14} | {'tokens/s':>8} | {'by round':>{wide}} | {'median ms/step':>14} | "
+        f"{'':>17} | {'tokens/s':>8} | {'by round':>{wide}} | {'median ms/step':>14} | "
         f"{'step 1 loss':>11} | {'vs transformers':>15}"
     )
     print(header)
     print("-" * len(header))
     for peer in peers:
-        ratio = rate[peer] / rate["transformers"]
+        ratio = rate[peer] / rate[_peer_of(peer)]
         print(
-            f"{peer:>14} | {rate[peer]:>8.0f} | {by_round[peer]:>{wide}} | "
+            f"{peer:>17} | {rate[peer]:>8.0f} | {by_round[peer]:>{wide}} | "
             f"{step_ms[peer]:>14.0f} | {records[peer][0][0]['loss']:>11.6f} | {ratio:>14.2f}x"
         )
     loss_1 = records["qkv"][0][0]["loss"]
-    difference = max(abs(run[0]["loss"] - loss_1) for runs in records.values() for run in runs)
+    difference = max(abs(run[0]["loss"] - loss_1) for peer, runs in records.items()
+                     if "bf16" not in peer for run in runs)  # fmt: skip
     last = [abs(a["loss"] - b["loss"]) for a, b in
             zip(records["qkv"][0], records["transformers"][0], strict=True)]  # fmt: skip
     print(
@@ -221,15 +244,26 @@ def main() -> None:
             f"qkv compiled: first step (compiling) {', '.join(firsts)} s by round, the first "
             f"with an empty compile cache; a later step {step_ms['qkv compiled'] / 1e3:.2f} s"
         )
-    for peer in (p for p in peers if p != "transformers"):
-        ratio = rate[peer] / rate["transformers"]
-        verdict = "PASS" if ratio >= TARGET else "MISS"
-        print(f"{peer}/transformers tokens/s: {ratio:.3f}x; target >= {TARGET}x -> {verdict}")
+    if bf16:
+        a, b = records["qkv bf16"][0][0]["loss"], records["transformers bf16"][0][0]["loss"]
+        print(f"bfloat16: step 1 losses {a:.6f} (qkv) and {b:.6f} (transformers), "
+              f"{abs(a - b):.1e} apart; float32's {loss_1:.6f}")  # fmt: skip
+    for peer in (p for p in peers if not p.startswith("transformers")):
+        ratio = rate[peer] / rate[_peer_of(peer)]
+        target = TARGET_BF16 if "bf16" in peer else TARGET
+        verdict = "PASS" if ratio >= target else "MISS"
+        print(f"{peer}/{_peer_of(peer)} tokens/s: {ratio:.3f}x; target >= {target}x -> "
+              f"{verdict}")  # fmt: skip
     print(
         f"load average at end: {os.getloadavg()[0]:.2f}; "
         f"total {time.perf_counter() - started:.0f} s"
     )
     cache.cleanup()
+
+
+def _peer_of(peer: str) -> str:
+    """The transformers run a peer is set beside: the one in the same precision."""
+    return "transformers bf16" if "bf16" in peer else "transformers"
 
 
 if __name__ == "__main__":
