@@ -400,6 +400,14 @@ def show(
         str | None,
         typer.Option(help="Q0:Q1,K0:K1: these queries x keys of --layer/--head, every weight"),
     ] = None,
+    transformers: Annotated[
+        bool,
+        typer.Option(
+            "--transformers",
+            help="load MODEL with transformers, any family it reads, "
+            "on qkv's attention (docs/hf.md)",
+        ),
+    ] = False,
 ) -> None:
     """Every layer's and head's attention over TEXT: a page, heatmaps, or a report folder.
 
@@ -408,7 +416,8 @@ def show(
     target's tokens down, TEXT's across (a page, a .png or a report folder). A text of more
     than 512 tokens is drawn from its summaries (docs/long.md): heatmaps where each cell is the
     maximum of its block of weights, a page of per-head summaries; --region opens a part at
-    full resolution.
+    full resolution. With --transformers, MODEL (a folder or hub id) is loaded by transformers
+    and run on qkv's attention (qkv.hf), so families qkv does not implement show too.
     """
     from qkv import load
     from qkv.attention.inputs import check_indices
@@ -417,7 +426,17 @@ def show(
 
     with user_errors(out):
         check_out(out)
-        pretrained = load(model, backend=backend)
+        if transformers:
+            if backend is not None:
+                raise ValueError(
+                    "--backend chooses the backend of qkv's own models; with "
+                    "--transformers qkv's attention takes the fastest (auto)"
+                )
+            import qkv.hf
+
+            pretrained = qkv.hf.load(model)
+        else:
+            pretrained = load(model, backend=backend)
         seen = pretrained.attentions(text, target=target)  # the one forward pass
         if region is not None or max(len(seen.tokens), len(seen.query_tokens or ())) > LONG:
             _show_long(seen, out, model, text, layers, heads, layer, head, region)
@@ -450,7 +469,7 @@ def show(
                            "trace this model)", err=True)  # fmt: skip
             elif cross:
                 vectors, scores = page_trace(seen.records, cross=True)
-            elif isinstance(pretrained.model, Encoder | Decoder):
+            elif transformers or isinstance(pretrained.model, Encoder | Decoder):
                 relative = getattr(pretrained.model.config, "position", None) == "relative"
                 vectors, scores = page_trace(seen.records, bias_is_distance=relative)
             write = write_html if out.suffix.lower() in (".html", ".htm") else write_report

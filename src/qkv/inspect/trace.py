@@ -11,6 +11,7 @@ anyone can check that the walk-through is the model's real computation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -19,6 +20,40 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
 from qkv.models import Decoder, Encoder, EncoderDecoder
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a trace reads of a model beside its records: its sizes, each layer's output
+    projection (C, H * D; column block h is head h's) and how each layer departs from the
+    article (None where unknown). A model that is not qkv's own (a transformers model through
+    `qkv.hf`) gives its own from an `attention_layout()` method."""
+
+    num_layers: int
+    num_heads: int
+    width: int
+    cross: bool  # an encoder-decoder's cross-attention
+    out_weight: Callable[[int], Tensor]
+    anatomy: Callable[[int], LayerAnatomy | None]
+
+
+def layout_of(pretrained) -> Layout:
+    """The Layout of a `Pretrained` (the decoder's, for an encoder-decoder), or the
+    `attention_layout()` of a model that offers one."""
+    if hasattr(pretrained, "attention_layout"):
+        return pretrained.attention_layout()
+    model = pretrained.model
+    if not isinstance(model, Encoder | Decoder | EncoderDecoder):
+        raise ValueError(f"explain does not support {type(model).__name__} models")
+    cross = isinstance(model, EncoderDecoder)
+    stack = model.decoder if cross else model
+
+    def attn(layer: int):
+        return stack.blocks[layer].cross_attn if cross else stack.blocks[layer].attn
+
+    return Layout(stack.config.num_layers, stack.config.block.num_heads,
+                  stack.config.block.width, cross, lambda layer: attn(layer).out.weight,
+                  lambda layer: layer_anatomy(stack.config, layer, cross=cross))  # fmt: skip
 
 
 @dataclass
@@ -123,10 +158,8 @@ def trace(
     attentions: `pretrained.attentions(text, target=target)` if already at hand, so that the
     model runs once for a trace and a page of the same text.
     """
-    model = pretrained.model
-    cross = isinstance(model, EncoderDecoder)
-    if not isinstance(model, Encoder | Decoder | EncoderDecoder):
-        raise ValueError(f"explain does not support {type(model).__name__} models")
+    layout = layout_of(pretrained)
+    cross = layout.cross
     if cross and target is None:
         raise ValueError("an encoder-decoder traces cross-attention: give the target text too")
     if not cross and target is not None:
@@ -138,8 +171,7 @@ def trace(
     else:
         query_index, query_tokens = _first_token(source, query), None
     key_index = _first_token(source, key)
-    stack = model.decoder if cross else model
-    L, H = stack.config.num_layers, stack.config.block.num_heads
+    L, H = layout.num_layers, layout.num_heads
     if layer is not None:
         check_indices("layer", [layer], L, pretrained.source)
     if head is not None:
@@ -166,11 +198,10 @@ def trace(
     record = seen.records[layer]
     kv_head = head // record.shape.group
     steps = record.steps(head, query_index)  # the loop backend, on the layer's own q, k, v
-    attn = stack.blocks[layer].cross_attn if cross else stack.blocks[layer].attn
-    D = attn.head_dim
+    D = record.shape.D
     with torch.inference_mode():
         # what each key word added, after the output projection's columns for this head
-        w_out = attn.out.weight[:, head * D : (head + 1) * D].double()  # (C, D)
+        w_out = layout.out_weight(layer)[:, head * D : (head + 1) * D].double()  # (C, D)
         contributions = [
             Contribution(source.tokens[p.key_index], p.key_index,
                          float(p.normalized_weight), float((w_out @ p.scaled_value_vector).norm()))
@@ -187,8 +218,8 @@ def trace(
     return Trace(
         source=pretrained.source, text=text, tokens=list(source.tokens), query=query,
         key=key, query_index=query_index, key_index=key_index, layer=layer, head=head,
-        kv_head=kv_head, num_layers=L, num_heads=H, num_kv_heads=attn.num_kv_heads,
-        head_dim=D, width=stack.config.block.width, causal=record.causal, chosen=chosen,
+        kv_head=kv_head, num_layers=L, num_heads=H, num_kv_heads=record.shape.Hkv,
+        head_dim=D, width=layout.width, causal=record.causal, chosen=chosen,
         query_vector=steps.query_vector, key_vector=pair.key_vector,
         attention_scalar=float(pair.attention_scalar), scale=record.scale,
         scaled_scalar=float(pair.scaled_scalar), score=float(pair.score),
@@ -202,7 +233,7 @@ def trace(
         key_unrotated=record.k_before_rotary[0, kv_head, key_index].double() if rotated else None,
         target=target, query_tokens=query_tokens,
         softcap=record.softcap, bias=bias, window=record.window, outside_window=outside,
-        anatomy=layer_anatomy(stack.config, layer, cross=cross),
+        anatomy=layout.anatomy(layer),
     )  # fmt: skip
 
 
