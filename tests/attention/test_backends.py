@@ -242,6 +242,8 @@ def test_unknown_backend_and_bad_scale_list_what_is_allowed():
         (4, 4, 7, 7, False, torch.float32),
         (6, 2, 5, 9, True, torch.float64),  # fewer queries than keys: aligned to the end
         (4, 2, 9, 5, True, torch.float32),  # more: the first queries see no key
+        (9, 3, 300, 300, True, torch.float32),  # causal blocks of 97 query rows, the last short
+        (6, 2, 70, 400, True, torch.float64),  # blocks of 54 rows, aligned to the end
     ],
 )
 def test_weights_into_fills_its_tensor_with_eagers_weights(H, Hkv, Tq, Tk, causal, dtype):
@@ -257,3 +259,21 @@ def test_weights_into_fills_its_tensor_with_eagers_weights(H, Hkv, Tq, Tk, causa
         assert bool((out[:, : Tq - Tk] == 0).all())  # blind rows are zeros, not NaN
     with pytest.raises(ValueError, match="out must be a contiguous"):
         eager_backend.weights_into(out.transpose(1, 2), q, k, causal=causal, scale=0.3)
+
+
+@pytest.mark.parametrize(("H", "Hkv", "Tq", "Tk"), [(9, 3, 300, 300), (4, 2, 5, 9), (2, 2, 40, 40)])
+def test_attend_into_gives_the_loops_output_and_eagers_weights(H, Hkv, Tq, Tk):
+    """The output and the weights made together, a block of queries at a time (qkv.hf's way
+    when every weight is asked for): the article's loop's output, eager's weights."""
+    gen = torch.Generator().manual_seed(H + Tq)
+    q = torch.randn(1, H, Tq, 16, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(1, Hkv, Tk, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    weights = torch.full((H, Tq, Tk), float("nan"), dtype=torch.float64)
+    out = eager_backend.attend_into(weights, q, k, v, scale=0.3)
+    want = attend(q, k, v, causal=True, scale=0.3, backend="loop")
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(weights, eager_backend.attention_weights(q, k, causal=True,
+                                                                        scale=0.3)[0])  # fmt: skip
+    with pytest.raises(ValueError, match="at least as many keys as queries"):
+        eager_backend.attend_into(torch.empty(H, 5, 4, dtype=torch.float64), q[:, :, :5],
+                                  k[:, :, :4], v[:, :, :4], scale=0.3)  # fmt: skip

@@ -92,16 +92,39 @@ def weights_into(out: Tensor, q: Tensor, k: Tensor, *, causal: bool, scale: floa
 CACHED_BLOCK = 2**20  # bytes of one block's scores: well inside a core's share of the cache
 
 
-def _causal_into(out: Tensor, q: Tensor, k: Tensor) -> Tensor:
+def attend_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+    """Causal attention of one sequence whose weights are wanted too: the output (1, H, Tq,
+    D) of q (1, H, Tq, D) over k, v (1, Hkv, Tk, D), Tk >= Tq (aligned to the end of the keys,
+    as in cached decoding), the weights written into `weights` (H, Tq, Tk, the compute
+    dtype). Eager's arithmetic (the weights, then their products with the values), a block
+    of query rows at a time while its weights are in the CPU's cache: where the weights are
+    asked for anyway, cheaper than a fused kernel's pass followed by the weights' own."""
+    _, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    dtype = compute_dtype(q.dtype)
+    if weights.shape != (H, Tq, Tk) or weights.dtype != dtype or not weights.is_contiguous():
+        raise ValueError(f"weights must be a contiguous ({H}, {Tq}, {Tk}) {dtype} tensor")
+    if Tk < Tq or v.shape != k.shape:
+        raise ValueError(f"attend_into takes at least as many keys as queries ({Tk} < {Tq}) "
+                         "and values of the keys' shape")  # fmt: skip
+    out = q.new_empty(H, Tq, D, dtype=dtype)
+    _causal_into(weights, q[0].to(dtype) * scale, k[0].to(dtype), v[0].to(dtype), out)
+    return out[None].to(q.dtype)
+
+
+def _causal_into(out: Tensor, q: Tensor, k: Tensor, v: Tensor | None = None,
+                 attended: Tensor | None = None) -> Tensor:  # fmt: skip
     """Causal weights (H, Tq, Tk) into out from scaled queries q (H, Tq, D) and keys k (Hkv,
-    Tk, D), Tk >= Tq (query i sees keys up to i + Tk - Tq): every query sees a key.
+    Tk, D), Tk >= Tq (query i sees keys up to i + Tk - Tq): every query sees a key. With
+    values v (Hkv, Tk, D), their weighted sums too, into attended (H, Tq, D).
 
     A block of query rows [a, b) sees keys [0, b + Tk - Tq) only: its scores are a product
     over those keys (the whole square's, less the hidden corner: about half the arithmetic
     over a long text), hidden keys filled in its last (b - a) columns, the softmax taken in
-    place; then the block is copied into out once and the rest of its rows set to 0 (a
-    hidden key's weight, as softmax gives it). The whole (H, Tq, Tk) is written once,
-    where a product, a fill and a softmax over it read and wrote it three times or more.
+    place (and the values summed while it is in the cache); then the block is copied into out
+    once and the rest of its rows set to 0 (a hidden key's weight, as softmax gives it). The
+    whole (H, Tq, Tk) is written once, where a product, a fill and a softmax over it read and
+    wrote it three times or more.
     """
     H, Tq, D = q.shape
     Hkv, Tk = k.shape[0], k.shape[1]
@@ -117,6 +140,9 @@ def _causal_into(out: Tensor, q: Tensor, k: Tensor) -> Tensor:
         block = block.view(H, n, seen)
         block[:, :, seen - n :].masked_fill_(hidden[:n, :n], floor)  # row i: keys after i
         torch.softmax(block, dim=-1, out=block)
+        if v is not None:  # query head h = kv * group + g reads key head kv
+            summed = torch.bmm(block.view(Hkv, group * n, seen), v[:, :seen])
+            attended[:, a:b] = summed.view(H, n, D)
         out[:, a:b, :seen] = block
         out[:, a:b, seen:] = 0.0
     return out
