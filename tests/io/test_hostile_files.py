@@ -252,6 +252,29 @@ def test_an_array_longer_than_the_rest_of_the_file_is_truncated(tmp_path):
         read_gguf(path, cache_dir=tmp_path / "cache")
 
 
+STRING_ARRAYS = [  # an array of 3 strings whose second is bad; what the refusal says
+    (struct.pack("<Q", 2) + b"\xff\xfe", "corrupt: the string general.names is not UTF-8"),
+    (struct.pack("<Q", 2**60), "corrupt: the string general.names of length 1,152,921"),
+    (struct.pack("<Q", 10_000), "truncated"),  # longer than the rest of the file
+]
+
+
+@pytest.mark.parametrize("bad, says", STRING_ARRAYS, ids=["utf8", "length", "cut"])
+def test_a_bad_string_in_an_array_is_refused_by_key(tmp_path, bad, says):
+    """Vocabularies are arrays of strings, read in one loop: each string checked as alone."""
+    good = encode(V.STRING, "a")
+    claim = (V.ARRAY, struct.pack("<IQ", V.STRING, 3) + good + bad + good)
+    path = gguf_file(tmp_path / "s.gguf", llama_metadata(general__names=claim), tail=b"\0")
+    with pytest.raises(ValueError, match=f"s.gguf is {says}"):
+        read_gguf(path, cache_dir=tmp_path / "cache")
+    names = (V.ARRAY, struct.pack("<IQ", V.STRING, 2) + good + encode(V.STRING, "b"))
+    fine = gguf_file(tmp_path / "f.gguf", llama_metadata(general__names=names),
+                     tensors=llama_tensors())  # fmt: skip
+    from qkv.io.gguf_header import read_header
+
+    assert read_header(fine.read_bytes(), fine).metadata["general.names"] == ["a", "b"]
+
+
 # ---- GGUF and config.json: under a memory limit, as `qkv` processes ------------------------
 
 
