@@ -162,10 +162,9 @@ def keep(
     so no other layer's (T, T) weights are ever made. records: also keep each asked layer's
     `AttentionRecord` (q, k, v, mask, scale: what qkv's inspection reads) in `Kept.records`.
 
-    >>> with keep(model, layers=[0, 5], heads=[2]) as kept:       # doctest: +SKIP
-    ...     out = model(ids, output_attentions=True)
-    >>> len(out.attentions), kept.weights[5].shape                # doctest: +SKIP
-    (2, torch.Size([1, 1, 7, 7]))
+        with keep(model, layers=[0, 5], heads=[2]) as kept:
+            out = model(ids, output_attentions=True)
+        len(out.attentions), kept.weights[5].shape  # 2, (1, 1, T, T)
     """
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
     config = config or model.config

@@ -6,9 +6,8 @@ into as qkv's own models are. `inspect(model, tokenizer)` wraps the two in an `I
 which offers what those functions ask of a model: its tokens (`encode`), one forward pass's
 records (`attentions`) and, for a trace's contributions, each layer's output projection.
 
->>> seen = inspect(model, tokenizer).attentions("The bank of the river")  # doctest: +SKIP
->>> seen.weights.shape                                                     # doctest: +SKIP
-torch.Size([30, 9, 6, 6])
+    seen = inspect(model, tokenizer).attentions("The bank of the river")
+    seen.weights.shape  # (L, H, T, T): (30, 9, 6, 6) for SmolLM2
 """
 
 from __future__ import annotations
