@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from attentions import REPEATS, faster
-from long_text import eager_peer, measure, peak_mb, rss_mb, token_ids
+from attentions import REPEATS, faster, table
+from long_text import eager_peer, peak_mb, rss_mb, token_ids
 from timing import CORES, machine
 
 LAST = 8  # the rows of each layer's weights compared between the sides
@@ -80,21 +80,7 @@ def main() -> None:
     )
     print(f"each cell the faster of {REPEATS} runs in a fresh process after a 128-token "
           "warm-up; peak = max RSS, 'above' = peak less the loaded model's RSS\n")  # fmt: skip
-    print(f"{'T':>5} {'qkv s':>7} {'eager s':>7} {'speed':>7} {'qkv MB':>7} {'above':>6} "
-          f"{'eager MB':>8} {'above':>6} {'memory':>7}  largest difference")  # fmt: skip
-    for T in [int(n) for n in args.lengths.split(",")]:
-        ours, theirs = measure("qkv", T, __file__), measure("peer", T, __file__)
-        if "error" in ours or "error" in theirs:
-            print(f"{T:>5} qkv: {ours.get('error', 'ran')}; eager: {theirs.get('error', 'ran')}")
-            continue
-        speed = theirs["seconds"] / ours["seconds"]
-        mine, peer = ours["peak_mb"] - ours["model_mb"], theirs["peak_mb"] - theirs["model_mb"]
-        print(f"{T:>5} {ours['seconds']:>7.2f} {theirs['seconds']:>7.2f} {speed:>6.2f}x "
-              f"{ours['peak_mb']:>7.0f} {mine:>6.0f} {theirs['peak_mb']:>8.0f} {peer:>6.0f} "
-              f"{mine / peer:>6.2f}x  {theirs['max_difference']:.1e}")  # fmt: skip
-        verdict = "PASS" if speed >= 1.5 and mine <= peer else "MISS"
-        print(f"      target: >= 1.5x faster, memory above the model no more than eager's "
-              f"-> {verdict}")  # fmt: skip
+    table([int(n) for n in args.lengths.split(",")], __file__, "eager")
 
 
 if __name__ == "__main__":
