@@ -268,6 +268,28 @@ def test_a_float_mask_is_its_hidden_keys_and_a_bias_as_eager_adds_it(built):
     assert weights[0, :, :, 3].abs().max() == 0
 
 
+def test_a_mask_changed_in_place_between_forwards_is_read_afresh(built):
+    """The layers of one forward reuse their first layer's reading of the mask; the next
+    forward's first layer reads it again, so a mask changed in place in between is seen (an
+    inference tensor counts no versions that would tell)."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    layers = [layer.self_attn for layer in built["llama"]["qkv"].model.layers]
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 6, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    with torch.inference_mode():
+        mask = torch.ones(5, 5, dtype=torch.bool).tril()[None, None].clone()
+        for module in layers:  # one forward over the causal rule
+            qkv.hf.attention(module, q, k, v, mask, output_attentions=True)
+        mask[0, 0, 2:, 1] = False  # then key 1 hidden from queries 2 on
+        for module in layers:
+            _, weights = qkv.hf.attention(module, q, k, v, mask, output_attentions=True)
+            float_mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+            _, peer = eager_attention_forward(module, q, k, v, float_mask, scaling=8**-0.5)
+            torch.testing.assert_close(weights, peer, atol=1e-6, rtol=0)
+            assert weights[0, :, 2:, 1].abs().max() == 0
+
+
 def test_a_mask_that_is_the_causal_rule_and_window_becomes_them():
     rule = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-3)
     padded = rule.expand(2, 1, 6, 6).clone()

@@ -220,8 +220,9 @@ def attention(
         )
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    mask, causal, window, bias = qkv_mask(attention_mask, is_causal, kwargs.get("sliding_window"),
-                                          Tq, Tk)  # fmt: skip
+    mask, causal, window, bias = _converted(attention_mask, is_causal,
+                                            kwargs.get("sliding_window"), Tq, Tk,
+                                            getattr(module, "layer_idx", None))  # fmt: skip
     if attention_mask is None and causal and 1 < Tq < Tk:
         # a static cache's empty slots after the queries: sdpa drops them too
         key, value = key[:, :, :Tq], value[:, :, :Tq]
@@ -256,12 +257,14 @@ def attention(
         if record:
             kept.records[layer] = AttentionRecord(query, key, value, out, None, True, scale,
                                                   "eager")  # fmt: skip
+    elif not (asked or record):  # the output alone: attend chooses the backend itself
+        out, weights = attend(query, key, value, backend=backend, **variants), None
     else:
         name = backend
-        if name == "auto":
+        if name == "auto":  # the record names the backend that ran
             name = explain_choice(query, key, value, **variants).backend
         lse = None
-        if name == "flash" and (asked or record) and softcap is None and bias is None:
+        if name == "flash" and softcap is None and bias is None:
             # the kernel's log-sum-exp turns q and k into any head's weights directly
             windowed = with_window(mask, window, causal, Tq, key.shape[2], query.device)
             out, lse = flash.flash_attention(query, key, value, mask=windowed, causal=causal,
@@ -280,6 +283,32 @@ def attention(
         if weights is not None:
             kept.weights[layer] = weights
     return out.transpose(1, 2).contiguous(), weights  # (B, Tq, H, D)
+
+
+_MASKS: dict[int, tuple] = {}  # id(mask) -> (mask, arguments, last layer, qkv's mask)
+
+
+def _converted(attention_mask, causal: bool, window, Tq: int, Tk: int, layer: int | None):
+    """qkv_mask of this call, remembered for the forward's next layers: transformers hands
+    every layer of a forward the same mask tensor (one per kind of layer), and comparing it
+    with the causal rule costs more than the attention of one decoding step. Reused only by a
+    later layer (`layer_idx`) of the same forward: a layer at or before the one last seen
+    starts a new forward and converts again, so a mask changed in place between forwards
+    (an inference tensor counts no versions) is read afresh. Kept by the tensor itself, so
+    no other can take its place."""
+    if not isinstance(attention_mask, Tensor) or not isinstance(layer, int):
+        return qkv_mask(attention_mask, causal, window, Tq, Tk)
+    version = None if attention_mask.is_inference() else attention_mask._version
+    arguments = (version, causal, window, Tq, Tk)
+    found = _MASKS.get(id(attention_mask))
+    if found and found[0] is attention_mask and found[1] == arguments and layer > found[2]:
+        _MASKS[id(attention_mask)] = (*found[:2], layer, found[3])
+        return found[3]
+    if len(_MASKS) >= 4:  # a forward's kinds of mask: full, sliding, chunked
+        _MASKS.clear()
+    converted = qkv_mask(attention_mask, causal, window, Tq, Tk)
+    _MASKS[id(attention_mask)] = (attention_mask, arguments, layer, converted)
+    return converted
 
 
 def qkv_mask(
