@@ -356,3 +356,95 @@ def test_an_uncached_hub_model_while_offline_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty hub cache (tests run offline)
     with pytest.raises(ValueError, match=r"'org/no-such-model' is not in the Hugging Face cache"):
         qkv.load("org/no-such-model")
+
+
+def _quantized_twin(pretrained):
+    """A fresh copy of the model with the file's 4-bit matrices made by use_int4."""
+    import copy
+
+    from qkv.io.gguf import read_int4
+    from qkv.io.load import use_int4
+
+    twin = copy.deepcopy(pretrained.model)
+    use_int4(twin, pretrained.family, pretrained.config, read_int4(pretrained.four_bit_file),
+             pretrained.source)  # fmt: skip
+    return twin
+
+
+def _layout(model):
+    return [(name, type(module).__name__) for name, module in model.named_modules()]
+
+
+def test_the_int4_cache_gives_back_what_use_int4_made(smollm2, tmp_path):
+    """A later process's 4-bit copy, put in place from the cache: the same modules where
+    use_int4 puts them (q, k, v fused; the head in 8 bits), the same buffers bit for bit,
+    the biases the model's own, the same logits."""
+    import copy
+
+    from qkv.io import int4_cache
+
+    made = _quantized_twin(smollm2)
+    path = tmp_path / "twin.safetensors"
+    int4_cache.store(made, path)
+    restored = copy.deepcopy(smollm2.model)
+    assert int4_cache.restore(restored, path)
+    assert _layout(restored) == _layout(made)
+    assert "blocks.0.attn.qkv" in dict(_layout(made)) and dict(_layout(made))["lm_head"] == (
+        "Int8Linear")  # fmt: skip
+    ours, theirs = restored.state_dict(), made.state_dict()
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == theirs[k].dtype for k in ours)
+    ids = torch.tensor([smollm2.encode("The bank of the river").ids])
+    with torch.inference_mode():
+        assert torch.equal(restored(ids).logits, made(ids).logits)
+
+
+@pytest.mark.parametrize("damage", ["cut", "other format", "other model"])
+def test_an_int4_cache_that_does_not_fit_leaves_the_model_untouched(smollm2, tmp_path, damage):
+    import copy
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from qkv.io import int4_cache
+
+    path = tmp_path / "twin.safetensors"
+    int4_cache.store(_quantized_twin(smollm2), path)
+    if damage == "cut":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        with safe_open(path, framework="pt") as file:
+            metadata, tensors = file.metadata(), {k: file.get_tensor(k) for k in file.keys()}  # noqa: SIM118
+        if damage == "other format":
+            metadata["format"] = "qkv-int4-0"
+        else:  # the last block's matrices claimed for a block the model does not have
+            modules = json.loads(metadata["modules"])
+            modules[-2][0] = modules[-2][0].replace("blocks.29.", "blocks.30.")
+            metadata["modules"] = json.dumps(modules)
+        save_file(tensors, path, metadata)
+    model = copy.deepcopy(smollm2.model)
+    before = _layout(model)
+    assert not int4_cache.restore(model, path)
+    assert _layout(model) == before  # nothing swapped, not even the modules that fit
+
+
+def test_generation_writes_the_int4_cache_and_a_later_copy_reads_it(smollm2, tmp_path,
+                                                                    monkeypatch):  # fmt: skip
+    """The first 4-bit copy is made by use_int4 and kept; the next is read back from disk,
+    named by the file's SHA-256, torch's version and this CPU's kernels."""
+    import qkv.io.gguf
+    import qkv.io.load
+
+    monkeypatch.setattr(qkv.io.gguf, "default_cache_dir", lambda: tmp_path)
+    first = smollm2._four_bit_copy()
+    (cached,) = tmp_path.glob(f"{smollm2._four_bit_digest}-int4-*.safetensors")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("use_int4 ran although the cache was there")
+
+    monkeypatch.setattr(qkv.io.load, "use_int4", refused)
+    second = smollm2._four_bit_copy()
+    assert _layout(second) == _layout(first) and cached.is_file()
+    pairs = zip(first.state_dict().values(), second.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)

@@ -156,6 +156,7 @@ class Pretrained:
         # modification time when it was read (set by `load`)
         self.four_bit_file: Path | None = None
         self._four_bit_stamp: tuple | None = None
+        self._four_bit_digest = ""  # the file's SHA-256 when loaded: its int4 cache's name
         # generate's 4-bit copy, made on first use, and the model's weights it was made from
         self._int4: tuple[nn.Module, tuple] | None = None
 
@@ -312,15 +313,24 @@ class Pretrained:
         return any(isinstance(m, Int4Linear) for m in self.model.modules())
 
     def _four_bit_copy(self) -> nn.Module:
-        """The model with the file's 4-bit matrices swapped in, sharing every other tensor."""
+        """The model with the file's 4-bit matrices swapped in, sharing every other tensor:
+        from the cache of an earlier process where there is one (`qkv.io.int4_cache`)."""
         import copy
 
-        from qkv.io.gguf import read_int4
+        from qkv.io import int4_cache
+        from qkv.io.gguf import default_cache_dir, read_int4
         from qkv.io.load import use_int4
 
         shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
         twin = copy.deepcopy(self.model, shared)  # the modules copied, their tensors not
+        cache = None
+        if self._four_bit_digest:
+            cache = int4_cache.cache_path(self._four_bit_digest, default_cache_dir())
+            if int4_cache.restore(twin, cache):
+                return twin.eval()
         use_int4(twin, self.family, self.config, read_int4(self.four_bit_file), self.source)
+        if cache is not None:
+            int4_cache.store(twin, cache)
         return twin.eval()
 
     def _generate_recorded(self, model, ids, recording, sampling, max_new_tokens, stop, stream):
@@ -658,6 +668,7 @@ def load(
                             pooling=loaded.pooling)  # fmt: skip
     pretrained.four_bit_file = loaded.four_bit_file
     pretrained._four_bit_stamp = _stamp(loaded.four_bit_file)
+    pretrained._four_bit_digest = loaded.four_bit_digest
     if loaded.run is not None:
         # io finds a run's checkpoint; its RunConfig is train's to parse (io never imports train)
         from qkv.io.runs import CONFIG

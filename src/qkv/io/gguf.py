@@ -63,6 +63,7 @@ class GGUFModel:
     tokenizer: Tokenizer  # built from the file's own vocabulary and merges
     tokenizer_config: dict[str, Any]  # bos/eos/pad/unk tokens, add_bos_token, chat_template
     four_bit: int = 0  # how many of its matrices are Q4_0 or Q4_1 (`read_int4` keeps them so)
+    digest: str = ""  # the file's SHA-256: what names its caches
 
 
 def read_gguf(
@@ -85,8 +86,9 @@ def read_gguf(
     data, header, config, arch = _open(path)
     tokenizer, tokenizer_config = gguf_tokenizer(header.metadata, path)
 
-    cache_dir = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    cache = cache_dir / f"{hashlib.sha256(data).hexdigest()}.safetensors"
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    digest = hashlib.sha256(data).hexdigest()
+    cache = cache_dir / f"{digest}.safetensors"
     names = {
         arch.hf_name(info.name): info.shape
         for info in header.tensors
@@ -97,7 +99,7 @@ def read_gguf(
         state_dict = _state_dict(header, data, config, arch, progress)
         _save_cache(cache, state_dict, path)
     four_bit = sum(info.ggml_type in INT4_TYPES and len(info.shape) == 2 for info in header.tensors)
-    return GGUFModel(config, state_dict, tokenizer, tokenizer_config, four_bit)
+    return GGUFModel(config, state_dict, tokenizer, tokenizer_config, four_bit, digest)
 
 
 def read_int4(path: str | os.PathLike) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
@@ -119,7 +121,7 @@ def read_int4(path: str | os.PathLike) -> dict[str, tuple[Tensor, Tensor, Tensor
     return out
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qkv" / "gguf"
 
 

@@ -37,6 +37,7 @@ class Loaded:
     # a .gguf file whose 4-bit matrices the model holds dequantized (loaded without int4):
     # what `Pretrained.generate(precision="auto")` decodes with on the CPU
     four_bit_file: Path | None = None
+    four_bit_digest: str = ""  # that file's SHA-256, which names its cache of 4-bit matrices
 
 
 def load_source(
@@ -94,7 +95,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -
     tokenizer = Tokenizer(contents.tokenizer, **contents.tokenizer_config)
     four_bit_file = path if contents.four_bit and not int4 else None
     return Loaded(model, tokenizer, config, family, contents.config, name,
-                  four_bit_file=four_bit_file)  # fmt: skip
+                  four_bit_file=four_bit_file, four_bit_digest=contents.digest)  # fmt: skip
 
 
 def use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) -> None:

@@ -48,6 +48,27 @@ class Int4Linear(nn.Module):
             raise ValueError(f"an int4 layer of {N} outputs needs a bias of ({N},)")
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
 
+    @classmethod
+    def from_packed(cls, packed: Tensor, scales_and_zeros: Tensor, bias: Tensor | None,
+                    in_features: int, out_features: int) -> Int4Linear:  # fmt: skip
+        """The layer whose `packed` and `scales_and_zeros` buffers these are (as another
+        Int4Linear of the same sizes held them, on this torch and CPU)."""
+        N, K = out_features, in_features
+        if (packed.dtype != torch.uint8 or packed.shape != (N, K // 2) or K % GROUP
+                or scales_and_zeros.dtype != torch.bfloat16
+                or scales_and_zeros.shape != (K // GROUP, N, 2)):  # fmt: skip
+            raise ValueError(f"packed int4 weights of ({N}, {K}) need ({N}, {K // 2}) bytes and "
+                             f"({K // GROUP}, {N}, 2) bfloat16 scales")  # fmt: skip
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = K, N
+        layer.register_buffer("packed", packed)
+        layer.register_buffer("scales_and_zeros", scales_and_zeros)
+        if bias is not None and bias.shape != (N,):
+            raise ValueError(f"an int4 layer of {N} outputs needs a bias of ({N},)")
+        layer.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+        return layer
+
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu":
             raise ValueError("int4 weights run on the CPU; load the model without int4 for GPUs")
@@ -94,6 +115,28 @@ class Int8Linear(nn.Module):
         self.register_buffer("q", q)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+
+    @classmethod
+    def from_quantized(cls, q: Tensor, scale: Tensor, bias: Tensor | None) -> Int8Linear:
+        """The layer whose `q` and `scale` buffers these are (as another Int8Linear held them)."""
+        if (
+            q.dtype != torch.int8
+            or q.dim() != 2
+            or scale.dtype != torch.bfloat16
+            or (scale.shape != q.shape[:1])
+        ):
+            raise ValueError("8-bit weights need (N, K) int8 values and (N,) bfloat16 scales")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = q.shape
+        layer.register_buffer("q", q)
+        layer.register_buffer("scale", scale)
+        if bias is not None and bias.shape != q.shape[:1]:
+            raise ValueError(
+                f"an 8-bit layer of {q.shape[0]} outputs needs a bias of ({q.shape[0]},)"
+            )
+        layer.bias = None if bias is None else nn.Parameter(bias.detach().clone(), False)
+        return layer
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "cpu":
