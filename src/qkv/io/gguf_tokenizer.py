@@ -63,10 +63,10 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> tuple[Tokenizer, dict[st
         if kind_of == TokenType.CONTROL and (alphabet is None or set(token) <= alphabet)
     ]
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    vocab = tokenizer.get_vocab()
-    user = [
-        t for t, k in zip(tokens, types, strict=True) if k == TokenType.USER_DEFINED and t in vocab
-    ]
+    user = [t for t, k in zip(tokens, types, strict=True) if k == TokenType.USER_DEFINED]
+    if user:  # the vocabulary's 49,152 entries are read out only where a file has such tokens
+        vocab = tokenizer.get_vocab()
+        user = [t for t in user if t in vocab]
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
     missing = [t for t in named.values() if t is not None and t not in control]
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in missing])

@@ -92,7 +92,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -
     model = build(family, config, contents.state_dict, dtype)
     if int4:
         use_int4(model, family, config, read_int4(path), name)
-    tokenizer = Tokenizer(contents.tokenizer, **contents.tokenizer_config)
+    tokenizer = Tokenizer(contents.tokenizer, **contents.tokenizer_config, copy=False)
     four_bit_file = path if contents.four_bit and not int4 else None
     return Loaded(model, tokenizer, config, family, contents.config, name,
                   four_bit_file=four_bit_file, four_bit_digest=contents.digest)  # fmt: skip

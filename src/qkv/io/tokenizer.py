@@ -94,7 +94,8 @@ class TextStream:
 class Tokenizer:
     """A Hugging Face fast tokenizer with the special tokens and chat template of its model.
 
-    The wrapper works on its own copy of `backend`: it turns off the padding and truncation
+    The wrapper works on its own copy of `backend` (on `backend` itself with copy=False,
+    where the caller made it for this wrapper alone): it turns off the padding and truncation
     that some tokenizer.json files switch on (qkv pads in `encode_batch` and never cuts text
     silently) and registers the named special tokens as special, as transformers does.
     `add_bos_token`/`add_eos_token` extend the copy's post-processor to add BOS/EOS unless it
@@ -115,10 +116,12 @@ class Tokenizer:
         padding_side: Literal["left", "right"] = "right",
         model_max_length: int | None = None,
         extra_special_tokens: Mapping[str, str] | None = None,
+        copy: bool = True,
     ) -> None:
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', not {padding_side!r}")
-        self.backend = tokenizers.Tokenizer.from_str(backend.to_str())
+        # a GGUF file's tokenizer is made for its wrapper: not copying it is 0.1 s of a load
+        self.backend = tokenizers.Tokenizer.from_str(backend.to_str()) if copy else backend
         self.backend.no_padding()
         self.backend.no_truncation()
         named = dict(zip(_SPECIAL_NAMES, (bos_token, eos_token, pad_token, unk_token), strict=True))
