@@ -53,7 +53,15 @@ def run_qkv(T: int) -> dict:
 
 
 def run_peer(T: int) -> dict:
-    model = eager_peer()
+    found, last = output_attentions(eager_peer(), T)
+    ours = torch.load(f"/tmp/qkv-attentions-{T}.pt")
+    return found | {"max_difference": float((ours - last).abs().max())}
+
+
+def output_attentions(model, T: int) -> tuple[dict, torch.Tensor]:
+    """A transformers model's `model.model(ids, output_attentions=True)` at T tokens after a
+    128-token warm-up: its cell ({"tokens", "seconds", "peak_mb", "model_mb"}) and every
+    layer's last 8 rows of weights (L, H, 8, T), to compare (hf_backend.py times its cells so)."""
     ids = {n: torch.tensor([token_ids(n)]) for n in (128, T)}
 
     def once(n: int):
@@ -66,9 +74,7 @@ def run_peer(T: int) -> dict:
     loaded = rss_mb()
     seconds, attentions = faster(once, T)
     last = torch.stack([a[0, :, -8:] for a in attentions])  # (L, H, 8, T)
-    ours = torch.load(f"/tmp/qkv-attentions-{T}.pt")
-    return {"tokens": T, "seconds": seconds, "peak_mb": peak_mb(), "model_mb": loaded,
-            "max_difference": float((ours - last).abs().max())}  # fmt: skip
+    return {"tokens": T, "seconds": seconds, "peak_mb": peak_mb(), "model_mb": loaded}, last
 
 
 def faster(once, T: int):

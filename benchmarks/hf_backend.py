@@ -21,15 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 
-from attentions import REPEATS, faster, table
-from long_text import eager_peer, peak_mb, rss_mb, token_ids
+from attentions import REPEATS, output_attentions, table
+from long_text import eager_peer
 from timing import CORES, machine
-
-LAST = 8  # the rows of each layer's weights compared between the sides
 
 
 def run(side: str, T: int) -> dict:
@@ -39,19 +36,7 @@ def run(side: str, T: int) -> dict:
 
         model.set_attn_implementation(qkv.hf.NAME)
         qkv.hf.check(model)
-    ids = {n: torch.tensor([token_ids(n)]) for n in (128, T)}
-
-    def once(n: int):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            attentions = model.model(ids[n], output_attentions=True).attentions
-        return time.perf_counter() - start, attentions
-
-    once(128)
-    loaded = rss_mb()
-    seconds, attentions = faster(once, T)
-    last = torch.stack([a[0, :, -LAST:] for a in attentions])  # (L, H, LAST, T)
-    found = {"tokens": T, "seconds": seconds, "peak_mb": peak_mb(), "model_mb": loaded}
+    found, last = output_attentions(model, T)
     path = f"/tmp/qkv-hf-backend-{T}.pt"
     if side == "qkv":
         torch.save(last, path)
