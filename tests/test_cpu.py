@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import qkv
-from qkv.cpu import Capability, capability, choose_precision, cpu_flags
+from qkv.cpu import Capability, capability, choose_gemm, choose_precision, cpu_flags, cpu_vendor
 
 EPYC_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -48,11 +49,25 @@ def test_flags_are_the_first_processors_and_arm_names_them_features():
     assert not Capability("DEFAULT", cpu_flags("Features : fp asimd bf16\n")).bfloat16
 
 
+def test_float32_products_go_to_onednn_on_amd_cpus_and_stay_with_mkl_on_intels():
+    assert cpu_vendor(EPYC_AVX2) == "AuthenticAMD" and cpu_vendor(XEON_AMX) == ""
+    intel = Capability("AVX512", cpu_flags(XEON_AMX), "GenuineIntel")
+    assert choose_gemm(intel) == ("blas", "MKL's own kernels for this CPU (GenuineIntel)")
+    assert choose_gemm(Capability("AVX2", frozenset()))[0] == "blas"  # vendor unknown
+    library, why = choose_gemm(Capability("AVX2", cpu_flags(EPYC_AVX2), "AuthenticAMD"))
+    has_both = torch.backends.mkldnn.is_available() and torch.backends.mkl.is_available()
+    assert library == ("onednn" if has_both else "blas")
+    assert ("AVX2 path on this AuthenticAMD CPU" in why) == has_both
+
+
 def test_backends_verbose_says_what_this_cpu_chose_and_why():
     done = subprocess.run([sys.executable, "-m", "qkv.cli", "backends", "--verbose"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     precision, why = choose_precision()
     assert f"embed(precision='auto'): {precision}, since {why}" in done.stdout
+    library, why = choose_gemm()
+    named = {"onednn": "oneDNN", "blas": "torch's BLAS"}[library]
+    assert f"float32 Linear products: {named}, since {why}" in done.stdout
     assert f"this CPU: {capability().describe()}" in done.stdout
     assert "sdpa" in done.stdout.splitlines()[1]
 

@@ -131,6 +131,37 @@ def test_attentions_are_every_layer_and_head_whatever_the_backend(minilm):
     assert "".join(out.tokens[start:end]) == "bank"
 
 
+def test_a_decoders_weights_are_made_in_its_forward_pass_equal_to_its_records(smollm2):
+    from qkv.attention import attention_weights
+
+    text = "The bank on the side of the river was muddy after the rain."
+    seen = smollm2.attentions(text)
+    assert seen.made is not None and seen.weights is seen.made
+    assert all(record.made is not None for record in seen.records.values())
+    for layer in (0, 17, 29):
+        record = seen.records[layer]
+        want = attention_weights(record.q, record.k, causal=True, scale=record.scale)[0]
+        torch.testing.assert_close(seen.weights[layer], want, atol=1e-6, rtol=0)
+    kept = smollm2.attentions(text, weights=False)  # records alone, weights read from them
+    assert kept.made is None and all(r.made is None for r in kept.records.values())
+    # two forward passes (the other on sdpa): float32 round-off, compounded over 30 layers
+    torch.testing.assert_close(kept.weights, seen.weights, atol=1e-5, rtol=0)
+    some = smollm2.attentions(text, layers=[3, 1])
+    assert some.layers == [1, 3] and some.made.shape[0] == 2
+    torch.testing.assert_close(some.weights, seen.weights[[1, 3]], atol=1e-5, rtol=0)
+    assert smollm2.attentions(text, heads=[2]).made is None  # some heads: from the records
+    ids = torch.tensor([seen.encoded.ids])
+    with pytest.raises(ValueError, match="weights holds 3 layers' weights; 2 are recorded"):
+        smollm2.model(ids, layers=[0, 1], weights=torch.empty(3, 9, ids.shape[1], ids.shape[1]))
+
+
+def test_attentions_makes_the_weights_by_default_only_up_to_its_size(smollm2, monkeypatch):
+    text = "The bank of the river"
+    monkeypatch.setattr("qkv.pretrained.MADE_MAX_BYTES", 1000)
+    assert smollm2.attentions(text).made is None
+    assert smollm2.attentions(text, weights=True).made is not None
+
+
 def test_cached_generation_equals_generation_without_the_cache(smollm2):
     prompt = "Rivers carve their banks"
     ids = torch.tensor([smollm2.tokenizer.encode(prompt).ids])

@@ -39,6 +39,9 @@ def version() -> None:
     typer.echo(f"qkv {qkv.__version__} (torch {torch.__version__})")
 
 
+GEMM_NAMES = {"onednn": "oneDNN", "blas": "torch's BLAS"}
+
+
 @app.command()
 def backends(
     compare: Annotated[
@@ -64,11 +67,13 @@ def backends(
         if verbose:
             import torch
 
-            from qkv.cpu import capability, choose_precision
+            from qkv.cpu import capability, choose_gemm, choose_precision
 
             precision, why = choose_precision()
             typer.echo(f"\nthis CPU: {capability().describe()}; {torch.get_num_threads()} threads")
             typer.echo(f"embed(precision='auto'): {precision}, since {why}")
+            library, why = choose_gemm()
+            typer.echo(f"float32 Linear products: {GEMM_NAMES[library]}, since {why}")
             from qkv.nn.quantized import int4_available
 
             typer.echo("generate(precision='auto'): a .gguf file's 4-bit matrices in 4 bits, "
@@ -437,7 +442,9 @@ def show(
             pretrained = qkv.hf.load(model)
         else:
             pretrained = load(model, backend=backend)
-        seen = pretrained.attentions(text, target=target)  # the one forward pass
+        # the one forward pass; a long text is drawn from summaries, never from every weight
+        long = len(pretrained.encode(text).ids) > LONG
+        seen = pretrained.attentions(text, target=target, weights=False if long else None)
         if region is not None or max(len(seen.tokens), len(seen.query_tokens or ())) > LONG:
             _show_long(seen, out, model, text, layers, heads, layer, head, region)
             typer.echo(f"wrote {out}")

@@ -34,6 +34,7 @@ class Capability:
 
     kernels: str
     flags: frozenset[str]
+    vendor: str = ""  # /proc/cpuinfo's vendor_id: GenuineIntel, AuthenticAMD, ... ("" unknown)
 
     @property
     def bfloat16(self) -> bool:
@@ -42,7 +43,8 @@ class Capability:
 
     def describe(self) -> str:
         shown = [flag for flag in SHOWN_FLAGS if flag in self.flags]
-        return f"torch's kernels: {self.kernels}; {' '.join(shown) or 'no flags known'}"
+        vendor = f"{self.vendor}; " if self.vendor else ""
+        return f"{vendor}torch's kernels: {self.kernels}; {' '.join(shown) or 'no flags known'}"
 
 
 def cpu_flags(cpuinfo: str) -> frozenset[str]:
@@ -58,16 +60,30 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_vendor(cpuinfo: str) -> str:
+    """The vendor of the first processor in the text of /proc/cpuinfo ("" where none is said).
+
+    >>> cpu_vendor("processor : 0\nvendor_id : AuthenticAMD\n")
+    'AuthenticAMD'
+    """
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 @functools.cache
 def capability() -> Capability:
     """This machine's CPU, read once per process."""
     import torch
 
     try:
-        flags = cpu_flags(Path("/proc/cpuinfo").read_text(errors="replace"))
+        cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:  # not Linux: no flags known, so nothing beyond float32 is assumed
-        flags = frozenset()
-    return Capability(torch.backends.cpu.get_cpu_capability(), flags)
+        cpuinfo = ""
+    return Capability(torch.backends.cpu.get_cpu_capability(), cpu_flags(cpuinfo),
+                      cpu_vendor(cpuinfo))  # fmt: skip
 
 
 def choose_precision(cpu: Capability | None = None) -> tuple[str, str]:
@@ -79,6 +95,37 @@ def choose_precision(cpu: Capability | None = None) -> tuple[str, str]:
     return "float32", (
         "the CPU has no bfloat16 instructions (neither avx512_bf16 nor amx_bf16): bfloat16 "
         "would be converted in software, several times slower than float32"
+    )
+
+
+def choose_gemm(cpu: Capability | None = None) -> tuple[str, str]:
+    """("onednn" or "blas", why): the library that multiplies qkv's float32 Linear layers on
+    the CPU (`qkv.nn.linear`).
+
+    torch's CPU build hands F.linear's float32 products to its BLAS, Intel's MKL, which picks
+    its kernels by the CPU's vendor: on any other x86 CPU it runs an AVX2 path, even where
+    AVX-512 is there. oneDNN, also inside torch, picks by the instructions alone. On an
+    AVX-512 AMD EPYC (2 cores) it multiplied 512 rows by SmolLM2's matrices at 185-210
+    GFLOP/s where MKL reached 110-150, and the LM head 1.9-2.7x as fast at 1 to 128 rows;
+    held to AVX2 it was still 1.1-1.3x MKL. On Intel's own CPUs MKL is left to do its work.
+    Like the precision, this depends on the machine alone, never on a timing.
+
+    >>> choose_gemm(Capability("AVX512", frozenset(), "GenuineIntel"))[0]
+    'blas'
+    """
+    import torch
+
+    cpu = cpu or capability()
+    if not (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):  # fmt: skip
+        return "blas", "this torch has no oneDNN linear"
+    if not torch.backends.mkl.is_available():
+        return "blas", "this torch's BLAS is not MKL, so nothing is known to be faster"
+    if cpu.vendor != "AuthenticAMD":  # the vendor where MKL's path was measured slower
+        return "blas", f"MKL's own kernels for this CPU ({cpu.vendor or 'vendor unknown'})"
+    return "onednn", (
+        f"MKL picks its kernels by vendor and takes an AVX2 path on this {cpu.vendor} CPU; "
+        "oneDNN picks by the instructions (1.1-1.5x MKL's float32 products where measured)"
     )
 
 

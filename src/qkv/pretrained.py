@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from qkv.attention.eager import compute_dtype
 from qkv.attention.inputs import check_indices
 from qkv.generate import (
     GenerationAttention,
@@ -53,6 +54,7 @@ class Attentions:
     encoded: object  # the tokenizer's Encoded of `tokens`: offsets, words, find("bank#2")
     heads: list[int]  # the query heads `weights` shows, counted from 0
     query_tokens: list[str] | None = None  # cross-attention: the decoder's, start token first
+    made: Tensor | None = None  # (L', H, Tq, Tk): the weights the forward pass made, if any
 
     @property
     def layers(self) -> list[int]:
@@ -63,11 +65,13 @@ class Attentions:
     def weights(self) -> Tensor:
         """(L', H', Tq, Tk) float32 for `layers` and `heads`: row i is query token i's
         attention over the keys (T x T over one text)."""
-        from qkv.attention.eager import compute_dtype, weights_into
+        from qkv.attention.eager import weights_into
 
-        out = None  # filled a layer at a time: never two copies of the weights at once
+        out = self.made  # filled a layer at a time: never two copies of the weights at once
         for i, layer in enumerate(self.layers):
             record = self.records[layer]
+            if record.made is not None:
+                continue  # made in out[i] by the forward pass
             if out is None:
                 s = record.shape
                 out = record.q.new_empty(len(self.layers), len(self.heads), s.Tq, s.Tk,
@@ -520,11 +524,20 @@ class Pretrained:
         target: str | None = None,
         layers: Layers = "all",
         heads: Sequence[int] | None = None,
+        weights: bool | None = None,
     ) -> Attentions:
         """One forward pass over `text`: every layer's record, and the weights (L, H, T, T).
 
         layers: the layers to record (all by default: "all" or None); heads: the heads
         `weights` shows (all by default); both counted from 0.
+        weights: where `.weights` will be read, a decoder's weights of every head are best
+        made in the forward pass itself, each layer's with its output in one pass over the
+        scores (eager's arithmetic, faster than a fused pass followed by the weights' own
+        pass); `.weights` then only hands them over. True makes them so; False keeps the
+        records alone, and `.weights` computes from them when first read (for callers of a
+        few rows or summaries: a long text's L x H x T x T floats are never all held then);
+        None (the default) makes them where they take at most MADE_MAX_BYTES (2 GiB:
+        SmolLM2 up to 1,409 tokens), and keeps the records alone beyond.
         target (encoder-decoder models only): the decoder's cross-attention instead, weights
         (L, H, Tt, Ts) from the decoder's tokens (its start token, then `target`'s, as in
         training) to `text`'s. Without a target an encoder-decoder shows its encoder. E.g. a
@@ -547,13 +560,19 @@ class Pretrained:
             raise ValueError("no layer or no head asked for; leave layers and heads out for all")
         encoded = self.encode(text)
         ids = torch.tensor([encoded.ids])  # (1, Ts)
-        with torch.inference_mode():
-            if target is not None:
-                targets, queries, _ = self.decoder_input(target)
+        if target is not None:
+            targets, queries, _ = self.decoder_input(target)
+            with torch.inference_mode():
                 records = self.model(ids, targets, cross_layers=layers).cross_records
-                return Attentions(records, list(encoded.tokens), encoded, heads, queries)
-            records = stack(ids, layers=layers, logits=False).records
-        return Attentions(records, list(encoded.tokens), encoded, heads)
+            return Attentions(records, list(encoded.tokens), encoded, heads, queries)
+        # made outside inference mode, so that `.weights` may fill a layer the pass did not
+        made = _made_for(stack, weights, len(layers), heads, ids.shape[1])
+        with torch.inference_mode():
+            if made is not None:
+                records = stack(ids, layers=layers, logits=False, weights=made).records
+            else:
+                records = stack(ids, layers=layers, logits=False).records
+        return Attentions(records, list(encoded.tokens), encoded, heads, made=made)
 
     def save(self, folder: str | Path) -> None:
         """Export as a Hugging Face folder that `transformers` loads with equal outputs."""
@@ -563,6 +582,26 @@ class Pretrained:
             raise ValueError("a model loaded with int4=True cannot be exported; load it without")
         save_folder(Path(folder), self.model, self.family, self.config, self.hf_config,
                     self.tokenizer)  # fmt: skip
+
+
+MADE_MAX_BYTES = 2**31  # the most `attentions(weights=None)` makes in the forward pass
+
+
+def _made_for(stack: nn.Module, weights: bool | None, L: int, heads: list[int],
+              T: int) -> Tensor | None:  # fmt: skip
+    """The (L, H, T, T) tensor a decoder's forward pass makes its weights in for
+    `attentions`, or None: where weights are not wanted (or not by default at this size),
+    some heads only are asked, or the model is not a decoder on the CPU (see `attentions`)."""
+    first = next(stack.parameters())
+    dtype, H = compute_dtype(first.dtype), len(heads)
+    if not isinstance(stack, Decoder) or first.device.type != "cpu" or weights is False:
+        return None
+    if heads != list(range(stack.config.block.num_heads)):
+        return None
+    size = L * H * T * T * torch.finfo(dtype).bits // 8
+    if weights is None and size > MADE_MAX_BYTES:
+        return None
+    return torch.empty(L, H, T, T, dtype=dtype)
 
 
 def _stamp(path: Path | None) -> tuple | None:

@@ -4,6 +4,7 @@ text, the downsampled heatmap keeps every block's maximum, a region is the slice
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -65,6 +66,19 @@ def test_decoder_summaries_equal_the_full_weights(smollm2):
     # causal: query 0 sees only key 0
     assert (summary.first_token_mass[:, :, 0] == 1).all() and (summary.entropy[:, :, 0] == 0).all()
     assert (full["weights"].triu(1) == 0).all()
+
+
+def test_weights_made_in_the_forward_pass_are_read_in_chunks_as_they_are(smollm2):
+    seen = smollm2.attentions("The bank of the river was wide and deep")
+    assert all(record.made is not None for record in seen.records.values())
+    record = seen.records[11]
+    for start, w in chunk_weights(record, [1, 7], chunk=4):
+        rows = slice(start, start + w.shape[1])
+        assert torch.equal(w, record.made[[1, 7], rows, : w.shape[2]])
+    bare = {n: dataclasses.replace(r, made=None) for n, r in seen.records.items()}
+    made, computed = summarize(seen, top_k=3, chunk=4), summarize(bare, top_k=3, chunk=4)
+    for name in ("entropy", "first_token_mass", "top_weights", "received", "heatmap"):
+        torch.testing.assert_close(getattr(made, name), getattr(computed, name), **EXACT)
 
 
 @pytest.mark.parametrize("config", [gemma2_like, lambda: decoder(window=2, num_kv_heads=1)])
@@ -133,7 +147,7 @@ def test_block_max_keeps_the_largest_weight_of_each_block():
 def test_no_weights_beyond_one_chunk_are_made(smollm2, monkeypatch):
     """Memory grows with T times the chunk: the largest weights tensor asked of any record
     is (1, H, chunk, T), never (H, T, T), let alone (L, H, T, T)."""
-    seen = smollm2.attentions(" ".join(["the bank of the river"] * 12))
+    seen = smollm2.attentions(" ".join(["the bank of the river"] * 12), weights=False)
     T = len(seen.tokens)
     shapes = []
     weights = AttentionRecord.weights

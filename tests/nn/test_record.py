@@ -116,3 +116,35 @@ def test_bad_heads_and_queries_name_the_range():
         with pytest.raises(ValueError, match=r"heads are whole numbers counted from 0 \(0-5\)"):
             record.weights(bad)
     assert layer("eager")(torch.randn(1, 4, 48))[1] is None, "no record unless asked"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_weights_made_with_the_output_are_eagers_and_the_output_is_unchanged(dtype):
+    mha = layer("auto", dtype, seed=5)
+    x = torch.randn(1, 9, 48, dtype=dtype)
+    made = torch.full((6, 9, 9), float("nan"), dtype=dtype)  # every weight must be written
+    out, record = mha(x, causal=True, record=made)
+    plain, plain_record = mha(x, causal=True, record=True)
+    assert record.made is made and plain_record.made is None
+    want = eager_backend.attention_weights(record.q, record.k, causal=True, scale=record.scale)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(made, want[0], atol=tolerance, rtol=0)
+    torch.testing.assert_close(record.weights([4, 1]), want[:, [4, 1]], atol=tolerance, rtol=0)
+    torch.testing.assert_close(out, plain, atol=tolerance, rtol=0)
+    assert torch.equal(record.q, plain_record.q) and torch.equal(record.k, plain_record.k)
+
+
+@pytest.mark.parametrize(
+    "case", ["two texts", "padding", "not causal", "flash", "window", "soft-cap", "other shape"]
+)
+def test_a_call_the_weights_cannot_be_made_in_records_as_before(case):
+    mha = layer("flash" if case == "flash" else "eager", seed=6)
+    if case in ("window", "soft-cap"):
+        mha.window, mha.softcap = (3, None) if case == "window" else (None, 5.0)
+    x = torch.randn(2 if case == "two texts" else 1, 6, 48)
+    made = torch.full((6, 5 if case == "other shape" else 6, 6), float("nan"))
+    padding = torch.tensor([[True] * 5 + [False]]) if case == "padding" else None
+    out, record = mha(x, causal=case != "not causal", key_padding_mask=padding, record=made)
+    assert record.made is None and made.isnan().all(), "left alone"
+    want, _ = mha(x, causal=case != "not causal", key_padding_mask=padding)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)

@@ -95,10 +95,12 @@ class Inspected:
         target: str | None = None,
         layers: Sequence[int] | str | None = "all",
         heads: Sequence[int] | None = None,
+        weights: bool | None = None,
     ) -> Attentions:
         """One forward pass over `text`, its layers' records: qkv's `Attentions`, whose
         `weights` (L', H', T, T) are computed from the records when first read. layers
-        ("all" by default) and heads (all by default), counted from 0."""
+        ("all" by default) and heads (all by default), counted from 0. weights: taken as
+        `Pretrained.attentions` takes it; here the records are all that is kept."""
         if target is not None:
             raise ValueError(f"a target text is for encoder-decoder models; {self.source} is not")
         every = layers is None or (isinstance(layers, str) and layers == "all")

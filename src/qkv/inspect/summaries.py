@@ -171,13 +171,14 @@ def rows_of(
     s = record.shape
     rows, cols = slice(start, stop), slice(0, s.Tk if keys is None else keys)
     cut = None if record.lse is None else record.lse[:, :, rows]
+    made = None if record.made is None else record.made[:, rows, cols]
     mask, bias = _allowed_rows(record, start, stop), _rows_of(record.bias, rows, s.Tq)
     return dataclasses.replace(
         record, q=record.q[:, :, rows], out=record.out[:, :, rows], lse=cut,
         k=record.k[:, :, cols], v=record.v[:, :, cols],
         mask=None if mask is None else mask[..., cols], causal=False, window=None,
         bias=None if bias is None else bias[..., cols], q_before_rotary=None,
-        k_before_rotary=None,
+        k_before_rotary=None, made=made,
     )  # fmt: skip
 
 

@@ -19,6 +19,7 @@ from qkv.models.config import (
 )
 from qkv.nn import AttentionRecord, DecoderBlock, KVCache
 from qkv.nn.edit import Edits, check_edits
+from qkv.nn.linear import project
 from qkv.nn.position import positions_for
 
 
@@ -80,7 +81,7 @@ class Decoder(nn.Module):
         model scales them (T5) and soft-capped where it caps them (Gemma 2)."""
         if self.config.head_scale is not None:
             hidden = hidden * self.config.head_scale
-        return cap_logits(self.lm_head(hidden), self.config.logit_softcap)
+        return cap_logits(project(self.lm_head, hidden), self.config.logit_softcap)
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache(self.config.num_layers, self.config.cross_attention)
@@ -100,6 +101,7 @@ class Decoder(nn.Module):
         hidden_states: bool = False,
         edits: Edits | None = None,
         resume: tuple[int, Tensor] | None = None,
+        weights: Tensor | None = None,
     ) -> DecoderOutput:
         """input_ids (B, T): the new tokens (after the cached ones, if a cache is given).
 
@@ -119,6 +121,11 @@ class Decoder(nn.Module):
           before it skipped (x is their output, e.g. an earlier run's hidden_states[layer]);
           hidden_states then starts at x. With a cache, every layer's cache already holds
           the tokens before input_ids (an earlier run's keys and values, `KVCache.holding`).
+        weights (len(layers), H, T, Tk): where the layers' weights are wanted anyway, each
+          recorded layer makes them in weights[j] (j: its place among `layers`, in order)
+          with its output, in one pass over the scores, where its attention allows (one
+          sequence of plain causal scores: see MultiHeadAttention's `record`); its record's
+          `made` says whether it did.
         """
         cfg = self.config
         wanted = recorded_layers(layers, cfg.num_layers)
@@ -141,6 +148,10 @@ class Decoder(nn.Module):
             bias = self.relative(T, offset + T, offset).to(x.dtype)  # (1, H, T, Tk)
         padding = key_padding(attention_mask)
         context_padding = key_padding(context_mask)
+        place = {layer: j for j, layer in enumerate(sorted(wanted))}
+        if weights is not None and len(weights) != len(place):
+            raise ValueError(f"weights holds {len(weights)} layers' weights; {len(place)} are "
+                             "recorded")  # fmt: skip
         out = DecoderOutput(None, x, hidden_states=[x] if hidden_states else [])
         for layer in range(first, cfg.num_layers):
             x, kept, kept_cross = self.blocks[layer](
@@ -153,7 +164,7 @@ class Decoder(nn.Module):
                 cross_cache=cache.cross[layer] if cache is not None and cache.cross else None,
                 bias=bias,
                 edit=edits.get(layer),
-                record=layer in wanted,
+                record=layer in wanted if weights is None else _made_in(weights, place, layer),
                 record_cross=layer in wanted_cross,
             )
             if kept is not None:
@@ -165,6 +176,11 @@ class Decoder(nn.Module):
         out.hidden = x if self.norm is None else self.norm(x)
         out.logits = self.project(out.hidden) if logits else None
         return out
+
+
+def _made_in(weights: Tensor, place: dict[int, int], layer: int) -> Tensor | bool:
+    """A recorded layer's share of `weights` (its record=), or False for a layer not recorded."""
+    return weights[place[layer]] if layer in place else False
 
 
 def cap_logits(logits: Tensor, cap: float | None) -> Tensor:

@@ -18,6 +18,7 @@ from qkv.models.config import (
 from qkv.nn import AttentionRecord, EncoderBlock
 from qkv.nn.edit import Edits, check_edits
 from qkv.nn.layers import _ACTIVATIONS, GATED, Activation
+from qkv.nn.linear import project
 from qkv.nn.position import positions_for
 
 
@@ -73,8 +74,8 @@ class MaskedLMHead(nn.Module):
         self.decoder = nn.Linear(width, vocab_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.norm(self.activation(self.dense(x)))  # (B, T, C)
-        return self.decoder(h)  # (B, T, vocab)
+        h = self.norm(self.activation(project(self.dense, x)))  # (B, T, C)
+        return project(self.decoder, h)  # (B, T, vocab)
 
 
 class Encoder(nn.Module):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention import attend, backend_names, flash
+from qkv.attention.eager import attend_into, compute_dtype
 from qkv.attention.inputs import with_window
 from qkv.nn.edit import Edit
 from qkv.nn.layers import NormKind, make_norm
+from qkv.nn.linear import linear, project
 from qkv.nn.position import RotaryEmbedding, Rotation, positions_for
 from qkv.nn.record import AttentionRecord
 
@@ -165,15 +166,29 @@ class MultiHeadAttention(nn.Module):
     def queries(self, x: Tensor) -> Tensor:
         """The article's step 1 for every word and head: x times the query matrix (B, T, H*D)."""
         if hasattr(self, "qkv"):
-            return F.linear(x, *self._fused_weights(slice(0, self.sizes[0])))
-        return self.q(x)
+            return linear(x, *self._fused_weights(slice(0, self.sizes[0])))
+        return project(self.q, x)
 
     def keys_values(self, source: Tensor) -> tuple[Tensor, Tensor]:
         """Steps 2 and 5: source times the key and the value matrix, (B, S, Hkv*D) each."""
         if hasattr(self, "qkv"):
-            kv = F.linear(source, *self._fused_weights(slice(self.sizes[0], None)))
+            kv = linear(source, *self._fused_weights(slice(self.sizes[0], None)))
             return kv.split(self.sizes[1:], dim=-1)
-        return self.k(source), self.v(source)
+        return project(self.k, source), project(self.v, source)
+
+    def _made(self, record, q: Tensor, k: Tensor, v_shape, mask, causal: bool, window, bias,
+              context) -> Tensor | None:  # fmt: skip
+        """The tensor `record` asks the weights made in, where attend_into computes exactly
+        what this call's `attend` would; None otherwise."""
+        if not isinstance(record, Tensor):
+            return None
+        B, H, Tq, _ = q.shape
+        plain = (context is None and causal and mask is None and window is None and bias is None
+                 and self.softcap is None and self.backend in ("auto", "eager"))  # fmt: skip
+        fits = (B == 1 and record.shape == (H, Tq, k.shape[2]) and record.is_contiguous()
+                and record.dtype == compute_dtype(q.dtype) and record.device == q.device
+                and k.shape[2] >= Tq and v_shape == k.shape)  # fmt: skip
+        return record if plain and fits else None
 
     def split_heads(self, x: Tensor, num_heads: int) -> Tensor:
         B, T, _ = x.shape
@@ -192,7 +207,7 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         bias: Tensor | None = None,
         edit: Edit | None = None,
-        record: bool = False,
+        record: bool | Tensor = False,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """Contextualize x; return (out (B, T, C), this call's AttentionRecord or None).
 
@@ -210,15 +225,20 @@ class MultiHeadAttention(nn.Module):
           relative positions, made once by the model and shared by its layers).
         edit: an intervention (`qkv.nn.edit.Edit`): pairs hidden (joined to the mask, so
           on every backend) and head outputs replaced before the projection.
-        record: also return what attention received and computed (see AttentionRecord).
+        record: also return what attention received and computed (see AttentionRecord);
+          or a tensor (H, T, Tk) of the weights' dtype (float32, float64 for float64) to
+          make every head's weights in as well, with the output in one pass (eager's
+          arithmetic, `attend_into`) where this call is one causal sequence of plain scores
+          on the "auto" or "eager" backend; the record's `made` is then that tensor. A call
+          that is not such leaves the tensor alone and records as with True.
         """
         B, T, _ = x.shape
         q_plain = k_plain = None
         if context is None:  # self-attention: queries, keys and values all from x
             if hasattr(self, "qkv"):
-                q, k, v = self.qkv(x).split(self.sizes, dim=-1)  # one matmul for all three
+                q, k, v = project(self.qkv, x).split(self.sizes, dim=-1)  # one product for all
             else:
-                q, k, v = self.q(x), self.k(x), self.v(x)
+                q, k, v = project(self.q, x), project(self.k, x), project(self.v, x)
             q, k = self._normed(q, k)  # (B, H, T, D), (B, Hkv, T, D)
             v = self.split_heads(v, self.num_kv_heads)
             if self.rotary is not None:
@@ -248,7 +268,11 @@ class MultiHeadAttention(nn.Module):
         lse = None
         # a window applies to self-attention only (cross-attention reads the whole context)
         window = self.window if context is None else None
-        if record and self.backend == "flash" and self.softcap is None and bias is None:
+        recording = isinstance(record, Tensor) or bool(record)
+        made = self._made(record, q, k, v.shape, mask, causal, window, bias, context)
+        if made is not None:  # the weights asked for anyway: made with the output
+            out = attend_into(made, q, k, v, scale=self.scale)
+        elif recording and self.backend == "flash" and self.softcap is None and bias is None:
             # the kernel's log-sum-exp turns q and k into any head's weights directly
             windowed = with_window(mask, window, causal, q.shape[2], k.shape[2], q.device)
             out, lse = flash.flash_attention(
@@ -260,12 +284,13 @@ class MultiHeadAttention(nn.Module):
                 softcap=self.softcap, bias=bias, backend=self.backend,
             )  # fmt: skip
         kept = None  # (B, H, T, D) out, and the rest, as attend saw them
-        if record:
+        if recording:
             kept = AttentionRecord(
                 q, k, v, out, mask, causal, self.scale, self.backend, lse, q_plain, k_plain,
-                window, self.softcap, bias,
+                window, self.softcap, bias, made,
             )  # fmt: skip
         if edit is not None:
             out = edit.head_outputs(out)
-        out = self.out(out.transpose(1, 2).reshape(B, T, -1))  # concatenate heads, (B, T, C)
+        concatenated = out.transpose(1, 2).reshape(B, T, -1)  # heads side by side (B, T, H*D)
+        out = project(self.out, concatenated)  # (B, T, C)
         return out, kept

@@ -173,7 +173,7 @@ class EncoderBlock(_Block):
         rotation: Rotation | None = None,
         bias: Tensor | None = None,
         edit: Edit | None = None,
-        record: bool = False,
+        record: bool | Tensor = False,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """x (B, T, C) -> (B, T, C), and the attention's record if asked (MultiHeadAttention).
 
@@ -221,7 +221,7 @@ class DecoderBlock(_Block):
         bias: Tensor | None = None,
         cross_bias: Tensor | None = None,
         edit: Edit | None = None,
-        record: bool = False,
+        record: bool | Tensor = False,
         record_cross: bool = False,
     ) -> tuple[Tensor, AttentionRecord | None, AttentionRecord | None]:
         """x (B, T, C) -> (B, T, C), the self- and the cross-attention's records if asked.
@@ -230,6 +230,7 @@ class DecoderBlock(_Block):
         context: the encoder's output (B, S, C), with context_mask (B, S) True for real
         tokens; needed on every step when the block has cross-attention.
         edit: an intervention in this block's self-attention and output (`Edit`).
+        record: True, or a tensor to make the weights in (MultiHeadAttention's `record`).
         """
         h = self.sublayer_input(x, self.attn_norm)
         attended, kept = self.attn(

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.nn.linear import project
 from qkv.nn.position import LearnedPositions, SinusoidalPositions, SinusoidLayout
 
 Activation = Literal["gelu", "gelu_tanh", "relu", "silu"]
@@ -74,7 +75,7 @@ class MLP(nn.Module):
         self.fc_out = nn.Linear(hidden, width, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc_out(self.activation(self.fc_in(x)))
+        return project(self.fc_out, self.activation(project(self.fc_in, x)))
 
 
 class GatedMLP(nn.Module):
@@ -102,10 +103,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if hasattr(self, "gate_up"):
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            gate, up = project(self.gate_up, x).chunk(2, dim=-1)
         else:
-            gate, up = self.gate(x), self.up(x)
-        return self.down(self.activation(gate) * up)
+            gate, up = project(self.gate, x), project(self.up, x)
+        return project(self.down, self.activation(gate) * up)
 
 
 class SwiGLU(GatedMLP):

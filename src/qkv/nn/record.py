@@ -50,6 +50,8 @@ class AttentionRecord:
     positions, this call's queries and keys before they were turned (k: the new tokens only).
     window, softcap, bias: the score variants of the layer, as `attend` takes them (a sliding
     window, Gemma 2's soft-cap, a bias added to the scores such as T5's relative positions).
+    made (H, Tq, Tk): every head's weights, where the layer was asked to make them with its
+    output (one sequence, `MultiHeadAttention`'s record=tensor); `weights` then reads them.
     """
 
     q: Tensor
@@ -66,6 +68,7 @@ class AttentionRecord:
     window: int | None = None
     softcap: float | None = None
     bias: Tensor | None = None
+    made: Tensor | None = None
 
     @property
     def shape(self) -> Shape:
@@ -89,6 +92,8 @@ class AttentionRecord:
         backend ran. Rows sum to 1, or to 0 for a query that saw no key."""
         s = self.shape
         chosen = check_indices("head", range(s.H) if heads is None else heads, s.H, "this layer")
+        if self.made is not None:  # made by eager's arithmetic with the output
+            return self.made[None] if heads is None else self.made[chosen][None]
         mask = with_window(self.mask, self.window, self.causal, s.Tq, s.Tk, self.q.device)
         if self.lse is not None:  # a fused kernel's lse: one product and an exp per weight
             q, k, mask, lse = select_heads(chosen, self.q, self.k, mask, self.lse)

@@ -92,7 +92,7 @@ class LongTexts:
                 if run.stop.is_set():
                     raise Cancelled
                 run.started = True
-                seen = pretrained.attentions(run.text)
+                seen = pretrained.attentions(run.text, weights=False)  # summaries alone
                 tokens, heads = list(seen.tokens), seen.heads
                 records = {layer: weights_only(r) for layer, r in seen.records.items()}
                 del seen  # the forward pass's full records: only what weights read is kept
@@ -120,7 +120,7 @@ def weights_only(record):
         return t.new_empty(*t.shape[:-1], 0)
 
     return dataclasses.replace(record, v=empty(record.v), out=empty(record.out),
-                               q_before_rotary=None, k_before_rotary=None)  # fmt: skip
+                               q_before_rotary=None, k_before_rotary=None, made=None)  # fmt: skip
 
 
 def joined(parts: list, tokens: list[str]):
