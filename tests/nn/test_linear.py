@@ -78,6 +78,13 @@ def test_other_dtypes_and_the_choice_of_blas_are_f_linear(monkeypatch):
     assert calls == []
 
 
+def test_under_autocast_the_product_is_f_linears_in_the_autocast_dtype(onednn):
+    x, weight = torch.randn(6, 16), torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, want = linear(x, weight), F.linear(x, weight)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want) and onednn == []
+
+
 def test_project_runs_a_linears_hooks_and_any_other_module_as_itself(onednn):
     torch.manual_seed(0)
     layer, x = nn.Linear(8, 5), torch.randn(3, 8)

@@ -38,9 +38,12 @@ def onednn_chosen() -> bool:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias): x (..., K), weight (N, K), bias (N,) -> (..., N), on oneDNN
-    where `onednn_chosen` and every tensor is float32 on the CPU."""
+    where `onednn_chosen` and every tensor is float32 on the CPU. Under torch.compile it is
+    F.linear, which the compiler lowers itself (its own oneDNN linear needs packed weights),
+    and under CPU autocast too, which runs F.linear in the autocast's dtype (bfloat16)."""
     if (x.dtype is torch.float32 and weight.dtype is torch.float32 and x.device.type == "cpu"
             and weight.device.type == "cpu" and (bias is None or bias.dtype is torch.float32)
+            and not torch.compiler.is_compiling() and not torch.is_autocast_enabled("cpu")
             and onednn_chosen()):  # fmt: skip
         if torch.is_grad_enabled() and (
             x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
