@@ -63,7 +63,7 @@ def cpu_flags(cpuinfo: str) -> frozenset[str]:
 def cpu_vendor(cpuinfo: str) -> str:
     """The vendor of the first processor in the text of /proc/cpuinfo ("" where none is said).
 
-    >>> cpu_vendor("processor : 0\nvendor_id : AuthenticAMD\n")
+    >>> cpu_vendor("processor : 0\\nvendor_id : AuthenticAMD\\n")
     'AuthenticAMD'
     """
     for line in cpuinfo.splitlines():
@@ -105,8 +105,9 @@ def choose_gemm(cpu: Capability | None = None) -> tuple[str, str]:
     torch's CPU build hands F.linear's float32 products to its BLAS, Intel's MKL, which picks
     its kernels by the CPU's vendor: on any other x86 CPU it runs an AVX2 path, even where
     AVX-512 is there. oneDNN, also inside torch, picks by the instructions alone. On an
-    AVX-512 AMD EPYC (2 cores) it multiplied 512 rows by SmolLM2's matrices at 185-210
-    GFLOP/s where MKL reached 110-150, and the LM head 1.9-2.7x as fast at 1 to 128 rows;
+    AVX-512 AMD EPYC (2 cores, benchmarks/linear_cpu.py) it multiplied 512 rows by SmolLM2's
+    matrices at 185-215 GFLOP/s where MKL reached 110-200 (1.07-1.5x, MKL the less steady),
+    a training step's products 1.1-1.3x as fast, and the LM head 2.1-2.7x at 1 to 128 rows;
     held to AVX2 it was still 1.1-1.3x MKL. On Intel's own CPUs MKL is left to do its work.
     Like the precision, this depends on the machine alone, never on a timing.
 
@@ -125,7 +126,7 @@ def choose_gemm(cpu: Capability | None = None) -> tuple[str, str]:
         return "blas", f"MKL's own kernels for this CPU ({cpu.vendor or 'vendor unknown'})"
     return "onednn", (
         f"MKL picks its kernels by vendor and takes an AVX2 path on this {cpu.vendor} CPU; "
-        "oneDNN picks by the instructions (1.1-1.5x MKL's float32 products where measured)"
+        "oneDNN picks by the instructions (1.07-2.7x MKL's float32 products where measured)"
     )
 
 
