@@ -78,6 +78,19 @@ def test_other_dtypes_and_the_choice_of_blas_are_f_linear(monkeypatch):
     assert calls == []
 
 
+def test_a_gradient_of_the_gradient_is_f_linears(onednn):
+    torch.manual_seed(3)
+    x, weight = torch.randn(5, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)
+
+    def second(fn, x, weight):  # d/dweight of |d(out.sum())/dx|^2
+        x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        (grad_x,) = torch.autograd.grad(fn(x, weight).pow(2).sum(), x, create_graph=True)
+        return torch.autograd.grad(grad_x.pow(2).sum(), weight)[0]
+
+    got, want = second(linear, x.float(), weight.float()), second(F.linear, x, weight)
+    assert relative(got, want) < 1e-5
+
+
 def test_under_autocast_the_product_is_f_linears_in_the_autocast_dtype(onednn):
     x, weight = torch.randn(6, 16), torch.randn(4, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):

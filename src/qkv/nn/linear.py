@@ -25,7 +25,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 
 @functools.cache
@@ -76,7 +75,8 @@ def _onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 class _OneDNNLinear(torch.autograd.Function):
     """`linear` with gradients: the input's gradient is a product by the weight, so it runs
     on oneDNN too; the weight's, a product over every row of the batch, stays on torch's mm,
-    which was as fast there."""
+    which was as fast there. A backward asked to build its own graph (create_graph=True, for
+    a gradient of a gradient) runs on torch's differentiable ops instead."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -85,13 +85,14 @@ class _OneDNNLinear(torch.autograd.Function):
         return _onednn(x, weight, bias)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
         rows = grad.reshape(-1, grad.shape[-1])  # (B*T, N)
-        if ctx.needs_input_grad[0]:
-            grad_x = _onednn(grad, weight.t(), None)  # (..., K): grad @ weight
+        # asked with create_graph (a gradient of this gradient): torch's differentiable ops
+        twice = torch.is_grad_enabled()
+        if ctx.needs_input_grad[0]:  # (..., K): grad @ weight
+            grad_x = grad.matmul(weight) if twice else _onednn(grad, weight.t(), None)
         if ctx.needs_input_grad[1]:
             grad_weight = rows.t().mm(x.reshape(-1, x.shape[-1]))  # (N, K)
         if ctx.has_bias and ctx.needs_input_grad[2]:
