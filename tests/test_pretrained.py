@@ -160,6 +160,8 @@ def test_attentions_makes_the_weights_by_default_only_up_to_its_size(smollm2, mo
     monkeypatch.setattr("qkv.pretrained.MADE_MAX_BYTES", 1000)
     assert smollm2.attentions(text).made is None
     assert smollm2.attentions(text, weights=True).made is not None
+    with pytest.raises(ValueError, match=r"weights must be True, False or None .* not 'yes'"):
+        smollm2.attentions(text, weights="yes")
 
 
 def test_cached_generation_equals_generation_without_the_cache(smollm2):

@@ -545,6 +545,9 @@ class Pretrained:
         == ["</s>", "d", "c", "b", "a"], and its weights lie near the anti-diagonal.
         """
         seq2seq = isinstance(self.model, EncoderDecoder)
+        if weights is not None and type(weights) is not bool:
+            raise ValueError(f"weights must be True, False or None (made up to "
+                             f"{MADE_MAX_BYTES // 2**30} GiB), not {weights!r}")  # fmt: skip
         if target is not None and not seq2seq:
             raise ValueError(
                 f"a target text is for encoder-decoder models' cross-attention; {self.source} "

@@ -92,6 +92,16 @@ def weights_into(out: Tensor, q: Tensor, k: Tensor, *, causal: bool, scale: floa
 CACHED_BLOCK = 2**20  # bytes of one block's scores: well inside a core's share of the cache
 
 
+def takes_into(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal=False, window=None,
+               softcap=None, bias=None) -> bool:  # fmt: skip
+    """Whether `attend_into` computes what `attend` would for this call: one causal sequence
+    of plain scores (no mask, window, soft-cap or bias), at least as many keys as queries,
+    values of the keys' shape, and no gradient to keep (its softmax is taken in place)."""
+    plain = causal and mask is None and window is None and softcap is None and bias is None
+    return (plain and q.shape[0] == 1 and k.shape[2] >= q.shape[2] and v.shape == k.shape
+            and not (torch.is_grad_enabled() and q.requires_grad))  # fmt: skip
+
+
 def attend_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     """Causal attention of one sequence whose weights are wanted too: the output (1, H, Tq,
     D) of q (1, H, Tq, D) over k, v (1, Hkv, Tk, D), Tk >= Tq (aligned to the end of the keys,

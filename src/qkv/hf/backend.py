@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkv.attention import attend, attention_weights, explain_choice, flash
-from qkv.attention.eager import attend_into, compute_dtype, weights_into
+from qkv.attention.eager import attend_into, compute_dtype, takes_into, weights_into
 from qkv.attention.inputs import allowed_keys, check_indices, with_window
 from qkv.attention.registry import resolve_backend
 from qkv.nn.record import AttentionRecord
@@ -375,12 +375,9 @@ def _together(query, key, value, asked, heads, backend: str, variants: dict) -> 
     arithmetic (`attend_into`): asked for, one causal sequence with no mask, window,
     soft-cap or bias, on the CPU under "auto" (whose fused kernel would be sdpa's), with no
     gradient to keep."""
-    plain = variants["causal"] and all(variants[name] is None for name in
-                                       ("mask", "window", "softcap", "bias"))  # fmt: skip
-    return (asked and plain and heads is None and backend == "auto"
-            and query.device.type == "cpu" and query.shape[0] == 1
-            and key.shape[2] >= query.shape[2] and value.shape == key.shape
-            and not (torch.is_grad_enabled() and query.requires_grad))  # fmt: skip
+    variants = {name: setting for name, setting in variants.items() if name != "scale"}
+    return (asked and heads is None and backend == "auto" and query.device.type == "cpu"
+            and takes_into(query, key, value, **variants))  # fmt: skip
 
 
 def _weights(record: AttentionRecord, heads: list[int] | None) -> Tensor:

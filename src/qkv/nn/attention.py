@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention import attend, backend_names, flash
-from qkv.attention.eager import attend_into, compute_dtype
+from qkv.attention.eager import attend_into, compute_dtype, takes_into
 from qkv.attention.inputs import with_window
 from qkv.nn.edit import Edit
 from qkv.nn.layers import NormKind, make_norm
@@ -176,19 +176,18 @@ class MultiHeadAttention(nn.Module):
             return kv.split(self.sizes[1:], dim=-1)
         return project(self.k, source), project(self.v, source)
 
-    def _made(self, record, q: Tensor, k: Tensor, v_shape, mask, causal: bool, window, bias,
-              context) -> Tensor | None:  # fmt: skip
+    def _made(self, record, q: Tensor, k: Tensor, v: Tensor, mask, causal: bool, window,
+              bias) -> Tensor | None:  # fmt: skip
         """The tensor `record` asks the weights made in, where attend_into computes exactly
         what this call's `attend` would; None otherwise."""
-        if not isinstance(record, Tensor):
+        if not isinstance(record, Tensor) or self.backend not in ("auto", "eager"):
             return None
-        B, H, Tq, _ = q.shape
-        plain = (context is None and causal and mask is None and window is None and bias is None
-                 and self.softcap is None and self.backend in ("auto", "eager"))  # fmt: skip
-        fits = (B == 1 and record.shape == (H, Tq, k.shape[2]) and record.is_contiguous()
-                and record.dtype == compute_dtype(q.dtype) and record.device == q.device
-                and k.shape[2] >= Tq and v_shape == k.shape)  # fmt: skip
-        return record if plain and fits else None
+        fits = (record.shape == q.shape[1:3] + k.shape[2:3] and record.is_contiguous()
+                and record.dtype == compute_dtype(q.dtype)
+                and record.device == q.device)  # fmt: skip
+        plain = takes_into(q, k, v, mask=mask, causal=causal, window=window,
+                           softcap=self.softcap, bias=bias)  # fmt: skip
+        return record if fits and plain else None
 
     def split_heads(self, x: Tensor, num_heads: int) -> Tensor:
         B, T, _ = x.shape
@@ -229,7 +228,8 @@ class MultiHeadAttention(nn.Module):
           or a tensor (H, T, Tk) of the weights' dtype (float32, float64 for float64) to
           make every head's weights in as well, with the output in one pass (eager's
           arithmetic, `attend_into`) where this call is one causal sequence of plain scores
-          on the "auto" or "eager" backend; the record's `made` is then that tensor. A call
+          on the "auto" or "eager" backend with no gradient to keep
+          (`qkv.attention.eager.takes_into`); the record's `made` is then that tensor. A call
           that is not such leaves the tensor alone and records as with True.
         """
         B, T, _ = x.shape
@@ -269,7 +269,7 @@ class MultiHeadAttention(nn.Module):
         # a window applies to self-attention only (cross-attention reads the whole context)
         window = self.window if context is None else None
         recording = isinstance(record, Tensor) or bool(record)
-        made = self._made(record, q, k, v.shape, mask, causal, window, bias, context)
+        made = self._made(record, q, k, v, mask, causal, window, bias)
         if made is not None:  # the weights asked for anyway: made with the output
             out = attend_into(made, q, k, v, scale=self.scale)
         elif recording and self.backend == "flash" and self.softcap is None and bias is None:
