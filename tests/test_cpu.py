@@ -15,7 +15,16 @@ import pytest
 import torch
 
 import qkv
-from qkv.cpu import Capability, capability, choose_gemm, choose_precision, cpu_flags, cpu_vendor
+from qkv.cpu import (
+    Capability,
+    capability,
+    choose_gemm,
+    choose_int8_inputs,
+    choose_precision,
+    cpu_flags,
+    cpu_vendor,
+)
+from qkv.nn.quantized import int8_inputs_available
 
 EPYC_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -60,6 +69,24 @@ def test_float32_products_go_to_onednn_on_amd_cpus_and_stay_with_mkl_on_intels()
     assert ("AVX2 path on this AuthenticAMD CPU" in why) == has_both
 
 
+@pytest.mark.parametrize(
+    ("cpuinfo", "chosen", "says"),
+    [
+        (EPYC_AVX2, "bfloat16", "no 8-bit dot-product instructions"),
+        (XEON_AMX, "int8", "8-bit dot-product instructions (avx512_vnni)"),
+        ("flags : avx2 avx_vnni\n", "int8", "(avx_vnni)"),  # Alder Lake's 256-bit VNNI
+        ("", "bfloat16", "no 8-bit dot-product instructions"),
+    ],
+)
+def test_8_bit_head_inputs_only_where_the_cpu_sums_bytes_without_saturating(cpuinfo, chosen,
+                                                                            says):  # fmt: skip
+    inputs, why = choose_int8_inputs(Capability("AVX2", cpu_flags(cpuinfo)))
+    if not int8_inputs_available():  # a torch without oneDNN's 8-bit products
+        assert (inputs, why) == ("bfloat16", "this torch has no oneDNN 8-bit products")
+    else:
+        assert inputs == chosen and says in why
+
+
 def test_backends_verbose_says_what_this_cpu_chose_and_why():
     done = subprocess.run([sys.executable, "-m", "qkv.cli", "backends", "--verbose"],
                           capture_output=True, text=True, check=True)  # fmt: skip
@@ -69,6 +96,9 @@ def test_backends_verbose_says_what_this_cpu_chose_and_why():
     named = {"onednn": "oneDNN", "blas": "torch's BLAS"}[library]
     assert f"float32 Linear products: {named}, since {why}" in done.stdout
     assert f"this CPU: {capability().describe()}" in done.stdout
+    inputs, why = choose_int8_inputs()
+    named = {"int8": "8-bit inputs (oneDNN)", "bfloat16": "bfloat16 inputs"}[inputs]
+    assert f"its 8-bit LM head with {named}, since {why}" in done.stdout
     assert "sdpa" in done.stdout.splitlines()[1]
 
 

@@ -40,6 +40,7 @@ def version() -> None:
 
 
 GEMM_NAMES = {"onednn": "oneDNN", "blas": "torch's BLAS"}
+INPUT_NAMES = {"int8": "8-bit inputs (oneDNN)", "bfloat16": "bfloat16 inputs"}
 
 
 @app.command()
@@ -82,6 +83,10 @@ def backends(
                           "as loaded"))  # fmt: skip
             typer.echo("  each token after the prompt's through FastStep (few operations a "
                        "step), where a model's blocks allow it")  # fmt: skip
+            from qkv.cpu import choose_int8_inputs
+
+            inputs, why = choose_int8_inputs()
+            typer.echo(f"  its 8-bit LM head with {INPUT_NAMES[inputs]}, since {why}")
             from qkv.cpu import freed_memory
 
             typer.echo(f"memory: {freed_memory()}")

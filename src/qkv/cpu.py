@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")  # the instructions that make bfloat16 fast
-SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # 8-bit dot products summed in 32 bits
+SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
+               "amx_int8")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,40 @@ def choose_gemm(cpu: Capability | None = None) -> tuple[str, str]:
     return "onednn", (
         f"MKL picks its kernels by vendor and takes an AVX2 path on this {cpu.vendor} CPU; "
         "oneDNN picks by the instructions (1.07-2.7x MKL's float32 products where measured)"
+    )
+
+
+def choose_int8_inputs(cpu: Capability | None = None) -> tuple[str, str]:
+    """("int8" or "bfloat16", why): the inputs of an 8-bit LM head (an int4 model's) when
+    decoding rounds them, `Int8Linear.with_int8_inputs`, or keeps them in bfloat16, torch's
+    weight-only kernel.
+
+    The weight-only kernel turns every 8-bit weight into a float before it multiplies: on 2
+    cores of an AVX-512 EPYC it read SmolLM2's 28 MB head at 9-13 GB/s (2.1-3 ms a token),
+    as fast with 1 thread as its 2 allowed. oneDNN's u8 x s8 kernel multiplies the bytes
+    themselves, 64 pairs an instruction with VNNI, and took 0.75-1.1 ms (1.2-1.9 ms less a
+    token, `benchmarks/generate.py`). Without VNNI or AMX, oneDNN sums byte pairs into 16
+    bits first (AVX2's and AVX-512's vpmaddubsw), where they can saturate (oneDNN's "Nuances
+    of int8 computations"): those CPUs keep bfloat16 inputs. Like the precision, this
+    depends on the machine alone.
+
+    >>> choose_int8_inputs(Capability("AVX2", frozenset({"avx2", "fma"})))[0]
+    'bfloat16'
+    """
+    from qkv.nn.quantized import int8_inputs_available
+
+    cpu = cpu or capability()
+    if not int8_inputs_available():
+        return "bfloat16", "this torch has no oneDNN 8-bit products"
+    having = [flag for flag in INT8_FLAGS if flag in cpu.flags]
+    if not having:
+        return "bfloat16", (
+            "the CPU has no 8-bit dot-product instructions (avx512_vnni, avx_vnni or "
+            "amx_int8), without which oneDNN's 8-bit sums can saturate"
+        )
+    return "int8", (
+        f"the CPU has 8-bit dot-product instructions ({', '.join(having)}): oneDNN multiplies "
+        "the 8-bit rows by 8-bit inputs 2-3x as fast as the weight-only kernel"
     )
 
 

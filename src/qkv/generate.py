@@ -93,7 +93,8 @@ def decode_steps(
     use_fast = use_fast and fast_step_refusal(model, input_ids.device) is None
     # The LM head reads the largest matrix once per token; stored (C, vocab) it is read in
     # memory order, about twice as fast at one row as the (vocab, C) Linear weight, and in
-    # oneDNN's layout (FastStep's) faster still.
+    # oneDNN's layout (FastStep's) faster still; an 8-bit one (int4 models'), with 8-bit
+    # inputs where the CPU has VNNI.
     head, bias = model.lm_head, None  # a quantized head (int4 models) computes itself
     packed = head_of(model) if use_fast else None
     if packed is not None:

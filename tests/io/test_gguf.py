@@ -133,12 +133,11 @@ def test_smollm2_tokenizer_config_agrees_with_transformers(smollm2_file, transfo
 
 def test_smollm2_second_read_comes_from_the_cache(smollm2_file):
     first, cache_dir = smollm2_file
-    [cache] = cache_dir.iterdir()
-    assert cache.suffix == ".safetensors"
+    [cache] = cache_dir.glob("*.safetensors")
     calls = []
     second = read_gguf(SMOLLM2, cache_dir=cache_dir, progress=lambda *a: calls.append(a))
     assert calls == []  # nothing was dequantized
-    assert list(cache_dir.iterdir()) == [cache]
+    assert list(cache_dir.glob("*.safetensors")) == [cache]
     assert second.config == first.config
     for name, tensor in first.state_dict.items():
         assert torch.equal(second.state_dict[name], tensor), name
@@ -377,6 +376,44 @@ def test_same_bytes_under_another_name_share_the_cache(tmp_path):
         tmp_path / "copy.gguf", cache_dir=tmp_path / "cache", progress=lambda *a: calls.append(a)
     )
     assert calls == [] and len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_a_files_hash_is_noted_and_read_back_until_the_file_changes(tmp_path, monkeypatch):
+    """The SHA-256 that names a file's caches is hashed once for the file as it is: a later
+    read finds it noted by the file's device, inode, size and times. A file written again
+    is hashed again; a damaged note is passed over; a file written moments ago is not noted
+    (a coarse clock could miss a write within its tick)."""
+    import hashlib
+
+    import qkv.io.gguf as reader
+
+    path, cache = tmp_path / "tiny.gguf", tmp_path / "cache"
+    write_tiny(path)
+    hashed = []  # the sizes of the contents hashed (the notes' names hash a short key)
+    real = hashlib.sha256
+    monkeypatch.setattr(reader.hashlib, "sha256",
+                        lambda data=b"": hashed.append(len(data)) or real(data))  # fmt: skip
+    size, digest = path.stat().st_size, real(path.read_bytes()).hexdigest()
+
+    def contents_hashed() -> int:
+        got = read_gguf(path, cache_dir=cache).digest
+        assert got == real(path.read_bytes()).hexdigest()
+        found, hashed[:] = hashed.count(path.stat().st_size), []
+        return found
+
+    assert contents_hashed() == 1 and not (cache / "digests").exists()  # written just now
+    monkeypatch.setattr(reader, "SETTLED_NS", 0)
+    assert contents_hashed() == 1
+    [note] = (cache / "digests").iterdir()
+    assert note.read_text() == digest
+    assert contents_hashed() == 0 and contents_hashed() == 0
+    note.write_text("not a digest")
+    assert contents_hashed() == 1 and note.read_text() == digest  # noted again
+    path.write_bytes(path.read_bytes())  # the same bytes, written again
+    assert contents_hashed() == 1 and len(list((cache / "digests").iterdir())) == 2
+    write_tiny(path)  # other random weights, the same size
+    assert path.stat().st_size == size and real(path.read_bytes()).hexdigest() != digest
+    assert contents_hashed() == 1  # and the digest returned is the new contents'
 
 
 def test_default_cache_dir_follows_xdg_cache_home(tmp_path, monkeypatch):

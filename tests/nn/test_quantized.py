@@ -82,3 +82,86 @@ def test_int8_linear_is_the_product_of_its_rows_rounded_to_8_bits():
     torch.testing.assert_close(got, expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
     exact = torch.nn.functional.linear(x, weight, bias)
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def small_int8_layer(N: int, K: int, generator: torch.Generator):
+    """An Int8Linear of 8-bit values within -63..63, with a bias: on any x86 CPU oneDNN's
+    u8 x s8 products of them are exact, even where pairs are first summed into 16 bits
+    (255 * 63 * 2 < 2**15: no saturation without VNNI)."""
+    from qkv.nn.quantized import Int8Linear
+
+    q = torch.randint(-63, 64, (N, K), generator=generator).to(torch.int8)
+    scale = (torch.rand(N, generator=generator) * 0.01 + 1e-3).bfloat16()
+    bias = torch.randn(N, generator=generator)
+    return Int8Linear.from_quantized(q, scale, bias)
+
+
+def planted(rows: int, K: int, generator: torch.Generator) -> torch.Tensor:
+    """Inputs with a few large ones, as a transformer's last hidden state has."""
+    x = torch.randn(rows, K, generator=generator)
+    x[:, [3, 99, 200]] *= 30
+    return x
+
+
+def test_int8_inputs_are_rounded_outside_the_largest_and_summed_exactly():
+    """with_int8_inputs computes, in float64: the OUTLIERS largest |x| of each row times
+    their 8-bit columns, plus step * round(x / step) for the others, step = their largest
+    |x| / 127; and so stays within half a step per weight of the unrounded product."""
+    from qkv.nn.quantized import OUTLIERS, int8_inputs_available
+
+    if not int8_inputs_available():
+        pytest.fail("this torch has no oneDNN 8-bit products; the requirements pin one that has")
+    generator = torch.Generator().manual_seed(17)
+    layer = small_int8_layer(4096, 576, generator)
+    x = planted(4, 576, generator)
+    got = layer.with_int8_inputs(x)
+    assert got.shape == (4, 4096) and got.dtype == torch.float32
+
+    weight = layer.q.double() * layer.scale.double()[:, None]  # (N, K)
+    xd = x.double()
+    largest = xd.abs().topk(OUTLIERS, dim=-1).indices
+    kept = torch.zeros_like(xd, dtype=torch.bool).scatter(-1, largest, True)
+    rest = xd.masked_fill(kept, 0)
+    step = rest.abs().amax(-1, keepdim=True) / 127
+    rounded = (rest / step).round() * step + xd.masked_fill(~kept, 0)
+    want = rounded @ weight.T + layer.bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    # every rounded input is within half a step of its own: the bound on each output
+    exact = xd @ weight.T + layer.bias.double()
+    bound = 0.5 * step * weight.abs().sum(-1)  # (rows, N)
+    assert bool(((got.double() - exact).abs() <= bound * (1 + 1e-6) + 1e-5).all())
+    # the planted inputs, rounded with the rest, would move the outputs 10 times as far
+    one_step = xd.abs().amax(-1, keepdim=True) / 127
+    plain = (xd / one_step).round() * one_step @ weight.T + layer.bias.double()
+    assert (got.double() - exact).norm() * 10 < (plain - exact).norm()
+
+
+def test_int8_inputs_rows_are_their_own_whatever_the_batch():
+    """Each row has its own step: a batch's rows are the rows' products alone, bit for bit;
+    an all-zero row is the bias."""
+    generator = torch.Generator().manual_seed(19)
+    layer = small_int8_layer(1024, 576, generator)
+    x = planted(5, 576, generator)
+    x[4] = 0
+    together = layer.with_int8_inputs(x.view(1, 5, 576))
+    assert together.shape == (1, 5, 1024)
+    alone = torch.cat([layer.with_int8_inputs(row[None]) for row in x])
+    assert torch.equal(together[0], alone)
+    assert torch.equal(together[0, 4], layer.bias)
+
+
+def test_int8_inputs_read_the_weights_as_they_are_now():
+    """The copies it keeps are made again once q is written in place."""
+    from qkv.nn.quantized import Int8Linear
+
+    generator = torch.Generator().manual_seed(23)
+    layer = small_int8_layer(512, 64, generator)
+    x = torch.randn(2, 64, generator=generator)
+    before = layer.with_int8_inputs(x)
+    with torch.no_grad():
+        layer.q[:10].neg_()
+    after = layer.with_int8_inputs(x)
+    fresh = Int8Linear.from_quantized(layer.q.clone(), layer.scale, layer.bias)
+    assert torch.equal(after, fresh.with_int8_inputs(x))
+    assert not torch.equal(after[:, :10], before[:, :10])
+    assert torch.equal(after[:, 10:], before[:, 10:])

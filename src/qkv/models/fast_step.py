@@ -10,9 +10,10 @@ states, the checks of `attend`, a cache that grows by doubling. The attention of
 over its cached keys is torch's fused function, the `sdpa` backend that `auto` picks for it
 on the CPU. Float32 matrices are read from a copy in oneDNN's blocked layout, made for the
 generation (`_packed`), a block's q, k, v and its gate and up stacked into one product each:
-the same products, summed in another order. `fast_step_refusal` names what it does not
-handle, and `decode_steps` then takes `Decoder.forward`, the trusted path that the tests
-hold it to (tests/models/test_fast_step.py).
+the same products, summed in another order. An int4 model's 8-bit LM head rounds its
+inputs to 8 bits too, where the CPU multiplies bytes fast (`head_of`). `fast_step_refusal`
+names what it does not handle, and `decode_steps` then takes `Decoder.forward`, the trusted
+path that the tests hold it to (tests/models/test_fast_step.py).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.cpu import choose_int8_inputs
 from qkv.models.decoder import Decoder, DecoderCache
 from qkv.nn.layers import MLP, GatedMLP, RMSNorm
 from qkv.nn.position import Rotation
-from qkv.nn.quantized import GROUP, Int4Linear
+from qkv.nn.quantized import GROUP, Int4Linear, Int8Linear
 
 
 def fast_step_refusal(model: Decoder, device: torch.device) -> str | None:
@@ -239,8 +241,12 @@ def _stacked(*linears):
 
 def head_of(model: Decoder):
     """The LM head as FastStep runs it: hidden (B, C) -> logits (B, vocab) before any
-    scale, bias or cap, a float32 Linear on its packed matrix; None where there is none."""
+    scale or cap: a float32 Linear without a bias on its packed matrix, an 8-bit one
+    (an int4 model's) with its inputs in 8 bits too where `choose_int8_inputs` says so;
+    None where the head runs as its module."""
     head = model.lm_head
+    if type(head) is Int8Linear:
+        return head.with_int8_inputs if choose_int8_inputs()[0] == "int8" else None
     if type(head) is not torch.nn.Linear or head.bias is not None:
         return None
     return _stacked(head)

@@ -5,16 +5,20 @@ of float32's bytes. Each group of 32 input columns of a row has a scale and a ze
 w = (q - 8) * scale + zero with q in 0..15; the inputs are rounded to bfloat16, as the
 kernel requires, and the products accumulate in float32. `Int8Linear` holds a matrix in 8
 bits, one scale per row, for the LM head of an int4 model: SmolLM2's tied token matrix is 113
-MB in float32, more than all of its 4-bit blocks together, and 28 MB in 8 bits.
+MB in float32, more than all of its 4-bit blocks together, and 28 MB in 8 bits. Decoding can
+also round the head's inputs to 8 bits (`Int8Linear.with_int8_inputs`), as llama.cpp does.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor, nn
 
 GROUP = 32  # columns per scale: ggml's Q4 block
 ROWS = 2048  # rows Int8Linear rounds at once: SmolLM2's 576 columns make 4.7 MB of float32
+OUTLIERS = 8  # inputs of a row that `Int8Linear.with_int8_inputs` multiplies in float32
 
 
 def int4_available() -> bool:
@@ -90,6 +94,21 @@ def int8_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
+def int8_inputs_available() -> bool:
+    """Whether this torch has oneDNN's 8-bit products, whose inputs are 8-bit too."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(
+        torch.ops.onednn, "qlinear_pointwise"
+    )
+
+
+# What `with_int8_inputs` reads besides q and scale, per layer, with the versions of q and scale
+# it was made from. Kept beside the layer, not in it: a copy or a state dict of the layer
+# never carries oneDNN's opaque tensors.
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class Int8Linear(nn.Module):
     """y = x @ W.T + bias with W (N, K) held in 8 bits: W[n] = q[n] * scale[n], q in -127..127,
     scale[n] = max |W[n]| / 127 rounded to bfloat16 (every weight within half a step of its
@@ -147,5 +166,72 @@ class Int8Linear(nn.Module):
             y = y + self.bias.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def with_int8_inputs(self, x: Tensor) -> Tensor:
+        """x @ W.T + bias for x (B, K), its inputs rounded to 8 bits too: (B, N) in x's dtype.
+
+        The product llama.cpp computes for its 8-bit matrices, on oneDNN's u8 x s8 kernel
+        (VNNI's instructions; `qkv.cpu.choose_int8_inputs` says where it is used). In each
+        row of x, the OUTLIERS inputs of largest magnitude are multiplied in float32 by their
+        columns of the 8-bit matrix; the others are rounded to whole steps of (their largest
+        magnitude) / 127, and multiplied by the 8-bit rows in 32-bit integers, exactly. A
+        few inputs of a transformer's last hidden state are ten times the others (SmolLM2's
+        reach 24 where the root-mean-square is 1.9): rounded with the rest, they would set a
+        step that rounds away most of the others' digits, and the logits would move by 2.6%
+        of their size where bfloat16 inputs move them by 1%; split off, by 1.1%.
+
+        What it reads besides q and scale is made at its first call and kept with the layer:
+        oneDNN's layout of q, and q transposed (K, N), whose rows are the outliers' columns;
+        each as large as q (0.1 to 0.2 s to make for SmolLM2's head). Both are made again
+        when q or scale has changed in place since (their version counters). CPU only.
+        """
+        if x.device.type != "cpu":
+            raise ValueError("int8 weights run on the CPU; load the model without int4 for GPUs")
+        if not int8_inputs_available():
+            raise ValueError(f"torch {torch.__version__} has no oneDNN 8-bit products")
+        packed, columns, scale, zeros = self._prepared()
+        rows = x.reshape(-1, self.in_features).float()  # (M, K)
+        M, k = rows.shape[0], min(OUTLIERS, self.in_features)
+        outliers = rows.abs().topk(k, dim=-1).indices  # (M, k)
+        rest = rows.scatter(-1, outliers, 0.0)
+        tiny = torch.finfo(torch.float32).tiny  # an all-zero row: steps of 0 would divide by 0
+        step = rest.abs().amax(-1, keepdim=True).clamp_min(tiny) / 127  # (M, 1)
+        # -127..127 held as 1..255 about the zero point 128: oneDNN's u8 inputs
+        ints = torch.round(rest / step).clamp_(-127, 127).add_(128).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(
+            ints, 1.0, 128, packed, scale, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+        )  # (M, N): scale[n] * sum_k q[n, k] * (ints[m, k] - 128), summed in int32
+        y.mul_(step)
+        picked = columns.index_select(0, outliers.flatten()).view(M, k, -1).float()  # (M, k, N)
+        y.addcmul_(torch.bmm(rows.gather(-1, outliers)[:, None], picked)[:, 0], scale)
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def _prepared(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """oneDNN's layout of q, q transposed (K, N), scale in float32 and oneDNN's zero
+        points: made once for these q and scale."""
+        made_from = (self.q.data_ptr(), self.q._version, self.scale.data_ptr(), self.scale._version)
+        kept = _PREPARED.get(self)
+        if kept is None or kept[0] != made_from:
+            with torch.no_grad():
+                prepared = (
+                    torch.ops.onednn.qlinear_prepack(self.q, None),
+                    _transposed(self.q),
+                    self.scale.float(),
+                    torch.zeros(self.out_features, dtype=torch.long),
+                )
+            kept = _PREPARED[self] = (made_from, prepared)
+        return kept[1]
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits=8"
+
+
+def _transposed(q: Tensor, rows: int = 64) -> Tensor:
+    """q (N, K) as a contiguous (K, N), copied `rows` rows at a time: each block is read and
+    written within the CPU's cache (twice as fast as q.t().contiguous(), which crosses
+    all of the output for every row: 24 against 50 ms for SmolLM2's 28 MB head)."""
+    out = q.new_empty(q.shape[1], q.shape[0])
+    for start in range(0, q.shape[0], rows):
+        out[:, start : start + rows].copy_(q[start : start + rows].t())
+    return out
