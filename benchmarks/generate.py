@@ -4,7 +4,8 @@ transformers and llama.cpp.
 Three parts:
 1. Decoding speed. `qkv.load("smollm2").generate(prompt, N)` as a user calls it (precision
    "auto": the file's own 4-bit matrices in 4 bits, torch's CPU int4 kernel with inputs rounded
-   to bfloat16, the LM head in 8 bits; every token after the prompt's through FastStep), the
+   to bfloat16, the LM head in 8 bits, its inputs rounded to 8 bits too where the CPU has
+   VNNI (`qkv.cpu.choose_int8_inputs`); every token after the prompt's through FastStep), the
    same with precision="loaded" (float32: transformers' arithmetic), transformers'
    `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` and `model.generate(ids,
    max_new_tokens=N, min_new_tokens=N, do_sample=False)` in float32 on the same prompt ids,
@@ -52,6 +53,7 @@ from pathlib import Path
 import torch
 
 import qkv
+from qkv.cpu import choose_int8_inputs
 from qkv.generate import Sampling, decode_steps
 from qkv.io.embedded import embedded_path
 from timing import CORES, machine, time_peers
@@ -90,6 +92,8 @@ def bench_decode(quick: bool, repeats: int, profile: bool) -> None:
     )
 
     print(f"1. Greedy decoding: prompt of {T} tokens, {N} new tokens, batch 1")
+    inputs, why = choose_int8_inputs()
+    print(f"qkv default's 8-bit LM head: {inputs} inputs, since {why}")
     their_tokens = hf_generate()[0, T:].tolist()
     print(f"transformers' continuation: {ours.tokenizer.decode(their_tokens)!r}")
     fns = {"transformers": hf_generate}
