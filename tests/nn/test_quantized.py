@@ -148,6 +148,11 @@ def test_int8_inputs_rows_are_their_own_whatever_the_batch():
     alone = torch.cat([layer.with_int8_inputs(row[None]) for row in x])
     assert torch.equal(together[0], alone)
     assert torch.equal(together[0, 4], layer.bias)
+    # rounding has no gradient: an input that would take one is refused, not cut off
+    with pytest.raises(ValueError, match="carry no gradient"):
+        layer.with_int8_inputs(x.requires_grad_())
+    with torch.no_grad():
+        assert torch.equal(layer.with_int8_inputs(x), alone)
 
 
 def test_int8_inputs_read_the_weights_as_they_are_now():
@@ -165,3 +170,8 @@ def test_int8_inputs_read_the_weights_as_they_are_now():
     assert torch.equal(after, fresh.with_int8_inputs(x))
     assert not torch.equal(after[:, :10], before[:, :10])
     assert torch.equal(after[:, 10:], before[:, 10:])
+    # a layer made under inference_mode (a model loaded there) keeps no write counts
+    with torch.inference_mode():
+        made_there = Int8Linear.from_quantized(layer.q.clone(), layer.scale.clone(), layer.bias)
+        assert torch.equal(made_there.with_int8_inputs(x), after)
+    assert torch.equal(made_there.with_int8_inputs(x), after)

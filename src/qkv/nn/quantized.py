@@ -182,12 +182,18 @@ class Int8Linear(nn.Module):
         What it reads besides q and scale is made at its first call and kept with the layer:
         oneDNN's layout of q, and q transposed (K, N), whose rows are the outliers' columns;
         each as large as q (0.1 to 0.2 s to make for SmolLM2's head). Both are made again
-        when q or scale has changed in place since (their version counters). CPU only.
+        when q or scale has changed in place since (their version counters, `_state`). CPU
+        only, and without a gradient: an x that would take one is refused.
         """
         if x.device.type != "cpu":
             raise ValueError("int8 weights run on the CPU; load the model without int4 for GPUs")
         if not int8_inputs_available():
             raise ValueError(f"torch {torch.__version__} has no oneDNN 8-bit products")
+        if x.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                "inputs rounded to 8 bits carry no gradient; call with_int8_inputs under "
+                "torch.no_grad() or inference_mode()"
+            )
         packed, columns, scale, zeros = self._prepared()
         rows = x.reshape(-1, self.in_features).float()  # (M, K)
         M, k = rows.shape[0], min(OUTLIERS, self.in_features)
@@ -210,7 +216,7 @@ class Int8Linear(nn.Module):
     def _prepared(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """oneDNN's layout of q, q transposed (K, N), scale in float32 and oneDNN's zero
         points: made once for these q and scale."""
-        made_from = (self.q.data_ptr(), self.q._version, self.scale.data_ptr(), self.scale._version)
+        made_from = (*_state(self.q), *_state(self.scale))
         kept = _PREPARED.get(self)
         if kept is None or kept[0] != made_from:
             with torch.no_grad():
@@ -225,6 +231,13 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bits=8"
+
+
+def _state(tensor: Tensor) -> tuple[int, int]:
+    """Where a tensor's memory is and how often it was written in place (-1 for a tensor
+    made under inference_mode, which keeps no count: a write into it, possible only under
+    inference_mode, is seen by no one, as a write through `.data` is not)."""
+    return tensor.data_ptr(), -1 if tensor.is_inference() else tensor._version
 
 
 def _transposed(q: Tensor, rows: int = 64) -> Tensor:
