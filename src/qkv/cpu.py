@@ -137,14 +137,15 @@ def choose_int8_inputs(cpu: Capability | None = None) -> tuple[str, str]:
     decoding rounds them, `Int8Linear.with_int8_inputs`, or keeps them in bfloat16, torch's
     weight-only kernel.
 
-    The weight-only kernel turns every 8-bit weight into a float before it multiplies: on 2
-    cores of an AVX-512 EPYC it read SmolLM2's 28 MB head at 9-13 GB/s (2.1-3 ms a token),
-    as fast with 1 thread as its 2 allowed. oneDNN's u8 x s8 kernel multiplies the bytes
-    themselves, 64 pairs an instruction with VNNI, and took 0.75-1.1 ms (1.2-1.9 ms less a
-    token, `benchmarks/generate.py`). Without VNNI or AMX, oneDNN sums byte pairs into 16
-    bits first (AVX2's and AVX-512's vpmaddubsw), where they can saturate (oneDNN's "Nuances
-    of int8 computations"): those CPUs keep bfloat16 inputs. Like the precision, this
-    depends on the machine alone.
+    The weight-only kernel turns every 8-bit weight into a float before it multiplies, and
+    that arithmetic bounds it: on 2 cores of an AVX-512 EPYC it read SmolLM2's 28 MB head in
+    1.9-3 ms a token (3.9 ms on 1 thread), 9-15 GB/s. oneDNN's u8 x s8 kernel multiplies the
+    bytes themselves, 64 pairs an instruction with VNNI: 0.74-1.6 ms as the host allowed,
+    0.9-2.2 ms with the rounding and the outliers, a token 0.7-1.1 ms faster in all
+    (`docs/speed.md`). Without VNNI or AMX, oneDNN sums byte pairs into 16 bits first
+    (AVX2's and AVX-512's vpmaddubsw), where they can saturate (oneDNN's "Nuances of int8
+    computations"): those CPUs keep bfloat16 inputs. Like the precision, this depends on
+    the machine alone.
 
     >>> choose_int8_inputs(Capability("AVX2", frozenset({"avx2", "fma"})))[0]
     'bfloat16'
@@ -162,7 +163,7 @@ def choose_int8_inputs(cpu: Capability | None = None) -> tuple[str, str]:
         )
     return "int8", (
         f"the CPU has 8-bit dot-product instructions ({', '.join(having)}): oneDNN multiplies "
-        "the 8-bit rows by 8-bit inputs 2-3x as fast as the weight-only kernel"
+        "the 8-bit rows by 8-bit inputs 1.3-3x as fast as the weight-only kernel where measured"
     )
 
 
