@@ -407,6 +407,11 @@ def test_attentions_of_a_transformers_model_are_qkvs_own(both):
     torch.testing.assert_close(seen.weights, mine.weights, atol=1e-6, rtol=0)
     assert seen.encoded.find("river") == (4, 5)
     assert "qkv attention page" in seen._repr_html_()  # the notebook's view of it
+    # the weights option is taken, and refused, as qkv's own attentions take it
+    assert torch.equal(theirs.attentions(TEXT, layers=[1], weights=False).weights[:, [0, 5]],
+                       theirs.attentions(TEXT, layers=[1]).weights[:, [0, 5]])  # fmt: skip
+    with pytest.raises(ValueError, match=r"weights must be True, False or None .* not 1"):
+        theirs.attentions(TEXT, weights=1)
 
 
 def test_trace_of_a_transformers_model_is_qkvs_own(both):

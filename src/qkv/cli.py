@@ -68,7 +68,13 @@ def backends(
         if verbose:
             import torch
 
-            from qkv.cpu import capability, choose_gemm, choose_precision
+            from qkv.cpu import (
+                capability,
+                choose_gemm,
+                choose_int8_inputs,
+                choose_precision,
+                freed_memory,
+            )
 
             precision, why = choose_precision()
             typer.echo(f"\nthis CPU: {capability().describe()}; {torch.get_num_threads()} threads")
@@ -83,12 +89,8 @@ def backends(
                           "as loaded"))  # fmt: skip
             typer.echo("  each token after the prompt's through FastStep (few operations a "
                        "step), where a model's blocks allow it")  # fmt: skip
-            from qkv.cpu import choose_int8_inputs
-
             inputs, why = choose_int8_inputs()
             typer.echo(f"  its 8-bit LM head with {INPUT_NAMES[inputs]}, since {why}")
-            from qkv.cpu import freed_memory
-
             typer.echo(f"memory: {freed_memory()}")
         return
     from qkv.attention.compare import TOLERANCE, compare_backends

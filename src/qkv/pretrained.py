@@ -545,9 +545,7 @@ class Pretrained:
         == ["</s>", "d", "c", "b", "a"], and its weights lie near the anti-diagonal.
         """
         seq2seq = isinstance(self.model, EncoderDecoder)
-        if weights is not None and type(weights) is not bool:
-            raise ValueError(f"weights must be True, False or None (made up to "
-                             f"{MADE_MAX_BYTES // 2**30} GiB), not {weights!r}")  # fmt: skip
+        check_weights_option(weights)
         if target is not None and not seq2seq:
             raise ValueError(
                 f"a target text is for encoder-decoder models' cross-attention; {self.source} "
@@ -588,6 +586,13 @@ class Pretrained:
 
 
 MADE_MAX_BYTES = 2**31  # the most `attentions(weights=None)` makes in the forward pass
+
+
+def check_weights_option(weights) -> None:
+    """`attentions(weights=...)` takes True, False or None; anything else is refused."""
+    if weights is not None and type(weights) is not bool:
+        raise ValueError(f"weights must be True, False or None (made up to "
+                         f"{MADE_MAX_BYTES // 2**30} GiB), not {weights!r}")  # fmt: skip
 
 
 def _made_for(stack: nn.Module, weights: bool | None, L: int, heads: list[int],

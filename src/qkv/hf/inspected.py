@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from qkv.attention.inputs import check_indices
 from qkv.hf.backend import check, keep
 from qkv.io.words import Encoded
-from qkv.pretrained import Attentions
+from qkv.pretrained import Attentions, check_weights_option
 
 # where transformers' attention modules keep their output projection, (C, H * D) as a Linear
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
@@ -101,6 +101,7 @@ class Inspected:
         `weights` (L', H', T, T) are computed from the records when first read. layers
         ("all" by default) and heads (all by default), counted from 0. weights: taken as
         `Pretrained.attentions` takes it; here the records are all that is kept."""
+        check_weights_option(weights)
         if target is not None:
             raise ValueError(f"a target text is for encoder-decoder models; {self.source} is not")
         every = layers is None or (isinstance(layers, str) and layers == "all")
