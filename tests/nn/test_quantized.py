@@ -136,9 +136,11 @@ def test_int8_inputs_are_rounded_outside_the_largest_and_summed_exactly():
     assert (got.double() - exact).norm() * 10 < (plain - exact).norm()
 
 
-def test_int8_inputs_rows_are_their_own_whatever_the_batch():
-    """Each row has its own step: a batch's rows are the rows' products alone, bit for bit;
-    an all-zero row is the bias."""
+def test_int8_inputs_rows_are_their_own_whatever_the_batch(monkeypatch):
+    """Each row has its own step: a batch's rows are the rows' products alone, bit for bit,
+    however many rows' outlier columns are held at once; an all-zero row is the bias."""
+    import qkv.nn.quantized as quantized
+
     generator = torch.Generator().manual_seed(19)
     layer = small_int8_layer(1024, 576, generator)
     x = planted(5, 576, generator)
@@ -148,6 +150,8 @@ def test_int8_inputs_rows_are_their_own_whatever_the_batch():
     alone = torch.cat([layer.with_int8_inputs(row[None]) for row in x])
     assert torch.equal(together[0], alone)
     assert torch.equal(together[0, 4], layer.bias)
+    monkeypatch.setattr(quantized, "OUTLIER_ROWS", 2)  # rows 0-1, 2-3 and 4 apart
+    assert torch.equal(layer.with_int8_inputs(x), alone)
     # rounding has no gradient: an input that would take one is refused, not cut off
     with pytest.raises(ValueError, match="carry no gradient"):
         layer.with_int8_inputs(x.requires_grad_())

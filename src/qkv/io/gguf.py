@@ -145,10 +145,11 @@ def file_digest(path: Path, data, cache_dir: Path) -> str:
     key = "|".join(str(n) for n in (path.resolve(), *before))
     note = cache_dir / "digests" / hashlib.sha256(key.encode()).hexdigest()[:32]
     try:
-        noted = note.read_text().strip()
-        if len(noted) == 64 and all(c in "0123456789abcdef" for c in noted):
-            return noted
-    except (OSError, UnicodeDecodeError):
+        with open(note, "rb") as file:
+            noted = file.read(65)  # a digest is 64 hex digits: nothing longer is read
+        if len(noted) == 64 and all(c in b"0123456789abcdef" for c in noted):
+            return noted.decode()
+    except OSError:
         pass
     digest = hashlib.sha256(data).hexdigest()
     settled = time.time_ns() - max(before[3:]) > SETTLED_NS
@@ -179,7 +180,7 @@ def _map(path: Path) -> mmap.mmap | bytes:
         return mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
 
 
-# the last file _open read, by (path, size, modification time): its header is parsed once
+# the last file _open read, by its path and `_identity`: its header is parsed once
 # when `read_gguf` and then `read_int4` read one file (SmolLM2's vocabulary is 0.25 s of it)
 _OPENED: dict[tuple, tuple] = {}
 
@@ -190,8 +191,7 @@ def _open(path: Path) -> tuple[mmap.mmap | bytes, Header, dict[str, Any], Arch]:
     config's values are the checked ones, defaults filled in (num_key_value_heads, head_dim)."""
     if not path.is_file():
         raise ValueError(f"{path} does not exist")
-    stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = (str(path.resolve()), *_identity(path))
     if key not in _OPENED:
         opened = _read(path)
         _OPENED.clear()

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 GROUP = 32  # columns per scale: ggml's Q4 block
 ROWS = 2048  # rows Int8Linear rounds at once: SmolLM2's 576 columns make 4.7 MB of float32
 OUTLIERS = 8  # inputs of a row that `Int8Linear.with_int8_inputs` multiplies in float32
+OUTLIER_ROWS = 16  # rows whose outliers' columns it holds in float32 at once (25 MB for 49k)
 
 
 def int4_available() -> bool:
@@ -207,8 +208,11 @@ class Int8Linear(nn.Module):
             ints, 1.0, 128, packed, scale, zeros, None, 1.0, 0, torch.float32, "none", [], ""
         )  # (M, N): scale[n] * sum_k q[n, k] * (ints[m, k] - 128), summed in int32
         y.mul_(step)
-        picked = columns.index_select(0, outliers.flatten()).view(M, k, -1).float()  # (M, k, N)
-        y.addcmul_(torch.bmm(rows.gather(-1, outliers)[:, None], picked)[:, 0], scale)
+        large = rows.gather(-1, outliers)[:, None]  # (M, 1, k)
+        for a in range(0, M, OUTLIER_ROWS):  # their columns in float32: (rows, k, N) at once
+            b = min(a + OUTLIER_ROWS, M)
+            picked = columns.index_select(0, outliers[a:b].flatten()).view(b - a, k, -1)
+            y[a:b].addcmul_(torch.bmm(large[a:b], picked.float())[:, 0], scale)
         if self.bias is not None:
             y = y + self.bias.float()
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
