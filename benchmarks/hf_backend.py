@@ -6,10 +6,14 @@ float32 (long_text.py's `eager_peer`); the qkv side then switches to qkv's atten
 `set_attn_implementation("qkv")`. At T = 512 and 1,024 tokens of the same text, each side
 runs `model.model(ids, output_attentions=True)` and hands back every layer's (1, H, T, T)
 weights: eager's from its matmul - softmax - matmul, qkv's recomputed from each layer's q and
-k after the fused kernel ran. Both are checked to agree (the largest difference of any weight
-of the last rows is printed). Each measurement runs in its own process (long_text.py's way):
-a warm-up at 128 tokens, then the faster of 2 runs at T; peak memory is the process's maximum
-resident set, shown whole and above what the loaded, warmed-up model held.
+k after the fused kernel ran. Both are checked to agree (the largest difference of any
+weight of the last rows is printed). Each measurement runs in its own process
+(long_text.py's way): a warm-up at 128 tokens, then the faster of 2 runs at T; peak memory
+is the process's maximum resident set, shown whole and above what the loaded model held
+before any pass (glibc's mmap threshold fixed: see long_text.py; attentions.py says why
+before the warm-up). The qkv side also times the same forward without output_attentions
+('alone', one `qkv.attend` a layer: sdpa's kernel): eager's time over it ('bound') is the
+most speed any attention that returns weights could reach in this model.
 
 Target (issue 20): qkv at least 1.5x faster at both lengths, its memory no more than eager's.
 
@@ -24,8 +28,8 @@ import os
 
 import torch
 
-from attentions import REPEATS, output_attentions, table
-from long_text import eager_peer
+from attentions import REPEATS, alone, output_attentions, table
+from long_text import eager_peer, token_ids
 from timing import CORES, machine
 
 
@@ -40,6 +44,8 @@ def run(side: str, T: int) -> dict:
     path = f"/tmp/qkv-hf-backend-{T}.pt"
     if side == "qkv":
         torch.save(last, path)
+        ids = torch.tensor([token_ids(T)])
+        found["alone"] = alone(lambda: model.model(ids))  # one qkv.attend a layer: sdpa's
     else:
         found["max_difference"] = float((torch.load(path) - last).abs().max())
     return found
@@ -64,7 +70,9 @@ def main() -> None:
         f"output_attentions=True; load average {os.getloadavg()[0]:.2f}"
     )
     print(f"each cell the faster of {REPEATS} runs in a fresh process after a 128-token "
-          "warm-up; peak = max RSS, 'above' = peak less the loaded model's RSS\n")  # fmt: skip
+          "warm-up; peak = max RSS, 'above' = peak less the RSS of the model loaded, before "
+          "any pass; 'alone' = the qkv side without output_attentions, 'bound' = eager s / "
+          "alone s\n")  # fmt: skip
     table([int(n) for n in args.lengths.split(",")], __file__, "eager")
 
 

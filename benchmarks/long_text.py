@@ -14,7 +14,12 @@ Each measurement runs in its own process (so that one's memory never counts in a
 it loads the model, runs the whole thing once at 128 tokens (warm-up), then twice at T, timed
 with time.perf_counter (the faster run counts: others share this machine); peak memory is
 the process's maximum resident set (getrusage ru_maxrss), shown whole and above what the
-loaded model already held. Where the peer's weights alone would not fit in the machine's
+loaded model already held. Each process runs with glibc's mmap threshold fixed at 1 MiB
+(`ALLOCATOR`): glibc otherwise raises it as large blocks are freed, up to 32 MiB, and then
+keeps freed blocks resident or not by the order of earlier allocations, which moved the same
+forward's peak by up to 80 MB from one process to the next; fixed, a freed tensor leaves the
+resident set at once, and the peak is what was alive (the same to 1 MB from one run to the
+next). Where the peer's weights alone would not fit in the machine's
 available memory, it is not run (it would only be killed, or swap), and the table says so.
 
 Targets (issue 17): at T = 2,048, qkv's peak above the model < 1/4 of the peer's, and its time
@@ -46,6 +51,7 @@ BASE = (
 )
 TOP_K, BINS = 5, 256
 REPEATS = 2  # runs at T in each process; the faster counts (the machine is shared)
+ALLOCATOR = "glibc.malloc.mmap_threshold=1048576"  # each measured process's (see above)
 
 
 def token_ids(T: int) -> list[int]:
@@ -158,9 +164,11 @@ def available_gb() -> float:
 def measure(side: str, T: int, script: str = __file__) -> dict:
     """`script --one side --length T` in a fresh process: the JSON it printed last, or why
     it failed (attentions.py measures its cells this way too)."""
+    tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), ALLOCATOR]))
     found = subprocess.run(
         [sys.executable, script, "--one", side, "--length", str(T)],
         capture_output=True, text=True, check=False,
+        env=os.environ | {"GLIBC_TUNABLES": tunables},
     )  # fmt: skip
     if found.returncode != 0:
         last = (found.stderr.strip().splitlines() or ["killed"])[-1]

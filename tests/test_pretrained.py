@@ -388,8 +388,9 @@ def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2)
 
 
 def test_int4_decoding_rounds_the_heads_inputs_where_this_cpu_chose_it(smollm2, monkeypatch):
-    """Each token an int4 model decodes reads its 8-bit head through with_int8_inputs exactly
-    where choose_int8_inputs says "int8" (elsewhere through the module, bfloat16 inputs);
+    """Each token an int4 model decodes after the prompt's reads its 8-bit head through
+    with_int8_inputs exactly where choose_int8_inputs says "int8" (elsewhere, and for the
+    prompt's token, through the module: bfloat16 inputs);
     and those logits follow float32's as the int4 forward's do (the test above)."""
     from qkv.cpu import choose_int8_inputs
     from qkv.nn.quantized import Int8Linear
@@ -402,7 +403,7 @@ def test_int4_decoding_rounds_the_heads_inputs_where_this_cpu_chose_it(smollm2, 
     if choose_int8_inputs()[0] == "bfloat16":
         assert read == []
         return
-    assert read == [(2, 576)] * 4  # the prompts' next tokens, then 3 steps
+    assert read == [(2, 576)] * 3  # 3 steps (the prompts' next tokens: the module's head)
     monkeypatch.undo()
     # the head alone, on the int4 model's own last hidden states (teacher-forced), beside
     # the float32 product with the file's own head (its Q8_0 matrix, dequantized)

@@ -85,22 +85,11 @@ def decode_steps(
     records of these layers and hands them to keep(records) before its token is yielded;
     without them the forward passes record nothing.
     """
+    if max_new_tokens < 1:
+        return
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)
-    # each token after the prompt's through FastStep, where it computes what forward does
-    use_fast = keep is None and max_new_tokens > 1
-    use_fast = use_fast and fast_step_refusal(model, input_ids.device) is None
-    # The LM head reads the largest matrix once per token; stored (C, vocab) it is read in
-    # memory order, about twice as fast at one row as the (vocab, C) Linear weight, and in
-    # oneDNN's layout (FastStep's) faster still; an 8-bit one (int4 models'), with 8-bit
-    # inputs where the CPU has VNNI.
-    head, bias = model.lm_head, None  # a quantized head (int4 models) computes itself
-    packed = head_of(model) if use_fast else None
-    if packed is not None:
-        head = packed
-    elif isinstance(head, torch.nn.Linear):
-        head, bias = head.weight.detach().t().contiguous(), head.bias  # (C, vocab)
     cache = model.new_cache()
     positions = None
     if attention_mask is not None and not bool(attention_mask.all()):
@@ -108,16 +97,22 @@ def decode_steps(
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     else:
         attention_mask = None  # nothing padded: the faster unmasked path
-    logits = _next_logits(model, head, bias, input_ids, attention_mask, positions, cache,
+    # The prompt's token comes from the model's own head (model(ids).logits' arithmetic), and
+    # is yielded before the copies that make each later step fast (0.1-0.2 s for SmolLM2's):
+    # a stream shows it that much sooner.
+    logits = _next_logits(model, None, None, input_ids, attention_mask, positions, cache,
                           layers, keep)  # fmt: skip
+    token = sampling.pick(logits, generator)  # (B,)
+    yield token
+    if max_new_tokens <= 1:
+        return
+    # each later token through FastStep, where it computes what forward does
+    use_fast = keep is None and fast_step_refusal(model, input_ids.device) is None
+    head, bias = _step_head(model, use_fast)
     fast = None
     if use_fast:
         fast = FastStep(model, cache, input_ids.shape[1] + max_new_tokens, attention_mask)
-    for step in range(max_new_tokens):
-        token = sampling.pick(logits, generator)  # (B,)
-        yield token
-        if step == max_new_tokens - 1:
-            return
+    for _ in range(max_new_tokens - 1):
         if positions is not None:
             positions = positions[:, -1:] + 1  # (B, 1)
             if fast is None:
@@ -125,9 +120,11 @@ def decode_steps(
                                            1)  # fmt: skip
         if fast is not None:
             logits = _head(model, head, bias, fast(token, positions))
-            continue
-        logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions, cache,
-                              layers, keep)  # fmt: skip
+        else:
+            logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions,
+                                  cache, layers, keep)  # fmt: skip
+        token = sampling.pick(logits, generator)  # (B,)
+        yield token
 
 
 def seq2seq_steps(
@@ -163,14 +160,33 @@ def seq2seq_steps(
 def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, positions, cache,
                  layers=None, keep=None):  # fmt: skip
     """The logits (B, vocab) of the token after input_ids (B, T), appending to the cache;
-    the records of `layers` go to keep(records)."""
+    the records of `layers` go to keep(records). head None: the model's own (`project`)."""
     out = model(
         input_ids, attention_mask=attention_mask, positions=positions, cache=cache,
         layers=layers, logits=False,
     )  # fmt: skip
     if keep is not None:
         keep(out.records)
+    if head is None:
+        with torch.inference_mode():
+            return model.project(out.hidden[:, -1])
     return _head(model, head, bias, out.hidden[:, -1])
+
+
+def _step_head(model: Decoder, fast: bool) -> tuple:
+    """The LM head each step after the prompt's reads, and its bias where it is not a module.
+
+    The head reads the largest matrix once per token: stored (C, vocab) it is read in memory
+    order, about twice as fast at one row as the (vocab, C) Linear weight, and in oneDNN's
+    layout (FastStep's `head_of`) faster still; an 8-bit one (int4 models'), with 8-bit inputs
+    where the CPU has VNNI. A quantized head FastStep does not take computes itself."""
+    packed = head_of(model) if fast else None
+    if packed is not None:
+        return packed, None
+    head = model.lm_head
+    if isinstance(head, torch.nn.Linear):
+        return head.weight.detach().t().contiguous(), head.bias  # (C, vocab)
+    return head, None
 
 
 @torch.inference_mode()

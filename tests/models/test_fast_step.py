@@ -111,6 +111,31 @@ def test_greedy_decoding_gives_forwards_tokens_and_logits(kind, monkeypatch):
     torch.testing.assert_close(logits["fast"][1], logits["forward"][1], rtol=1e-5, atol=1e-5)
 
 
+def test_the_prompts_token_comes_before_the_steps_copies(monkeypatch):
+    """The prompt's token is picked from model(ids).logits' own arithmetic and yielded before
+    FastStep and its packed head are made (what a stream waits for before its first token);
+    a one-token generation never makes them."""
+    model = built(KINDS["llama"], torch.float32)
+    ids = torch.randint(VOCAB, (2, 5), generator=torch.Generator().manual_seed(5))
+    made = []
+    monkeypatch.setattr(generate, "head_of", lambda m, real=generate.head_of: made.append("head")
+                        or real(m))  # fmt: skip
+    monkeypatch.setattr(generate, "FastStep", lambda *a, real=FastStep: made.append("step")
+                        or real(*a))  # fmt: skip
+    seen = []
+    monkeypatch.setattr(Sampling, "pick", lambda self, x, g: seen.append(x) or x.argmax(-1))
+    steps = decode_steps(model, ids, None, Sampling(), 3)
+    first = next(steps)
+    assert made == []
+    with torch.inference_mode():  # the same product, of 2 rows where forward's has 10
+        torch.testing.assert_close(seen[0], model(ids).logits[:, -1], rtol=1e-6, atol=1e-6)
+    assert torch.equal(first, seen[0].argmax(-1))
+    assert len(list(steps)) == 2 and made == ["head", "step"]
+    made.clear()
+    assert len(list(decode_steps(model, ids, None, Sampling(), 1))) == 1 and made == []
+    assert list(decode_steps(model, ids, None, Sampling(), 0)) == []
+
+
 def test_a_float32_rms_norm_is_the_modules_bit_for_bit():
     torch.manual_seed(3)
     norm = RMSNorm(48, eps=1e-5)
