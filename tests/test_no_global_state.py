@@ -1,5 +1,7 @@
 """The library changes nothing that belongs to the whole process: matplotlib's backend and
-settings stay the program's own choice (qkv draws on Figures of its own, never pyplot)."""
+settings stay the program's own choice (qkv draws on Figures of its own, never pyplot), and
+so does the garbage collector (the `qkv` program freezes what its imports made; a program
+that imports the library keeps its collector as it was)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ SRC = Path(__file__).parents[1] / "src"
 # Run in a fresh process, since the point is what a program that chose its own backend
 # (here "svg") finds after qkv has drawn: every plotting function of the library, once.
 DRAW_EVERYTHING = """
-import json, sys
+import gc, json, sys
 from pathlib import Path
 
 import matplotlib
@@ -58,6 +60,7 @@ print(json.dumps({
     "settings_kept": dict(matplotlib.rcParams) == settings,
     "changed": sorted(k for k, v in matplotlib.rcParams.items() if settings[k] != v),
     "pyplot_imported": "matplotlib.pyplot" in sys.modules,
+    "collector_kept": gc.isenabled() and gc.get_freeze_count() == 0,
 }))
 """
 
@@ -76,7 +79,28 @@ def test_drawing_leaves_matplotlibs_backend_and_settings_as_they_were(tmp_path):
         "settings_kept": True,
         "changed": [],
         "pyplot_imported": False,
+        "collector_kept": True,
     }
+
+
+def test_the_qkv_program_freezes_what_its_imports_made():
+    """`qkv.cli.main` is a program of its own: it moves its imports' objects out of the
+    collector's full passes (gc.freeze), as `import qkv` alone never does."""
+    program = (
+        "import gc, sys\n"
+        "import qkv.cli\n"
+        "before = gc.get_freeze_count()\n"
+        "sys.argv = ['qkv', 'version']\n"
+        "try:\n"
+        "    qkv.cli.main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print(before, gc.get_freeze_count() > 10_000, gc.isenabled())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                            timeout=300, env=os.environ | {"PYTHONPATH": str(SRC)})  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "0 True True"
 
 
 def matplotlib_globals(tree: ast.AST) -> list[str]:
