@@ -5,15 +5,16 @@ Both sides are the same transformers model, SmolLM2 loaded from the embedded GGU
 float32 (long_text.py's `eager_peer`); the qkv side then switches to qkv's attention with
 `set_attn_implementation("qkv")`. At T = 512 and 1,024 tokens of the same text, each side
 runs `model.model(ids, output_attentions=True)` and hands back every layer's (1, H, T, T)
-weights: eager's from its matmul - softmax - matmul, qkv's recomputed from each layer's q and
-k after the fused kernel ran. Both are checked to agree (the largest difference of any
-weight of the last rows is printed). Each measurement runs in its own process
-(long_text.py's way): a warm-up at 128 tokens, then the faster of 2 runs at T; peak memory
-is the process's maximum resident set, shown whole and above what the loaded model held
-before any pass (glibc's mmap threshold fixed: see long_text.py; attentions.py says why
-before the warm-up). The qkv side also times the same forward without output_attentions
-('alone', one `qkv.attend` a layer: sdpa's kernel): eager's time over it ('bound') is the
-most speed any attention that returns weights could reach in this model.
+weights: eager's from its matmul - softmax - matmul, qkv's made with each layer's output
+(`qkv.attention.eager.attend_into`: eager's arithmetic, a block of queries at a time). Both
+are checked to agree (the largest difference of any weight of the last rows is printed).
+Each measurement runs in its own process (long_text.py's way): a warm-up at 128 tokens, then
+the faster of 2 runs at T; peak memory is the process's maximum resident set, shown whole
+and above what the loaded model held before any pass (glibc's mmap threshold fixed: see
+long_text.py; attentions.py says why before the warm-up). The qkv side also times the same
+forward without output_attentions ('alone', one `qkv.attend` a layer: sdpa's kernel):
+eager's time over it ('bound') is the most speed any attention that returns weights could
+reach in this model.
 
 Target (issue 20): qkv at least 1.5x faster at both lengths, its memory no more than eager's.
 
