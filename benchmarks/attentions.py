@@ -45,7 +45,8 @@ def run_qkv(T: int) -> dict:
     import qkv
 
     model = qkv.load("smollm2")
-    text = {n: model.tokenizer.decode(token_ids(n)) for n in (128, T)}
+    ids = {n: token_ids(n) for n in (128, T)}
+    text = {n: model.tokenizer.decode(ids[n]) for n in ids}
 
     def once(n: int):
         start = time.perf_counter()
@@ -61,8 +62,7 @@ def run_qkv(T: int) -> dict:
     torch.save(weights[:, :, -8:], f"/tmp/qkv-attentions-{T}.pt")  # the last rows, to compare
     found = {"tokens": weights.shape[-1], "seconds": seconds, "peak_mb": peak_mb(),
              "model_mb": loaded}  # fmt: skip
-    ids = torch.tensor([token_ids(T)])
-    return found | {"alone": alone(lambda: model.model(ids, logits=False))}
+    return found | {"alone": alone(lambda: model.model(torch.tensor([ids[T]]), logits=False))}
 
 
 def alone(forward) -> float:

@@ -160,16 +160,13 @@ def seq2seq_steps(
 def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, positions, cache,
                  layers=None, keep=None):  # fmt: skip
     """The logits (B, vocab) of the token after input_ids (B, T), appending to the cache;
-    the records of `layers` go to keep(records). head None: the model's own (`project`)."""
+    the records of `layers` go to keep(records)."""
     out = model(
         input_ids, attention_mask=attention_mask, positions=positions, cache=cache,
         layers=layers, logits=False,
     )  # fmt: skip
     if keep is not None:
         keep(out.records)
-    if head is None:
-        with torch.inference_mode():
-            return model.project(out.hidden[:, -1])
     return _head(model, head, bias, out.hidden[:, -1])
 
 
@@ -191,7 +188,10 @@ def _step_head(model: Decoder, fast: bool) -> tuple:
 
 @torch.inference_mode()
 def _head(model: Decoder, head, bias, hidden: Tensor) -> Tensor:
-    """The logits (B, vocab) of the last position's hidden vectors (B, C)."""
+    """The logits (B, vocab) of the last position's hidden vectors (B, C); head None: the
+    model's own (`Decoder.project`)."""
+    if head is None:
+        return model.project(hidden)
     if model.config.head_scale is not None:  # as Decoder.project: scaled before the head
         hidden = hidden * model.config.head_scale
     # (B, vocab): a module or a function (a quantized or a packed head) adds its own bias
