@@ -212,24 +212,30 @@ def test_one_keep_at_a_time(built):
         pass
 
 
-def test_attention_sinks_and_position_biases_are_refused_by_name(tmp_path):
+def test_attention_sinks_and_position_biases_are_refused_at_load_and_at_call(tmp_path):
+    """gpt-oss's sinks and T5's position bias, refused when the model is made or switched to
+    "qkv" (read from their modeling code), and by any call that passes them (the backstop)."""
     torch.manual_seed(0)
     oss = hf.GptOssForCausalLM(hf.GptOssConfig(
         vocab_size=99, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
         num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64)).eval()  # fmt: skip
-    oss.set_attn_implementation("qkv")
-    with pytest.raises(ValueError, match=r"self_attn \(GptOssAttention\) uses attention sinks"):
+    oss.save_pretrained(tmp_path / "oss")
+    sinks = r"GptOssForCausalLM's attention is passed attention sinks \(s_aux"
+    with pytest.raises(ValueError, match=sinks):
+        hf.GptOssForCausalLM.from_pretrained(tmp_path / "oss", attn_implementation="qkv")
+    with pytest.raises(ValueError, match=sinks):
+        oss.set_attn_implementation("qkv")
+    assert oss.config._attn_implementation == "eager"  # the refused switch changed nothing
+    with pytest.raises(ValueError, match="runs attn_implementation='eager'"):
         qkv.hf.check(oss)
-    with pytest.raises(ValueError, match=r"GptOssAttention asks for attention sinks \(s_aux"):
-        oss(torch.tensor([[1, 2, 3]]))
-    t5 = hf.T5Model(hf.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=1,
-                                num_heads=4)).eval()  # fmt: skip
-    t5.set_attn_implementation("qkv")
-    with pytest.raises(ValueError, match="uses a relative position bias added to the scores"):
-        qkv.hf.check(t5)
-    with pytest.raises(ValueError, match="asks for a position bias added to the scores"):
-        t5(input_ids=torch.tensor([[1, 2]]), decoder_input_ids=torch.tensor([[1]]))
+    t5 = hf.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4)
+    with pytest.raises(ValueError, match="T5Model's attention is passed a position bias added"):
+        hf.T5Model._from_config(t5, attn_implementation="qkv")
+    module = oss.model.layers[0].self_attn
+    q = k = v = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(ValueError, match=r"GptOssAttention's attention call passes attention sinks"):
+        qkv.hf.attention(module, q, k, v, None, s_aux=module.sinks)
 
 
 def test_check_and_register_refuse_by_name(built):
@@ -245,7 +251,7 @@ def test_check_and_register_refuse_by_name(built):
         qkv.hf.register("qkv-fast", backend="fast")
     module = built["llama"]["qkv"].model.layers[0].self_attn
     q = k = v = torch.zeros(1, 6, 3, 8)
-    with pytest.raises(ValueError, match="passes 'alibi' to its attention, which qkv does not"):
+    with pytest.raises(ValueError, match="call passes 'alibi', which qkv does not know"):
         qkv.hf.attention(module, q, k, v, None, alibi=torch.ones(1))
 
 

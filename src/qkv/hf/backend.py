@@ -33,34 +33,11 @@ from qkv.attention import attend, attention_weights, explain_choice, flash
 from qkv.attention.eager import attend_into, compute_dtype, takes_into, weights_into
 from qkv.attention.inputs import allowed_keys, check_indices, with_window
 from qkv.attention.registry import resolve_backend
+from qkv.hf.refusals import MODULE_REFUSALS, class_refusal, guard_loading, refuse_arguments
 from qkv.nn.record import AttentionRecord
 
 NAME = "qkv"  # attn_implementation="qkv"
 KEEP = "_qkv_keep"  # the attribute `keep` sets on a model's modules while it is active
-
-# keyword arguments that change the scores in a way qkv does not compute
-REFUSED = {
-    "s_aux": "attention sinks (s_aux, gpt-oss's learned logit beside the keys)",
-    "sinks": "attention sinks (a learned logit beside the keys)",
-    "position_bias": "a position bias added to the scores (T5's relative positions)",
-    "indices": "sparse attention over chosen keys (indices)",
-    "block_indices": "block-sparse attention (block_indices)",
-    "head_mask": "a head mask",
-}
-# keyword arguments `attention` reads
-HANDLED = frozenset({"sliding_window", "softcap", "is_causal", "output_attentions"})
-# keyword arguments that leave the scores as the mask transformers built says (sdpa ignores
-# them too: packed sequences are in that mask, built from position_ids)
-HARMLESS = frozenset({
-    "position_ids", "use_cache", "cache_position", "output_hidden_states",
-    "output_router_logits", "num_items_in_batch", "return_dict", "cu_seq_lens_q",
-    "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "deterministic",
-})  # fmt: skip
-# attributes of a model's modules that say it computes what qkv does not
-MODULE_REFUSALS = {
-    "sinks": "attention sinks (a learned logit beside the keys)",
-    "relative_attention_bias": "a relative position bias added to the scores",
-}
 
 _REGISTERED: dict[str, str] = {}  # attn_implementation name -> qkv backend
 
@@ -90,13 +67,15 @@ def register(name: str = NAME, *, backend: str = "auto") -> None:
     AttentionInterface.register(name, functools.partial(attention, backend=backend))
     AttentionMaskInterface.register(name, sdpa_mask)  # boolean, True = may attend
     _REGISTERED[name] = backend
+    guard_loading(_REGISTERED.__contains__)  # a model qkv would not compute is refused at load
 
 
 def check(model: nn.Module) -> None:
     """Refuse by name, before any forward, what qkv's attention cannot compute exactly in a
-    transformers `model`: one not loaded with a qkv attn_implementation, one whose attention
-    does not go through transformers' AttentionInterface, or one with modules holding
-    attention sinks or a relative position bias. Each call checks its own arguments too."""
+    transformers `model`: one not loaded with a qkv attn_implementation, one whose class is
+    refused at load (`qkv.hf.refusals.class_refusal`: its attention is its own code, or is
+    given what qkv does not compute), or one with modules holding attention sinks or a
+    relative position bias. Each call checks its own arguments too."""
     config = model.config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in _REGISTERED:
@@ -111,12 +90,9 @@ def check(model: nn.Module) -> None:
                     f"{name} ({type(module).__name__}) uses {what}, which qkv's attention does "
                     "not compute; load this model with attn_implementation='eager'"
                 )
-    compatible = getattr(type(model), "is_backend_compatible", None)
-    if compatible is None or not compatible():
-        raise ValueError(
-            f"{type(model).__name__} does not route its attention through transformers' "
-            "AttentionInterface, so qkv's attention would not run in it"
-        )
+    wrong = class_refusal(type(model))
+    if wrong is not None:
+        raise ValueError(f"{wrong}; load this model with attn_implementation='eager'")
 
 
 @dataclass(eq=False)
@@ -210,7 +186,7 @@ def attention(
     with output_attentions, the weights (B, H, Tq, Tk) in the query's dtype (None otherwise).
     A query that may see no key (a left-padding position) gets zeros, as sdpa gives it, where
     eager gives it a uniform row."""
-    _refuse(module, kwargs)
+    refuse_arguments(module, kwargs)
     Tq, D = query.shape[2:]
     Tk = key.shape[2]
     if value.shape != key.shape:
@@ -228,8 +204,7 @@ def attention(
         key, value = key[:, :, :Tq], value[:, :, :Tq]
     softcap = kwargs.get("softcap")
     scale = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
-    config = getattr(module, "config", None)
-    asked = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
+    asked = _asked(module, kwargs)
     kept = getattr(module, KEEP, None)
     layer, heads, record = None, None, False
     if kept is not None:
@@ -316,9 +291,11 @@ def qkv_mask(
 ) -> tuple[Tensor | None, bool, int | None, Tensor | None]:
     """transformers' mask as qkv's (mask, causal, window, bias).
 
-    None stays None, with the module's causal rule. A boolean mask is True where a query may
-    see a key; a float mask is 0 there and the dtype's minimum (or -inf) elsewhere, any other
-    value a bias added to the scores (as eager adds the mask). A mask that is exactly the
+    None stays None, with the module's causal rule. A mask of one row (B, 1, 1, Tk), the
+    key-padding mask some encoders hand over, holds for every query. A boolean mask is True
+    where a query may see a key; a float mask is 0 there and the dtype's minimum (or -inf)
+    elsewhere, any other value a bias added to the scores (as eager adds the mask). A mask
+    that is exactly the
     causal rule, with the layer's sliding window or without one, for every row of the batch
     becomes causal=True (and window) with no mask, so that the unmasked kernels run.
 
@@ -334,6 +311,8 @@ def qkv_mask(
         raise ValueError(
             f"qkv's attention takes a 4-D (B, 1, Tq, Tk) mask from transformers, got {shape}"
         )
+    if attention_mask.shape[-2] == 1 < Tq:  # (B, 1, 1, Tk): the same keys for every query
+        attention_mask = attention_mask.expand(-1, -1, Tq, -1)
     bias = None
     if attention_mask.dtype == torch.bool:
         allowed = attention_mask
@@ -353,21 +332,26 @@ def qkv_mask(
     return allowed, False, None, bias
 
 
-def _refuse(module: nn.Module, kwargs: dict) -> None:
-    for name, value in kwargs.items():
-        if value is None or value is False:
-            continue
-        if name in REFUSED:
-            raise ValueError(
-                f"{type(module).__name__} asks for {REFUSED[name]}, which qkv's attention does "
-                "not compute; load this model with attn_implementation='eager'"
-            )
-        if name not in HANDLED and name not in HARMLESS:
-            raise ValueError(
-                f"{type(module).__name__} passes {name!r} to its attention, which qkv does not "
-                f"know to leave the scores alone; qkv reads {sorted(HANDLED)} and ignores "
-                f"{sorted(HARMLESS)}"
-            )
+def _asked(module: nn.Module, kwargs: dict) -> bool:
+    """Whether this call's weights are asked for: `output_attentions` among its arguments, or
+    transformers collecting attentions for the forward (its output recorder's hooks read the
+    weights each attention module returns; GPT-2 and others drop `output_attentions` before
+    the call, so the collector is all that says it), or the model's config asking."""
+    if kwargs.get("output_attentions"):
+        return True
+    collecting = _collector()
+    if collecting and ("attentions" in collecting or "cross_attentions" in collecting):
+        return True
+    return bool(getattr(getattr(module, "config", None), "output_attentions", False))
+
+
+def _collector() -> dict | None:
+    """What transformers' `capture_outputs` is collecting in this forward (None outside one)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without the recorder passes output_attentions itself
+        return None
+    return _active_collector.get()
 
 
 def _together(query, key, value, asked, heads, backend: str, variants: dict) -> bool:
