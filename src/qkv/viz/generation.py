@@ -23,7 +23,6 @@ Example::
 from __future__ import annotations
 
 import base64
-import html
 import json
 import re
 from pathlib import Path
@@ -31,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from qkv.io.files import write_atomically
-from qkv.viz.report import _script_json, _version
+from qkv.viz import escape
+from qkv.viz.report import _json, _version
 
 ENCODING = (
     "float32, little-endian, base64; one per layer and head: row j (P + j weights) after row j - 1"
@@ -102,11 +102,11 @@ def render_generation_page(seen, *, title: str, head: tuple[int, int] | None = N
     )  # fmt: skip
     slots = {
         "version": _version(),
-        "title": html.escape(title),
+        "title": escape.text(title),
         "layer_options": _options(seen.layers, layer, "the first layer"),
         "head_options": _options(seen.heads, chosen, "the first head"),
         "text": text,
-        "data": _script_json(data),
+        "data": escape.script_json(_json(data, separators=(",", ":"))),
     }
     page = re.sub(r"\{\{ (\w+) \}\}", lambda match: slots[match.group(1)], TEMPLATE)
     return page.encode("utf-8", errors="replace")
@@ -144,7 +144,7 @@ def _options(indices: list[int], selected: int, first: str) -> str:
 
 def _shown(piece: str) -> str:
     """A token's text, with a newline shown as ⏎ so that the text stays one flow."""
-    return html.escape(piece.replace("\n", "⏎"))
+    return escape.text(piece.replace("\n", "⏎"))
 
 
 TEMPLATE = """<!doctype html>

@@ -13,7 +13,6 @@ matplotlib is imported inside the functions, as in `heatmap.py`.
 from __future__ import annotations
 
 import base64
-import html
 import io
 import math
 import textwrap
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from qkv.io.files import write_atomically
+from qkv.viz import escape
 from qkv.viz.heatmap import CMAP, DPI, png_path, token_label
 
 PANEL_PIXELS = 150  # one (layer, head) panel of the grid, a side
@@ -134,7 +134,7 @@ def summary_page(summary, path: str | Path, *, title: str = "Attention", text=No
             received = summary.received[n, h]
             top = received.topk(min(3, received.shape[0])).indices.tolist()
             keys = ", ".join(
-                f"{j} {html.escape(token_label(tokens[j]) if tokens else '')} "
+                f"{j} {escape.text(token_label(tokens[j]) if tokens else '')} "
                 f"({float(received[j]):.1f})"
                 for j in top
             )
@@ -144,13 +144,13 @@ def summary_page(summary, path: str | Path, *, title: str = "Attention", text=No
                 f"<td>{float(summary.first_token_mass[n, h].mean()):.3f}</td><td>{keys}</td></tr>"
             )
     T = summary.received.shape[-1]
-    shown = "" if text is None else f"<p class=text>{html.escape(text[:2000])}</p>"
+    shown = "" if text is None else f"<p class=text>{escape.text(text[:2000])}</p>"
     page = f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<html lang="en"><head><meta charset="utf-8"><title>{escape.text(title)}</title>
 <style>body{{font:14px system-ui,sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:2px 6px;text-align:right}}td:last-child{{text-align:left}}
 .text{{max-height:8em;overflow:auto;color:#555}}img{{max-width:100%}}</style></head><body>
-<h1>{html.escape(title)}</h1>{shown}
+<h1>{escape.text(title)}</h1>{shown}
 <p>A text of {T} tokens: too long to draw every weight, so each pixel below is the
 <b>maximum</b> weight of its block ({summary.query_bin} x {summary.key_bin} tokens and more
 to fit a panel), and no strong weight disappears. Open any region at full resolution with

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import html
 import json
 import math
 import tempfile
 from pathlib import Path
+
+from qkv.viz import escape
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
 # iopub data rate limit (1 MB/s over 3 s windows by default), leaving a blank cell.
@@ -169,8 +170,9 @@ def _page_frame(page: bytes, rows: int) -> str:
         ".observe(d.body)}catch(e){}"
     )
     return _ascii(
-        f'<iframe class="qkv-page" title="qkv attention page" srcdoc="{html.escape(page.decode())}"'
-        f' style="width:100%;height:{height}px;border:0" onload="{html.escape(fit)}"></iframe>'
+        '<iframe class="qkv-page" title="qkv attention page" '
+        f'srcdoc="{escape.attribute(page.decode())}" style="width:100%;height:{height}px;'
+        f'border:0" onload="{escape.attribute(fit)}"></iframe>'
     )
 
 
@@ -232,13 +234,14 @@ def trace_html(found) -> str:
     where = f"layer {found.layer}, head {found.head}"
     if found.num_kv_heads != found.num_heads:
         where += f" (reading key/value head {found.kv_head})"
-    chosen = "" if found.chosen == "asked" else f": {html.escape(found.chosen)}"
-    text = found.text if found.target is None else f"{found.text} &rarr; {found.target}"
+    chosen = "" if found.chosen == "asked" else f": {escape.text(found.chosen)}"
+    # the arrow as a character: an entity here would be escaped again below ("&amp;rarr;")
+    shown = found.text if found.target is None else f"{found.text} \u2192 {found.target}"
     weights = [float(w) for w in found.weights]
     keys = found.tokens
     top = sorted(range(len(weights)), key=lambda i: -weights[i])[:8]
     row = "".join(
-        f'<tr data-key="{i}"><td class="text">{_esc(keys[i])} ({i})</td>'
+        f'<tr data-key="{i}"><td class="text">{escape.text(keys[i])} ({i})</td>'
         f'<td data-value="{weights[i]!r}">{100 * weights[i]:.2f}%</td>'
         f'<td class="text"><span class="bar" style="width:{120 * weights[i]:.1f}px"></span></td>'
         "</tr>"
@@ -246,9 +249,9 @@ def trace_html(found) -> str:
     )
     return _wrap(
         f"<h4>{q} gets context from {k}: {where}, counted from 0{chosen}</h4>"
-        f"<p>{_esc(found.source)} ({found.num_layers} layers x {found.num_heads} heads, D = "
+        f"<p>{escape.text(found.source)} ({found.num_layers} layers x {found.num_heads} heads, D = "
         f"{found.head_dim}{', causal' if found.causal else ''}): "
-        f"<i>{_esc(_cut(text, 120))}</i></p>"
+        f"<i>{escape.text(_cut(shown, 120))}</i></p>"
         f'<table class="steps"><tr><th>step</th><th class="text">the article</th>'
         f"<th>the model's numbers</th></tr>{body}</table>"
         f"<h4>{q}'s weights in this head, the largest first</h4>"
@@ -278,7 +281,7 @@ def probe_html(found) -> str:
     rows = []
     for d, name in enumerate(depths):
         mean = float(found.similarity[d][off].mean()) if N > 1 else 1.0
-        cells = f'<td class="text">{_esc(name)}</td>{_number(mean, shown=f"{mean:.4f}")}'
+        cells = f'<td class="text">{escape.text(name)}</td>{_number(mean, shown=f"{mean:.4f}")}'
         if found.separation is not None:
             s, a = found.separation[d], found.accuracy[d]
             width = max(0.0, 300 * s)
@@ -289,7 +292,7 @@ def probe_html(found) -> str:
     what = f"{len(found.sentences)} sentences"
     if found.labels is not None:
         counts = {label: found.labels.count(label) for label in dict.fromkeys(found.labels)}
-        what += " (" + ", ".join(f"{n} {_esc(label)}" for label, n in counts.items()) + ")"
+        what += " (" + ", ".join(f"{n} {escape.text(label)}" for label, n in counts.items()) + ")"
     cue = ""
     if found.cue_head is not None:
         layer, head_, share = found.cue_head
@@ -304,7 +307,7 @@ def probe_html(found) -> str:
         "nearest sense centroid, leaving the sentence out. Depth 0 is the embeddings, before any"
         " attention.</p>"
         f'<table class="depths">{head}{"".join(rows)}</table>{cue}'
-        f"<h4>Cosine similarity of {_quote(found.word)} at {_esc(depths[-1])}</h4>"
+        f"<h4>Cosine similarity of {_quote(found.word)} at {escape.text(depths[-1])}</h4>"
         + _grid(last, names, [str(i) for i in range(N)], name="cosine")
     )
 
@@ -339,7 +342,7 @@ def generation_html(seen) -> str:
     height = 420 + 18 * min(len(seen.ids) // 8, 30)
     return _ascii(
         f'<iframe class="qkv-page" title="qkv generation page" '
-        f'srcdoc="{html.escape(page.decode())}" style="width:100%;height:{height}px;border:0">'
+        f'srcdoc="{escape.attribute(page.decode())}" style="width:100%;height:{height}px;border:0">'
         "</iframe>"
     )
 
@@ -355,12 +358,12 @@ def _generation_summaries_html(seen) -> str:
         mass = torch.zeros(seen.prompt_length + j, dtype=weights.dtype)
         mass.index_add_(0, keys.flatten(), weights.flatten())  # each key's top weights, summed
         top = mass.topk(min(3, len(mass))).indices.tolist()
-        named = ", ".join(f"{i} {_esc(seen.pieces[i])}" for i in top)
+        named = ", ".join(f"{i} {escape.text(seen.pieces[i])}" for i in top)
         piece = seen.pieces[seen.prompt_length + j]
-        rows.append(f"<tr><td>{j}</td><td>{_esc(piece)}</td><td>{float(entropy.mean()):.3f}"
+        rows.append(f"<tr><td>{j}</td><td>{escape.text(piece)}</td><td>{float(entropy.mean()):.3f}"
                     f"</td><td>{float(first.mean()):.3f}</td><td>{named}</td></tr>")  # fmt: skip
     return _wrap(
-        f"<h4>Attention while generating, as summaries: {_esc(_cut(seen.text, 80))}</h4><p>"
+        f"<h4>Attention while generating, as summaries: {escape.text(_cut(seen.text, 80))}</h4><p>"
         f"{seen.generated} tokens after a prompt of {seen.prompt_length}; for each, the row that "
         f"chose it, over {len(seen.layers)} layers x {len(seen.heads)} heads: mean entropy "
         "(nats), mean weight on token 0, and the keys whose top weights sum highest over "
@@ -399,15 +402,17 @@ def _grid(values, rows, columns, *, name: str, low=None, raw=None, diverging=Fal
     top = max(finite, default=1.0)
     bottom = min(finite, default=0.0) if low is None else low
     span = max(abs(top), abs(bottom)) or 1.0
-    head = "".join(f'<th title="{_esc(c)}">{_esc(_cut(str(c), 10))}</th>' for c in columns)
+    head = "".join(
+        f'<th title="{escape.attribute(c)}">{escape.text(_cut(str(c), 10))}</th>' for c in columns
+    )
     lines = [f"<tr><th></th>{head}</tr>"]
     for r, (label, row) in enumerate(zip(rows, values, strict=True)):
         cells = []
         for c, v in enumerate(row):
             where = f"{label}, {columns[c]}"
             if v != v:
-                cells.append(f'<td class="none" data-row="{r}" data-col="{c}" title="{where}: '
-                             f'not computed"></td>')  # fmt: skip
+                cells.append(f'<td class="none" data-row="{r}" data-col="{c}" '
+                             f'title="{escape.attribute(where)}: not computed"></td>')  # fmt: skip
                 continue
             rgb = _diverging(v / span) if diverging else _viridis(
                 (v - bottom) / (top - bottom) if top > bottom else 1.0)  # fmt: skip
@@ -415,12 +420,14 @@ def _grid(values, rows, columns, *, name: str, low=None, raw=None, diverging=Fal
             shown = raw[r][c] if raw is not None else v
             extra = f" (restored {v:.4f})" if raw is not None else ""
             cells.append(
-                f'<td data-row="{r}" data-col="{c}" data-value="{v!r}" title="{_esc(where)}: '
-                f'{_esc(name)} {shown:.6g}{extra}" style="background:rgb{rgb};color:{ink}">'
+                f'<td data-row="{r}" data-col="{c}" data-value="{v!r}" '
+                f'title="{escape.attribute(where)}: {escape.attribute(name)} {shown:.6g}{extra}" '
+                f'style="background:rgb{rgb};color:{ink}">'
                 f"{v:.3f}</td>"
             )
-        lines.append(f'<tr><th class="text">{_esc(_cut(str(label), 24))}</th>{"".join(cells)}</tr>')
-    return f'<table class="grid" data-name="{_esc(name)}">{"".join(lines)}</table>'
+        label = escape.text(_cut(str(label), 24))
+        lines.append(f'<tr><th class="text">{label}</th>{"".join(cells)}</tr>')
+    return f'<table class="grid" data-name="{escape.attribute(name)}">{"".join(lines)}</table>'
 
 
 def _viridis(x: float) -> tuple[int, int, int]:
@@ -444,14 +451,15 @@ def _png_heatmap(matrix, tokens, title: str) -> str:
     with tempfile.TemporaryDirectory(prefix="qkv-notebook-") as folder:
         path = head_heatmap(matrix, tokens, Path(folder) / "head.png", title=title)
         data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<img alt="{_esc(title)}" src="data:image/png;base64,{data}" style="max-width:100%">'
+    return (f'<img alt="{escape.attribute(title)}" src="data:image/png;base64,{data}" '
+            'style="max-width:100%">')  # fmt: skip
 
 
 def _vector(values) -> str:
     numbers = [float(x) for x in values]
     norm = math.sqrt(sum(x * x for x in numbers))
     shown = ", ".join(f"{x:.4f}" for x in numbers[:4]) + (", …" if len(numbers) > 4 else "")
-    return (f'<td class="mono" data-value="{_esc(json.dumps(numbers))}">[{shown}] '
+    return (f'<td class="mono" data-value="{escape.attribute(json.dumps(numbers))}">[{shown}] '
             f"({len(numbers)} numbers, norm {norm:.4f})</td>")  # fmt: skip
 
 
@@ -467,14 +475,11 @@ def _eye(n: int):
 
 
 def _quote(word: str) -> str:
-    return f"“{_esc(word)}”"
+    """A word of the text in curly quotes, escaped as text."""
+    return f"“{escape.text(word)}”"
 
 
-def _esc(text) -> str:
-    return html.escape(str(text))
-
-
-def _cut(text: str, width: int) -> str:
+def _cut(words: str, width: int) -> str:
     """One line of at most `width` characters: "The bank on the side of the r…"."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= width else text[: width - 1] + "…"
+    line = " ".join(str(words).split())
+    return line if len(line) <= width else line[: width - 1] + "…"

@@ -6,7 +6,8 @@ styled under the class `qkv-nb` as the rest of `qkv.viz.notebook`; and each resu
 
 from __future__ import annotations
 
-from qkv.viz.notebook import _cut, _esc, _grid, _number, _quote, _wrap
+from qkv.viz import escape
+from qkv.viz.notebook import _cut, _grid, _number, _quote, _wrap
 
 
 def hidden_html(found) -> str:
@@ -16,10 +17,10 @@ def hidden_html(found) -> str:
     whom = _quote(found.query) if found.query is not None else "every word"
     L = found.effect.shape[0]
     parts = [
-        f"<h4>{keys} hidden from {whom}: {_esc(found.source)}</h4>",
+        f"<h4>{keys} hidden from {whom}: {escape.text(found.source)}</h4>",
         f"<p>Hidden in every head asked at once, {whom}'s final vector changes by "
         f'<b class="total" data-value="{found.total!r}">{found.total:.4f}</b> (1 - cosine; '
-        f"distance {found.total_distance:.4f}). <i>{_esc(_cut(found.text, 120))}</i></p>",
+        f"distance {found.total_distance:.4f}). <i>{escape.text(_cut(found.text, 120))}</i></p>",
     ]
     if bool((found.effect == found.effect).any()):  # the table was asked for (table=True)
         parts.append("<p>Each (layer, head) alone, the change of the final vector "
@@ -41,11 +42,11 @@ def ablated_html(found) -> str:
     asked ablated, each head's alone as a grid, and a decoder's next tokens."""
     L = found.effect.shape[0]
     parts = [
-        f"<h4>{len(found.heads)} head{'s' * (len(found.heads) != 1)} ablated ({_esc(found.mode)}"
-        f"): {_esc(found.source)}</h4>",
+        f"<h4>{len(found.heads)} head{'s' * (len(found.heads) != 1)} ablated "
+        f"({escape.text(found.mode)}): {escape.text(found.source)}</h4>",
         f'<p>All at once, the final vectors change by <b class="total" data-value='
         f'"{found.total!r}">{found.total:.4f}</b> (1 - cosine, the mean over every token). '
-        f"<i>{_esc(_cut(found.text, 120))}</i></p>",
+        f"<i>{escape.text(_cut(found.text, 120))}</i></p>",
         "<p>Each head ablated alone; blank where not asked:</p>",
         _head_grid(found.effect, "change", L),
     ]
@@ -67,8 +68,8 @@ def patched_html(found) -> str:
     columns = [f"{i} {t}" for i, t in enumerate(found.corrupt_tokens)]
     return _wrap(
         f"<h4>Patching {_quote(_cut(found.clean_text, 60))} into "
-        f"{_quote(_cut(found.corrupt_text, 60))}: {_esc(found.source)}</h4>"
-        f"<p>Metric {_esc(str(found.metric))}: clean "
+        f"{_quote(_cut(found.corrupt_text, 60))}: {escape.text(found.source)}</h4>"
+        f"<p>Metric {escape.text(str(found.metric))}: clean "
         f'<b data-value="{found.clean!r}">{found.clean:.4f}</b>, corrupted '
         f'<b data-value="{found.corrupt!r}">{found.corrupt:.4f}</b>. Each cell is the share of '
         "the way back to clean that one patch restores (1: all of it, 0: nothing); the metric "
@@ -98,23 +99,23 @@ def lens_html(found) -> str:
     for d, name in enumerate(found.layers):
         cells = "".join(
             f'<td class="text{" followed" if i == found.token_id else ""}" data-value="{p!r}" '
-            f'title="p = {p:.6g}">{_esc(repr(t))} {p:.3f}</td>'
+            f'title="p = {p:.6g}">{escape.text(repr(t))} {p:.3f}</td>'
             for t, p, i in zip(found.top_tokens[d], found.top_probs[d], found.top_ids[d],
                                strict=True)
         )  # fmt: skip
         logprob = _number(found.logprob[d], shown=f"{found.logprob[d]:.3f}")
         rank = f'<td data-value="{found.rank[d]}">{found.rank[d]}</td>'
-        rows.append(f'<tr data-depth="{d}"><td class="text">{_esc(name)}</td>{cells}{rank}'
+        rows.append(f'<tr data-depth="{d}"><td class="text">{escape.text(name)}</td>{cells}{rank}'
                     f"{logprob}</tr>")  # fmt: skip
     at = f"position {found.position} ({_quote(found.tokens[found.position])})"
-    parts = [f"<h4>The logit lens of {_esc(found.source)}: the next token after {at}</h4>",
+    parts = [f"<h4>The logit lens of {escape.text(found.source)}: the next token after {at}</h4>",
              f'<table class="lens">{head}{"".join(rows)}</table>']  # fmt: skip
     a = found.attribution
     if a is not None:
         terms = a.terms()[:10]
         most = max((abs(v) for _, v in terms), default=1.0) or 1.0
         lines = "".join(
-            f'<tr><td class="text">{_esc(name)}</td>{_number(v, shown=f"{v:+.4f}")}<td '
+            f'<tr><td class="text">{escape.text(name)}</td>{_number(v, shown=f"{v:+.4f}")}<td '
             f'class="text"><span class="bar{" negative" if v < 0 else ""}" style="width:'
             f'{160 * abs(v) / most:.1f}px"></span></td></tr>'
             for name, v in terms
@@ -141,13 +142,14 @@ def census_html(found) -> str:
     from qkv.inspect.census import SCORES  # the census's own list and order of scores
 
     L, H = found.previous_token.shape
-    parts = [f"<h4>{_esc(found.source)}: {L} layers x {H} heads, counted from 0</h4>"]
+    parts = [f"<h4>{escape.text(found.source)}: {L} layers x {H} heads, counted from 0</h4>"]
     for name in SCORES:
         grid = found.scores(name)
         if bool(grid.isnan().all()):
             continue
         best = ", ".join(f"L{n} H{h} {s:.3f}" for n, h, s in found.top(name, 3))
-        parts.append(f'<h4 data-score="{name}">{_esc(name.replace("_", " "))}: top {best}</h4>')
+        words = escape.text(name.replace("_", " "))
+        parts.append(f'<h4 data-score="{escape.attribute(name)}">{words}: top {best}</h4>')
         parts.append(_head_grid(grid, name.replace("_", " "), L))
     return _wrap("".join(parts))
 
@@ -175,7 +177,7 @@ def _listed(key) -> list[str]:
 def _next_html(next_tokens) -> str:
     def cells(token) -> str:
         shown = _number(token.logprob, shown=f"{token.logprob:.3f}")
-        return f'<td class="text">{_esc(repr(token.token))}</td>{shown}'
+        return f'<td class="text">{escape.text(repr(token.token))}</td>{shown}'
 
     rows = "".join(
         f"<tr>{cells(b)}{cells(a)}</tr>"

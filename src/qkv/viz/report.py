@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import html
 import json
 import math
 import re
@@ -65,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from qkv.io.files import write_atomically, write_folder_atomically
+from qkv.viz import escape
 from qkv.viz.heatmap import check_cross_weights, check_weights, head_heatmap, model_view
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
@@ -359,12 +359,12 @@ def render_page(
     }
     slots = {
         "version": _version(),
-        "title": html.escape(title),
-        "text": html.escape(text or " ".join(tokens)),
+        "title": escape.text(title),
+        "text": escape.text(text or " ".join(tokens)),
         "layer_options": _options(L, int(layer), first="the first layer"),
         "head_options": _options(H, int(chosen), first="the first head"),
         "tokens": "".join(
-            f'<button type="button" class="token" data-index="{i}">{html.escape(_shown(t))}'
+            f'<button type="button" class="token" data-index="{i}">{escape.text(_shown(t))}'
             "</button>"
             for i, t in enumerate(queries)
         ),
@@ -376,8 +376,8 @@ def render_page(
             "target (queries) left, source (keys) right" if cross else "queries left, keys right"
         ),
         "extra": _extra_section(extra),
-        "trace_note": html.escape(trace_note),
-        "data": _script_json(data),
+        "trace_note": escape.text(trace_note),
+        "data": escape.script_json(_json(data, separators=(",", ":"))),
     }
     template = (files("qkv.viz") / "report.html").read_text(encoding="utf-8")
     page = re.sub(r"\{\{ (\w+) \}\}", lambda match: slots[match.group(1)], template)
@@ -522,17 +522,11 @@ def _extra_section(extra: dict | None) -> str:
     items = []
     for key, value in extra.items():
         if isinstance(value, str | int | float | bool) or value is None:
-            shown = html.escape(str(value))
+            shown = escape.text(value)
         else:
-            shown = f"<pre>{html.escape(_json(value, indent=2))}</pre>"
-        items.append(f"<dt>{html.escape(str(key))}</dt><dd>{shown}</dd>")
+            shown = f"<pre>{escape.text(_json(value, indent=2))}</pre>"
+        items.append(f"<dt>{escape.text(key)}</dt><dd>{shown}</dd>")
     return f'<section id="extra"><h2>Details</h2><dl>{"".join(items)}</dl></section>'
-
-
-def _script_json(data: dict) -> str:
-    """JSON safe inside a <script> element: no "</script>" or "<!--" can appear in it."""
-    text = _json(data, separators=(",", ":"))
-    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _json(value, **options) -> str:
