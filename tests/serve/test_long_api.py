@@ -1,14 +1,14 @@
 """/api/long, /api/long/head and /api/long/region: a text over max_tokens read from its
 summaries. Their numbers are `summarize`'s and `region`'s called directly (and a region is
 the slice of `record.weights()`); the work runs in a thread of its own (202, then 200); each
-limit is a one-line 413 naming it; bad input is a one-line 422; and each model keeps one long
-text only. Small limits (max_tokens=16) and texts of a few hundred tokens keep it fast."""
+limit is a one-line 413 naming it; bad input is a one-line 422; each model keeps the texts it
+read (its queue and its memory: test_long_turns.py). Small limits (max_tokens=16) and texts
+of a few hundred tokens keep it fast."""
 
 from __future__ import annotations
 
 import base64
-import gc
-import weakref
+import threading
 
 import numpy as np
 import pytest
@@ -17,9 +17,6 @@ from fastapi.testclient import TestClient
 
 from qkv.inspect.summaries import region, summarize
 from qkv.serve import Limits, create_app
-from qkv.serve.api import Busy
-from qkv.serve.limits import Cancelled
-from qkv.serve.long import finished
 
 BASE = (
     "We walked for hours along the old towpath, past the mill, the lock and the row of "
@@ -132,66 +129,78 @@ def test_a_region_is_region_and_the_slice_of_the_weights(client, seen):
 def test_the_work_runs_in_its_own_thread_202_then_200(minilm, smollm2):
     app = create_app({"smollm2": smollm2}, Limits(max_tokens=16, timeout_s=0.2))
     slot = app.state.qkv.models["smollm2"].long
+    release, reading_of, reads = threading.Event(), slot._read, []
+
+    def held(pretrained, run, going):  # the model's readings wait until released
+        release.wait(30)
+        reading_of(pretrained, run, going)
+        reads.append((run.text, run.error))
+
+    slot._read = held
     body = {"text": OTHER}
+    SHORT = BASE * 2  # 104 tokens
     with TestClient(app) as client:
-        slot._turn.acquire()  # another text's computation holds the model's turn
         try:
-            waiting = client.post("/api/long", json=body)
+            reading = client.post("/api/long", json=body)
+            waiting = client.post("/api/long", json={"text": SHORT})
             head = client.post("/api/long/head", json={**body, "layer": 0, "head": 0})
             square = {"layer": 0, "head": 0, "queries": [0, 2], "keys": [0, 2]}
             region_ = client.post("/api/long/region", json={**body, **square})
+            again = client.post("/api/long", json=body)  # its place, not a new reading
         finally:
-            slot._turn.release()
+            release.set()
         answer = read(client, OTHER)
-    assert waiting.status_code == 202 and waiting.headers["retry-after"] == "1"
-    progress = waiting.json()
-    T = len(smollm2.encode(OTHER).ids)
-    assert progress == {"model": "smollm2", "tokens": T, "layers_done": 0, "num_layers": 30,
-                        "detail": f"smollm2 is reading this text of {T} tokens (waiting for the "
-                                  "long text before it to stop); ask again"}  # fmt: skip
+        short = read(client, SHORT)
+    for answer_ in (reading, waiting, again):
+        assert answer_.status_code == 202 and answer_.headers["retry-after"] == "1"
+    T, T_short = len(smollm2.encode(OTHER).ids), len(smollm2.encode(SHORT).ids)
+    assert reading.json() == again.json() == {
+        "model": "smollm2", "tokens": T, "ahead": 0, "layers_done": 0, "num_layers": 30,
+        "detail": f"smollm2 is reading this text of {T} tokens (the forward pass); "
+                  "ask again"}  # fmt: skip
+    assert waiting.json() == {
+        "model": "smollm2", "tokens": T_short, "ahead": 1, "layers_done": 0, "num_layers": 30,
+        "detail": f"smollm2 is reading this text of {T_short} tokens (waiting for its turn: 1 "
+                  "long text before it); ask again"}  # fmt: skip
     refused(head, 503, "smollm2 is reading this text")
     refused(region_, 503, "smollm2 is reading this text")
     assert answer.status_code == 200 and len(answer.json()["tokens"]) == T
+    assert short.status_code == 200 and len(short.json()["tokens"]) == T_short
+    assert reads == [(OTHER, None), (SHORT, None)]  # each read once, in turn, to its end
 
 
-def test_each_model_keeps_one_long_text_and_drops_the_last(app, client, smollm2):
+def test_each_model_keeps_the_texts_it_read(app, client, smollm2):
     slot = app.state.qkv.models["smollm2"].long
     assert read(client, TEXT).status_code == 200
-    first = weakref.ref(slot.current)
-    assert read(client, OTHER).status_code == 200
-    assert slot.current.text == OTHER
-    gc.collect()
-    assert first() is None, "the first text's records are still held"
-    head = {"model": "smollm2", "text": TEXT, "layer": 0, "head": 0}
-    refused(client.post("/api/long/head", json=head), 409, "POST /api/long with it first")
-    region_ = {**head, "queries": [0, 4], "keys": [0, 4]}
-    refused(client.post("/api/long/region", json=region_), 409, "POST /api/long with it first")
+    assert read(client, OTHER).status_code == 200  # within max_long_kept_bytes: both kept
+    for text in (TEXT, OTHER):
+        head = {"model": "smollm2", "text": text, "layer": 0, "head": 0}
+        assert client.post("/api/long/head", json=head).status_code == 200
+    never = {"model": "smollm2", "text": BASE * 3, "layer": 0, "head": 0}
+    refused(client.post("/api/long/head", json=never), 409, "POST /api/long with it again")
+    region_ = {**never, "queries": [0, 4], "keys": [0, 4]}
+    refused(client.post("/api/long/region", json=region_), 409, "POST /api/long with it again")
     # another model keeps its own
     assert read(client, TEXT, "minilm").status_code == 200
-    assert slot.current.text == OTHER
-    assert app.state.qkv.models["minilm"].long.current.text == TEXT
+    assert TEXT in slot._runs and TEXT in app.state.qkv.models["minilm"].long._runs
+    assert BASE * 3 not in slot._runs  # a head or a region asked for reads nothing
 
 
-def test_a_text_replaced_while_it_is_read_is_told_so(minilm, smollm2):
-    app = create_app({"smollm2": smollm2}, Limits(max_tokens=16, timeout_s=0.2))
-    slot = app.state.qkv.models["smollm2"].long
-    with TestClient(app) as client:
-        slot._turn.acquire()
-        try:
-            assert client.post("/api/long", json={"text": TEXT}).status_code == 202
-            first = slot.current
-            assert client.post("/api/long", json={"text": OTHER}).status_code == 202
-            other = slot.current
-            replaced = client.post("/api/long", json={"text": TEXT})  # asked again: restarted
-        finally:
-            slot._turn.release()
-        assert replaced.status_code == 202
-        assert read(client, TEXT).status_code == 200
-    assert slot.current.text == TEXT and slot.current is not first
-    for run in (first, other):  # each stopped before its forward pass: nothing kept
-        assert run.done.is_set() and isinstance(run.error, Cancelled) and run.records is None
-    with pytest.raises(Busy, match="another long text replaced this one on smollm2 before it"):
-        finished(app.state.qkv.models["smollm2"], other)  # what its waiting request is told
+def test_one_limit_is_one_status_whatever_the_length_of_the_text(client):
+    """MiniLM reads 512 tokens: a text over the server's max_long_tokens (600) or max_tokens
+    (16) is 413 naming that limit even when it is over MiniLM's window too (issue 32: it was
+    422 then); a text within the server's limit and over the model's window is 422."""
+    over = client.post("/api/long", json={"model": "minilm", "text": "a " * 700})
+    refused(over, 413, "the text has 702 tokens", "at most 600 of a long text (max_long_tokens)")
+    assert over.json()["limit"] == "max_long_tokens"
+    head = client.post("/api/long/head", json={"model": "minilm", "text": "a " * 700,
+                                               "layer": 0, "head": 0})  # fmt: skip
+    refused(head, 413, "(max_long_tokens)")
+    short = client.post("/api/attention", json={"model": "minilm", "text": "a " * 600})
+    refused(short, 413, "the text has 602 tokens", "(max_tokens)")
+    assert short.json()["limit"] == "max_tokens"
+    window = client.post("/api/long", json={"model": "minilm", "text": "bank " * 560})
+    refused(window, 422, "the text has 562 tokens; minilm reads at most 512")
 
 
 def test_the_limits_are_each_a_one_line_413_naming_it(client, smollm2):

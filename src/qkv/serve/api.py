@@ -165,25 +165,51 @@ async def census(body: HeadsRequest, request: Request) -> dict:
     return await answer(request, body, compute.head_census)
 
 
-LONG = {409: {"model": Problem, "description": "not the model's long text: POST /api/long first"}}
+LONG = {
+    409: {
+        "model": Problem,
+        "description": "not a long text the model keeps (never read, dropped or evicted): POST "
+        "/api/long with it again",
+    }
+}
+RETRY_AFTER = "1"  # seconds: the page asks again every second
 
 
 @router.post(
     "/long",
     response_model=LongAnswer,
     summary="A long text's per-head summaries (up to max_long_tokens)",
-    responses={202: {"model": LongProgress, "description": "being read: ask again (Retry-After)"}},
+    responses={
+        202: {
+            "model": LongProgress,
+            "description": "waiting for its turn or being read: ask again (Retry-After)",
+        }
+    },
 )
 async def long_text(body: LongRequest, request: Request):
     """Reads a text too long for /api/attention (up to max_long_tokens): one forward pass
     keeps every layer's record, then `summarize` gives each (layer, head) its summaries; the
     answer is their table (mean entropy, mean first-token mass, most received keys) and the
-    tokens. Read in a thread of its own: 202 with its progress until done, then 200. The
-    server keeps one long text per model, for /api/long/head and /api/long/region."""
-    try:
-        return await answer(request, body, long.summaries_of, body.text)
-    except long.Computing as computing:
-        return JSONResponse(computing.progress, status_code=202, headers={"Retry-After": "1"})
+    tokens. Each model reads its long texts one at a time, in the order they came, each to
+    its end: a request waits up to half of timeout_s, then is told 202 with its progress and
+    how many texts are ahead of it (ask again, after Retry-After), until 200. Asking again
+    keeps the text's place; a text nobody asks about for long_idle_s is dropped. At most
+    max_long_waiting texts wait (then 503: ask again later). The texts read are kept for
+    /api/long/head and /api/long/region, the least recently used going first past
+    max_long_kept_bytes."""
+    state = request.app.state.qkv
+    body.check(state.limits)
+    served, limits = state.pick(body.model), state.limits
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.timeout_s / 2
+    reading = await in_pool(request, lambda stop: long.ask(served, limits, body.text))
+    while not reading.done.is_set():  # waited for here, on the event loop: no worker held
+        if loop.time() >= deadline:
+            progress = long.progress(served, reading)
+            return JSONResponse(progress, status_code=202, headers={"Retry-After": RETRY_AFTER})
+        served.long.touch(reading)  # its client is still here
+        await asyncio.sleep(0.05)
+    return await run(request, lambda stop: long.summaries_of(served, reading))
 
 
 @router.post(
@@ -361,15 +387,10 @@ async def run(
     timeout: float | None = None,
     then: Callable[[], None] | None = None,
 ) -> Response:
-    """work(stop) in the app's thread pool, its answer JSON-encoded there too (bytes are
-    sent as they are). Past the time limit, TimedOut, and `stop` is set: the work never
-    starts, or stops at its next step. then(): called on the event loop when the work has
-    ended, however it ended (a generation's turn passes on then, not at the 504)."""
-    state = request.app.state.qkv
-    timeout = state.limits.timeout_s if timeout is None else timeout
-    loop, stop = asyncio.get_running_loop(), threading.Event()
+    """work(stop) in the app's thread pool (see `in_pool`), its answer JSON-encoded there too
+    (bytes are sent as they are)."""
 
-    def encoded() -> bytes:
+    def encoded(stop: threading.Event) -> bytes:
         try:
             answer = work(stop)
         except Cancelled:
@@ -377,12 +398,37 @@ async def run(
             raise
         return answer if isinstance(answer, bytes) else json.dumps(answer).encode()
 
+    body = await in_pool(request, encoded, timeout=timeout, then=then)
+    return Response(body, media_type="application/json")
+
+
+# the errors a request is answered with (4xx, 503): sent without the frames they were raised in
+TOLD = (ValueError, Busy, long.NotComputed, Cancelled)
+
+
+async def in_pool(
+    request: Request,
+    work: Callable[[threading.Event], object],
+    *,
+    timeout: float | None = None,
+    then: Callable[[], None] | None = None,
+):
+    """work(stop)'s result, run in the app's thread pool. Past the time limit, TimedOut, and
+    `stop` is set: the work never starts, or stops at its next step. then(): called on the
+    event loop when the work has ended, however it ended (a generation's turn passes on
+    then, not at the 504). An error the client is told (4xx, 503) leaves without its
+    traceback, whose frames (the worker's locals: a long text's records) would otherwise stay
+    alive in a cycle with the future that carried it until the garbage collector ran."""
+    state = request.app.state.qkv
+    timeout = state.limits.timeout_s if timeout is None else timeout
+    loop, stop = asyncio.get_running_loop(), threading.Event()
+
     def ended(_) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop has closed, its lock too
             loop.call_soon_threadsafe(then)
 
     try:
-        future = state.pool.submit(encoded)
+        future = state.pool.submit(work, stop)
     except RuntimeError:  # the pool has shut down: the server is stopping
         if then is not None:
             then()
@@ -390,14 +436,16 @@ async def run(
     if then is not None:
         future.add_done_callback(ended)
     try:
-        body = await asyncio.wait_for(asyncio.wrap_future(future), timeout)
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
     except TimeoutError:
         raise TimedOut(
             f"the request took longer than this server's limit of {timeout:g} s (timeout_s) "
             "and was stopped; ask for a shorter text, or fewer layers and heads"
         ) from None
+    except TOLD as error:
+        raise error.with_traceback(None) from None
     finally:
         if not future.done():  # past the time limit, or the server is stopping
             stop.set()
             future.cancel()
-    return Response(body, media_type="application/json")
+        future = None  # this frame, kept by an error's traceback, must not keep the error

@@ -38,8 +38,18 @@ def going(stop: threading.Event | None) -> None:
 
 def encode(served: Served, limits: Limits, text: str, what: str = "the text"):
     """The text's tokens, within max_tokens (its characters were checked on arrival)."""
-    encoded = served.pretrained.encode(text)
-    limits.check_tokens(len(encoded.ids), what)
+    return within(served, text, lambda count: limits.check_tokens(count, what))
+
+
+def within(served: Served, text: str, check: Callable[[int], None]):
+    """The text's tokens once check(count) passes: the server's token limit first (413), then
+    the model's own context window (`Pretrained.encode`: 422), so that a text over a limit
+    is told that limit's status whatever its length (MiniLM reads 512 tokens: a text of 600
+    over max_tokens was once a 422 where one of 300 was a 413)."""
+    encoded = served.pretrained.tokenizer.encode(text)
+    check(len(encoded.ids))
+    if len(encoded.ids) > served.pretrained.context_window:
+        served.pretrained.encode(text)  # raises, naming the model and its window
     return encoded
 
 

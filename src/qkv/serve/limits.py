@@ -45,6 +45,15 @@ class Limits:
     # a /api/long* body: max_long_chars of text even if each is sent as a 6-byte \uXXXX
     max_long_body_bytes: int = 160 * 1024
     max_region: int = 65_536  # weights in one /api/long/region answer: 256 x 256
+    # Each model reads its long texts one at a time, in the order they came: at most this many
+    # wait for their turn (then 503); a client's wait is its text's and those ahead of it
+    max_long_waiting: int = 8
+    # the records and summaries of the texts read that each model keeps, least recently used
+    # going first (the last one read always stays): 4,096 tokens of SmolLM2 keep 0.5 GB
+    max_long_kept_bytes: int = 1_536 * 2**20
+    # a long text nobody has asked about for this long (its client left) is dropped, waiting
+    # or being read; its client asks again every second (Retry-After) while it waits
+    long_idle_s: float = 30.0
 
     def __post_init__(self):
         for field in fields(self):

@@ -1,4 +1,4 @@
-"""Long texts on the server: one text's forward pass kept per model, read as summaries.
+"""Long texts on the server: their forward passes, read as summaries.
 
 /api/attention sends every weight, so it stops at `Limits.max_tokens`: a 4,096-token text on
 SmolLM2 has 4.5 billion of them. /api/long reads such a text the way `qkv show` does
@@ -9,105 +9,56 @@ heatmap). A head's summaries (/api/long/head) are read from them, and a rectangl
 weights at full resolution (/api/long/region) is `region` of the kept record.
 
 That takes longer than a request may wait (about 30 s for 4,096 tokens of SmolLM2 on two
-cores), so it runs in a thread of its own, as the census of heads does: a request waits up
-to half of timeout_s, then is told 202 with how far it has got (ask again). Memory stays
-bounded: each served model keeps ONE long text (its q and k and its summaries: 0.5 GB for
-4,096 tokens of SmolLM2). A new text drops the old one, and stops its computation at the
-next layer, before its own forward pass; one model's computations run one after another.
+cores), so each model reads its long texts in a thread of its own, one after another in the
+order they came (`qkv.serve.long_texts`: the queue, what is kept, what is dropped); a
+request for a text waits up to half of timeout_s on the event loop (holding no worker), then
+is told 202 with how far the text has got and how many are ahead of it (ask again).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 import threading
-import time
-from dataclasses import dataclass, field
+import traceback
 
 import torch
 
 from qkv.serve.limits import Cancelled, Limits
+from qkv.serve.long_texts import LongRun, without_traceback
 
 RECEIVED = 3  # keys per head in the table: those that receive the most attention
 TOP_K = 5  # keys kept per query
-
-
-class Computing(Exception):
-    """The long text is still being computed: HTTP 202 with `progress` (ask again)."""
-
-    def __init__(self, progress: dict):
-        super().__init__(progress["detail"])
-        self.progress = progress
+log = logging.getLogger("qkv.serve")
 
 
 class NotComputed(Exception):
-    """A head or a region of a text that is not the model's long text: HTTP 409."""
+    """A head or a region of a text that is not one of the model's long texts: HTTP 409."""
 
 
-@dataclass
-class LongRun:
-    """One long text's computation, and what it keeps once done."""
+def read(pretrained, run: LongRun, going) -> None:
+    """Read run.text: run.table, run.records and run.summaries, or run.error (without its
+    traceback: its frames would hold the records). going(): Cancelled when it must stop."""
+    from qkv.inspect.summaries import summarize
 
-    text: str
-    T: int
-    num_layers: int
-    stop: threading.Event = field(default_factory=threading.Event)
-    done: threading.Event = field(default_factory=threading.Event)
-    started: bool = False  # it has the model's turn (the run before it has stopped)
-    layers_done: int = 0
-    records: dict | None = None  # {layer: its record, `weights_only`}
-    summaries: object = None  # qkv.inspect.summaries.Summaries of every layer and head
-    table: dict | None = None  # the /api/long answer, less the model's name
-    error: BaseException | None = None
-
-
-class LongTexts:
-    """A served model's long text: the last one asked for, and its computation."""
-
-    def __init__(self):
-        self._guard = threading.Lock()  # who is current
-        self._turn = threading.Lock()  # one computation at a time
-        self.current: LongRun | None = None
-
-    def run_for(self, pretrained, text: str, T: int, *, start: bool) -> LongRun | None:
-        """The run of `text`: the current one, or (start=True) a new one in its own thread,
-        which drops the current one and stops it at its next layer. None: not this text."""
-        with self._guard:
-            run = self.current
-            failed = run is not None and run.done.is_set() and run.error is not None
-            if run is not None and run.text == text and not (start and failed):
-                return run  # a run that failed is tried again when asked to start
-            if not start:
-                return None
-            if run is not None:
-                run.stop.set()
-            self.current = run = LongRun(text, T, pretrained.config.num_layers)
-        threading.Thread(target=self._compute, args=(pretrained, run), name="qkv-long",
-                         daemon=True).start()  # fmt: skip
-        return run
-
-    def _compute(self, pretrained, run: LongRun) -> None:
-        from qkv.inspect.summaries import summarize
-
-        try:
-            with self._turn:  # the one before has stopped, and dropped what it kept
-                if run.stop.is_set():
-                    raise Cancelled
-                run.started = True
-                seen = pretrained.attentions(run.text, weights=False)  # summaries alone
-                tokens, heads = list(seen.tokens), seen.heads
-                records = {layer: weights_only(r) for layer, r in seen.records.items()}
-                del seen  # the forward pass's full records: only what weights read is kept
-                parts = []
-                for layer, record in records.items():  # a layer at a time: it can stop
-                    if run.stop.is_set():
-                        raise Cancelled
-                    parts.append(summarize({layer: record}, heads=heads, top_k=TOP_K))
-                    run.layers_done += 1
-                summaries = joined(parts, tokens)
-                run.table, run.records, run.summaries = table(summaries), records, summaries
-        except BaseException as error:  # told to every request for this text
-            run.error = error
-        finally:
-            run.done.set()
+    try:
+        going()
+        seen = pretrained.attentions(run.text, weights=False)  # summaries alone
+        tokens, heads = list(seen.tokens), seen.heads
+        records = {layer: weights_only(r) for layer, r in seen.records.items()}
+        del seen  # the forward pass's full records: only what weights read is kept
+        parts = []
+        for layer, record in records.items():  # a layer at a time: it can stop
+            going()
+            parts.append(summarize({layer: record}, heads=heads, top_k=TOP_K))
+            run.layers_done += 1
+        summaries = joined(parts, tokens)
+        run.table, run.records, run.summaries = table(summaries), records, summaries
+    except Exception as error:  # told to the requests for this text
+        if not isinstance(error, Cancelled | ValueError):  # as text: a record keeps no frame
+            trace = "".join(traceback.format_exception(error)).rstrip()
+            log.error("reading a long text of %d tokens failed\n%s", run.T, trace)
+        run.error = without_traceback(error)
 
 
 def weights_only(record):
@@ -158,15 +109,25 @@ def table(summaries) -> dict:
 
 
 def encode(served, limits: Limits, text: str):
-    """The tokens of a long text, within max_long_tokens and the model's context window."""
-    encoded = served.pretrained.encode(text)
-    limits.check_long_tokens(len(encoded.ids))
-    return encoded
+    """The tokens of a long text: over max_long_tokens is 413 (whatever the model reads),
+    then over the model's context window 422 (Pretrained.encode)."""
+    from qkv.serve.compute import within
+
+    return within(served, text, limits.check_long_tokens)
+
+
+def ask(served, limits: Limits, text: str, stop: threading.Event | None = None) -> LongRun:
+    """POST /api/long's work in a worker: the text's run, which joins the model's queue if it
+    is not there (Busy, 503, when max_long_waiting texts wait already)."""
+    T = len(encode(served, limits, text).ids)
+    return served.long.ask(served, limits, text, T, start=True)
 
 
 def progress(served, run: LongRun) -> dict:
+    """The 202's answer: how far `run` has got, and how many texts are read before it."""
+    ahead = served.long.ahead(run)
     if not run.started:
-        where = "waiting for the long text before it to stop"
+        where = f"waiting for its turn: {ahead} long text{'s' * (ahead != 1)} before it"
     elif run.layers_done == 0:
         where = "the forward pass"
     else:
@@ -175,54 +136,51 @@ def progress(served, run: LongRun) -> dict:
         "model": served.name,
         "detail": f"{served.name} is reading this text of {run.T:,} tokens ({where}); ask again",
         "tokens": run.T,
+        "ahead": ahead,
         "layers_done": run.layers_done,
         "num_layers": run.num_layers,
     }
 
 
 def finished(served, run: LongRun) -> LongRun:
-    """The run, if it ended well; its error if not."""
+    """The run, if it was read; its error if not (a copy, so that the traceback it gets on
+    its way to the client holds nothing of the run)."""
+    served.long.told(run)
     if run.error is None:
         return run
     if isinstance(run.error, Cancelled):
         from qkv.serve.api import Busy
 
         raise Busy(
-            f"another long text replaced this one on {served.name} before it was read (this "
-            "server keeps one long text per model); ask again to read it again"
+            f"{served.name} stopped reading this text: nobody had asked about it for its last "
+            "long_idle_s; ask again to read it again"
         )
-    raise run.error
+    try:
+        error = copy.copy(run.error)
+    except Exception:  # an error that cannot be made again from its arguments
+        error = RuntimeError(f"{type(run.error).__name__}: {run.error}")
+    raise error
 
 
-def summaries_of(served, limits: Limits, text: str, stop: threading.Event | None = None) -> dict:
-    """POST /api/long: the per-head table of `text`, computed (or started) in its own thread;
-    Computing (202) while it is, after waiting up to half of timeout_s."""
-    from qkv.serve.compute import going
-
-    run = served.long.run_for(served.pretrained, text, len(encode(served, limits, text).ids),
-                              start=True)  # fmt: skip
-    deadline = time.monotonic() + limits.timeout_s / 2
-    while not run.done.wait(0.05):
-        going(stop)
-        if time.monotonic() > deadline:
-            raise Computing(progress(served, run))
+def summaries_of(served, run: LongRun, stop: threading.Event | None = None) -> dict:
+    """POST /api/long's answer once `run` is done: the per-head table of its text."""
     return {"model": served.name, **finished(served, run).table}
 
 
 def kept(served, limits: Limits, text: str) -> LongRun:
-    """The model's long text, if it is `text` and is read: NotComputed (409) if it is not
-    the text, Busy (503) while it is being read."""
+    """The model's long text `text`, read and kept: NotComputed (409) if it is not kept (never
+    asked for, dropped or evicted), Busy (503) while it waits or is being read."""
     from qkv.serve.api import Busy
 
-    run = served.long.run_for(served.pretrained, text, len(encode(served, limits, text).ids),
-                              start=False)  # fmt: skip
-    if run is None:
-        raise NotComputed(
-            f"{served.name} has not read this long text (it keeps the last one it was asked "
-            "for): POST /api/long with it first"
-        )
-    if not run.done.is_set():
+    T = len(encode(served, limits, text).ids)
+    run = served.long.ask(served, limits, text, T, start=False)
+    if run is not None and not run.done.is_set():
         raise Busy(progress(served, run)["detail"])
+    if run is None or (run.error is None and run.records is None):
+        raise NotComputed(
+            f"{served.name} does not keep this long text (it keeps those read and used last, "
+            "within max_long_kept_bytes): POST /api/long with it again"
+        )
     return finished(served, run)
 
 

@@ -20,18 +20,19 @@ from dataclasses import dataclass, field
 
 from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, Encoder
-from qkv.serve.long import LongTexts
+from qkv.serve.long import read
+from qkv.serve.long_texts import LongTexts
 
 
 @dataclass
 class Served:
     """One model of the server: the loaded model, its name in requests, its generation lock,
-    its long text (`qkv.serve.long`)."""
+    its long texts (`qkv.serve.long_texts`)."""
 
     name: str
     pretrained: object  # qkv.Pretrained
     _generating: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
-    long: LongTexts = field(default_factory=LongTexts)
+    long: LongTexts = field(default_factory=lambda: LongTexts(read))
 
     def generation_lock(self) -> asyncio.Lock:
         """This model's generation lock in the running event loop (an asyncio lock belongs to
