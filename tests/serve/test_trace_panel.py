@@ -24,7 +24,7 @@ def drawn(traced, tmp_path: Path) -> str:
     script = (
         "import { drawTrace } from './views.mjs';\n"
         "import { readFileSync } from 'node:fs';\n"
-        "const panel = { dataset: {}, innerHTML: '' };\n"
+        "const panel = { dataset: {}, innerHTML: '', querySelectorAll: () => [] };\n"
         "drawTrace(panel, JSON.parse(readFileSync('trace.json', 'utf8')), 'asked');\n"
         "process.stdout.write(panel.innerHTML);\n"
     )

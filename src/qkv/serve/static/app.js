@@ -1,8 +1,8 @@
 // The explorer's state and its conversation with the API. Every request goes to this server.
 "use strict";
 import { chooseHead, leaveLong, longActive, showLong, wireLong } from "/static/long.js";
-import { $, drawCensus, drawGrid, drawHeadView, drawHeatmap, drawHide, drawRow, drawTrace, esc,
-  percent, shown, unpack } from "/static/views.js";
+import { $, drawCensus, drawGrid, drawHeadView, drawHeatmap, drawHide, drawRow, drawTrace, make,
+  percent, shown, texts, unpack } from "/static/views.js";
 
 const state = {
   models: [], model: null, seen: null, limits: null,  // seen: the /api/attention answer, weights decoded
@@ -71,9 +71,9 @@ async function show() {  // the attention of every layer and head of the text
     state.cursor = [0, 0];
     options($("layer"), model.num_layers, state.layer, "the first layer");
     options($("head"), model.num_heads, state.head, "the first head");
-    $("tokens").innerHTML = seen.tokens.map((t, i) =>
-      `<button type="button" class="token${seen.wordOf[i] ? "" : " special"}" data-index="${i}">`
-      + `${esc(shown(t))}</button>`).join("");
+    $("tokens").replaceChildren(...seen.tokens.map((t, i) => make("button",
+      { type: "button", class: `token${seen.wordOf[i] ? "" : " special"}`, "data-index": i },
+      shown(t))));
     drawGrid($("grid"), seen.weights, seen.tokens, seen.layers, seen.heads, state);
     render();
     resetTrace();
@@ -154,10 +154,11 @@ async function trace() {  // the article's steps for (query, key) in this layer 
     const which = !q ? query : key;
     resetHide();
     delete $("trace").dataset.pair;
-    $("trace").innerHTML = `<h2>“${esc(shown(seen.tokens[which]))}” is not a word</h2><p>`
-      + "It is a marker the tokenizer adds (token " + which + "), not a word of the text: its"
+    const words = texts();
+    words.fill($("trace"), `<h2>“${words.put(shown(seen.tokens[which]))}” is not a word</h2>`
+      + "<p>It is a marker the tokenizer adds (token " + which + "), not a word of the text: its"
       + ` weight is ${percent(weights()[query * seen.tokens.length + key])} in this head. The`
-      + " article's steps are traced between words; choose two.</p>";
+      + " article's steps are traced between words; choose two.</p>");
     return;
   }
   hide(q.word, k.word);  // beside the trace, not after it
@@ -188,8 +189,9 @@ async function hide(query, key) {  // the key hidden from the query, in every la
   }
   const ticket = ++hides, asked = { model: state.model, text: state.seen.text, query, key };
   delete panel.dataset.pair;
-  panel.innerHTML = `<h2>What if the key were hidden?</h2><p class="note">Hiding “${esc(key)}”`
-    + ` from “${esc(query)}” in every layer and head…</p>`;
+  const words = texts();
+  words.fill(panel, `<h2>What if the key were hidden?</h2><p class="note">Hiding `
+    + `“${words.put(key)}” from “${words.put(query)}” in every layer and head…</p>`);
   try {
     // first the key hidden everywhere at once (one run), then each layer's heads alone: a
     // request per layer, so each stays short on a large model and the grid fills as it goes
@@ -212,15 +214,15 @@ async function hide(query, key) {  // the key hidden from the query, in every la
   } catch (error) {  // e.g. a decoder's key after its query: said in the panel
     if (ticket !== hides) return;
     state.hidden = null;
-    panel.innerHTML = `<h2>What if the key were hidden?</h2><p class="masked" id="hide-error">`
-      + `${esc(error.message)}</p>`;
+    panel.replaceChildren(make("h2", {}, "What if the key were hidden?"),
+      make("p", { class: "masked", id: "hide-error" }, error.message));
   }
 }
 
 async function census(again = null) {  // the model's heads on built-in prompts
   const box = $("census"), ticket = again ?? ++censuses;
   if (again === null) {
-    box.innerHTML = `<p class="note">Counting what ${esc(state.model)}'s heads do…</p>`;
+    box.replaceChildren(make("p", { class: "note" }, `Counting what ${state.model}'s heads do…`));
     delete box.dataset.model;
   }
   try {
@@ -229,10 +231,10 @@ async function census(again = null) {  // the model's heads on built-in prompts
   } catch (error) {
     if (ticket !== censuses) return;
     if (error.status === 503) {  // still being counted (once per model): ask again soon
-      box.innerHTML = `<p class="note">${esc(error.message)}</p>`;
+      box.replaceChildren(make("p", { class: "note" }, error.message));
       setTimeout(() => census(ticket), 3000);
     } else {
-      box.innerHTML = `<p class="masked">${esc(error.message)}</p>`;
+      box.replaceChildren(make("p", { class: "masked" }, error.message));
     }
   }
 }
@@ -250,9 +252,10 @@ async function nextTokens(text) {
   const list = $("next");
   try {
     const answer = await post("/api/next", { model: state.model, text, top: 10 });
-    list.innerHTML = answer.next.map((n) => `<li data-p="${n.probability}" data-id="${n.id}">`
-      + `<span class="bar-cell"><span style="width:${percent(n.probability)}"></span></span>`
-      + `${esc(JSON.stringify(n.text))} ${percent(n.probability)}</li>`).join("");
+    list.replaceChildren(...answer.next.map((n) => make("li", { "data-p": n.probability,
+      "data-id": n.id }, make("span", { class: "bar-cell" },
+      make("span", { style: `width:${percent(n.probability)}` })),
+    `${JSON.stringify(n.text)} ${percent(n.probability)}`)));
   } catch (error) {
     fail(error);
   }
@@ -306,13 +309,15 @@ async function compare() {
     const answer = await post("/api/probe", { model: state.model, word: $("compare-word").value,
       sentences: [$("compare-a").value, $("compare-b").value] });
     table.className = "bars";
-    table.innerHTML = "<thead><tr><th>depth</th><th>cosine of the two vectors</th></tr></thead>"
-      + answer.layers.map((name, d) => {
+    table.replaceChildren(
+      make("thead", {}, make("tr", {}, make("th", {}, "depth"),
+        make("th", {}, "cosine of the two vectors"))),
+      ...answer.layers.map((name, d) => {
         const cosine = answer.similarity[d][0][1];
-        return `<tr data-depth="${d}" data-cosine="${cosine}"><th>${esc(name)}</th>`
-          + `<td class="bar-cell"><span class="bar" style="width:${percent(Math.max(cosine, 0))}">`
-          + `</span>${cosine.toFixed(3)}</td></tr>`;
-      }).join("");
+        return make("tr", { "data-depth": d, "data-cosine": cosine }, make("th", {}, name),
+          make("td", { class: "bar-cell" }, make("span", { class: "bar",
+            style: `width:${percent(Math.max(cosine, 0))}` }), cosine.toFixed(3)));
+      }));
   } catch (error) {
     fail(error);
   }
@@ -397,9 +402,9 @@ async function start() {
     state.models = answer.models;
     state.model = answer.models[0].name;
     state.limits = answer.limits;
-    $("model").innerHTML = answer.models.map((m) =>
-      `<option value="${esc(m.name)}">${esc(m.name)} (${m.kind}, ${m.num_layers} × ${m.num_heads})</option>`).join("");
-    $("example").innerHTML += answer.examples.map((s) => `<option>${esc(s)}</option>`).join("");
+    $("model").replaceChildren(...answer.models.map((m) => make("option", { value: m.name },
+      `${m.name} (${m.kind}, ${m.num_layers} × ${m.num_heads})`)));
+    $("example").append(...answer.examples.map((s) => make("option", {}, s)));
     // no maxLength on the text: a pasted text is never cut silently; the server names its limit
     $("gen-max").max = answer.limits.max_new_tokens;
     $("text").value = answer.examples[0];

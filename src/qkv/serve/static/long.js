@@ -3,7 +3,7 @@
 // LARGEST weight of its block, so no strong weight disappears); a click opens the block
 // around it at full resolution, every weight its own cell. Every request goes to this server.
 "use strict";
-import { $, color, esc, percent, shown, unpack } from "/static/views.js";
+import { $, color, make, percent, shown, texts, unpack } from "/static/views.js";
 
 const REGION = 64;  // a click opens up to this many queries x keys around it
 const PLOT = 512, LEFT = 46, TOP = 6, BOTTOM = 22, RIGHT = 10;  // the heatmap, in pixels
@@ -25,7 +25,8 @@ export function leaveLong() {
 }
 
 const post = async (path, body) => (await view.api(path, body)).json();
-const tokenAt = (i) => `“${esc(shown(view.table.tokens[i]))}” (${i})`;
+// Token i in words, a `texts()` of views.js: its text goes in by textContent.
+const tokenAt = (words, i) => `“${words.put(shown(view.table.tokens[i]))}” (${i})`;
 
 // Read the text (202 while the server computes it: asked again each second), then draw the
 // table and the head chosen() then. current(): false once another text is shown (stop).
@@ -51,8 +52,8 @@ export async function showLong({ api, model, text, why, chosen, current }) {
       break;
     }
     const share = answer.layers_done / answer.num_layers;
-    $("long-progress").innerHTML = `${esc(answer.detail)} <progress max="1" value="${share}">`
-      + `</progress>`;
+    $("long-progress").replaceChildren(`${answer.detail} `,
+      make("progress", { max: 1, value: share }));
     await sleep(1000);
     if (!current() || asking !== view.asking) return null;
   }
@@ -73,16 +74,16 @@ const SORTS = {  // the table's orders: a header's button picks one
 };
 
 function drawTable(order = "head") {  // every (layer, head): entropy, first-token mass, keys
-  const t = view.table, rows = [];
+  const t = view.table, rows = [], words = texts();
   t.layers.forEach((layer, n) => t.heads.forEach((head, h) => rows.push({ layer, head,
     entropy: t.mean_entropy[n][h], first: t.mean_first_token_mass[n][h],
-    keys: t.most_received_keys[n][h].map((j, r) => `${tokenAt(j)} `
+    keys: t.most_received_keys[n][h].map((j, r) => `${tokenAt(words, j)} `
       + `${t.most_received[n][h][r].toFixed(1)}`).join(", ") })));
   rows.sort(SORTS[order]);
   const shown = view.head ? [view.head.layer, view.head.head] : [];
   const sort = (name, label) => `<th><button type="button" data-sort="${name}"`
     + `${name === order ? ' class="sorted"' : ""}>${label}</button></th>`;
-  $("long-table").innerHTML = `<thead><tr>${sort("head", "head")}`
+  words.fill($("long-table"), `<thead><tr>${sort("head", "head")}`
     + `${sort("entropy", "mean entropy (nats), lowest first")}`
     + `${sort("first", "mean first-token mass, highest first")}`
     + "<th>most received keys (position, summed weight)</th></tr></thead><tbody>"
@@ -91,7 +92,7 @@ function drawTable(order = "head") {  // every (layer, head): entropy, first-tok
         ? ' class="selected"' : ""}><td><button type="button" data-layer="${r.layer}" `
       + `data-head="${r.head}">layer ${r.layer}, head ${r.head}</button></td><td>`
       + `${r.entropy.toFixed(3)}</td><td>${percent(r.first)}</td><td>${r.keys}</td></tr>`)
-      .join("") + "</tbody>";
+      .join("") + "</tbody>");
 }
 
 // The head's summaries from the server, its heatmap drawn; the region is closed.
@@ -166,16 +167,16 @@ function positionOf(event) {  // the (query, key) token positions under the poin
 function describe(q, k) {  // what the hover line says of query q (and the block under k)
   const h = view.head, Rk = h.shape[1];
   const i = Math.floor(q / h.query_bin), j = Math.floor(k / h.key_bin), T = h.num_tokens;
-  const block = h.heatmap[i * Rk + j];
+  const block = h.heatmap[i * Rk + j], words = texts();
   const top = h.top_keys[q].filter((_, r) => h.top_weights[q][r] > 0)  // not the hidden keys
-    .map((key, r) => `${tokenAt(key)} ${percent(h.top_weights[q][r])}`);
+    .map((key, r) => `${tokenAt(words, key)} ${percent(h.top_weights[q][r])}`);
   const box = $("long-hover");
   Object.assign(box.dataset, { q, k, block });
-  box.innerHTML = `Query ${tokenAt(q)}: entropy ${h.entropy[q].toFixed(3)} nats, `
+  words.fill(box, `Query ${tokenAt(words, q)}: entropy ${h.entropy[q].toFixed(3)} nats, `
     + `${percent(h.first_token_mass[q])} on the first token; its top keys: ${top.join(", ")}.`
     + ` <span class="note">Block of queries ${i * h.query_bin}–`
     + `${Math.min(T, (i + 1) * h.query_bin) - 1} × keys ${j * h.key_bin}–`
-    + `${Math.min(T, (j + 1) * h.key_bin) - 1}: largest weight ${percent(block)}.</span>`;
+    + `${Math.min(T, (j + 1) * h.key_bin) - 1}: largest weight ${percent(block)}.</span>`);
 }
 
 function markCursor() {
@@ -231,7 +232,8 @@ function hoverRegion(event) {
   const j = Math.min(K - 1, Math.floor(((event.clientX - box.left) / box.width) * K));
   const w = r.weights[i * K + j], q = r.queries[0] + i, k = r.keys[0] + j, line = $("long-region-hover");
   Object.assign(line.dataset, { q, k, w });
-  line.innerHTML = `${tokenAt(q)} → ${tokenAt(k)}: ${percent(w, 3)}`;
+  const words = texts();
+  words.fill(line, `${tokenAt(words, q)} → ${tokenAt(words, k)}: ${percent(w, 3)}`);
 }
 
 function moveCursor(event) {  // the heatmap by keyboard: arrows move a block, Enter opens it

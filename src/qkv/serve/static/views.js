@@ -13,8 +13,38 @@ export function shown(token) {
   return text.trim() === "" ? JSON.stringify(text) : text;
 }
 export const short = (t) => (shown(t).length > 16 ? shown(t).slice(0, 15) + "…" : shown(t));
-export const esc = (s) => String(s).replace(/[&<>"]/g,
-  (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+
+// Text from a model or a person (a token, a word, a model's name, an error) enters the page
+// as text only: by textContent, or as an attribute's value by setAttribute, never inside
+// markup given to innerHTML, where a token such as `"><img onerror=...>` would be markup.
+const SVG = new Set(["svg", "g", "line", "text"]);
+
+// An element with its attributes (null, undefined and false leave one out) and children
+// (elements, or strings made text nodes).
+export function make(tag, attributes = {}, ...children) {
+  const element = SVG.has(tag)
+    ? document.createElementNS("http://www.w3.org/2000/svg", tag) : document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes)) {
+    if (value !== null && value !== undefined && value !== false) element.setAttribute(name, String(value));
+  }
+  element.append(...children.flat(Infinity).filter((c) => c !== null && c !== undefined && c !== ""));
+  return element;
+}
+
+// For markup qkv writes itself around such text: put(text) leaves an empty slot in the
+// markup, and fill(box, markup) sets the markup, then puts each text in its slot as a text node.
+export function texts() {
+  const kept = [];
+  return {
+    put: (value) => `<span data-text="${kept.push(String(value)) - 1}"></span>`,
+    fill(box, markup) {
+      box.innerHTML = markup;
+      for (const slot of box.querySelectorAll("span[data-text]")) {
+        slot.replaceWith(kept[Number(slot.dataset.text)]);
+      }
+    },
+  };
+}
 export const percent = (w, digits = 2) => (100 * w).toFixed(digits) + "%";
 
 export function color(x) {  // x in [0, 1] -> [r, g, b] on viridis
@@ -52,21 +82,19 @@ export function drawHeatmap(box, w, tokens, state) {
     return;
   }
   const top = largest(w);
-  const head = tokens.map((t) => `<th scope="col">${esc(short(t))}</th>`).join("");
-  const rows = tokens.map((t, q) => {
-    const cells = tokens.map((u, k) => {
+  const rows = tokens.map((t, q) => make("tr", { class: q === state.query && "selected" },
+    make("th", { scope: "row", "data-q": q }, short(t)),
+    tokens.map((u, k) => {
       const v = w[q * T + k], [r, g, b] = color(v / top);
       const marks = [q === state.query && k === state.key ? "pair" : "",
         q === state.cursor[0] && k === state.cursor[1] ? "cursor" : ""].join(" ").trim();
-      return `<td${marks ? ` class="${marks}"` : ""} data-q="${q}" data-k="${k}" data-w="${v}"`
-        + ` title="${esc(shown(t))} → ${esc(shown(u))}: ${percent(v)}"`
-        + ` style="background:rgb(${r},${g},${b})"></td>`;
-    });
-    const selected = q === state.query ? ' class="selected"' : "";
-    return `<tr${selected}><th scope="row" data-q="${q}">${esc(short(t))}</th>${cells.join("")}</tr>`;
-  });
-  box.innerHTML = `<table id="heatmap-table"><thead><tr><th></th>${head}</tr></thead>`
-    + `<tbody>${rows.join("")}</tbody></table>`;
+      return make("td", { class: marks || null, "data-q": q, "data-k": k, "data-w": v,
+        title: `${shown(t)} → ${shown(u)}: ${percent(v)}`,
+        style: `background:rgb(${r},${g},${b})` });
+    })));
+  box.replaceChildren(make("table", { id: "heatmap-table" },
+    make("thead", {}, make("tr", {}, make("th"), tokens.map((t) => make("th", { scope: "col" }, short(t))))),
+    make("tbody", {}, rows)));
 }
 
 // The head view: tokens in two columns, a line from each query to each key it attends to,
@@ -93,15 +121,15 @@ export function drawHeadView(svg, heads, tokens, state) {
     }
   });
   parts.push("</g>");
+  svg.setAttribute("height", TOP + T * ROW);
+  svg.innerHTML = parts.join("");  // the lines: numbers only
   tokens.forEach((t, i) => {
     const q = i === state.query ? " selected" : "", k = i === state.key ? " selected" : "";
-    parts.push(`<text class="hv-query${q}" data-index="${i}" x="${LEFT}" y="${TOP + i * ROW}"`
-      + ` text-anchor="end">${esc(short(t))}</text>`);
-    parts.push(`<text class="hv-key${k}" data-index="${i}" x="${RIGHT}" y="${TOP + i * ROW}">`
-      + `${esc(short(t))}</text>`);
+    svg.append(make("text", { class: `hv-query${q}`, "data-index": i, x: LEFT, y: TOP + i * ROW,
+      "text-anchor": "end" }, short(t)));
+    svg.append(make("text", { class: `hv-key${k}`, "data-index": i, x: RIGHT, y: TOP + i * ROW },
+      short(t)));
   });
-  svg.setAttribute("height", TOP + T * ROW);
-  svg.innerHTML = parts.join("");
 }
 
 // Every layer and head as a small picture; each is a button that shows that head.
@@ -132,18 +160,18 @@ export function drawRow(list, title, w, tokens, state) {
   const T = tokens.length, q = state.query;
   title.textContent = `Query “${shown(tokens[q])}” (token ${q}), ${where}: its weights; `
     + "choose a key to trace the pair";
-  list.innerHTML = tokens.map((t, k) => {
+  list.replaceChildren(...tokens.map((t, k) => {
     const v = w[q * T + k];
-    return `<li${k === state.key ? ' class="key"' : ""} data-k="${k}" data-w="${v}">`
-      + `<button type="button" data-k="${k}"><span class="bar" style="width:${percent(v)}">`
-      + `</span>${esc(shown(t))}: ${percent(v)}</button></li>`;
-  }).join("");
+    return make("li", { class: k === state.key && "key", "data-k": k, "data-w": v },
+      make("button", { type: "button", "data-k": k },
+        make("span", { class: "bar", style: `width:${percent(v)}` }), `${shown(t)}: ${percent(v)}`));
+  }));
 }
 
 const numbers = (values) => values.slice(0, 4).map((x) => (x >= 0 ? "+" : "") + x.toFixed(3));
 const norm = (values) => Math.sqrt(values.reduce((a, x) => a + x * x, 0));
 const vector = (id, values) =>  // the first 4 numbers and the norm shown, every number kept
-  `<span class="vector" id="${id}" data-values="${esc(JSON.stringify(values))}">`
+  `<span class="vector" id="${id}" data-values="${JSON.stringify(values)}">`
   + `[${numbers(values).join(", ")}${values.length > 4 ? ", …" : ""}] (${values.length}`
   + ` numbers, norm ${norm(values).toFixed(3)})</span>`;
 const number = (id, value, text) =>
@@ -152,7 +180,9 @@ const signed = (x) => (x >= 0 ? "+" : "") + x.toFixed(4);
 
 // The article's steps, as /api/trace gave them (qkv.trace: the model's own computation).
 export function drawTrace(panel, t, note) {
-  const Q = `“${esc(shown(t.tokens[t.query_index]))}”`, K = `“${esc(shown(t.tokens[t.key_index]))}”`;
+  const words = texts();
+  const Q = `“${words.put(shown(t.tokens[t.query_index]))}”`;
+  const K = `“${words.put(shown(t.tokens[t.key_index]))}”`;
   const D = t.head_dim, i = t.query_index, a = t.anatomy || {};
   const where = t.causal ? "back" : "away";
   const visible = (k) => (!t.causal || k <= i) && (t.window == null || Math.abs(i - k) < t.window);
@@ -173,7 +203,7 @@ export function drawTrace(panel, t, note) {
     + ` angle that grows with the token's position (lengths unchanged): the query before was `
     + `${vector("t-query-unrotated", t.query_unrotated)}.`
     + (a.rope_dims ? ` Only the first ${a.rope_dims} of the ${D} numbers turn (partial rotary).` : "")
-    + (a.rope_scaling ? ` The angles are rescaled (${esc(a.rope_scaling)}) for texts longer than`
+    + (a.rope_scaling ? ` The angles are rescaled (${words.put(a.rope_scaling)}) for texts longer than`
       + ` the model was trained on.` : "") + `</li>` : "";
   const qkNorm = a.qk_norm ? `<li class="note">This model normalizes each query and key first`
     + ` (QK-norm, over ${a.qk_norm === "head" ? `each head's ${D} numbers` : "all heads' numbers"}).`
@@ -194,13 +224,13 @@ export function drawTrace(panel, t, note) {
       + number("t-score", t.score, signed(t.score)));
   const rows = t.contributions.map((c) => `<tr data-index="${c.index}" data-w="${c.weight}"`
     + ` data-size="${c.size}"${c.index === t.key_index ? ' class="key"' : ""}>`
-    + `<td>${c.index}</td><td>${esc(shown(c.token))}</td>`
+    + `<td>${c.index}</td><td>${words.put(shown(c.token))}</td>`
     + `<td class="bar-cell"><span class="bar" style="width:${percent(c.weight)}"></span>`
     + `${percent(c.weight)}</td><td>${c.size.toFixed(3)}</td></tr>`).join("");
   panel.dataset.pair = [t.layer, t.head, t.query_index, t.key_index].join(",");
-  panel.innerHTML = `<h2>${Q} (query, token ${t.query_index}) gets context from ${K} (key, token
- ${t.key_index}): layer ${t.layer}, head ${t.head} of ${esc(t.model)}</h2>
-<p class="note">${esc(note)}${gqa}</p>
+  words.fill(panel, `<h2>${Q} (query, token ${t.query_index}) gets context from ${K} (key, token
+ ${t.key_index}): layer ${t.layer}, head ${t.head} of ${words.put(t.model)}</h2>
+<p class="note">${words.put(note)}${gqa}</p>
 <ol>
 <li>Query vector: ${Q}'s vector entering the layer times the query matrix (${t.width} → ${D}
  numbers): ${vector("t-query", t.query_vector)}</li>
@@ -221,7 +251,7 @@ ${windowNote}<li>${scaling}:
 <p class="note">Weight: the softmax weight (step 4). Size: the length of what it added after
  the output projection; a large weight on a small value vector can add less than a modest one.</p>
 <table class="bars" id="t-contributions"><thead><tr><th>token</th><th></th><th>weight</th>
-<th>size</th></tr></thead><tbody>${rows}</tbody></table>`;
+<th>size</th></tr></thead><tbody>${rows}</tbody></table>`);
 }
 
 const tiny = (x) => (x === 0 ? "0" : Math.abs(x) >= 0.01 ? x.toFixed(4) : x.toExponential(2));
@@ -230,7 +260,8 @@ const tiny = (x) => (x === 0 ? "0" : Math.abs(x) >= 0.01 ? x.toFixed(4) : x.toEx
 // `effect` (1 - cosine of the query word's final vector with and without), each cell
 // keeping every digit in data-effect, coloured on its share of the largest.
 export function drawHide(panel, h, state) {
-  const Q = h.query === null ? "every word" : `“${esc(h.query)}”`, K = `“${esc(h.key)}”`;
+  const words = texts();
+  const Q = h.query === null ? "every word" : `“${words.put(h.query)}”`, K = `“${words.put(h.key)}”`;
   const cells = h.effect.flat().filter((e) => e !== null);
   const top = cells.reduce((a, v) => (v > a ? v : a), 0) || 1;
   const best = h.ranked[0] ?? { layer: -1, head: -1, effect: NaN };
@@ -247,14 +278,14 @@ export function drawHide(panel, h, state) {
   let next = "";
   if (h.next) {
     const [before, after] = [h.next.before[0], h.next.after[0]];
-    const p = (t) => `${esc(JSON.stringify(shown(t.token)))} ${percent(Math.exp(t.logprob))}`;
+    const p = (t) => `${words.put(JSON.stringify(shown(t.token)))} ${percent(Math.exp(t.logprob))}`;
     next = `<p id="hide-next">The next token after token ${h.next.position}: ${p(before)} with`
       + ` it, ${p(after)} without.</p>`;
   }
   const done = h.done ?? h.layers.length, count = h.layers.length;
   const progress = done < count ? ` <span class="note" id="hide-progress">(${done} of ${count}`
     + ` layers so far)</span>` : "";
-  panel.innerHTML = `<h2>What if the key were hidden? ${K} hidden from ${Q}</h2>
+  words.fill(panel, `<h2>What if the key were hidden? ${K} hidden from ${Q}</h2>
 <p class="note">In each layer and head alone, ${Q} may not attend to ${K}: the softmax shares
  its weight among the other keys. A cell is how much the final vector of ${Q} changes, 1 −
  cosine (0: not at all), coloured on its share of the largest; rows are layers, columns heads
@@ -264,7 +295,7 @@ export function drawHide(panel, h, state) {
  (${tiny(best.effect)})${progress}. ` : `Each head alone${progress}… `}Hidden in every layer and
  head at once: <b id="hide-total" data-total="${h.total}">${tiny(h.total)}</b>.</p>
 ${next}<div class="scroll"><table id="hide-table"><thead><tr><th>head</th>${head}</tr></thead>
-<tbody>${rows}</tbody></table></div>`;
+<tbody>${rows}</tbody></table></div>`);
 }
 
 const SCORE_NAMES = {
@@ -280,7 +311,7 @@ const SCORE_NAMES = {
 // layer's mean weight on the first token.
 export function drawCensus(box, c) {
   const rows = Object.keys(SCORE_NAMES).filter((name) => c.top[name].length).map((name) =>
-    `<tr data-score="${name}"><th>${esc(SCORE_NAMES[name])}</th>${c.top[name].map((t) =>
+    `<tr data-score="${name}"><th>${SCORE_NAMES[name]}</th>${c.top[name].map((t) =>
       `<td data-layer="${t.layer}" data-head="${t.head}" data-value="${t.score}"><button`
       + ` type="button" title="show layer ${t.layer}, head ${t.head}">layer ${t.layer}, head`
       + ` ${t.head}: ${t.score.toFixed(3)}</button></td>`).join("")}</tr>`).join("");
@@ -288,12 +319,13 @@ export function drawCensus(box, c) {
     + `<th>layer ${l}</th><td class="bar-cell"><span class="bar" style="width:${percent(m)}">`
     + `</span>${percent(m)}</td></tr>`).join("");
   box.dataset.model = c.model;
-  box.innerHTML = `<p class="note">${esc(c.model)}'s ${c.layers} layers × ${c.heads} heads on
+  const words = texts();
+  words.fill(box, `<p class="note">${words.put(c.model)}'s ${c.layers} layers × ${c.heads} heads on
  ${c.prompts.length} built-in sentences and ${c.induction.rows} rows of ${c.induction.length}
  random tokens repeated; a score is a mean weight over queries (entropy in nats). Click a head
  to show it. Computed by qkv.heads.</p>
 <h3>The top heads of each score</h3>
 <div class="scroll"><table class="bars" id="census-top"><tbody>${rows}</tbody></table></div>
 <h3>Each layer's weight on the first token (mean over heads)</h3>
-<table class="bars" id="census-sinks"><tbody>${sinks}</tbody></table>`;
+<table class="bars" id="census-sinks"><tbody>${sinks}</tbody></table>`);
 }
