@@ -359,7 +359,7 @@ class Pretrained:
         every = ids[0].tolist() + chosen
         return GenerationAttention(
             text, every, [self.tokenizer.id_to_token(i) or str(i) for i in every],
-            [self.tokenizer.decode([i], skip_special_tokens=False) for i in every],
+            self.tokenizer.pieces(every),
             ids.shape[1], layers, heads, *(
                 (None, [], keeper.summaries()) if recording.summaries
                 else (keeper.prompt, keeper.steps)),

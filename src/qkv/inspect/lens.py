@@ -170,7 +170,7 @@ def lens(
     ids = torch.tensor([encoded.ids])  # (1, T)
 
     def spell(i: int) -> str:
-        return pretrained.tokenizer.decode([i], skip_special_tokens=False)
+        return pretrained.tokenizer.pieces([i])[0]  # part of a character: its bytes, <0xE6>
 
     found = decoder_lens(model, ids, position=position, token_id=token_id, top=top,
                          attribute=attribute, spell=spell, source=pretrained.source)  # fmt: skip

@@ -283,6 +283,7 @@ class Tokenizer:
             text=text,
             special=[m == 1 or i in self.special_ids for i, m in zip(ids, added, strict=True)],
             word_ids=encoding.word_ids,
+            pieces=self.pieces(ids),
         )
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> Encoded:
@@ -382,6 +383,34 @@ class Tokenizer:
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{size - 1})")
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def pieces(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text as people read it: what the tokenizer's decoder makes of that
+        one token, special tokens kept ("<|im_start|>", "[CLS]").
+
+        A byte-level tokenizer (GPT-2's, SmolLM2's, Llama 3's) may split one character over
+        several tokens: "日" is the three bytes E6 97 A5, and SmolLM2 reads " 日本" as "Ġæ",
+        "Ĺ", "¥", "æľ¬". A token alone then holds part of a character, which the decoder
+        writes as U+FFFD (" �", "�", "�"); here such bytes are shown as what they are, in
+        hex as sentencepiece names its byte tokens, and whole characters as text:
+        [" <0xE6>", "<0x97>", "<0xA5>", "本"]. So no page shows U+FFFD where the text has none,
+        and each token keeps its own bytes (the character is in the text beside the tokens).
+
+        >>> from tokenizers import Tokenizer as Backend, decoders, models
+        >>> names = {"Ġæ": 0, "Ĺ": 1, "¥": 2, "æľ¬": 3, "Ġriver": 4}
+        >>> backend = Backend(models.WordLevel(names, unk_token="Ġriver"))
+        >>> backend.decoder = decoders.ByteLevel()
+        >>> Tokenizer(backend).pieces([4, 0, 1, 2, 3])
+        [' river', ' <0xE6>', '<0x97>', '<0xA5>', '本']
+        """
+        ids = [int(i) for i in ids]
+        decoded = self.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        for n, (token_id, text) in enumerate(zip(ids, decoded, strict=True)):
+            if "\ufffd" in text:  # bytes that are not a whole character, or a real U+FFFD
+                raw = _token_bytes(self.backend.id_to_token(token_id))
+                if raw is not None and raw.decode("utf-8", errors="replace") == text:
+                    decoded[n] = _with_hex_bytes(raw)
+        return decoded
+
     def stream(self, *, skip_special_tokens: bool = True) -> TextStream:
         """A decoder for one growing sequence: `.push(token_id)` returns the new text."""
         return TextStream(self, skip_special_tokens=skip_special_tokens)
@@ -447,6 +476,48 @@ def check_unicode(text: str, what: str) -> None:
                 "not UTF-8 (a lone surrogate); give UTF-8 text"
             ) from None
         raise ValueError(f"{what} is a lone surrogate {bad!r}; give UTF-8 text") from None
+
+
+def _token_bytes(name: str | None) -> bytes | None:
+    """The bytes a token's name would spell as byte-level BPE's (GPT-2's printable spelling of
+    each byte: "Ġ" is the space) or as sentencepiece's byte token ("<0xE6>"); None where it
+    cannot ("▁bank"). A name of printable ASCII spells its own bytes in any tokenizer, so the
+    caller checks them against what the decoder made of the token.
+
+    >>> _token_bytes("Ġæ"), _token_bytes("<0xE6>"), _token_bytes("▁bank")
+    (b' \\xe6', b'\\xe6', None)
+    """
+    from qkv.io.gguf_tokenizer import _bytes_to_unicode
+
+    if name is None:
+        return None
+    if len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
+        try:
+            return bytes([int(name[3:5], 16)])
+        except ValueError:
+            return None
+    byte_of = {character: byte for byte, character in _bytes_to_unicode().items()}
+    if all(character in byte_of for character in name):
+        return bytes(byte_of[character] for character in name)
+    return None
+
+
+def _with_hex_bytes(raw: bytes) -> str:
+    """UTF-8 bytes as text, each byte that is not part of a whole character as <0xNN>.
+
+    >>> _with_hex_bytes(" 日".encode()[:2]), _with_hex_bytes("本".encode())
+    (' <0xE6>', '本')
+    """
+    shown, start = [], 0
+    while start < len(raw):
+        try:
+            shown.append(raw[start:].decode("utf-8"))
+            break
+        except UnicodeDecodeError as error:
+            shown.append(raw[start : start + error.start].decode("utf-8"))
+            shown += [f"<0x{b:02X}>" for b in raw[start + error.start : start + error.end]]
+            start += error.end
+    return "".join(shown)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

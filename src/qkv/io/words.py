@@ -55,6 +55,9 @@ class Encoded:
     text: str
     special: list[bool]  # markers, not text: [CLS], [SEP], <|im_start|>, BOS (not [UNK])
     word_ids: list[int | None]  # the pre-tokenizer piece of each token (None where added)
+    # each token's own text as people read it, where the tokenizer told it (`Tokenizer.pieces`:
+    # " river" for "Ġriver", " <0xE6>" for a byte of a character split over tokens)
+    pieces: list[str] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
