@@ -190,6 +190,55 @@ def test_keep_returns_only_the_layers_and_heads_asked(built):
         assert len(model(ids, output_attentions=True).attentions) == 2
 
 
+@pytest.mark.parametrize("name", ["gpt2", "gpt_bigcode"])
+def test_a_family_that_drops_output_attentions_still_returns_and_keeps_them(tmp_path, name):
+    """GPT-2 and GPTBigCode drop `output_attentions` before their attention's call (transformers
+    collects the weights by hooks): qkv returned none, and `keep` kept nothing."""
+    cls, config = {
+        "gpt2": (hf.GPT2LMHeadModel, hf.GPT2Config),
+        "gpt_bigcode": (hf.GPTBigCodeForCausalLM, hf.GPTBigCodeConfig),
+    }[name]
+    torch.manual_seed(0)
+    cls(config(vocab_size=99, n_embd=32, n_layer=2, n_head=4, n_positions=64)).save_pretrained(
+        tmp_path
+    )
+    eager, ours = (cls.from_pretrained(tmp_path, attn_implementation=i).eval()
+                   for i in ("eager", "qkv"))  # fmt: skip
+    ids, mask = batch()
+    with torch.inference_mode():
+        want = eager(ids, attention_mask=mask, output_attentions=True).attentions
+        got = ours(ids, attention_mask=mask, output_attentions=True).attentions
+        with qkv.hf.keep(ours, layers=[0, 1], heads=[3]) as kept:
+            ours(ids, attention_mask=mask, output_attentions=True)
+    assert len(want) == len(got) == 2 and sorted(kept.weights) == [0, 1]
+    real = mask.bool()[:, None, :, None]  # padded queries: qkv's zeros, eager's uniform rows
+    for layer in range(2):
+        torch.testing.assert_close(got[layer] * real, want[layer] * real, atol=1e-6, rtol=0)
+        torch.testing.assert_close(kept.weights[layer], got[layer][:, [3]], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon"])
+def test_a_family_with_its_own_attention_is_refused_at_load(tmp_path, name):
+    """Bloom and MPT loaded on "qkv" ran their own ALiBi attention on a mask built for a kernel
+    they never called: no causal rule (Bloom's token 0 put 29% of its weight on token 5).
+    Falcon raised KeyError: 'qkv'."""
+    cls, config = {
+        "bloom": (hf.BloomForCausalLM, hf.BloomConfig(vocab_size=99, hidden_size=32, n_layer=2,
+                                                      n_head=4)),
+        "mpt": (hf.MptForCausalLM, hf.MptConfig(vocab_size=99, d_model=32, n_layers=2,
+                                                n_heads=4)),
+        "falcon": (hf.FalconForCausalLM, hf.FalconConfig(vocab_size=99, hidden_size=32,
+                                                         num_hidden_layers=2,
+                                                         num_attention_heads=4)),
+    }[name]  # fmt: skip
+    cls(config).save_pretrained(tmp_path)
+    said = rf"refused: {cls.__name__} computes its attention in its own code"
+    if name != "falcon":
+        said += r" \(ALiBi position biases among them\)"
+    with pytest.raises(ValueError, match=said):
+        cls.from_pretrained(tmp_path, attn_implementation="qkv")
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -234,7 +283,9 @@ def test_attention_sinks_and_position_biases_are_refused_at_load_and_at_call(tmp
         hf.T5Model._from_config(t5, attn_implementation="qkv")
     module = oss.model.layers[0].self_attn
     q = k = v = torch.zeros(1, 4, 3, 8)
-    with pytest.raises(ValueError, match=r"GptOssAttention's attention call passes attention sinks"):
+    with pytest.raises(
+        ValueError, match=r"GptOssAttention's attention call passes attention sinks"
+    ):
         qkv.hf.attention(module, q, k, v, None, s_aux=module.sinks)
 
 

@@ -6,6 +6,7 @@ MPT's ALiBi, Falcon's own paths) would load on "qkv" and run without it, on a ma
 a kernel it never reaches. So qkv refuses by name, at load, each model class that
 - computes its attention in its own code, not through `AttentionInterface` (transformers
   reads that from the class's source: `_can_set_attn_implementation`);
+- chooses its attention classes from a table by the implementation's name (eager, sdpa);
 - hands its attention an argument qkv does not compute (a sink logit, a position bias, chosen
   keys) or does not know to leave the scores alone: read from the keyword arguments of every
   `attention_interface(...)` call in its modeling code, with the same table a call is checked
@@ -55,6 +56,8 @@ MODULE_REFUSALS = {
     "sinks": "attention sinks (a learned logit beside the keys)",
     "relative_attention_bias": "a relative position bias added to the scores",
 }
+# transformers' own tables by implementation name, where qkv's functions are registered
+INTERFACES = frozenset({"ALL_ATTENTION_FUNCTIONS", "ALL_MASK_ATTENTION_FUNCTIONS"})
 EAGER = "load this model with attn_implementation='eager'"
 
 
@@ -99,7 +102,12 @@ def class_refusal(cls: type) -> str | None:
             f"{name} computes its attention in its own code{alibi}, not through transformers' "
             "AttentionInterface, so qkv's attention would not run in it"
         )
-    passed = _passed(cls.__module__)
+    passed, by_name = _read(cls.__module__)
+    if by_name:
+        return (
+            f"{name}'s modeling code chooses attention classes by the implementation's name "
+            "(config._attn_implementation), among which qkv is not"
+        )
     for argument in sorted(passed):
         wrong = argument_refusal(argument)
         if wrong is not None:
@@ -149,22 +157,27 @@ def _source(cls: type) -> str:
 
 
 @functools.cache
-def _passed(module_name: str) -> frozenset[str]:
-    """The keyword arguments of every `attention_interface(...)` call in a modeling module and
-    in the models' modeling modules it imports from (where its attention class may live)."""
+def _read(module_name: str) -> tuple[frozenset[str], bool]:
+    """What a modeling module and the models' modeling modules it imports from (where its
+    attention class may live) say of their attention: the keyword arguments of every
+    `attention_interface(...)` call, and whether a class is chosen by the implementation's
+    name (`CLASSES[config._attn_implementation]`: a table with eager's and sdpa's, not qkv)."""
     passed: set[str] = set()
+    by_name = False
     seen, todo = {module_name}, [module_name]
     while todo:
         name = todo.pop()
         for node in ast.walk(_tree(name)):
             if isinstance(node, ast.Call) and _called(node.func) == "attention_interface":
                 passed.update(k.arg for k in node.keywords if k.arg is not None)
+            elif isinstance(node, ast.Subscript) and _called(node.slice) == "_attn_implementation":
+                by_name |= _called(node.value) not in INTERFACES
             elif isinstance(node, ast.ImportFrom) and node.level and node.module:
                 imported = f"{name.rsplit('.', node.level)[0]}.{node.module}"
                 if ".models." in imported and ".modeling_" in imported and imported not in seen:
                     seen.add(imported)
                     todo.append(imported)
-    return frozenset(passed)
+    return frozenset(passed), by_name
 
 
 @functools.cache
