@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import AddedToken
+from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
-from tokenizers import models, pre_tokenizers
 
 import qkv
 from browser import CHROMIUM, FLAGS
@@ -104,77 +103,77 @@ def notebook_views(model, bart) -> dict[str, str]:
         "Attentions": model.attentions(TEXT)._repr_html_(),
         "Attentions (cross)": bart.attentions(source, target=f"{first} the river")._repr_html_(),
         "Trace": qkv.trace(model, TEXT, second, first)._repr_html_(),
-        "Trace (cross)": qkv.trace(bart, source, first, second,
-                                   target=f"{first} the river")._repr_html_(),  # fmt: skip
+        "Trace (cross)": qkv.trace(
+            bart, source, first, second, target=f"{first} the river"
+        )._repr_html_(),
         "Hidden": qkv.hide(model, TEXT, first, query=second)._repr_html_(),
         "Ablated": qkv.ablate(model, TEXT, [(0, 1), (1, 0)])._repr_html_(),
         # the same text clean and corrupted: nothing to restore, every cell "not computed"
         "Patched": qkv.patch(model, TEXT, TEXT, f"diff: {first}, {second}")._repr_html_(),
         "Lens": qkv.lens(model, TEXT)._repr_html_(),
         "Census": heads(model, prompts=[TEXT], rows=1, length=8)._repr_html_(),
-        "Probe": probe(model, first, senses, [second, second, HOSTILE[2], HOSTILE[2]],
-                       cues=[second] * 4)._repr_html_(),  # fmt: skip
+        "Probe": probe(
+            model, first, senses, [second, second, HOSTILE[2], HOSTILE[2]], cues=[second] * 4
+        )._repr_html_(),
         "Generation": generated._repr_html_(),
         "Generation (summaries)": summaries._repr_html_(),
     }
 
 
 def page_files(model, bart, folder: Path) -> dict[str, Path]:
-    """Every page qkv writes, with the hostile tokens in it."""
-    from qkv.viz import page_trace, write_html, write_report
+    """Every page qkv writes, and a page of each notebook view, with the hostile tokens."""
+    from qkv.viz import page_trace, write_html
     from qkv.viz.generation import write_generation_page
     from qkv.viz.long import summary_page
 
     seen = model.attentions(TEXT)
     vectors, scores = page_trace(seen.records)
     common = dict(title=f"{HOSTILE[2]} {HOSTILE[1]}", text=TEXT, extra={HOSTILE[1]: HOSTILE[2]})
-    files = {
-        "report page": write_html(folder / "page.html", seen.weights, seen.tokens,
-                                  vectors=vectors, scores=scores, causal=True,
-                                  scale=seen.scale, **common),  # fmt: skip
-        "report folder": write_report(folder / "report", seen.weights, seen.tokens, **common)
-        / "index.html",
-        "generation page": write_generation_page(
-            folder / "generation.html", model.generate(TEXT, 3, record="all"), title=HOSTILE[2]
-        ),
-        "long-text page": summary_page(summarize(seen), folder / "long.html", title=HOSTILE[2],
-                                       text=TEXT),  # fmt: skip
-    }
     cross = bart.attentions(TEXT, target=f"{HOSTILE[0]} the river")
-    files["cross-attention page"] = write_html(
-        folder / "cross.html", cross.weights, cross.tokens, query_tokens=cross.query_tokens,
-        **common,
-    )  # fmt: skip
-    for name, html in notebook_views(model, bart).items():
+    generated = model.generate(TEXT, 3, record="all")
+    # write_report's index.html is this page too (render_page), beside its PNGs
+    files = {
+        "report page": write_html(
+            folder / "page.html", seen.weights, seen.tokens, vectors=vectors, scores=scores,
+            causal=True, scale=seen.scale, **common,
+        ),
+        "cross-attention page": write_html(
+            folder / "cross.html", cross.weights, cross.tokens, query_tokens=cross.query_tokens,
+            **common,
+        ),
+        "generation page": write_generation_page(folder / "generation.html", generated,
+                                                 title=HOSTILE[2]),
+        "long-text page": summary_page(summarize(seen), folder / "long.html", title=HOSTILE[2],
+                                       text=TEXT),
+    }  # fmt: skip
+    for name, shown in notebook_views(model, bart).items():
         path = folder / f"notebook-{name.replace(' ', '-').strip('()')}.html"
-        path.write_text(f"<!doctype html><html><head><title>qkv</title></head><body>{html}"
+        path.write_text(f"<!doctype html><html><head><title>qkv</title></head><body>{shown}"
                         "</body></html>", encoding="ascii")  # fmt: skip
         files[f"notebook {name}"] = path
     return files
 
 
-# In every frame: what a page's own code never makes. The notebook's iframe grows itself with
-# an onload of its own (class qkv-page); nothing else in qkv has an inline handler.
+# In every frame: what the pages' own code never makes. The notebook's iframe grows itself
+# with an onload of its own (class qkv-page); nothing else in qkv has an inline handler.
 FOUND = """() => {
-  const found = [];
+  const found = [], forms = "#text-form, #compare-form, #gen-form";  // the server's page's own
   for (const element of document.querySelectorAll("*")) {
-    for (const attribute of element.attributes) {
-      const name = attribute.name;
+    for (const { name } of element.attributes) {
       const own = name === "onload" && element.matches("iframe.qkv-page");
       if ((name.startsWith("on") && !own) || !/^[a-z][a-z0-9-]*$/.test(name)) {
         found.push(`${element.tagName} has the attribute ${name}`);
       }
     }
-    const tag = element.tagName.toLowerCase();
-    if (tag === "img" && !element.getAttribute("src").startsWith("data:image/png;base64,")) {
-      found.push(`an img from ${element.getAttribute("src")}`);
+    const tag = element.tagName.toLowerCase(), source = element.getAttribute("src") || "";
+    if (tag === "img" && !source.startsWith("data:image/png;base64,")) {
+      found.push(`an img from ${source}`);
     }
-    if (["object", "embed", "base", "form", "frame"].includes(tag) && !element.closest("#text-form, #compare-form, #gen-form")) {
+    if (["object", "embed", "base", "frame", "form"].includes(tag) && !element.matches(forms)) {
       found.push(`a ${tag} element`);
     }
-    if (tag === "script" && element.type !== "application/json" && /alert\\(|pwned/.test(element.textContent)) {
-      found.push("a script with the payload");
-    }
+    const code = tag === "script" && element.type !== "application/json";
+    if (code && /alert\\(|pwned/.test(element.textContent)) found.push("a script of a token");
     if (tag === "svg" && element.id !== "headview") found.push("an svg element");
   }
   if (document.title.startsWith("pwned")) found.push("a token set document.title");
@@ -185,9 +184,9 @@ FOUND = """() => {
   return found;
 }"""
 
-# Every element hovered, focused and clicked, every option chosen: inline handlers and the
-# page's own handlers both run on these events.
-EVERYTHING = """() => {
+# Every element hovered, focused and clicked (but those matching `unclicked`), every option
+# of every select chosen: inline handlers and the page's own handlers run on these events.
+EVERYTHING = """(unclicked) => {
   const events = ["mouseover", "mouseenter", "mousemove", "mousedown", "mouseup", "click",
                   "mouseout", "mouseleave", "dblclick", "focus", "keydown"];
   let count = 0;
@@ -199,7 +198,8 @@ EVERYTHING = """() => {
   }
   for (const element of Array.from(document.querySelectorAll("body *"))) {
     if (element.closest("form, a[href]")) continue;  // another text, another page
-    for (const kind of events) {
+    const skip = unclicked && element.matches(unclicked) ? ["click", "keydown"] : [];
+    for (const kind of events.filter((kind) => !skip.includes(kind))) {
       const event = kind === "focus" ? new FocusEvent(kind)
         : kind === "keydown" ? new KeyboardEvent(kind, { key: "Enter", bubbles: true })
         : new MouseEvent(kind, { bubbles: true, cancelable: true, view: window });
@@ -223,58 +223,85 @@ def browser():
             chromium.close()
 
 
-def check_every_frame(page, name: str) -> list[str]:
-    """Hover and click everything in every frame, twice (the first clicks draw more), and
-    return what the payload did."""
-    problems = []
-    for _ in range(2):
-        for frame in page.frames:
-            assert frame.evaluate(EVERYTHING) > 0
-        page.wait_for_timeout(150)  # the pages' own redraws (they decode weights) settle
-    for frame in page.frames:
-        problems += [f"{name} ({frame.url[:40]}): {p}" for p in frame.evaluate(FOUND)]
-    return problems
+class Watched:
+    """A page whose dialogs, requests beyond `allowed` (and loopback) and requests still
+    open are counted."""
+
+    def __init__(self, context, allowed: set[str]):
+        self.dialogs, self.outside, self.open = [], [], 0
+
+        def route(route):
+            url = route.request.url
+            if url in allowed or url.startswith(("http://127.0.0.1:", "data:")):
+                return route.continue_()
+            self.outside.append(url)
+            return route.abort()
+
+        def count(change: int):
+            def counted(_):
+                self.open += change
+
+            return counted
+
+        context.route("**/*", route)
+        self.page = page = context.new_page()
+        page.on("dialog", lambda dialog: (self.dialogs.append(dialog.message), dialog.dismiss()))
+        page.on("request", count(1))
+        page.on("requestfinished", count(-1))
+        page.on("requestfailed", count(-1))
+
+    def quiet(self) -> None:
+        """Wait until no request is open and the page's redraws have run."""
+        for _ in range(600):
+            self.page.wait_for_timeout(50)
+            if self.open == 0:
+                return
+        raise AssertionError(f"{self.open} requests still open after 30 s")
+
+    def everything(self, name: str, passes: int = 2, unclicked: str = "") -> list[str]:
+        """Hover and click everything in every frame (twice: the first clicks draw more, a
+        trace panel, a row) and return what a token did there."""
+        for _ in range(passes):
+            for frame in self.page.frames:
+                assert frame.evaluate(EVERYTHING, unclicked) > 0
+            self.quiet()
+        return self.found(name)
+
+    def found(self, name: str) -> list[str]:
+        return [f"{name}: {p}" for frame in self.page.frames for p in frame.evaluate(FOUND)]
 
 
-def test_no_token_runs_script_or_adds_markup_in_any_page(model, bart, tmp_path, browser):
-    from qkv.serve import Limits, create_app
-    from qkv.serve.server import running
-
-    files = page_files(model, bart, tmp_path)
-    dialogs, outside = [], []
-    context = browser.new_context(viewport={"width": 1200, "height": 900})
-    allowed = {path.as_uri() for path in files.values()}
-
-    def route(route):
-        url = route.request.url
-        if url in allowed or url.startswith(("http://127.0.0.1:", "data:")):
-            return route.continue_()
-        outside.append(url)
-        return route.abort()
-
-    context.route("**/*", route)
-    page = context.new_page()
-    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-    problems = []
+def check_files(watched: Watched, files: dict[str, Path], tokens: list[str]) -> list[str]:
+    page, problems = watched.page, []
     for name, path in files.items():
         page.goto(path.as_uri())
         for frame in page.frames:
             if frame.evaluate("Boolean(document.querySelector('script:not([type])'))"):
                 frame.wait_for_function("window.qkvReady === true", timeout=20_000)
-        problems += check_every_frame(page, name)
-        if name == "report page":  # each token is shown as its own text, nothing more
+        problems += watched.everything(name)
+        if name == "report page":  # each token shown as its own text, nothing more or less
             shown = page.eval_on_selector_all("button.token", "b => b.map(e => e.textContent)")
             assert shown == [json.dumps(t, ensure_ascii=False) if not t.strip() else t
-                             for t in model.tokenizer.encode(TEXT).tokens]  # fmt: skip
-            cell = page.locator("#heatmap-table td[data-q='3'][data-k='2']")
-            assert cell.get_attribute("title").startswith(f"{HOSTILE[1]} \u2192 {HOSTILE[0]}: ")
-        if name == "notebook Patched":  # the cell of the report in issue 32, hovered for real
+                             for t in tokens]  # fmt: skip
+            title = page.get_attribute("#heatmap-table td[data-q='3'][data-k='2']", "title")
+            assert title.startswith(f"{HOSTILE[1]} \u2192 {HOSTILE[0]}: ")
+        if name == "notebook Patched":  # the cell of issue 32, hovered with the mouse
             page.hover("td.none >> nth=0")
             assert page.get_attribute("td.none >> nth=0", "title").endswith(": not computed")
-        if name == "notebook Trace (cross)":
-            if "\u2192" not in page.inner_text("i") or "&rarr;" in page.content():
-                problems.append(f"{name}: the arrow is not shown as one: {page.inner_text('i')}")
+        shown = page.inner_text("i") if name == "notebook Trace (cross)" else "\u2192"
+        if "\u2192" not in shown or "&rarr;" in page.content():  # not escaped twice
+            problems.append(f"{name}: the arrow is not shown as one: {shown}")
+    return problems
 
+
+def check_server(watched: Watched, model) -> list[str]:
+    """The server's page (its script builds the page from the API's JSON) over the hostile
+    text: the short views, a trace and a hide of hostile words, the next tokens, a
+    generation, then the long view of a text over max_tokens."""
+    from qkv.serve import Limits, create_app
+    from qkv.serve.server import running
+
+    page, problems = watched.page, []
     app = create_app({"tiny": model}, Limits(max_tokens=len(model.encode(TEXT).ids) + 2))
     with running(app) as url:
         page.goto(url + "/")
@@ -288,36 +315,78 @@ def test_no_token_runs_script_or_adds_markup_in_any_page(model, bart, tmp_path, 
         assert tokens[2:4] == [ATTRIBUTE, HOSTILE[1]]
         for query, key in [(3, 2), (4, 3), (12, 5), (16, 0)]:  # hostile words traced, hidden
             page.click(f"#heatmap-table td[data-q='{query}'][data-k='{key}']")
-            pair = f",{query},{key}"
+            pair = json.dumps(f",{query},{key}")
             page.wait_for_function(f"(document.getElementById('trace').dataset.pair || '')"
-                                   f".endsWith({json.dumps(pair)})")  # fmt: skip
-            page.wait_for_function("document.getElementById('hide').dataset.pair !== undefined"
-                                   " || document.getElementById('hide-error') !== null")  # fmt: skip
-            problems += [f"served page, pair {pair}: {p}" for p in page.evaluate(FOUND)]
+                                   f".endsWith({pair})")  # fmt: skip
+            page.wait_for_function("document.getElementById('hide').dataset.pair"
+                                   " || document.getElementById('hide-error')")  # fmt: skip
+            problems += watched.found(f"served page, pair {pair}")
         page.click("#heatmap-table td[data-q='13'][data-k='12']")  # a line separator: no word
         page.wait_for_function("document.querySelector('#trace h2').textContent"
                                ".endsWith('is not a word')")  # fmt: skip
-        problems += check_every_frame(page, "served page")
-        page.select_option("#layer", "0")
+        # every cell hovered; clicked, each would trace and hide a pair: the four above do
+        problems += watched.everything("served page", 1, "#heatmap-table td")
         page.fill("#gen-max", "3")
         page.click("#gen-go")
-        page.wait_for_function("document.getElementById('gen-status').textContent.startsWith"
-                               "('Done')")  # fmt: skip
-        # the long view: the same text three times is over max_tokens
-        long_text = " ".join([TEXT] * 3)
+        page.wait_for_function("document.getElementById('gen-status').textContent"
+                               ".startsWith('Done')")  # fmt: skip
+        long_text = " ".join([TEXT] * 3)  # over max_tokens: the long view
         page.fill("#text", long_text)
         page.press("#text", "Enter")
-        page.wait_for_function(f"document.body.dataset.long === '{len(long_text)}'")
+        page.wait_for_function(f"document.body.dataset.long === '{len(long_text)}'",
+                               timeout=60_000)  # fmt: skip
         box = page.locator("#long-heatmap").bounding_box()
-        for x, y in [(0.2, 0.3), (0.5, 0.5), (0.8, 0.9)]:
+        for x, y in [(0.2, 0.3), (0.8, 0.9), (0.5, 0.5)]:
             page.mouse.move(box["x"] + box["width"] * x, box["y"] + box["height"] * y)
         page.mouse.click(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.5)
         page.wait_for_selector("#long-region")
         region = page.locator("#long-region").bounding_box()
         page.mouse.move(region["x"] + region["width"] / 2, region["y"] + region["height"] / 2)
         assert page.inner_text("#long-region-hover") and page.inner_text("#long-hover")
-        problems += check_every_frame(page, "served long view")
+        problems += watched.everything("served long view", 1)
+    return problems
+
+
+def test_no_token_runs_script_or_adds_markup_in_any_page(model, bart, tmp_path, browser):
+    files = page_files(model, bart, tmp_path)
+    context = browser.new_context(viewport={"width": 1200, "height": 900})
+    watched = Watched(context, {path.as_uri() for path in files.values()})
+    problems = check_files(watched, files, model.encode(TEXT).tokens)
+    problems += check_server(watched, model)
     context.close()
     assert problems == [], "\n".join(problems)
-    assert dialogs == [], f"a token opened a dialog: {dialogs}"
-    assert outside == [], f"a page asked for {outside}"
+    assert watched.dialogs == [], f"a token opened a dialog: {watched.dialogs}"
+    assert watched.outside == [], f"a page asked for {watched.outside}"
+
+
+def test_script_json_keeps_every_value_and_leaves_no_markup():
+    import re
+
+    from qkv.viz import escape
+
+    value = {"tokens": HOSTILE, "paragraph": "\u2029"}
+    safe = escape.script_json(json.dumps(value, ensure_ascii=False))
+    assert json.loads(safe) == value
+    assert not re.search("[<>&\u2028\u2029]", safe)
+
+
+SCRIPTS = [
+    *sorted((Path(qkv.__file__).parent / "serve" / "static").glob("*.js")),
+    Path(qkv.__file__).parent / "viz" / "report.html",
+    Path(qkv.__file__).parent / "viz" / "generation.py",  # its page's script is in TEMPLATE
+]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
+def test_the_pages_scripts_put_text_in_as_text(script):
+    """What the pages' scripts hand to innerHTML holds no token, word, name or message: those
+    go in by textContent or setAttribute (views.js's make and texts), so no escaping function
+    in JavaScript has to be right for a page to be safe."""
+    import re
+
+    source = script.read_text(encoding="utf-8")
+    assert not re.search(r"\besc\(", source), "an escaping function in the page's script"
+    text = re.compile(r"shown\(|short\(|show\(|token|message|model|name|\.text\b|detail")
+    for assigned in re.finditer(r"\.innerHTML\s*\+?=(.*?);\s*$", source, re.S | re.M):
+        for expression in re.findall(r"\$\{([^}]*)\}", assigned.group(1)):
+            assert not text.search(expression), f"innerHTML gets {expression!r} in {script.name}"
