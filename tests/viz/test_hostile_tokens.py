@@ -178,7 +178,7 @@ FOUND = """() => {
   }
   if (document.title.startsWith("pwned")) found.push("a token set document.title");
   const text = document.body ? document.body.innerText : "";
-  for (const twice of ["&amp;amp;", "&amp;rarr;", "&lt;", "&gt;", "&quot;", "&#"]) {
+  for (const twice of ["&amp;amp;", "&amp;rarr;", "&lt;", "&gt;", "&quot;", "&#", "\\\\$"]) {
     if (text.includes(twice)) found.push(`the text shows ${twice}: escaped twice`);
   }
   return found;

@@ -49,3 +49,18 @@ def test_the_lens_names_a_byte_token_by_its_byte(smollm2):
     assert all(re.fullmatch("<0x[89AB][0-9A-F]>", t) for t in found.top_tokens[-1])
     assert not any("\ufffd" in t for depth in found.top_tokens for t in depth)
     assert "&#65533;" not in found._repr_html_()
+
+
+def test_the_long_text_page_shows_a_token_as_it_is(tmp_path):
+    """matplotlib's labels escape "$" (it reads "$...$" as mathematics); a page does not."""
+    from dataclasses import replace
+
+    from qkv.inspect.summaries import summarize
+    from qkv.viz.long import summary_page
+    from variant_models import TEXT as WORDS
+    from variant_models import decoder, tiny
+
+    summary = summarize(tiny(decoder()).attentions(WORDS))
+    summary = replace(summary, tokens=["$5 & <b>"] * len(summary.tokens))
+    page = summary_page(summary, tmp_path / "long.html").read_text(encoding="utf-8")
+    assert "0 $5 &amp; &lt;b&gt; (" in page and "\\$" not in page

@@ -209,15 +209,23 @@ def block_means(matrix: np.ndarray, f: int) -> np.ndarray:
 
 
 def token_label(token: str, width: int = 16) -> str:
-    """A token as a tick label: whitespace made visible, long ones cut, "$" kept literal
-    (matplotlib would read "$...$" as mathematics).
+    """A token as a tick label: `token_text`, with "$" kept literal (matplotlib would read
+    "$...$" as mathematics).
 
-    >>> token_label("river"), token_label(" "), token_label("a$b"), token_label("x" * 20)
-    ('river', "' '", 'a\\\\$b', 'xxxxxxxxxxxxxxx…')
+    >>> token_label("river"), token_label("a$b")
+    ('river', 'a\\\\$b')
+    """
+    return token_text(token, width).replace("$", r"\$")
+
+
+def token_text(token: str, width: int = 16) -> str:
+    """A token as one short line of text: whitespace made visible, long ones cut.
+
+    >>> token_text("river"), token_text(" "), token_text("a\\nb"), token_text("x" * 20)
+    ('river', "' '", 'a\\\\nb', 'xxxxxxxxxxxxxxx…')
     """
     shown = repr(token) if not token.strip() else token.replace("\n", "\\n").replace("\t", "\\t")
-    shown = shown if len(shown) <= width else shown[: width - 1] + "…"
-    return shown.replace("$", r"\$")
+    return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 
 def png_path(path: str | Path) -> Path:

@@ -23,7 +23,7 @@ import numpy as np
 
 from qkv.io.files import write_atomically
 from qkv.viz import escape
-from qkv.viz.heatmap import CMAP, DPI, png_path, token_label
+from qkv.viz.heatmap import CMAP, DPI, png_path, token_text
 
 PANEL_PIXELS = 150  # one (layer, head) panel of the grid, a side
 GRID_MAX_WIDTH, GRID_MAX_HEIGHT = 20.0, 30.0  # inches: the grid shrinks its panels to fit
@@ -134,7 +134,7 @@ def summary_page(summary, path: str | Path, *, title: str = "Attention", text=No
             received = summary.received[n, h]
             top = received.topk(min(3, received.shape[0])).indices.tolist()
             keys = ", ".join(
-                f"{j} {escape.text(token_label(tokens[j]) if tokens else '')} "
+                f"{j} {escape.text(token_text(tokens[j]) if tokens else '')} "
                 f"({float(received[j]):.1f})"
                 for j in top
             )
