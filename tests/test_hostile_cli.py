@@ -87,6 +87,16 @@ def layers_range_of_a_billion(tmp: Path):
     return args, ["layer 1000000000 is out of range", "6 layers"]
 
 
+def heads_repeated(tmp: Path):  # was 3 copies of head 0 in each of 2 copies of layer 1
+    args = ["hide", "the river bank", "--key", "river", "--heads", "0,0,0", "--layers", "1,1"]
+    return args, ["layer 1 is asked for twice", "name each layer once"]
+
+
+def layers_overlapping(tmp: Path):  # 3,000 parts of repeats were 18,000 rows
+    args = ["show", "the river bank", "--out", tmp / "x.png", "--layers", ",".join(["0-5"] * 3000)]
+    return args, ["layer 0 is asked for twice"]
+
+
 def heads_range_backwards(tmp: Path):  # was "no heads chosen": 3-1 read as no heads at all
     args = ["show", "the river bank", "--out", tmp / "x.png", "--layers", "0", "--heads", "3-1"]
     return args, ["--heads 3-1 runs backwards", "1-3"]
@@ -139,6 +149,7 @@ CASES = {
         model_config_is_a_folder, model_folder_unreadable, out_folder_read_only, out_in_proc,
         png_in_a_folder_that_cannot_be_made, png_under_a_file, sentences_too_big_for_memory,
         model_too_big_for_memory, layers_range_of_a_billion, heads_range_backwards,
+        heads_repeated, layers_overlapping,
         serve_without_its_extra, generate_an_empty_prompt, sentences_is_a_folder,
         probe_occurrence_zero, seed_past_64_bits, sentences_with_mixed_columns,
         sentences_file_empty,

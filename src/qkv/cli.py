@@ -564,11 +564,13 @@ def _numbers(spec: str | None, name: str, count: int, model: str) -> list[int] |
             ends = [int(first), int(last or first)]
         except ValueError:
             raise ValueError(f"--{name} takes numbers like 0,2,5 or 0-3, got {spec!r}") from None
-        check_indices(name[:-1], ends, count, model)
+        check_indices(name[:-1], dict.fromkeys(ends), count, model)
         if ends[0] > ends[1]:
             raise ValueError(f"--{name} {part.strip()} runs backwards; write {last}-{first}")
         chosen += range(ends[0], ends[1] + 1)
-    return chosen
+        if len(chosen) > count:  # a repeat, refused before the list grows past the model
+            break
+    return check_indices(name[:-1], chosen, count, model)  # each once
 
 
 @app.command()

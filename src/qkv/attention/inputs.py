@@ -191,8 +191,10 @@ def capped(scores: Tensor, softcap: float | None) -> Tensor:
 
 
 def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
-    """Layer or head indices as a list of ints, each in 0..count-1; otherwise a ValueError
-    that names the range. Layers and heads count from 0 everywhere.
+    """Layer or head indices as a list of ints, each in 0..count-1 and each once; otherwise a
+    ValueError that names the range or the repeat. Layers and heads count from 0 everywhere.
+    A repeat is refused so that what is asked for is bounded by what there is: 3,000 copies
+    of one head would make 3,000 copies of its weights.
 
     >>> check_indices("head", (2, 0), 3, "q")
     [2, 0]
@@ -200,6 +202,10 @@ def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
     Traceback (most recent call last):
     ...
     ValueError: layer 6 is out of range: minilm has 6 layers (0-5)
+    >>> check_indices("head", [1, 0, 1], 3, "q")
+    Traceback (most recent call last):
+    ...
+    ValueError: head 1 is asked for twice; name each head once
     """
     try:
         if isinstance(indices, str | bytes):
@@ -215,6 +221,11 @@ def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
         raise ValueError(
             f"{what} {bad[0]} is out of range: {owner} has {count} {many} (0-{count - 1})"
         )
+    seen: set[int] = set()
+    for i in chosen:
+        if i in seen:
+            raise ValueError(f"{what} {i} is asked for twice; name each {what} once")
+        seen.add(i)
     return chosen
 
 
