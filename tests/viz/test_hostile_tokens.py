@@ -283,6 +283,8 @@ def check_files(watched: Watched, files: dict[str, Path], tokens: list[str]) -> 
             shown = page.eval_on_selector_all("button.token", "b => b.map(e => e.textContent)")
             assert shown == [json.dumps(t, ensure_ascii=False) if not t.strip() else t
                              for t in tokens]  # fmt: skip
+            drawn = "e => e instanceof SVGTextElement && e.getBBox().width > 0"  # made as SVG
+            assert page.eval_on_selector(".hv-query[data-index='2']", drawn)
             title = page.get_attribute("#heatmap-table td[data-q='3'][data-k='2']", "title")
             assert title.startswith(f"{HOSTILE[1]} \u2192 {HOSTILE[0]}: ")
         if name == "notebook Patched":  # the cell of issue 32, hovered with the mouse
@@ -313,6 +315,8 @@ def check_server(watched: Watched, model) -> list[str]:
         page.wait_for_function("document.querySelectorAll('#next li').length > 0")
         tokens = page.eval_on_selector_all("#tokens .token", "b => b.map(e => e.textContent)")
         assert tokens[2:4] == [ATTRIBUTE, HOSTILE[1]]
+        drawn = "e => e instanceof SVGTextElement && e.getBBox().width > 0"  # made as SVG
+        assert page.eval_on_selector(".hv-key[data-index='2']", drawn)
         for query, key in [(3, 2), (4, 3), (12, 5), (16, 0)]:  # hostile words traced, hidden
             page.click(f"#heatmap-table td[data-q='{query}'][data-k='{key}']")
             pair = json.dumps(f",{query},{key}")
