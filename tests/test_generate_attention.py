@@ -91,6 +91,34 @@ def test_tiny_models_recorded_rows_are_one_forward_pass(config, record):
     assert seen.text == model.generate("the bank of the river", 6, temperature=1.0, seed=3)
 
 
+@pytest.mark.parametrize("record", ["all", "summaries"])
+def test_a_stopped_generations_recording_is_its_texts(record):
+    """generate(stop=...) returns the text before the stop string; the recording held the stop
+    string's tokens too (its ids, pieces and count). Now it holds the tokens wholly in the
+    text: with " river", "of the the wide"; with "ide", which splits " wide", the three
+    before it."""
+    model = tiny64(decoder())
+    options = dict(temperature=1.0, seed=3)
+    whole = model.generate("the bank of the river", 8, record="all", **options)
+    P = whole.prompt_length
+    assert whole.text == "of the the wide river [UNK] river of"  # a seeded draw: the setting
+    for stop, text, generated in ((" river", "of the the wide", 4), ("ide", "of the the w", 3)):
+        seen = model.generate("the bank of the river", 8, record=record, stop=[stop], **options)
+        assert seen.text == text == model.generate("the bank of the river", 8, stop=[stop],
+                                                    **options)  # fmt: skip
+        assert seen.generated == generated and seen.ids == whole.ids[: P + generated]
+        assert len(seen.tokens) == len(seen.pieces) == P + generated
+        assert text.startswith(model.tokenizer.decode(seen.ids[P:]))
+        if record == "all":
+            check_rows(model, seen, atol=1e-12)
+        else:
+            assert seen.summaries.entropy.shape[-1] == P + generated - 1
+            torch.testing.assert_close(seen.summary(generated - 1)[0],
+                                       model.generate("the bank of the river", 8,
+                                                      record="summaries", **options
+                                                      ).summary(generated - 1)[0])  # fmt: skip
+
+
 def test_rows_recorded_on_the_flash_kernel_come_from_its_log_sum_exp():
     model = tiny(decoder(backend="flash"))  # Triton's interpreter on a CPU; float32 only
     seen = model.generate("the bank of the river", 4, record="all")

@@ -359,20 +359,26 @@ class GenerationSummaries:
         return {name: getattr(self, name).tolist() for name in
                 ("entropy", "first_token_mass", "top_keys", "top_weights")}  # fmt: skip
 
+    def first(self, rows: int) -> GenerationSummaries:
+        """The summaries of rows 0..rows-1 alone (a generation cut at a stop string)."""
+        kept = (self.entropy, self.first_token_mass, self.top_keys, self.top_weights)
+        return GenerationSummaries(*(column[:, :, :rows] for column in kept))
+
 
 @dataclass(eq=False)
 class GenerationAttention:
     """A generation and the attention it ran on, read from the layers' records as it decoded.
 
-    The final sequence is the prompt's P tokens, then every token generated (an
-    end-of-sequence token and a stop string's tokens included: `text` is what generate
-    returns without `record`). Generated token j (counted from 0, at position P + j) was chosen
-    by the query at position P + j - 1, the token before it: `row(j)` (L', H', P + j) is that
-    query's attention over every token before token j, as `transformers` keeps it in
-    `generate(output_attentions=True)`. `weights` (L', H', T - 1, T - 1) holds every row the
-    model computed, the prompt's from its one forward pass: it equals, to float rounding, one
-    forward pass over the final sequence without its last token, which the model chose but
-    never read.
+    The final sequence is the prompt's P tokens, then every token generated up to the end of
+    `text` (what generate returns without `record`): an end-of-sequence token is included
+    (its row is why the generation ended), a stop string's tokens are not, nor a token that
+    the cut at the stop string splits. Generated token j (counted from 0, at position P + j)
+    was chosen by the query at position P + j - 1, the token before it: `row(j)`
+    (L', H', P + j) is that query's attention over every token before token j, as
+    `transformers` keeps it in `generate(output_attentions=True)`. `weights`
+    (L', H', T - 1, T - 1) holds every row the model computed for it, the prompt's from its
+    one forward pass: it equals, to float rounding, one forward pass over the final sequence
+    without its last token, which the model chose but never read.
     """
 
     text: str
@@ -421,11 +427,12 @@ class GenerationAttention:
         """(L', H', T - 1, T - 1): row i is token i's attention over tokens 0..i (0 after)."""
         self._rows_kept()
         P, T = self.prompt_length, len(self.ids)
-        out = self.prompt.new_zeros(*self.prompt.shape[:2], T - 1, T - 1)
+        n = P + len(self.steps)  # T - 1, or P when a stop string left no generated token
+        out = self.prompt.new_zeros(*self.prompt.shape[:2], n, n)
         out[:, :, :P, :P] = self.prompt
         for j, row in enumerate(self.steps, start=1):
             out[:, :, P + j - 1, : P + j] = row
-        return out
+        return out[:, :, : T - 1, : T - 1]
 
     def to_dict(self) -> dict:
         """Every number, for JSON: rows[j][l][h] is row(j) of layer layers[l], head heads[h]."""

@@ -355,14 +355,16 @@ class Pretrained:
                 chosen.append(int(token[0]))
                 yield token
 
-        text = self._decode(steps(), stop, stream, 1)
+        (continuation,) = self._continue(steps(), stop, stream, 1)
+        if continuation.within is not None:  # a stop string: the text's tokens, none after
+            del chosen[continuation.within :]
         every = ids[0].tolist() + chosen
+        P = ids.shape[1]
         return GenerationAttention(
-            text, every, [self.tokenizer.id_to_token(i) or str(i) for i in every],
-            self.tokenizer.pieces(every),
-            ids.shape[1], layers, heads, *(
-                (None, [], keeper.summaries()) if recording.summaries
-                else (keeper.prompt, keeper.steps)),
+            continuation.text, every, [self.tokenizer.id_to_token(i) or str(i) for i in every],
+            self.tokenizer.pieces(every), P, layers, heads, *(
+                (None, [], keeper.summaries().first(P - 1 + len(chosen)))
+                if recording.summaries else (keeper.prompt, keeper.steps[: len(chosen) - 1])),
         )  # fmt: skip
 
     def _translate(self, sources, sampling, max_new_tokens, stop, stream) -> str | list[str]:
@@ -384,6 +386,12 @@ class Pretrained:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def _decode(self, steps, stop, stream, n) -> str | list[str]:
+        texts = [r.text for r in self._continue(steps, stop, stream, n)]
+        return texts[0] if n == 1 else texts
+
+    def _continue(self, steps, stop, stream, n) -> list[_Continuation]:
+        """Each of n sequences' text as `steps` give its tokens, to the end-of-sequence token,
+        a stop string or the last step; pieces streamed as they are certain."""
         rows = [_Continuation(self.tokenizer.stream(), stop) for _ in range(n)]
 
         def emit(row: int, piece: str) -> None:
@@ -400,8 +408,7 @@ class Pretrained:
         for row, continuation in enumerate(rows):  # text held back for a partial character
             if not continuation.done:
                 emit(row, continuation.finish())
-        texts = [r.text for r in rows]
-        return texts[0] if n == 1 else texts
+        return rows
 
     def _eos_ids(self) -> set[int]:
         ids = self.hf_config.get("eos_token_id")
@@ -647,10 +654,14 @@ class _Continuation:
     def __init__(self, stream, stop: list[str]):
         self.stream, self.stop = stream, [s for s in stop if s]
         self.text, self.emitted, self.done = "", 0, False
+        self.ends: list[int] = []  # the text's length after each token, before any cut
+        self.within: int | None = None  # after a stop string: how many tokens the text holds
 
     def push(self, token: int) -> str:
         """Add a token; return the text that is now certain (possibly empty)."""
-        return self._add(self.stream.push(token), final=False)
+        piece = self.stream.push(token)
+        self.ends.append(len(self.text) + len(piece))
+        return self._add(piece, final=False)
 
     def finish(self) -> str:
         """End the sequence: return whatever was held back."""
@@ -663,6 +674,7 @@ class _Continuation:
         cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:  # a stop string: keep what came before it, and stop
             text, self.done, final = text[:cut], True, True
+            self.within = sum(end <= cut for end in self.ends)  # the tokens wholly before it
         held = 0 if final else max((_overlap(text, s) for s in self.stop), default=0)
         self.text = text
         out, self.emitted = text[self.emitted : len(text) - held], len(text) - held
