@@ -8,7 +8,8 @@ from the q and k the kernel received (and its log-sum-exp where it has one), equ
 
     import qkv.hf
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="qkv")
-    qkv.hf.check(model)                                   # refuses by name what is not exact
+    # a model qkv would not compute exactly is refused by name as it loads;
+    qkv.hf.check(model)                                   # and here, before its first forward
     model(ids, output_attentions=True).attentions         # every layer's (B, H, T, T)
     with qkv.hf.keep(model, layers=[0, 5], heads=[2]) as kept:
         model(ids, output_attentions=True)                # only those: kept.weights[5]

@@ -9,8 +9,10 @@ so the fast unmasked kernels run), grouped key/value heads passed as they are. W
 `output_attentions` it returns each layer's weights, recomputed from that call's q and k (and
 the kernel's log-sum-exp where it has one) as qkv's `AttentionRecord` does: what eager gives.
 
-What it cannot compute exactly it refuses by name: `check(model)` before the first forward,
-and every call for the keyword arguments it receives.
+What it cannot compute exactly it refuses by name: a model class when the model is made or
+switched to "qkv" (`qkv.hf.refusals`), `check(model)` before the first forward, and every
+call for the keyword arguments it receives. Weights are made where they are asked for: by
+`output_attentions` in the call, or by transformers collecting attentions for the forward.
 
 The mask transformers builds for a registered implementation is the one of the mask function
 registered under the same name (transformers builds none for an implementation without one):
