@@ -463,6 +463,8 @@ def test_attentions_of_a_transformers_model_are_qkvs_own(both):
     assert seen.weights.shape == (1, 2, 9, 9)
     torch.testing.assert_close(seen.weights, mine.weights, atol=1e-6, rtol=0)
     assert seen.encoded.find("river") == (4, 5)
+    # each token's text as the tokenizer's decoder writes it, as qkv's own tokenizer gives it
+    assert seen.encoded.pieces == mine.encoded.pieces == TEXT.split()
     assert "qkv attention page" in seen._repr_html_()  # the notebook's view of it
     # the weights option is taken, and refused, as qkv's own attentions take it
     assert torch.equal(theirs.attentions(TEXT, layers=[1], weights=False).weights[:, [0, 5]],

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from qkv.attention.inputs import check_indices
 from qkv.hf.backend import check, keep
+from qkv.io.tokenizer import Tokenizer
 from qkv.io.words import Encoded
 from qkv.pretrained import Attentions, check_weights_option
 
@@ -72,7 +73,8 @@ class Inspected:
 
     def encode(self, text: str) -> Encoded:
         """The tokens of one text, with the model's own special tokens, as qkv's `Encoded`
-        (offsets and words: what lets a user name "bank#2")."""
+        (offsets and words: what lets a user name "bank#2"; pieces: each token's text as its
+        decoder writes it, what pages show)."""
         if not isinstance(text, str) or not text.strip():
             raise ValueError("the text is empty; give a sentence")
         found = self.tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
@@ -86,7 +88,8 @@ class Inspected:
                    for i, m in zip(ids, found["special_tokens_mask"], strict=True)]  # fmt: skip
         return Encoded(ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids),
                        offsets=[tuple(o) for o in found["offset_mapping"]], text=text,
-                       special=special, word_ids=found.word_ids())  # fmt: skip
+                       special=special, word_ids=found.word_ids(),
+                       pieces=Tokenizer(self.tokenizer.backend_tokenizer).pieces(ids))  # fmt: skip
 
     def attentions(
         self,
