@@ -139,10 +139,12 @@ def test_shapes_and_values_are_checked(att, tmp_path):
         head_heatmap(torch.full((T, T), float("nan")), tokens, path)
     with pytest.raises(ValueError, match="no tokens"):
         head_heatmap(torch.zeros(0, 0), [], path)
-    with pytest.raises(ValueError, match="layer 6 is out of range: there are 6 layers, 0-5"):
+    with pytest.raises(ValueError, match=r"layer 6 is out of range: .* has 6 layers \(0-5\)"):
         model_view(weights, tokens, path, layers=[0, 6])
     with pytest.raises(ValueError, match="head -1 is out of range"):
         model_view(weights, tokens, path, heads=[-1])
+    with pytest.raises(ValueError, match="head 2 is asked for twice"):  # was a grid of copies
+        model_view(weights, tokens, path, heads=[2, 0, 2])
     assert list(tmp_path.iterdir()) == []
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qkv.attention.inputs import check_indices
 from qkv.io.files import write_atomically
 
 DPI = 100
@@ -145,8 +146,8 @@ def model_view(
     else:
         stack = check_weights(weights, tokens, ndim=4)  # (L, H, T, T)
     L, H = stack.shape[:2]
-    layers = check_indices(layers, L, "layer")
-    heads = check_indices(heads, H, "head")
+    layers = chosen_indices(layers, L, "layer")
+    heads = chosen_indices(heads, H, "head")
     rows, cols = len(layers), len(heads)
     panel = min(PANEL_MAX, GRID_MAX_WIDTH / cols, GRID_MAX_HEIGHT / rows)
     from matplotlib.figure import Figure
@@ -288,19 +289,13 @@ def _check_values(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def check_indices(chosen: Sequence[int] | None, count: int, name: str) -> list[int]:
-    """The chosen layers or heads (all when None), each checked against how many there are."""
+def chosen_indices(chosen: Sequence[int] | None, count: int, name: str) -> list[int]:
+    """The chosen layers or heads (all when None), each in range and once (`check_indices`)."""
     if chosen is None:
         return list(range(count))
-    chosen = [int(i) for i in chosen]
     if not chosen:
         raise ValueError(f"no {name}s chosen; pick some of 0-{count - 1}")
-    for i in chosen:
-        if not 0 <= i < count:
-            raise ValueError(
-                f"{name} {i} is out of range: there are {count} {name}s, 0-{count - 1}"
-            )
-    return chosen
+    return check_indices(name, chosen, count, "the stack of weights")
 
 
 def _tick_layout(T: int, side: float) -> tuple[int, float]:
