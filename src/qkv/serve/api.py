@@ -6,7 +6,9 @@ app's thread pool, never on the event loop, so a slow request delays no other; e
 bounded by `Limits.timeout_s` (504 past it, the wait for a worker included), and past it
 its work is told to stop and does, at its next step. A generation first awaits its model's
 turn (503 if it does not come within timeout_s), then runs until max_new_tokens, the end of
-the text or `Limits.generate_s`; the turn passes on when its work has really stopped.
+the text or `Limits.generate_s`; the turn passes on when its work has really stopped. A long
+text is read in its model's own thread, in turn (`qkv.serve.long_texts`): its request waits
+for it on the event loop, holding no worker, and is told 202 past half of timeout_s.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ ERRORS = {
         "range or repeated, an encoder asked to generate, a decoder's key hidden from a "
         "query before it",
         503: "the model is generating for another request for longer than the time limit, "
-        "or its census of heads or the long text asked about is still being computed: ask "
-        "again",
+        "its census of heads or the long text asked about is still being computed, a long "
+        "text was dropped (nobody asked about it for long_idle_s), or max_long_waiting long "
+        "texts wait already: ask again",
         504: "the request took longer than the time limit; its work was stopped",
     }.items()
 }
@@ -68,8 +71,8 @@ log = logging.getLogger("qkv.serve")
 
 
 class Busy(Exception):
-    """The model is generating for someone else for longer than the time limit, or its
-    census is still being computed: HTTP 503."""
+    """The model is generating for someone else for longer than the time limit, its census
+    or a long text is still being computed, or too many long texts wait: HTTP 503."""
 
 
 @router.get("/models", response_model=ModelsAnswer, summary="The models and the limits")

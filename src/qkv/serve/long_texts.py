@@ -151,6 +151,7 @@ class LongTexts:
 
     def _work(self, pretrained, limits: Limits) -> None:
         """The model's worker: reads the waiting texts in turn, until none is left."""
+        bound_allocator()
         while True:
             with self._guard:
                 self._forget(self.clock(), limits)
@@ -161,8 +162,8 @@ class LongTexts:
                 run.started = True
             done = self._turn(pretrained, run, limits)
             del run  # nothing of it is held here: a run dropped now is freed now
+            release_memory()  # before its client is told: what it measures is what stays
             done.set()
-            release_memory()
 
     def _turn(self, pretrained, run: LongRun, limits: Limits) -> threading.Event:
         def going() -> None:
@@ -260,22 +261,38 @@ def without_traceback(error: BaseException) -> BaseException:
     return error
 
 
+M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
+MMAP_THRESHOLD = 1 << 20  # bytes: a block this large or larger is mapped, and unmapped when freed
+
+
 @functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None elsewhere (musl, macOS, Windows)."""
+def _glibc():
+    """glibc, or None elsewhere (musl, macOS, Windows): what `release_memory` asks of it."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:
         return None
 
 
+@functools.cache
+def bound_allocator() -> None:
+    """Once per process: glibc's mmap threshold fixed at 1 MiB. glibc raises it as large
+    blocks are freed (up to 32 MiB), and then serves a reading's chunks of weights from its
+    arenas, where freed memory stays resident; fixed, a tensor of 1 MiB or more goes back to
+    the system when freed (benchmarks/long_text.py measures with the same setting)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
 def release_memory() -> None:
-    """Give the memory freed by a reading back to the system. glibc keeps freed memory in its
-    arenas for reuse, and the chunks of a reading (tens of MB, freed and made again) land in
-    several of them: a server's resident memory grew from 2.8 to 6.8 GB over four texts of
-    4,096 tokens without this, and stays flat with it (docs/serve.md). No-op off glibc."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
+    """Give what glibc keeps of freed memory (below the mmap threshold) back to the system:
+    with `bound_allocator`, a server's resident memory after ten texts of 4,096 tokens is
+    what it was after the first (docs/serve.md); without them it grew from 2.8 to 6.8 GB over
+    four. No-op off glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

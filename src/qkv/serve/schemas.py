@@ -397,6 +397,10 @@ class LongProgress(BaseModel):
     model: str
     detail: str = Field(description="one line: how far it has got; ask again")
     tokens: int = Field(description="the text's tokens, T")
+    ahead: int = Field(
+        description="texts this model reads before it (the one being read included); 0 once "
+        "its turn has come"
+    )
     layers_done: int = Field(description="layers summarized so far")
     num_layers: int
 
