@@ -240,8 +240,9 @@ include-path = "/api/heads"
 checks.positive_data_acceptance.expected-statuses = ["200", "503"]
 
 [[operations]]
-# a long text is read in a thread of its own: 202 until it is (or 503 if another replaced it);
-# a head or a region of a text not read first is 409, and its ranges depend on the text (422)
+# a long text is read in its turn, in a thread of its own: 202 until it is (503 while
+# max_long_waiting texts wait already); a head or a region of a text not read first (or
+# evicted) is 409, of one being read 503, and its ranges depend on the text (422)
 include-path = ["/api/long", "/api/long/head", "/api/long/region"]
 checks.positive_data_acceptance.expected-statuses = ["200", "202", "409", "422", "503"]
 
