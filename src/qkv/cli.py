@@ -463,13 +463,13 @@ def show(
         chosen = (layer or 0, head or 0) if layer is not None or head is not None else None
         common = {"title": f"{model}: {text[:60]}", "text": text, "head": chosen}
         if out.suffix.lower() == ".png" and (layers or heads):
-            model_view(seen.weights, seen.tokens, out, layers=_numbers(layers, "layers", L, model),
+            model_view(seen.weights, seen.pieces, out, layers=_numbers(layers, "layers", L, model),
                        heads=_numbers(heads, "heads", H, model),
                        query_tokens=seen.query_tokens)  # fmt: skip
         elif out.suffix.lower() == ".png":
             lh = chosen or (0, 0)
             kind = " cross-attention" if target is not None else ""
-            head_heatmap(seen.weights[lh], seen.tokens, out,
+            head_heatmap(seen.weights[lh], seen.pieces, out,
                          title=f"{model}{kind} L{lh[0]} H{lh[1]}",
                          query_tokens=seen.query_tokens)  # fmt: skip
         else:  # a page, which traces a clicked pair from the q, k, v vectors
@@ -487,7 +487,7 @@ def show(
                 relative = getattr(pretrained.model.config, "position", None) == "relative"
                 vectors, scores = page_trace(seen.records, bias_is_distance=relative)
             write = write_html if out.suffix.lower() in (".html", ".htm") else write_report
-            write(out, seen.weights, seen.tokens, vectors=vectors, causal=seen.causal,
+            write(out, seen.weights, seen.pieces, vectors=vectors, causal=seen.causal,
                   scale=seen.scale, scores=scores, query_tokens=seen.query_tokens,
                   **common)  # fmt: skip
     typer.echo(f"wrote {out}")
@@ -517,8 +517,8 @@ def _show_long(seen, out: Path, model: str, text: str, layers, heads, layer, hea
         spans = _region(region, len(seen.query_tokens or seen.tokens), len(seen.tokens))
         (q0, q1), (k0, k1) = spans
         weights = region_of(seen.records[lh[0]], queries=spans[0], keys=spans[1], heads=[lh[1]])
-        queries = seen.query_tokens or seen.tokens
-        head_heatmap(weights[0], seen.tokens[k0:k1], out, query_tokens=queries[q0:q1],
+        queries = seen.query_tokens or seen.pieces
+        head_heatmap(weights[0], seen.pieces[k0:k1], out, query_tokens=queries[q0:q1],
                      title=f"{model} L{lh[0]} H{lh[1]}: queries {q0}-{q1 - 1} over keys "
                      f"{k0}-{k1 - 1}, every weight")  # fmt: skip
         return

@@ -61,6 +61,13 @@ class Attentions:
         """The layers recorded, counted from 0, in the order `weights` stacks them."""
         return sorted(self.records)
 
+    @property
+    def pieces(self) -> list[str]:
+        """The key tokens as people read them, what pages and plots show (`Encoded.pieces`:
+        " river", not "Ġriver"; a byte of a character split over tokens as <0xE6>, never
+        U+FFFD), where the tokenizer tells them; the vocabulary's names otherwise."""
+        return getattr(self.encoded, "pieces", None) or list(self.tokens)
+
     @functools.cached_property
     def weights(self) -> Tensor:
         """(L', H', Tq, Tk) float32 for `layers` and `heads`: row i is query token i's

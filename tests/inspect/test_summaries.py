@@ -249,7 +249,7 @@ def test_show_opens_a_region_at_full_resolution(tmp_path, smollm2, monkeypatch, 
     assert result.exit_code == 0, result.output
     full = smollm2.attentions(LONG_TEXT).records[5].weights([7])[0, 0]
     torch.testing.assert_close(drawn["weights"], full[500:540, :30], **EXACT)
-    tokens = smollm2.encode(LONG_TEXT).tokens
+    tokens = smollm2.encode(LONG_TEXT).pieces  # as people read them: " bank", not "Ġbank"
     assert drawn["tokens"] == tokens[:30] and drawn["query_tokens"] == tokens[500:540]
     assert out.exists()
 

@@ -64,3 +64,20 @@ def test_the_long_text_page_shows_a_token_as_it_is(tmp_path):
     summary = replace(summary, tokens=["$5 & <b>"] * len(summary.tokens))
     page = summary_page(summary, tmp_path / "long.html").read_text(encoding="utf-8")
     assert "0 $5 &amp; &lt;b&gt; (" in page and "\\$" not in page
+
+
+def test_qkv_shows_page_and_summaries_show_each_tokens_text(smollm2, tmp_path):
+    """`qkv show` wrote the vocabulary's names into its page ("Ġriver", and "Ġæ", "Ĺ", "¥"
+    for a split "日"); a long text's summaries (the server's long view) named them too."""
+    from typer.testing import CliRunner
+
+    from qkv.cli import app
+    from qkv.inspect.summaries import summarize
+    from qkv.viz.report import read_weights
+
+    out = tmp_path / "page.html"
+    done = CliRunner().invoke(app, ["show", TEXT, "--model", "smollm2", "--out", str(out)])
+    assert done.exit_code == 0, done.output
+    page = out.read_text(encoding="utf-8")
+    assert read_weights(page)[1] == PIECES and "\ufffd" not in page and "Ġ" not in page
+    assert summarize(smollm2.attentions(TEXT, layers=[0])).tokens == PIECES

@@ -233,7 +233,8 @@ def _records_of(attentions) -> tuple[dict[int, AttentionRecord], list[str] | Non
     if isinstance(attentions, dict):
         records, tokens = attentions, None
     else:
-        records, tokens = attentions.records, list(attentions.tokens)
+        records = attentions.records  # the tokens as pages show them
+        tokens = list(getattr(attentions, "pieces", None) or attentions.tokens)
     if not records:
         raise ValueError("no layer recorded; record at least one layer")
     return records, tokens

@@ -77,7 +77,7 @@ def attentions_html(seen) -> str:
             "att.weights, att.tokens)</code> writes the whole page to open in a browser.</p>"
             + _png_heatmap(
                 weights[seen.layers.index(layer), seen.heads.index(head)],
-                _pieces(seen),
+                seen.pieces,
                 f"layer {layer}, head {head}",
             )
         )
@@ -93,18 +93,11 @@ def _page(seen, weights, *, cross: bool = False, **options) -> bytes:
                   **options)  # fmt: skip
     scale = _scale(seen)
     vectors, scores = _page_vectors(seen, cross=cross) if scale is not None else (None, None)
-    page = render_page(weights, _pieces(seen), vectors=vectors, scale=scale, scores=scores,
+    page = render_page(weights, seen.pieces, vectors=vectors, scale=scale, scores=scores,
                        **common)  # fmt: skip
     if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
-        page = render_page(weights, _pieces(seen), **common)
+        page = render_page(weights, seen.pieces, **common)
     return page
-
-
-def _pieces(seen) -> list[str]:
-    """The text's tokens as people read them (`Encoded.pieces`: " river", not "Ġriver"; a
-    byte of a character split over tokens as <0xE6>, never U+FFFD), where the tokenizer told
-    them; the vocabulary's names otherwise."""
-    return getattr(seen.encoded, "pieces", None) or list(seen.tokens)
 
 
 def _page_vectors(seen, cross: bool = False):
@@ -164,7 +157,7 @@ def _cross_html(seen, weights) -> str:
         f"{len(page) / 2**20:.1f} MB, more than a notebook output carries. Layer {model_layer}, "
         f"head {model_head} (counted from 0), the head holding the largest weight; every head "
         "is in <code>.weights</code> (L, H, Tq, Tk).</p>"
-        + _grid(matrix, seen.query_tokens, _pieces(seen), name="weight", low=0.0)
+        + _grid(matrix, seen.query_tokens, seen.pieces, name="weight", low=0.0)
     )
 
 
