@@ -3,8 +3,9 @@
 The real server process (uvicorn serving SmolLM2, started by this script with `--serve`, the
 code path of `qkv serve`), and one client that reads ten different texts of 4,090 tokens one
 after another as serve.md's protocol says (202: ask again after Retry-After), reading the
-server's VmRSS (/proc) once the model is loaded and after each text's 200. Issue 32 measured
-2.79, 4.94, 6.15, 6.80 GB after four such texts, before the fix.
+server's VmRSS (/proc) once it has started (the model's weights mapped from their cache file,
+not yet read) and after each text's 200. Issue 32 measured 2.79, 4.94, 6.15, 6.80 GB after
+four such texts, before the fix.
 
 Runs: this checkout keeping one text (max_long_kept_bytes=1, as the server kept before), this
 checkout with its default limits (up to 1.5 GiB of texts kept: three of 4,090 tokens), and,
@@ -12,7 +13,9 @@ with --before SRC, another checkout's src folder (e.g. `git archive` of the comm
 fix) with its own defaults. The check: after ten texts, within 10% of after the first (for
 the default limits: of after the third, once as many texts are kept as fit).
 
-    python benchmarks/long_serve_memory.py [--texts 10] [--before /tmp/old/src] [--runs one,default]
+    python benchmarks/long_serve_memory.py [--texts 10] [--before SRC] [--runs one,default]
+
+benchmarks/long_serve_memory.txt holds a run.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def main() -> None:
         runs.append(measure("one text kept", {"max_long_kept_bytes": 1}, bodies, None))
     if "default" in args.runs.split(","):
         runs.append(measure("default limits (1.5 GiB kept)", {}, bodies, None))
-    print("\n| run | model loaded GB | after each text, GB | s per text (median) | "
+    print("\n| run | started GB | after each text, GB | s per text (median) | "
           "last / first | last / third |\n|---|---|---|---|---|---|")  # fmt: skip
     for run in runs:
         after, seconds = run["after"], sorted(run["seconds"])

@@ -4,10 +4,10 @@ after another by a client following the protocol, the process's VmRSS read after
 
 Each reading allocates and frees tens of MB (chunks of 16 heads x 256 queries x 1,500 keys
 of float32 weights, 25 MB each); the server keeps one text (max_long_kept_bytes=1), so what it
-holds after each text is the same. Before the fix its resident memory grew from 348 to 737 MB
-over the ten (glibc kept the freed chunks; cycles through tracebacks kept whole readings); now
-it stays within 10% of what it was after the first. The benchmark of the same on SmolLM2 at
-4,090 tokens is benchmarks/long_serve_memory.py (docs/serve.md)."""
+holds after each text is the same. Before the fix this test failed: 342 MB after the first
+text, up to 487 after the others (glibc kept freed chunks resident; cycles through tracebacks
+kept whole readings); now every text ends within 10% of the first (316 to 319 MB here). The
+benchmark of the same on SmolLM2 at 4,090 tokens is benchmarks/long_serve_memory.py."""
 
 from __future__ import annotations
 

@@ -262,7 +262,10 @@ def without_traceback(error: BaseException) -> BaseException:
 
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter (malloc.h)
-MMAP_THRESHOLD = 1 << 20  # bytes: a block this large or larger is mapped, and unmapped when freed
+# bytes: a block this large or larger is mapped, and unmapped when freed; smaller ones come
+# from glibc's arenas (a reading's chunks of weights, 38 MB at 4,096 tokens of SmolLM2, are
+# reused there: at 1 MiB each was mapped afresh, and reading took 1.8x as long)
+MMAP_THRESHOLD = 64 << 20
 
 
 @functools.cache
@@ -279,10 +282,11 @@ def _glibc():
 
 @functools.cache
 def bound_allocator() -> None:
-    """Once per process: glibc's mmap threshold fixed at 1 MiB. glibc raises it as large
-    blocks are freed (up to 32 MiB), and then serves a reading's chunks of weights from its
-    arenas, where freed memory stays resident; fixed, a tensor of 1 MiB or more goes back to
-    the system when freed (benchmarks/long_text.py measures with the same setting)."""
+    """Once per process: glibc's mmap threshold fixed (at MMAP_THRESHOLD), which also stops
+    glibc moving its thresholds as large blocks are freed. Left to move, which freed blocks
+    stay resident after a reading depends on the order of the allocations before it: the
+    tiny server of tests/serve/test_long_memory.py ended a text anywhere from 316 to 358 MB
+    (trimmed each time); fixed, at 316 to 319."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
