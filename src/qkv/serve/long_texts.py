@@ -18,8 +18,8 @@ text read. So each model has:
 
 Dropped, failed or evicted work frees its memory at once: an error is kept without its
 traceback (whose frames would hold the records), and once a reading ends `release_memory`
-gives what glibc's allocator kept of it back to the system (without it, a server's resident
-memory grew by gigabytes over a few texts: docs/serve.md).
+gives what glibc's allocator kept of it back to the system (without it and the server's
+`bound_allocator`, its resident memory grew by gigabytes over a few texts: docs/serve.md).
 """
 
 from __future__ import annotations
@@ -151,7 +151,6 @@ class LongTexts:
 
     def _work(self, pretrained, limits: Limits) -> None:
         """The model's worker: reads the waiting texts in turn, until none is left."""
-        bound_allocator()
         while True:
             with self._guard:
                 self._forget(self.clock(), limits)
@@ -282,11 +281,12 @@ def _glibc():
 
 @functools.cache
 def bound_allocator() -> None:
-    """Once per process: glibc's mmap threshold fixed (at MMAP_THRESHOLD), which also stops
-    glibc moving its thresholds as large blocks are freed. Left to move, which freed blocks
-    stay resident after a reading depends on the order of the allocations before it: the
-    tiny server of tests/serve/test_long_memory.py ended a text anywhere from 316 to 358 MB
-    (trimmed each time); fixed, at 316 to 319."""
+    """Once per process, by the server's own process (`qkv.serve.server`: a program that
+    only imports the app keeps its allocator as it chose): glibc's mmap threshold fixed (at
+    MMAP_THRESHOLD), which also stops glibc moving its thresholds as large blocks are freed.
+    Left to move, which freed blocks stay resident after a reading depends on the order of
+    the allocations before it: the tiny server of tests/serve/test_long_memory.py ended a
+    text anywhere from 316 to 358 MB (trimmed each time); fixed, at 316 to 319."""
     libc = _glibc()
     if libc is not None:
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)

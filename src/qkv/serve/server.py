@@ -2,7 +2,9 @@
 
 The socket is bound before uvicorn starts, so a port in use is a clear error, port 0 picks
 a free one, and the address printed is the one really bound. uvicorn stops cleanly on
-Ctrl-C (SIGINT) or SIGTERM: it finishes the requests in flight, then `serve` returns.
+Ctrl-C (SIGINT) or SIGTERM: it finishes the requests in flight, then `serve` returns. The
+process that serves fixes glibc's mmap threshold (`long_texts.bound_allocator`), so that
+its memory after each long text is what it was after the first.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def _server(app, quiet: bool):
 
 def serve(app, sock: socket.socket, *, quiet: bool = False) -> None:
     """Serve `app` on a bound socket until Ctrl-C or SIGTERM (from the main thread)."""
+    from qkv.serve.long_texts import bound_allocator
+
+    bound_allocator()  # this process is the server's: its memory after each long text is flat
     try:
         _server(app, quiet).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn stops cleanly, then raises Ctrl-C again for us
@@ -63,8 +68,12 @@ def serve(app, sock: socket.socket, *, quiet: bool = False) -> None:
 def running(app, host: str = LOOPBACK, port: int = 0) -> Iterator[str]:
     """Serve `app` from a background thread; yield its address; stop it on leaving.
 
-    For tests and benchmarks that need a real HTTP server in the same process.
+    For tests and benchmarks that need a real HTTP server in the same process (whose
+    allocator it sets as `serve` does: `qkv.serve.long_texts.bound_allocator`).
     """
+    from qkv.serve.long_texts import bound_allocator
+
+    bound_allocator()
     sock = bind(host, port)
     server = _server(app, quiet=True)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
