@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 
 import numpy as np
 import pytest
@@ -32,7 +33,7 @@ def test_models_lists_what_was_loaded_and_the_limits(client):
 def test_attention_is_every_weight_of_the_model(client, minilm):
     answer = client.post("/api/attention", json={"text": SENTENCE}).json()
     want = minilm.attentions(SENTENCE)
-    assert answer["tokens"] == want.tokens
+    assert answer["tokens"] == want.tokens and answer["pieces"] == want.encoded.pieces
     assert answer["shape"] == [6, 12, len(want.tokens), len(want.tokens)]
     assert torch.tensor(answer["weights"]) == pytest.approx(want.weights, abs=1e-7)
     assert {"word": "river", "tokens": [8, 9]} in answer["words"]
@@ -92,6 +93,11 @@ def test_a_decoders_next_token_probabilities(decoder_client, smollm2):
     assert [n["id"] for n in answer["next"]] == want.topk(5).indices.tolist()
     assert [n["probability"] for n in answer["next"]] == pytest.approx(want.topk(5).values.tolist())
     assert answer["next"][0]["text"] == smollm2.tokenizer.decode([answer["next"][0]["id"]])
+    # after "日", most likely tokens are a character's first bytes: named as bytes, never U+FFFD
+    body = {"model": "smollm2", "text": "The capital of Japan is 日", "top": 10}
+    shown = [n["text"] for n in decoder_client.post("/api/next", json=body).json()["next"]]
+    assert not any("\ufffd" in t for t in shown)
+    assert sum(re.fullmatch("(<0x[0-9A-F]{2}>)+", t) is not None for t in shown) >= 5
 
 
 def test_generation_answered_whole_and_streamed_is_the_models(decoder_client, smollm2):

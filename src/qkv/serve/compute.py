@@ -91,6 +91,7 @@ def attention(
         "model": served.name,
         "text": text,
         "tokens": list(seen.tokens),
+        "pieces": seen.pieces,
         "words": words(seen.encoded),
         "layers": layers,
         "heads": heads,
@@ -203,6 +204,7 @@ def next_tokens(
     probabilities = logits.softmax(-1)  # (vocab,)
     best = probabilities.topk(min(top, len(probabilities)))
     tokenizer = served.pretrained.tokenizer
+    ids = best.indices.tolist()
     return {
         "model": served.name,
         "text": text,
@@ -211,11 +213,11 @@ def next_tokens(
             {
                 "id": i,
                 "token": tokenizer.id_to_token(i),
-                "text": tokenizer.decode([i]),
+                "text": piece,  # a byte of a split character as <0xE6>, never U+FFFD
                 "probability": p,
                 "logit": float(logits[i]),
             }
-            for p, i in zip(best.values.tolist(), best.indices.tolist(), strict=True)
+            for p, i, piece in zip(best.values.tolist(), ids, tokenizer.pieces(ids), strict=True)
         ],
     }
 

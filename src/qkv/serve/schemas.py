@@ -336,7 +336,11 @@ class WordSpan(BaseModel):
 class AttentionAnswer(BaseModel):
     model: str
     text: str
-    tokens: list[str]
+    tokens: list[str] = Field(description="the text's tokens, by their names in the vocabulary")
+    pieces: list[str] = Field(
+        description="each token's text as the tokenizer's decoder writes it (what the page "
+        "shows): ' river' for 'Ġriver', a byte of a character split over tokens as <0xE6>"
+    )
     words: list[WordSpan]
     layers: list[int]
     heads: list[int]

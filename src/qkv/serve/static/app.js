@@ -61,6 +61,7 @@ async function show() {  // the attention of every layer and head of the text
     if (ticket !== shows) return;
     leaveLong();
     seen.weights = seen.weights.map((row) => row.map(unpack));  // [layer][head]: T * T
+    seen.tokens = seen.pieces;  // each token's text as its decoder writes it, not its name
     seen.wordOf = seen.tokens.map(() => null);
     seen.words.forEach((w) => { for (let t = w.tokens[0]; t < w.tokens[1]; t++) seen.wordOf[t] = w; });
     state.seen = seen;
