@@ -31,7 +31,17 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
     # 1,110 characters: over max_chars, so the page reads it long without asking for every
     # weight; SHORTER is within max_chars, and the server's 413 (max_tokens) tells the page
     app = create_app({"minilm": minilm}, Limits(max_tokens=16, max_chars=1_000))
+    full = []  # the server's queue full at the first ask: the page asks again (it stopped)
+
+    def queue_full_once(route):
+        if route.request.method == "POST" and not full:
+            full.append(route.request.url)
+            detail = "minilm has 8 long texts waiting to be read (max_long_waiting); ask again"
+            return route.fulfill(status=503, json={"detail": detail, "limit": None})
+        return route.continue_()
+
     with served(app) as page:
+        page.route("**/api/long", queue_full_once)
         submit(page, TEXT, timeout=60_000)
         note = page.inner_text("#long-note")
         short_hidden = page.locator("#heatmap").is_hidden()
@@ -80,6 +90,7 @@ def test_a_text_over_max_tokens_shows_its_summaries_and_opens_a_region(minilm):
         submit(page, "The bank of the river")  # back to every weight
         back = page.locator("#heatmap-table").is_visible(), page.locator("#long").is_hidden()
 
+    assert len(full) == 1  # the 503 was answered, and the page read the text after it
     assert f"This text has {len(TEXT):,} characters" in note and "(max_chars)" in note, note
     T_shorter = len(minilm.encode(SHORTER).ids)
     assert f"This text has {T_shorter} tokens" in shorter_note, shorter_note

@@ -28,8 +28,9 @@ const post = async (path, body) => (await view.api(path, body)).json();
 // Token i in words, a `texts()` of views.js: its text goes in by textContent.
 const tokenAt = (words, i) => `“${words.put(shown(view.table.tokens[i]))}” (${i})`;
 
-// Read the text (202 while the server computes it: asked again each second), then draw the
-// table and the head chosen() then. current(): false once another text is shown (stop).
+// Read the text (202 while the server computes it: asked again each second; 503 while its
+// queue is full: asked again), then draw the table and the head chosen() then. current():
+// false once another text is shown (stop).
 export async function showLong({ api, model, text, why, chosen, current }) {
   Object.assign(view, { on: true, api, model, text, table: null, head: null, region: null,
     cursor: [0, 0] });
@@ -44,7 +45,16 @@ export async function showLong({ api, model, text, why, chosen, current }) {
   $("long-region-box").innerHTML = '<p class="note">Click the heatmap to open a region.</p>';
   $("long-hover").textContent = "";
   for (;;) {
-    const response = await api("/api/long", { model, text });
+    let response;
+    try {
+      response = await api("/api/long", { model, text });
+    } catch (error) {  // 503: the queue is full for now; the protocol is to ask again
+      if (error.status !== 503) throw error;
+      if (!current() || asking !== view.asking) return null;
+      $("long-progress").textContent = `${error.message} (asking again)`;
+      await sleep(2000);
+      continue;
+    }
     const answer = await response.json();
     if (!current() || asking !== view.asking) return null;
     if (response.status !== 202) {
