@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -33,13 +32,9 @@ import time
 
 import httpx
 
-BASE = (
-    "We walked for hours along the old towpath, past the mill, the lock and the row of "
-    "cottages where the boatmen once lived. The water was high after a week of rain, brown "
-    "and fast, carrying branches and leaves down towards the town. By the afternoon the "
-    "clouds had cleared, and the river had begun to fall again, leaving a line of mud and "
-    "reeds along the bank. "
-)
+from long_text import BASE  # the same sentences as the library's long-text benchmark
+from serve_load import stop_server
+
 T = 4_090
 
 
@@ -103,12 +98,7 @@ def measure(name: str, limits: dict, bodies: list[str], src: str | None) -> dict
                 print(f"  {name}: text {len(after)}: {after[-1]:.2f} GB, {seconds[-1]:.1f} s",
                       flush=True)  # fmt: skip
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
     return {"name": name, "loaded": loaded, "after": after, "seconds": seconds}
 
 
