@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qkv.serve import compute, long
-from qkv.serve.limits import Cancelled, TimedOut
+from qkv.serve.limits import Busy, Cancelled, TimedOut
 from qkv.serve.schemas import (
     AttentionAnswer,
     AttentionRequest,
@@ -68,11 +68,6 @@ ERRORS = {
 
 router = APIRouter(prefix="/api", tags=["attention"], responses=ERRORS)
 log = logging.getLogger("qkv.serve")
-
-
-class Busy(Exception):
-    """The model is generating for someone else for longer than the time limit, its census
-    or a long text is still being computed, or too many long texts wait: HTTP 503."""
 
 
 @router.get("/models", response_model=ModelsAnswer, summary="The models and the limits")

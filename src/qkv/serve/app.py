@@ -26,8 +26,8 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from qkv.serve.api import Busy, router
-from qkv.serve.limits import BodyLimit, Limits, TimedOut, TooLarge
+from qkv.serve.api import router
+from qkv.serve.limits import BodyLimit, Busy, Limits, TimedOut, TooLarge
 from qkv.serve.long import NotComputed
 from qkv.serve.models import Served, served_models
 from qkv.serve.schemas import with_limits

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from qkv.serve.limits import Cancelled, Limits, TooLarge
+from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
 from qkv.serve.models import Served
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
@@ -346,8 +346,6 @@ def head_census(served: Served, limits: Limits, stop: threading.Event | None = N
     timeout_s; past that it is told 503, ask again, while the census goes on to its end."""
     from concurrent.futures import Future
     from concurrent.futures import wait as wait_for
-
-    from qkv.serve.api import Busy
 
     pretrained = served.pretrained
     with _census_guard:

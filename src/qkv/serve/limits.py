@@ -118,6 +118,11 @@ class TimedOut(Exception):
     """A request that took longer than its time limit: HTTP 504."""
 
 
+class Busy(Exception):
+    """The model is generating for someone else for longer than the time limit, its census
+    or a long text is still being computed, or too many long texts wait: HTTP 503."""
+
+
 class Cancelled(Exception):
     """Raised in a request's work when its time is up: the work stops there, between steps."""
 

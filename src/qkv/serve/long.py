@@ -24,7 +24,7 @@ import traceback
 
 import torch
 
-from qkv.serve.limits import Cancelled, Limits
+from qkv.serve.limits import Busy, Cancelled, Limits
 from qkv.serve.long_texts import LongRun, without_traceback
 
 RECEIVED = 3  # keys per head in the table: those that receive the most attention
@@ -149,8 +149,6 @@ def finished(served, run: LongRun) -> LongRun:
     if run.error is None:
         return run
     if isinstance(run.error, Cancelled):
-        from qkv.serve.api import Busy
-
         raise Busy(
             f"{served.name} stopped reading this text: nobody had asked about it for its last "
             "long_idle_s; ask again to read it again"
@@ -170,8 +168,6 @@ def summaries_of(served, run: LongRun, stop: threading.Event | None = None) -> d
 def kept(served, limits: Limits, text: str) -> LongRun:
     """The model's long text `text`, read and kept: NotComputed (409) if it is not kept (never
     asked for, dropped or evicted), Busy (503) while it waits or is being read."""
-    from qkv.serve.api import Busy
-
     T = len(encode(served, limits, text).ids)
     run = served.long.ask(served, limits, text, T, start=False)
     if run is not None and not run.done.is_set():

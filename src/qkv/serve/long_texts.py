@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qkv.serve.limits import Cancelled, Limits
+from qkv.serve.limits import Busy, Cancelled, Limits
 
 log = logging.getLogger("qkv.serve")
 
@@ -89,8 +89,6 @@ class LongTexts:
         """The run of `text`, touched (asked about now); with start=True a new one joins the
         queue if there is none (Busy past max_long_waiting). None: not a text of this model.
         served: the `Served` model these texts are of."""
-        from qkv.serve.api import Busy
-
         with self._guard:
             now = self.clock()
             dropped = self._forget(now, limits)
