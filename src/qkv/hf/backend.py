@@ -35,7 +35,13 @@ from qkv.attention import attend, attention_weights, explain_choice, flash
 from qkv.attention.eager import attend_into, compute_dtype, takes_into, weights_into
 from qkv.attention.inputs import allowed_keys, check_indices, with_window
 from qkv.attention.registry import resolve_backend
-from qkv.hf.refusals import MODULE_REFUSALS, class_refusal, guard_loading, refuse_arguments
+from qkv.hf.refusals import (
+    EAGER,
+    MODULE_REFUSALS,
+    class_refusal,
+    guard_loading,
+    refuse_arguments,
+)
 from qkv.nn.record import AttentionRecord
 
 NAME = "qkv"  # attn_implementation="qkv"
@@ -94,7 +100,7 @@ def check(model: nn.Module) -> None:
                 )
     wrong = class_refusal(type(model))
     if wrong is not None:
-        raise ValueError(f"{wrong}; load this model with attn_implementation='eager'")
+        raise ValueError(f"{wrong}; {EAGER}")
 
 
 @dataclass(eq=False)
@@ -297,9 +303,9 @@ def qkv_mask(
     key-padding mask some encoders hand over, holds for every query. A boolean mask is True
     where a query may see a key; a float mask is 0 there and the dtype's minimum (or -inf)
     elsewhere, any other value a bias added to the scores (as eager adds the mask). A mask
-    that is exactly the
-    causal rule, with the layer's sliding window or without one, for every row of the batch
-    becomes causal=True (and window) with no mask, so that the unmasked kernels run.
+    that is exactly the causal rule, with the layer's sliding window or without one, for
+    every row of the batch becomes causal=True (and window) with no mask, so that the
+    unmasked kernels run.
 
     >>> m = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
     >>> qkv_mask(m, True, None, 3, 3)
