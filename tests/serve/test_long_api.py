@@ -74,7 +74,8 @@ def test_the_table_is_summarize_of_every_layer_and_head(client, seen, want):
     assert answer.status_code == 200, answer.text[:300]
     got = answer.json()
     T = len(seen.tokens)
-    assert got["tokens"] == seen.tokens and T > 256  # more than the heatmap's 256 cells a side
+    # each token as its decoder writes it (" walked", not "Ġwalked"), as summarize gives it
+    assert got["tokens"] == seen.pieces == want.tokens and T > 256  # over 256 cells a side
     assert (got["layers"], got["heads"]) == (list(range(30)), list(range(9)))
     assert (got["query_bin"], got["key_bin"], got["top_k"]) == (2, 2, 5)
     assert got["mean_entropy"] == want.entropy.mean(-1).tolist()
@@ -118,7 +119,7 @@ def test_a_region_is_region_and_the_slice_of_the_weights(client, seen):
     assert torch.equal(torch.tensor(got["weights"]), want)
     full = seen.records[12].weights([2])[0, 0]  # (T, T)
     assert torch.tensor(got["weights"]) == pytest.approx(full[250:280, 0:30], abs=1e-6)
-    assert (got["query_tokens"], got["key_tokens"]) == (seen.tokens[250:280], seen.tokens[:30])
+    assert (got["query_tokens"], got["key_tokens"]) == (seen.pieces[250:280], seen.pieces[:30])
     packed = client.post("/api/long/region", json={**body, "format": "base64"}).json()
     weights = np.frombuffer(base64.b64decode(packed["weights"]), "<f4").reshape(30, 30)
     assert np.array_equal(weights, want.numpy())

@@ -44,7 +44,7 @@ def read(pretrained, run: LongRun, going) -> None:
     try:
         going()
         seen = pretrained.attentions(run.text, weights=False)  # summaries alone
-        tokens, heads = list(seen.tokens), seen.heads
+        tokens, heads = seen.pieces, seen.heads  # the tokens as pages show them
         records = {layer: weights_only(r) for layer, r in seen.records.items()}
         del seen  # the forward pass's full records: only what weights read is kept
         parts = []
