@@ -194,10 +194,13 @@ def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
     """Layer or head indices as a list of ints, each in 0..count-1 and each once; otherwise a
     ValueError that names the range or the repeat. Layers and heads count from 0 everywhere.
     A repeat is refused so that what is asked for is bounded by what there is: 3,000 copies
-    of one head would make 3,000 copies of its weights.
+    of one head would make 3,000 copies of its weights. `indices=None` chooses every one.
+    This is qkv's one rule for choosing layers, heads, queries: every selection calls it.
 
     >>> check_indices("head", (2, 0), 3, "q")
     [2, 0]
+    >>> check_indices("head", None, 3, "q")
+    [0, 1, 2]
     >>> check_indices("layer", [6], 6, "minilm")
     Traceback (most recent call last):
     ...
@@ -207,6 +210,8 @@ def check_indices(what: str, indices, count: int, owner: str) -> list[int]:
     ...
     ValueError: head 1 is asked for twice; name each head once
     """
+    if indices is None:
+        return list(range(count))
     try:
         if isinstance(indices, str | bytes):
             raise TypeError
