@@ -4,6 +4,7 @@ from qkv.models.config import DecoderConfig, EncoderConfig, EncoderDecoderConfig
 from qkv.models.decoder import Decoder, DecoderCache, DecoderOutput
 from qkv.models.encoder import Encoder, EncoderOutput
 from qkv.models.encoder_decoder import EncoderDecoder, Seq2SeqOutput
+from qkv.models.stacks import self_attention_stack, stack_shape
 
 __all__ = [
     "Decoder",
@@ -16,4 +17,6 @@ __all__ = [
     "EncoderDecoderConfig",
     "EncoderOutput",
     "Seq2SeqOutput",
+    "self_attention_stack",
+    "stack_shape",
 ]
