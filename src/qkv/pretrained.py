@@ -32,7 +32,7 @@ from qkv.generate import (
     seq2seq_steps,
 )
 from qkv.io.families import Family
-from qkv.io.hf import Pooling, save_folder
+from qkv.io.hf_folder import Pooling, save_folder
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.models.config import Layers
 from qkv.nn import AttentionRecord

@@ -287,7 +287,7 @@ def test_an_encoder_decoder_hides_in_its_encoder_as_transformers_pads(tmp_path):
     from tokenizers import models, pre_tokenizers
 
     import qkv
-    from qkv.io.hf import load_folder
+    from qkv.io.hf_folder import load_folder
     from qkv.io.tokenizer import Tokenizer
 
     config = transformers.T5Config(

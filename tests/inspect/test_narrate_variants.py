@@ -16,7 +16,7 @@ from tokenizers import models, pre_tokenizers
 
 import qkv
 from qkv.inspect.narrate import heads_and_layers, narrate
-from qkv.io.hf import load_folder
+from qkv.io.hf_folder import load_folder
 from qkv.io.tokenizer import Tokenizer
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig

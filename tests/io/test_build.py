@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-import qkv.io.hf
+import qkv.io.build
 import qkv.models.decoder
-from qkv.io.hf import load_folder
+from qkv.io.hf_folder import load_folder
 from qkv.models import Decoder, DecoderConfig, EncoderDecoder, EncoderDecoderConfig
 from qkv.nn import BlockConfig, RotaryEmbedding
 from qkv.nn.position import SinusoidalPositions
@@ -49,7 +49,7 @@ def test_loading_leaves_torch_init_alone_and_a_model_built_meanwhile_is_initiali
         equal = all(torch.equal(state[k], reference[k]) for k in reference)
         checks.append((where, replaced, equal))
 
-    real_init, real_fill = qkv.models.decoder.init_weights, qkv.io.hf.fill
+    real_init, real_fill = qkv.models.decoder.init_weights, qkv.io.build.fill
 
     def init_weights(module):
         if threading.current_thread() is threading.main_thread() and not checks:
@@ -62,7 +62,7 @@ def test_loading_leaves_torch_init_alone_and_a_model_built_meanwhile_is_initiali
         build_elsewhere("fill, after")
 
     monkeypatch.setattr(qkv.models.decoder, "init_weights", init_weights)
-    monkeypatch.setattr(qkv.io.hf, "fill", fill)
+    monkeypatch.setattr(qkv.io.build, "fill", fill)
     model, *_ = load_folder(tmp_path, torch.float32, None)
     assert [where for where, *_ in checks] == ["build", "fill, before", "fill, after"]
     assert checks == [(where, [], True) for where, *_ in checks]
@@ -113,7 +113,7 @@ def test_building_on_meta_runs_no_python_reference_kernel(name, tmp_path):
     command that loads a model). A fresh process loads a checkpoint without importing it."""
     save_tiny(name, tmp_path)
     code = (
-        "import sys, torch; from qkv.io.hf import load_folder; "
+        "import sys, torch; from qkv.io.hf_folder import load_folder; "
         f"load_folder({str(tmp_path)!r}, torch.float32, None); "
         "print('torch._dynamo' in sys.modules)"
     )

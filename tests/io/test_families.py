@@ -9,7 +9,7 @@ import torch
 
 from qkv.io.checkpoint import read_checkpoint
 from qkv.io.families import FAMILIES, family_for
-from qkv.io.hf import load_folder
+from qkv.io.hf_folder import load_folder
 from tiny_models import save_tiny
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from qkv.io.checkpoint import export
 from qkv.io.families import distilbert, family_for, modernbert, roberta
-from qkv.io.hf import load_folder
+from qkv.io.hf_folder import load_folder
 
 WINDOW = 8  # ModernBERT's local_attention: keys within 4 positions either side
 ROBERTA = {"vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,

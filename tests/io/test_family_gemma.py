@@ -22,7 +22,7 @@ from qkv.io.checkpoint import export
 from qkv.io.embedded import embedded_path
 from qkv.io.families import family_for
 from qkv.io.families.gemma import GEMMA, GEMMA2, GEMMA3
-from qkv.io.hf import load_folder
+from qkv.io.hf_folder import load_folder
 from qkv.nn.rope import RopeScaling
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from qkv.io.checkpoint import export
 from qkv.io.families import FAMILIES, family_for, family_named
-from qkv.io.hf import load_folder
+from qkv.io.hf_folder import load_folder
 from qkv.models import DecoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.rope import RopeScaling

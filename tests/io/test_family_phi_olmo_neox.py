@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from qkv.io.checkpoint import export, read_checkpoint
 from qkv.io.families import family_for, neox, olmo2, phi3
-from qkv.io.hf import load_folder
+from qkv.io.hf_folder import load_folder
 
 # LONG: past every sliding window and past the 16 positions phi4-mini and neox-sequential were
 # trained on (where their rotary scaling changes); SHORT: within them

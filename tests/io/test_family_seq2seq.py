@@ -16,7 +16,7 @@ import qkv
 from qkv.generate import Sampling, seq2seq_steps
 from qkv.io.embedded import embedded_path
 from qkv.io.families import family_for, marian, t5
-from qkv.io.hf import load_folder, save_folder
+from qkv.io.hf_folder import load_folder, save_folder
 from qkv.models import EncoderDecoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.relative import relative_buckets

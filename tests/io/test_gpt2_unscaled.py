@@ -8,7 +8,7 @@ import transformers as hf
 
 from qkv.io.embedded import embedded_path
 from qkv.io.families import family_for
-from qkv.io.hf import load_folder, save_folder
+from qkv.io.hf_folder import load_folder, save_folder
 from qkv.io.tokenizer import Tokenizer
 
 

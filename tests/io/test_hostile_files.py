@@ -23,7 +23,7 @@ from gguf import GGUFValueType as V
 import qkv
 from hostile import assert_one_line_error, leftovers, run_qkv
 from qkv.io.gguf import read_gguf
-from qkv.io.hf import load_folder
+from qkv.io.hf_folder import load_folder
 from tiny_models import save_tiny
 
 # ---- GGUF files, byte by byte ---------------------------------------------------------------

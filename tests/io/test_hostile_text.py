@@ -16,7 +16,7 @@ import pytest
 
 from hostile import assert_one_line_error, run_qkv
 from qkv.io.embedded import EMBEDDED, embedded_path
-from qkv.io.hf import read_pooling
+from qkv.io.hf_folder import read_pooling
 from qkv.io.tokenizer import Tokenizer
 from tiny_models import save_tiny
 

@@ -56,7 +56,7 @@ def test_the_check_sees_imports_inside_functions():
 def test_loading_a_run_folder_through_io_imports_nothing_above(tmp_path):
     """The run-time check: read a training run's checkpoint with qkv.io alone."""
     from qkv.data import word_tokenizer
-    from qkv.io.hf import save_folder
+    from qkv.io.hf_folder import save_folder
     from qkv.io.runs import CONFIG, checkpoint_folder
     from qkv.train.arch import build_model, hf_config
     from qkv.train.config import RunConfig

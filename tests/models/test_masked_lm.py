@@ -14,7 +14,7 @@ import qkv
 from qkv.io.checkpoint import read_checkpoint
 from qkv.io.embedded import embedded_path
 from qkv.io.families import bert_hf_config, family_for
-from qkv.io.hf import save_folder
+from qkv.io.hf_folder import save_folder
 from qkv.io.tokenizer import Tokenizer
 from qkv.models import Encoder, EncoderConfig
 from qkv.nn import BlockConfig

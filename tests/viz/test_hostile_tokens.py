@@ -72,7 +72,7 @@ def model() -> qkv.Pretrained:
 @pytest.fixture(scope="module")
 def bart(tmp_path_factory) -> qkv.Pretrained:
     """A tiny random BART (transformers builds it) with the hostile tokenizer."""
-    from qkv.io.hf import load_folder
+    from qkv.io.hf_folder import load_folder
     from tiny_models import save_tiny
 
     folder = tmp_path_factory.mktemp("hostile-bart")

@@ -240,7 +240,7 @@ def test_a_cross_attention_page_too_large_shows_its_strongest_head_as_a_table(
     from tokenizers import models, pre_tokenizers
 
     import qkv.viz.notebook as notebook
-    from qkv.io.hf import load_folder
+    from qkv.io.hf_folder import load_folder
     from qkv.io.tokenizer import Tokenizer
     from tiny_models import save_tiny
 

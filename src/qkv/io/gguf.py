@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from qkv.io.build import NoRandomInit
 from qkv.io.families import family_for
 from qkv.io.families.checks import family_config
 from qkv.io.files import write_atomically
 from qkv.io.gguf_arch import ROPE_TENSORS, Arch, arch_of, rope_tensors
 from qkv.io.gguf_header import Header, read_header
 from qkv.io.gguf_tokenizer import gguf_tokenizer
-from qkv.io.hf import _NoRandomInit
 from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
 
 if TYPE_CHECKING:
@@ -269,7 +269,7 @@ def _check_tensors(header: Header, arch: Arch, family, cfg, path: Path) -> None:
             f"{cfg.num_layers}) needs {needed:,}"
         )
     # bounded: the count matched a table of real entries, so the model has that many layers
-    with torch.device("meta"), _NoRandomInit():
+    with torch.device("meta"), NoRandomInit():
         parameters = family.model(cfg).state_dict(keep_vars=True)
     shapes = {}
     for weight in family.weights(cfg):

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from qkv.io import runs
+from qkv.io.build import build, with_backend
 from qkv.io.embedded import EMBEDDED, embedded_path
 from qkv.io.families import Family, family_for
 from qkv.io.families.checks import family_config
-from qkv.io.hf import Pooling, build, download, load_folder, read_pooling, with_backend
+from qkv.io.hf_folder import Pooling, download, load_folder, read_pooling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

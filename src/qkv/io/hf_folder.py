@@ -1,4 +1,7 @@
-"""Hugging Face folders and model ids: config.json + weights + tokenizer.json, in and out."""
+"""Hugging Face folders and model ids: config.json + weights + tokenizer.json, in and out.
+
+Files on disk, read and written without transformers; `qkv.hf` is the other way round
+(qkv's attention inside a transformers model)."""
 
 from __future__ import annotations
 
@@ -7,10 +10,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch import nn
 
-from qkv.io.checkpoint import export, fill, read_checkpoint, weight_bytes
+from qkv.io.build import build, with_backend
+from qkv.io.checkpoint import export, read_checkpoint, weight_bytes
 from qkv.io.families import Family, family_for
 from qkv.io.families.checks import check_weight_bytes, family_config
 from qkv.io.files import write_folder_atomically
@@ -39,43 +42,6 @@ def read_config(folder: Path) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{path} holds a JSON {type(hf).__name__}; a config is a JSON object")
     return hf
-
-
-def with_backend(config, backend: str | None):
-    """The same model config with another attention backend (None keeps it)."""
-    if backend is None:
-        return config
-    return replace(config, block=replace(config.block, backend=backend))
-
-
-class _NoRandomInit(TorchFunctionMode):
-    """Random initializers return their tensor untouched (on the meta device they would give
-    it no values anyway, but their Python meta kernels import torch._dynamo, about 1.5 s, on
-    a process's first load). A TorchFunctionMode holds for its own thread only."""
-
-    SKIPPED = frozenset({
-        torch.Tensor.normal_, torch.Tensor.uniform_, nn.init.normal_, nn.init.uniform_,
-        nn.init.trunc_normal_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
-    })  # fmt: skip
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.SKIPPED:
-            return args[0] if args else kwargs["tensor"]
-        return func(*args, **(kwargs or {}))
-
-
-def build(family: Family, config, tensors: dict[str, Tensor], dtype: torch.dtype) -> nn.Module:
-    """A model of `family` holding `tensors`, in `dtype` and eval mode.
-
-    The model is built on the meta device (shapes, no values), so no time or memory goes
-    to a random init that the checkpoint replaces; `fill` then puts the checkpoint's
-    tensors in. torch.device and torch function modes are per-thread contexts, so nothing
-    process-wide changes: a model built meanwhile on another thread is initialized as usual.
-    """
-    with torch.device("meta"), _NoRandomInit():
-        model = family.model(config)
-    fill(model, family, config, tensors)
-    return model.to(dtype).eval()
 
 
 def read_pooling(folder: Path) -> Pooling | None:
