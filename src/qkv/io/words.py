@@ -1,10 +1,20 @@
 """The words of a text and the tokens each became: what lets a user name "bank#2".
 
+The one rule for naming a word, everywhere a word is asked for (a trace, hide, a probe, the
+server): a word that occurs once is named as it is written ("river"); a word that occurs
+more than once must say which, "bank#1" or "bank#2", and "bank" alone is refused with the
+names there are. Case is ignored. `Encoded.find` is where the rule lives.
+
 >>> from qkv.io.words import Encoded
 >>> e = Encoded(ids=[5, 6, 7], tokens=["river", "bank", "bank"], offsets=[(0, 5), (6, 10),
 ...             (11, 15)], text="river bank bank", special=[False] * 3, word_ids=[0, 1, 2])
->>> e.find("bank#2")
-(2, 3)
+>>> e.find("bank#2"), e.find("river")
+((2, 3), (0, 1))
+>>> e.find("bank")
+Traceback (most recent call last):
+ValueError: 'bank' occurs 2 times in the text; name one: bank#1, bank#2
+>>> [w.name for w in e.words()]
+['river', 'bank#1', 'bank#2']
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ class Word:
 
     `start`/`end` are the word's characters in the text, whitespace excluded; tokens
     `token_start` to `token_end` (exclusive) spell it. `occurrence` counts equal words
-    (ignoring case) from 1, so the second "bank" of a sentence is occurrence 2.
+    (ignoring case) from 1, so the second "bank" of a sentence is occurrence 2; `count` is
+    how many times the word occurs in the text.
     """
 
     text: str
@@ -28,10 +39,18 @@ class Word:
     occurrence: int
     token_start: int
     token_end: int
+    count: int = 1
+
+    @property
+    def name(self) -> str:
+        """The name `Encoded.find` takes for this word: "river" for a word that occurs once,
+        "bank#1", "bank#2"... for one that occurs more than once."""
+        return self.text if self.count == 1 else f"{self.text}#{self.occurrence}"
 
     @property
     def label(self) -> str:
-        """The name `Encoded.find` knows this word by: "bank", then "bank#2", "bank#3"..."""
+        """How an error lists this word among the words of a text: "bank", then "bank#2",
+        "bank#3"... (short; `name` is what `Encoded.find` takes)."""
         return self.text if self.occurrence == 1 else f"{self.text}#{self.occurrence}"
 
     @property
@@ -82,8 +101,7 @@ class Encoded:
             groups[-1].append(i)
             previous_word, previous_end = word_id, end
 
-        words: list[Word] = []
-        seen: Counter[str] = Counter()
+        found: list[tuple[str, int, int, int, int]] = []
         for group in groups:
             # Pure-whitespace tokens at a word's edge (a lone "Ġ") are not part of the word.
             blank = [not self.text[slice(*self.offsets[i])].strip() for i in group]
@@ -96,16 +114,22 @@ class Encoded:
             raw = self.text[start:end]
             start += len(raw) - len(raw.lstrip())
             end -= len(raw) - len(raw.rstrip())
-            text = self.text[start:end]
+            found.append((self.text[start:end], start, end, group[0], group[-1] + 1))
+        count = Counter(text.casefold() for text, *_ in found)
+        seen: Counter[str] = Counter()
+        words: list[Word] = []
+        for text, start, end, token_start, token_end in found:
             seen[text.casefold()] += 1
-            words.append(Word(text, start, end, seen[text.casefold()], group[0], group[-1] + 1))
+            occurrence, repeats = seen[text.casefold()], count[text.casefold()]
+            words.append(Word(text, start, end, occurrence, token_start, token_end, repeats))
         return words
 
     def find(self, word: str) -> tuple[int, int]:
-        """Token span [start, end) of a word: "bank" is its first occurrence, "bank#2" the second.
+        """Token span [start, end) of a word: "river"; "bank#1", "bank#2" where it repeats.
 
         Case is ignored. Raises ValueError naming the words there are when the word is not
-        in the text, or how many there are when the occurrence asked for is past the last.
+        in the text, the names to choose from when it occurs more than once and no
+        occurrence is named, or how many there are when the one asked for is past the last.
         """
         name, occurrence = parse_word(word)
         words = self.words()
@@ -114,12 +138,15 @@ class Encoded:
             raise ValueError(
                 f"{word!r} is not a word of the text; its words are: {_listing(words)}"
             )
-        if occurrence > len(matches):
+        if occurrence is None and len(matches) > 1:
+            names = ", ".join(f"{word}#{n}" for n in range(1, len(matches) + 1))
+            raise ValueError(f"'{word}' occurs {len(matches)} times in the text; name one: {names}")
+        if occurrence is not None and occurrence > len(matches):
             raise ValueError(
                 f"{word!r} asks for occurrence {occurrence} of {name!r}, but the text has "
-                f"{len(matches)}: {', '.join(w.label for w in matches)}"
+                f"{len(matches)}: {', '.join(w.name for w in matches)}"
             )
-        return matches[occurrence - 1].token_span
+        return matches[(occurrence or 1) - 1].token_span
 
     def span_text(self, start: int, end: int) -> str:
         """The text that tokens [start, end) cover (special tokens added around it cover none)."""
@@ -133,18 +160,20 @@ class Encoded:
         return self.text[min(s for s, _ in spans) : max(e for _, e in spans)]
 
 
-def parse_word(word: str) -> tuple[str, int]:
-    """ "bank" -> ("bank", 1), "bank#2" -> ("bank", 2), "C#" -> ("C#", 1)."""
+def parse_word(word: str) -> tuple[str, int | None]:
+    """A word as a user names it: (the word, the occurrence it names, or None for none).
+
+    >>> parse_word("bank"), parse_word("bank#2"), parse_word("C#")
+    (('bank', None), ('bank', 2), ('C#', None))
+    """
     name, sep, number = word.rpartition("#")
     if not (sep and name and number.isdigit()):
-        name, number = word, "1"
+        name, number = word, ""
     if not name.strip():
         raise ValueError("the word to find is empty; pass a word of the text, like 'bank'")
-    if int(number) < 1:
-        raise ValueError(
-            f"{word!r}: occurrences count from 1 ('{name}' or '{name}#1' is the first)"
-        )
-    return name, int(number)
+    if number and int(number) < 1:
+        raise ValueError(f"{word!r}: occurrences count from 1 ('{name}#1' is the first)")
+    return name, int(number) if number else None
 
 
 def _listing(words: list[Word], limit: int = 40) -> str:
