@@ -4,7 +4,8 @@ and any text files turned into token shards.
 `bank` makes sentences where one cue word tells which "bank" is meant; `seq2seq` makes
 copy/reverse/swap tasks whose cross-attention alignment is known; `vocab` builds word-level
 tokenizers for them; `text` trains tokenizers on text files and writes memory-mapped shards.
-Only torch and numpy are imported here; `tokenizers` loads when a tokenizer is built.
+Beside torch and numpy, `text` and `vocab` import the `tokenizers` package (through
+`qkv.io.tokenizer`): everything that reads a corpus builds or holds a tokenizer.
 """
 
 from qkv.data.bank import BankSentence, bank_corpus, bank_vocabulary

@@ -17,15 +17,15 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as Backend
 
 from qkv.io.files import write_folder_atomically
-
-if TYPE_CHECKING:
-    from qkv.io.tokenizer import Tokenizer
+from qkv.io.tokenizer import Tokenizer
 
 StrPath = str | os.PathLike[str]
 KINDS = ("bpe", "wordpiece", "char")
@@ -73,11 +73,6 @@ def train_tokenizer(
     frequent ones, plus <|endoftext|> and <unk>; decode gives the text back exactly where
     no character is <unk>).
     """
-    from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
-    from tokenizers import Tokenizer as Backend
-
-    from qkv.io.tokenizer import Tokenizer
-
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
     smallest = {"bpe": 257, "wordpiece": len(_BERT_SPECIALS) + 1, "char": 3}[kind]

@@ -13,10 +13,11 @@ trained on it can be saved and loaded as a Hugging Face folder of that family.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from qkv.io.tokenizer import Tokenizer
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers, processors
+
+from qkv.io.tokenizer import Tokenizer
 
 # Each style: its special tokens in id order, the names qkv's Tokenizer registers them
 # under, and the markers its post-processor puts around one text ($A) and a pair ($B).
@@ -68,11 +69,6 @@ def word_tokenizer(words: Iterable[str], *, style: str) -> Tokenizer:
     >>> [tokenizer.id_to_token(i) for i in range(len(tokenizer))]
     ['<|endoftext|>', '<unk>', 'a', 'b']
     """
-    from tokenizers import Tokenizer as Backend
-    from tokenizers import models, pre_tokenizers, processors
-
-    from qkv.io.tokenizer import Tokenizer
-
     if style not in _STYLES:
         raise ValueError(f"style must be one of {', '.join(_STYLES)}, not {style!r}")
     spec = _STYLES[style]

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from qkv.io.families import Family
@@ -64,8 +67,6 @@ def _read_pickle(path: Path) -> dict[str, Tensor]:
     """A torch.save'd state dict, unpickled with weights_only (a pickle that would run code
     is refused). The zip format is memory-mapped; the legacy format, which cannot be, is
     read whole."""
-    import zipfile
-
     zipped = zipfile.is_zipfile(path)
     try:
         tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
@@ -87,9 +88,6 @@ def _read_pickle(path: Path) -> dict[str, Tensor]:
 
 
 def _read_safetensors(path: Path) -> dict[str, Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     if not path.exists():
         raise ValueError(f"{path} is missing")
     try:

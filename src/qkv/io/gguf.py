@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import logging
 import mmap
 import os
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from qkv.io.build import NoRandomInit
@@ -352,8 +354,6 @@ def _load_cache(cache: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, Te
     """The cached state dict, or None if there is none or it is damaged (then it is rebuilt)."""
     if not cache.is_file():
         return None
-    from safetensors import safe_open
-
     try:
         with safe_open(cache, framework="pt") as file:
             if (file.metadata() or {}).get("format") != _CACHE_FORMAT:
@@ -382,8 +382,6 @@ def _write_safetensors(file, state_dict: dict[str, Tensor], source: Path) -> Non
     """The safetensors format (an 8-byte header length, a JSON header, the raw bytes),
     written into `file` itself: safetensors' own save_file writes only to a path, through a
     file of its own that a failure could leave behind."""
-    import json
-
     header: dict[str, Any] = {"__metadata__": {"format": _CACHE_FORMAT, "source": source.name}}
     offset = 0
     for name, tensor in state_dict.items():

@@ -8,12 +8,12 @@ sentencepiece-style BPE.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gguf import TokenType
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
+from qkv.io.unicode import bytes_to_unicode
 
 # Split patterns for the byte-level pre-tokenizer tags whose text is not split GPT-2's way;
 # any other tag (e.g. SmolLM2's "smollm") keeps GPT-2's, as transformers does.
@@ -33,8 +33,6 @@ _SPLITS["tekken"] = _TEKKEN_SPLIT
 def gguf_tokenizer(meta: dict[str, Any], path: Path) -> tuple[Tokenizer, dict[str, Any]]:
     """The tokenizer transformers builds from the same file (AutoTokenizer with gguf_file), and
     its settings. `tokenizer.ggml.model` "gpt2" is byte-level BPE; "llama" is sentencepiece BPE."""
-    from tokenizers import AddedToken, processors
-
     kind, tokens = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.tokens")
     if kind not in ("gpt2", "llama") or not tokens:
         raise ValueError(f"{path} has tokenizer model {kind!r}; supported: gpt2, llama")
@@ -56,7 +54,7 @@ def gguf_tokenizer(meta: dict[str, Any], path: Path) -> tuple[Tokenizer, dict[st
     tokenizer = _byte_level(meta) if kind == "gpt2" else _sentencepiece(meta)
     # Control tokens stay whole and special. In a byte-level vocabulary, one spelled outside the
     # byte alphabet is a llama.cpp mislabel, and transformers leaves it out.
-    alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
+    alphabet = set(bytes_to_unicode().values()) if kind == "gpt2" else None
     control = [
         token
         for token, kind_of in zip(tokens, types, strict=True)
@@ -121,23 +119,12 @@ def _check_vocabulary(meta: dict[str, Any], path: Path) -> None:
             )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's spelling of bytes as printable characters: 'Ġ' is the space byte 32."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    others = [b for b in range(256) if b not in printable]
-    spelling = {b: chr(b) for b in printable}
-    spelling |= {b: chr(256 + n) for n, b in enumerate(others)}
-    return spelling
-
-
 def _merges(meta: dict[str, Any]) -> list[tuple[str, ...]]:
     return [tuple(merge.split(" ")) for merge in meta["tokenizer.ggml.merges"]]
 
 
 def _byte_level(meta: dict[str, Any]) -> Tokenizer:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {
         t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): index
@@ -162,8 +149,6 @@ def _byte_level(meta: dict[str, Any]) -> Tokenizer:
 def _sentencepiece(meta: dict[str, Any]) -> Tokenizer:
     """Sentencepiece BPE with byte fallback; without merges in the file, they are recovered
     from the scores: every split of a token into two tokens, best-scoring token first."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     tokens = meta["tokenizer.ggml.tokens"]
     vocab = {token: index for index, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in meta:

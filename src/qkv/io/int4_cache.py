@@ -20,7 +20,12 @@ import logging
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save
 from torch import Tensor, nn
+
+from qkv.io.files import write_atomically
+from qkv.nn.quantized import Int4Linear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +46,6 @@ def store(model: nn.Module, path: Path) -> None:
     """Write the 4- and 8-bit matrices of `model` (after `use_int4`) to `path`, all or
     nothing (their biases are the model's own, read again by `restore`); a cache that
     cannot be written is only logged."""
-    from safetensors.torch import save
-
-    from qkv.io.files import write_atomically
-    from qkv.nn.quantized import Int4Linear, Int8Linear
-
     tensors, modules = {}, []
     for name, module in model.named_modules():
         if type(module) is Int4Linear:
@@ -68,8 +68,6 @@ def restore(model: nn.Module, path: Path) -> bool:
     in place of the Linear it stands for, or of the Linears it fuses: whether it did. Every
     module is checked against the Linear it replaces before any is swapped, so a cache that
     does not fit leaves the model untouched."""
-    from safetensors import safe_open
-
     if not path.is_file():
         return False
     try:
@@ -98,8 +96,6 @@ def _swap(model: nn.Module, tensors: dict[str, Tensor], name: str, kind: str,
           in_features: int, out_features: int) -> tuple:  # fmt: skip
     """(parent, the Linears it replaces, its name, the module) for one cached entry; raises
     ValueError where the model has no Linear of those sizes there."""
-    from qkv.nn.quantized import Int4Linear, Int8Linear
-
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name)
     present = getattr(parent, child, None)

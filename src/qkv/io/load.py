@@ -19,6 +19,8 @@ from qkv.io.embedded import EMBEDDED, embedded_path
 from qkv.io.families import Family, family_for
 from qkv.io.families.checks import family_config
 from qkv.io.hf_folder import Pooling, download, load_folder, read_pooling
+from qkv.io.tokenizer import Tokenizer
+from qkv.nn.quantized import Int4Linear, Int8Linear, int4_available, int8_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,7 +30,7 @@ class Loaded:
     """What a `Pretrained` is made of."""
 
     model: nn.Module
-    tokenizer: object  # qkv.io.tokenizer.Tokenizer
+    tokenizer: Tokenizer
     config: object  # the qkv model config
     family: Family
     hf_config: dict  # the config.json (or a GGUF file's translation of its header)
@@ -54,8 +56,6 @@ def load_source(
     >>> loaded.family.name, loaded.config.num_layers, loaded.pooling.mode
     ('bert', 6, 'mean')
     """
-    from qkv.io.tokenizer import Tokenizer
-
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; allowed: {', '.join(DTYPES)}")
@@ -84,8 +84,8 @@ def load_source(
 
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -> Loaded:
+    # the gguf package (0.3 s to import) loads only for a .gguf file
     from qkv.io.gguf import read_gguf, read_int4
-    from qkv.io.tokenizer import Tokenizer
 
     contents = read_gguf(path)
     family = family_for(contents.config)
@@ -106,8 +106,6 @@ def use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) 
     token a kernel call costs about as much as reading a small matrix, so 4 calls a block
     instead of 7 make a faster token, with the same numbers (each output row is its own).
     The LM head runs in 8 bits (`Int8Linear`: a scale per row)."""
-    from qkv.nn.quantized import Int4Linear, Int8Linear, int4_available, int8_available
-
     if not int4_available():
         raise ValueError(f"int4 needs torch >= 2.6 (this is {torch.__version__})")
     parameter_of = {weight.names[0]: weight.qkv for weight in family.weights(config)}

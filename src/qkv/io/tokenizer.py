@@ -3,7 +3,9 @@
 The Rust `tokenizers` package does the real work (normalizing, pre-tokenizing, BPE or
 WordPiece); this module adds what qkv needs around it: the words of a sentence and the
 tokens each one became (so a user can ask about "bank#2"), batches as padded tensors, a
-streaming decoder for generation, and chat templates rendered the way transformers does.
+streaming decoder for generation (`text_stream`), and chat templates rendered the way
+transformers does (`chat_template`). Checks of Unicode and the bytes of partial characters
+are in `unicode`.
 
 >>> from tokenizers import Tokenizer as Backend, models, pre_tokenizers
 >>> vocab = {"[UNK]": 0, "the": 1, "river": 2, "bank": 3, "money": 4}
@@ -30,6 +32,8 @@ import torch
 from tokenizers import processors
 
 from qkv.io.files import write_atomically
+from qkv.io.text_stream import TextStream
+from qkv.io.unicode import check_unicode, token_bytes, with_hex_bytes
 from qkv.io.words import Encoded
 
 logger = logging.getLogger(__name__)
@@ -37,58 +41,6 @@ logger = logging.getLogger(__name__)
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _OTHER_NAMES = ("cls_token", "sep_token", "mask_token")
 _NO_LIMIT = 10**20  # transformers writes int(1e30) as model_max_length when there is none
-
-
-class TextStream:
-    """Turns token ids into text one token at a time, for showing a generation as it grows.
-
-    `push` returns the text that the new token completes. Byte-level BPE may spell one
-    character with several tokens; the stream holds such bytes back until the character is
-    whole, so it never returns half a character. Pushes plus `finish()` concatenate to
-    `decode(all ids)`: each push decodes a short window (from the last emitted token on),
-    which is exact for decoders that work token by token, as the byte-level, WordPiece and
-    Metaspace/byte-fallback ones do.
-
-    >>> from tokenizers import Tokenizer as Backend, models, pre_tokenizers
-    >>> backend = Backend(models.WordLevel({"hi": 0, "there": 1}, unk_token="hi"))
-    >>> backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    >>> stream = Tokenizer(backend).stream()
-    >>> [stream.push(i) for i in (0, 1)]
-    ['hi', ' there']
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
-        self.text = ""  # everything returned so far
-        # Decoding only a window (the last emitted token onwards) keeps each push O(1)
-        # while giving decoders the left context they need (the space before a word).
-        self._window_start = 0
-        self._emitted_until = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_id: int) -> str:
-        """Add one token id; return the newly completed text ("" while a character is partial)."""
-        self.ids.append(int(token_id))
-        before = self._decode(self.ids[self._window_start : self._emitted_until])
-        now = self._decode(self.ids[self._window_start :])
-        if len(now) <= len(before) or now.endswith("\ufffd") or not now.startswith(before):
-            return ""
-        new = now[len(before) :]
-        self._window_start, self._emitted_until = self._emitted_until, len(self.ids)
-        self.text += new
-        return new
-
-    def finish(self) -> str:
-        """The text held back: an incomplete character at the end, as decode() shows it."""
-        before = self._decode(self.ids[self._window_start : self._emitted_until])
-        rest = self._decode(self.ids[self._window_start :])[len(before) :]
-        self._window_start = self._emitted_until = len(self.ids)
-        self.text += rest
-        return rest
 
 
 class Tokenizer:
@@ -406,9 +358,9 @@ class Tokenizer:
         decoded = self.backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
         for n, (token_id, text) in enumerate(zip(ids, decoded, strict=True)):
             if "\ufffd" in text:  # bytes that are not a whole character, or a real U+FFFD
-                raw = _token_bytes(self.backend.id_to_token(token_id))
+                raw = token_bytes(self.backend.id_to_token(token_id))
                 if raw is not None and raw.decode("utf-8", errors="replace") == text:
-                    decoded[n] = _with_hex_bytes(raw)
+                    decoded[n] = with_hex_bytes(raw)
         return decoded
 
     def stream(self, *, skip_special_tokens: bool = True) -> TextStream:
@@ -437,6 +389,7 @@ class Tokenizer:
             for key, value in message.items():  # where the user wrote it, not the prompt made
                 if isinstance(value, str):
                     check_unicode(value, f"message {i}'s {key!r}")
+        # jinja2 and its sandbox load only when a chat is rendered, not with every tokenizer
         from qkv.io.chat_template import compile_chat_template, render_chat_template
 
         if self._template is None:
@@ -451,73 +404,6 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **self.special_tokens,
         )
-
-
-def check_unicode(text: str, what: str) -> None:
-    """Refuse text that is not valid Unicode: a lone surrogate (U+D800..U+DFFF), which no
-    encoding can write. Python makes them from bytes that are not UTF-8 (a command line's
-    argv, a file read with errors="surrogateescape"); the tokenizer would fail on them.
-
-    >>> check_unicode("river bank", "the text")
-    >>> check_unicode("bank\\udcff", "the text")  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ValueError: the text is not valid Unicode: character 4 is '\\udcff', which stands for ...
-    """
-    if text.isascii():
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        i, bad = error.start, text[error.start]
-        what = f"{what} is not valid Unicode: character {i}"
-        if 0xDC80 <= ord(bad) <= 0xDCFF:  # Python's stand-in for a byte it could not decode
-            raise ValueError(
-                f"{what} is {bad!r}, which stands for the byte {ord(bad) - 0xDC00:#04x} that is "
-                "not UTF-8 (a lone surrogate); give UTF-8 text"
-            ) from None
-        raise ValueError(f"{what} is a lone surrogate {bad!r}; give UTF-8 text") from None
-
-
-def _token_bytes(name: str | None) -> bytes | None:
-    """The bytes a token's name would spell as byte-level BPE's (GPT-2's printable spelling of
-    each byte: "Ġ" is the space) or as sentencepiece's byte token ("<0xE6>"); None where it
-    cannot ("▁bank"). A name of printable ASCII spells its own bytes in any tokenizer, so the
-    caller checks them against what the decoder made of the token.
-
-    >>> _token_bytes("Ġæ"), _token_bytes("<0xE6>"), _token_bytes("▁bank")
-    (b' \\xe6', b'\\xe6', None)
-    """
-    from qkv.io.gguf_tokenizer import _bytes_to_unicode
-
-    if name is None:
-        return None
-    if len(name) == 6 and name.startswith("<0x") and name.endswith(">"):
-        try:
-            return bytes([int(name[3:5], 16)])
-        except ValueError:
-            return None
-    byte_of = {character: byte for byte, character in _bytes_to_unicode().items()}
-    if all(character in byte_of for character in name):
-        return bytes(byte_of[character] for character in name)
-    return None
-
-
-def _with_hex_bytes(raw: bytes) -> str:
-    """UTF-8 bytes as text, each byte that is not part of a whole character as <0xNN>.
-
-    >>> _with_hex_bytes(" 日".encode()[:2]), _with_hex_bytes("本".encode())
-    (' <0xE6>', '本')
-    """
-    shown, start = [], 0
-    while start < len(raw):
-        try:
-            shown.append(raw[start:].decode("utf-8"))
-            break
-        except UnicodeDecodeError as error:
-            shown.append(raw[start : start + error.start].decode("utf-8"))
-            shown += [f"<0x{b:02X}>" for b in raw[start + error.start : start + error.end]]
-            start += error.end
-    return "".join(shown)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
