@@ -18,6 +18,7 @@ from qkv.io.checkpoint import export, read_checkpoint, weight_bytes
 from qkv.io.families import Family, family_for
 from qkv.io.families.checks import check_weight_bytes, family_config
 from qkv.io.files import write_folder_atomically
+from qkv.io.json_file import read_json
 
 # what a model needs from a hub repository; everything else there is left alone
 HUB_FILES = ["*.json", "*.safetensors", "pytorch_model.bin", "1_Pooling/*", "*.txt"]
@@ -36,10 +37,7 @@ def read_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.exists():
         raise ValueError(f"{folder} is not a Hugging Face model folder: config.json is missing")
-    try:
-        hf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    hf = read_json(path)
     if not isinstance(hf, dict):
         raise ValueError(f"{path} holds a JSON {type(hf).__name__}; a config is a JSON object")
     return hf
@@ -107,10 +105,7 @@ def _read_module_json(path: Path, kind: type = dict):
         raise ValueError(f"{path} is missing or not a file; modules.json asks for it")
     if path.stat().st_size > _MODULE_FILE_LIMIT:
         raise ValueError(f"{path} is over {_MODULE_FILE_LIMIT:,} bytes; is it the right file?")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    data = read_json(path)
     if not isinstance(data, kind):
         what = "an object" if kind is dict else "a list"
         raise ValueError(f"{path} should hold {what}, not {type(data).__name__}")

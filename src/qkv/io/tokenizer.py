@@ -32,6 +32,7 @@ import torch
 from tokenizers import processors
 
 from qkv.io.files import write_atomically
+from qkv.io.json_file import read_json
 from qkv.io.text_stream import TextStream
 from qkv.io.unicode import check_unicode, token_bytes, with_hex_bytes
 from qkv.io.words import Encoded
@@ -409,10 +410,7 @@ class Tokenizer:
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    data = read_json(path)
     if not isinstance(data, dict):
         raise ValueError(f"{path} should hold a JSON object, not {type(data).__name__}")
     return data
