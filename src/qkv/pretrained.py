@@ -330,7 +330,7 @@ class Pretrained:
 
         from qkv.io import int4_cache
         from qkv.io.gguf import default_cache_dir, read_int4
-        from qkv.io.load import use_int4
+        from qkv.io.int4 import use_int4
 
         shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
         twin = copy.deepcopy(self.model, shared)  # the modules copied, their tensors not

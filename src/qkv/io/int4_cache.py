@@ -25,12 +25,12 @@ from safetensors.torch import save
 from torch import Tensor, nn
 
 from qkv.io.files import write_atomically
+from qkv.io.int4 import FUSED
 from qkv.nn.quantized import Int4Linear, Int8Linear
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "qkv-int4-1"  # bump when use_int4 would make other modules or buffers
-FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}  # use_int4's one-product Linears
 
 
 def cache_path(digest: str, cache_dir: Path) -> Path:
