@@ -2,16 +2,17 @@
 and any text files turned into token shards.
 
 `bank` makes sentences where one cue word tells which "bank" is meant; `seq2seq` makes
-copy/reverse/swap tasks whose cross-attention alignment is known; `vocab` builds word-level
-tokenizers for them; `text` trains tokenizers on text files and writes memory-mapped shards.
-Beside torch and numpy, `text` and `vocab` import the `tokenizers` package (through
-`qkv.io.tokenizer`): everything that reads a corpus builds or holds a tokenizer.
+copy/reverse/swap tasks whose cross-attention alignment is known; `word_level` builds
+word-level tokenizers for them; `text` trains tokenizers on text files and writes
+memory-mapped shards. Beside torch and numpy, `text` and `word_level` import the
+`tokenizers` package (through `qkv.io.tokenizer`): everything that reads a corpus builds or
+holds a tokenizer.
 """
 
 from qkv.data.bank import BankSentence, bank_corpus, bank_vocabulary
 from qkv.data.seq2seq import TASKS, Seq2SeqExample, seq2seq_corpus, task_symbols
 from qkv.data.text import TokenShards, read_text, train_tokenizer, write_shards
-from qkv.data.vocab import word_tokenizer
+from qkv.data.word_level import word_tokenizer
 
 __all__ = [
     "TASKS",

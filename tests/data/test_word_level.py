@@ -1,4 +1,4 @@
-"""qkv.data.vocab: word-level tokenizers with each family's special tokens and ids."""
+"""qkv.data.word_level: word-level tokenizers with each family's special tokens and ids."""
 
 from __future__ import annotations
 
