@@ -29,7 +29,7 @@ from fastapi.staticfiles import StaticFiles
 from qkv.serve.api import router
 from qkv.serve.limits import BodyLimit, Busy, Limits, TimedOut, TooLarge
 from qkv.serve.long import NotComputed
-from qkv.serve.models import Served, served_models
+from qkv.serve.held import Served, served_models
 from qkv.serve.schemas import with_limits
 
 log = logging.getLogger("qkv.serve")

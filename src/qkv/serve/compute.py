@@ -6,7 +6,7 @@ generation is `Pretrained.generate`, a hidden key is `qkv.hide`, the census `qkv
 This module checks what only a model can tell (tokens, layers and heads in range, an
 answer's size) and shapes the answer. Requests share a model
 with no lock: each forward pass returns the records its numbers come from (see
-`qkv.serve.models`). Each function takes `stop`, an event the server sets when the request's
+`qkv.serve.held`). Each function takes `stop`, an event the server sets when the request's
 time is up; the work checks it between its expensive steps (`going`) and stops there.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
-from qkv.serve.models import Served
+from qkv.serve.held import Served
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
 

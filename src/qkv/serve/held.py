@@ -1,4 +1,7 @@
-"""The models a server holds: loaded once at start-up, read-only, shared by every request.
+"""The models this server holds: loaded once at start-up, read-only, shared by every request.
+
+(Named `held`, not `models`, so that it is never read as `qkv.models`, the model classes: what
+lives here is the server's own record of each model it was given, by the name requests use.)
 
 Concurrency, and why: a forward pass under `torch.inference_mode` reads the weights and
 writes only tensors of its own, and everything the server shows about attention (weights,
