@@ -23,8 +23,10 @@ from collections.abc import Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from qkv.inspect.bank_sentences import SENTENCES
+from qkv.inspect.demo import SENTENCE
 from qkv.serve import compute, long
-from qkv.serve.limits import Busy, Cancelled, TimedOut
+from qkv.serve.limits import Busy, Cancelled, NotComputed, TimedOut
 from qkv.serve.schemas import (
     AttentionAnswer,
     AttentionRequest,
@@ -72,13 +74,9 @@ log = logging.getLogger("qkv.serve")
 
 @router.get("/models", response_model=ModelsAnswer, summary="The models and the limits")
 async def models(request: Request):
-    from qkv import __version__
-    from qkv.inspect.bank_sentences import SENTENCES
-    from qkv.inspect.demo import SENTENCE
-
     state = request.app.state.qkv
     return {
-        "version": __version__,
+        "version": request.app.version,  # qkv's (`create_app`)
         "models": [served.describe() for served in state.models.values()],
         "limits": state.limits.to_dict(),
         "examples": [SENTENCE, *SENTENCES],
@@ -401,7 +399,7 @@ async def run(
 
 
 # the errors a request is answered with (4xx, 503): sent without the frames they were raised in
-TOLD = (ValueError, Busy, long.NotComputed, Cancelled)
+TOLD = (ValueError, Busy, NotComputed, Cancelled)
 
 
 async def in_pool(

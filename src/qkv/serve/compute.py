@@ -20,12 +20,19 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 
 import numpy as np
 import torch
 
-from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
+# the module, not its function: a test may replace `census.heads` with a slow one
+from qkv.inspect import census
+from qkv.inspect.intervene import hide
+from qkv.inspect.probe import probe
+from qkv.inspect.trace import trace
 from qkv.serve.held import Served
+from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
 
@@ -127,8 +134,6 @@ def trace_pair(
     stop: threading.Event | None = None,
 ) -> dict:
     """`qkv.trace(...).to_dict()`: the article's steps for one pair (docs/explain.md)."""
-    from qkv.inspect.trace import trace
-
     encode(served, limits, text)
     going(stop)
     traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
@@ -146,8 +151,6 @@ def contributions(
 ) -> dict:
     """What each token added to `query`'s new vector in one head: the trace's contributions,
     ranked by softmax weight and by size after the output projection."""
-    from qkv.inspect.trace import trace
-
     encode(served, limits, text)
     served.check_index("layer", layer)
     served.check_index("head", head)
@@ -183,8 +186,6 @@ def probe_word(
     stop: threading.Event | None = None,
 ) -> dict:
     """`probe(...).to_dict()`: the word's vectors compared across sentences (docs/probe.md)."""
-    from qkv.inspect.probe import probe
-
     for i, sentence in enumerate(sentences or []):
         encode(served, limits, sentence, f"sentence {i}")
     going(stop)
@@ -309,8 +310,6 @@ def hide_word(
     `going(stop)` between. A row is the same either way, since each layer's runs resume
     from the clean run there; a test checks the answer equals one `hide` call's.
     """
-    from qkv.inspect.intervene import hide
-
     encode(served, limits, text)
     config = served.pretrained.config
     layers = list(range(config.num_layers)) if layers is None else layers
@@ -344,9 +343,6 @@ def head_census(served: Served, limits: Limits, stop: threading.Event | None = N
     built-in prompts, the same for every request. The first request starts it (SmolLM2's
     takes a while on a small CPU: every prompt through every layer) and waits up to half of
     timeout_s; past that it is told 503, ask again, while the census goes on to its end."""
-    from concurrent.futures import Future
-    from concurrent.futures import wait as wait_for
-
     pretrained = served.pretrained
     with _census_guard:
         future = _censuses.get(pretrained)
@@ -366,9 +362,7 @@ def head_census(served: Served, limits: Limits, stop: threading.Event | None = N
 
 
 def _count(pretrained, future) -> None:
-    from qkv.inspect.census import heads
-
     try:
-        future.set_result(heads(pretrained).to_dict())
+        future.set_result(census.heads(pretrained).to_dict())
     except Exception as error:  # a census the model cannot give is refused on every request
         future.set_exception(error)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, Encoder
-from qkv.serve.long import read
+from qkv.serve.long_reading import read
 from qkv.serve.long_texts import LongTexts
 
 
