@@ -14,10 +14,10 @@ for it on the event loop, holding no worker, and is told 202 past half of timeou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from qkv.inspect.bank_sentences import SENTENCES
 from qkv.inspect.demo import SENTENCE
 from qkv.serve import compute, long
-from qkv.serve.limits import Busy, Cancelled, NotComputed, TimedOut
+from qkv.serve.jobs import finished, in_pool, wait_turn
+from qkv.serve.limits import Cancelled
 from qkv.serve.schemas import (
     AttentionAnswer,
     AttentionRequest,
@@ -158,7 +159,14 @@ async def census(body: HeadsRequest, request: Request) -> dict:
     entropy (and window use) scores on built-in prompts, the top heads of each, and each
     layer's first-token mass. The same for every request: computed once per model. Fields:
     docs/heads.md."""
-    return await answer(request, body, compute.head_census)
+    state = request.app.state.qkv
+    body.check(state.limits)
+    served = state.pick(body.model)
+    deadline = time.monotonic() + state.limits.timeout_s / 2
+    counted = compute.census_of(served)
+    if not await finished(counted.done, deadline):
+        raise compute.still_counting(served)
+    return await run(request, lambda stop: compute.head_census(served, counted))
 
 
 LONG = {
@@ -196,15 +204,12 @@ async def long_text(body: LongRequest, request: Request):
     state = request.app.state.qkv
     body.check(state.limits)
     served, limits = state.pick(body.model), state.limits
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limits.timeout_s / 2
+    deadline = time.monotonic() + limits.timeout_s / 2
     reading = await in_pool(request, lambda stop: long.ask(served, limits, body.text))
-    while not reading.done.is_set():  # waited for here, on the event loop: no worker held
-        if loop.time() >= deadline:
-            progress = long.progress(served, reading)
-            return JSONResponse(progress, status_code=202, headers={"Retry-After": RETRY_AFTER})
-        served.long.touch(reading)  # its client is still here
-        await asyncio.sleep(0.05)
+    touched = served.long.touch  # at each look: its client is still here
+    if not await finished(reading.done.is_set, deadline, between=lambda: touched(reading)):
+        progress = long.progress(served, reading)
+        return JSONResponse(progress, status_code=202, headers={"Retry-After": RETRY_AFTER})
     return await run(request, lambda stop: long.summaries_of(served, reading))
 
 
@@ -357,16 +362,6 @@ def options(body: GenerateRequest) -> dict:
     }
 
 
-async def wait_turn(lock: asyncio.Lock, served, timeout: float) -> None:
-    try:
-        await asyncio.wait_for(lock.acquire(), timeout)
-    except TimeoutError:
-        raise Busy(
-            f"{served.name} has been generating for another request for {timeout:g} s "
-            "(timeout_s); try again when it is done"
-        ) from None
-
-
 async def answer(request: Request, body, work: Callable, *args) -> Response:
     """work(served model, limits, *args, stop=...) for the model a request names, once the
     request's strings are within the limits (see `run`)."""
@@ -396,52 +391,3 @@ async def run(
 
     body = await in_pool(request, encoded, timeout=timeout, then=then)
     return Response(body, media_type="application/json")
-
-
-# the errors a request is answered with (4xx, 503): sent without the frames they were raised in
-TOLD = (ValueError, Busy, NotComputed, Cancelled)
-
-
-async def in_pool(
-    request: Request,
-    work: Callable[[threading.Event], object],
-    *,
-    timeout: float | None = None,
-    then: Callable[[], None] | None = None,
-):
-    """work(stop)'s result, run in the app's thread pool. Past the time limit, TimedOut, and
-    `stop` is set: the work never starts, or stops at its next step. then(): called on the
-    event loop when the work has ended, however it ended (a generation's turn passes on
-    then, not at the 504). An error the client is told (4xx, 503) leaves without its
-    traceback, whose frames (the worker's locals: a long text's records) would otherwise stay
-    alive in a cycle with the future that carried it until the garbage collector ran."""
-    state = request.app.state.qkv
-    timeout = state.limits.timeout_s if timeout is None else timeout
-    loop, stop = asyncio.get_running_loop(), threading.Event()
-
-    def ended(_) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop has closed, its lock too
-            loop.call_soon_threadsafe(then)
-
-    try:
-        future = state.pool.submit(work, stop)
-    except RuntimeError:  # the pool has shut down: the server is stopping
-        if then is not None:
-            then()
-        raise
-    if then is not None:
-        future.add_done_callback(ended)
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-    except TimeoutError:
-        raise TimedOut(
-            f"the request took longer than this server's limit of {timeout:g} s (timeout_s) "
-            "and was stopped; ask for a shorter text, or fewer layers and heads"
-        ) from None
-    except TOLD as error:
-        raise error.with_traceback(None) from None
-    finally:
-        if not future.done():  # past the time limit, or the server is stopping
-            stop.set()
-            future.cancel()
-        future = None  # this frame, kept by an error's traceback, must not keep the error

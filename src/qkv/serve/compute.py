@@ -21,7 +21,6 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ from qkv.inspect.intervene import hide
 from qkv.inspect.probe import probe
 from qkv.inspect.trace import trace
 from qkv.serve.held import Served
+from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
@@ -338,31 +338,28 @@ _censuses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Pretrained
 _census_guard = threading.Lock()
 
 
-def head_census(served: Served, limits: Limits, stop: threading.Event | None = None) -> dict:
-    """`qkv.heads(...).to_dict()` (docs/heads.md): the census of the model's heads over the
-    built-in prompts, the same for every request. The first request starts it (SmolLM2's
-    takes a while on a small CPU: every prompt through every layer) and waits up to half of
-    timeout_s; past that it is told 503, ask again, while the census goes on to its end."""
+def census_of(served: Served) -> Future:
+    """The census of the model's heads over the built-in prompts (`qkv.heads`, docs/heads.md),
+    the same for every request: the first request starts it in a thread of its own (SmolLM2's
+    takes a while on a small CPU: every prompt through every layer); each request waits for it
+    up to half of timeout_s, and past that is told 503 (`still_counting`), ask again, while the
+    census goes on to its end. A census the model cannot give is refused on every request."""
     pretrained = served.pretrained
     with _census_guard:
-        future = _censuses.get(pretrained)
-        if future is None:
-            future = _censuses[pretrained] = Future()
-            threading.Thread(target=_count, args=(pretrained, future), name="qkv-census",
-                             daemon=True).start()  # fmt: skip
-    deadline = time.monotonic() + limits.timeout_s / 2
-    while not wait_for([future], timeout=0.05).done:
-        going(stop)
-        if time.monotonic() > deadline:
-            raise Busy(
-                f"the census of {served.name}'s heads is being computed (every built-in prompt "
-                "through every layer, once per model); ask again in a few seconds"
-            )
-    return {"model": served.name, **future.result()}
+        if pretrained not in _censuses:
+            counting = in_thread(lambda: census.heads(pretrained).to_dict(), "qkv-census")
+            _censuses[pretrained] = counting
+        return _censuses[pretrained]
 
 
-def _count(pretrained, future) -> None:
-    try:
-        future.set_result(census.heads(pretrained).to_dict())
-    except Exception as error:  # a census the model cannot give is refused on every request
-        future.set_exception(error)
+def still_counting(served: Served) -> Busy:
+    """The 503 of a request that waited for the census as long as it may."""
+    return Busy(
+        f"the census of {served.name}'s heads is being computed (every built-in prompt "
+        "through every layer, once per model); ask again in a few seconds"
+    )
+
+
+def head_census(served: Served, counted: Future) -> dict:
+    """`qkv.heads(...).to_dict()` once `counted` (`census_of`) is done; its error if it failed."""
+    return {"model": served.name, **counted.result()}
