@@ -72,14 +72,10 @@ def attention(
     """The weights of the chosen layers and heads, (L', H', T, T), and the text's tokens, as
     JSON. Its size, L' x H' x T x T, is checked against max_weights before the forward pass."""
     T = len(encode(served, limits, text).ids)
-    config = served.pretrained.config
-    layers = list(range(config.num_layers)) if layers is None else layers
-    heads = list(range(config.block.num_heads)) if heads is None else heads
     for name, chosen in (("layer", layers), ("head", heads)):
-        if not chosen:
+        if chosen is not None and not chosen:
             raise ValueError(f"{name}s is empty; leave it out for every {name}")
-        for value in chosen:
-            served.check_index(name, value)
+    layers, heads = served.choose("layer", layers), served.choose("head", heads)
     size = len(layers) * len(heads) * T * T
     if size > limits.max_weights:
         raise TooLarge(
@@ -311,12 +307,7 @@ def hide_word(
     from the clean run there; a test checks the answer equals one `hide` call's.
     """
     encode(served, limits, text)
-    config = served.pretrained.config
-    layers = list(range(config.num_layers)) if layers is None else layers
-    heads = list(range(config.block.num_heads)) if heads is None else heads
-    for name, chosen in (("layer", layers), ("head", heads)):
-        for value in chosen:
-            served.check_index(name, value)
+    layers, heads = served.choose("layer", layers), served.choose("head", heads)
     going(stop)
     hidden = hide(served.pretrained, text, key, query=query, layers=layers, heads=heads,
                   table=False)  # fmt: skip

@@ -66,11 +66,16 @@ class Served:
             "generates": self.decoder,
         }
 
-    def check_index(self, name: str, value: int) -> None:
-        """ValueError naming the range when a layer or head is out of it (counted from 0)."""
+    def choose(self, name: str, values) -> list[int]:
+        """The layers or heads ("layer" or "head") asked for, None for every one, counted from
+        0: `check_indices`, whose ValueError names the range or the repeat."""
         config = self.pretrained.config
         most = config.num_layers if name == "layer" else config.block.num_heads
-        check_indices(name, [value], most, self.name)
+        return check_indices(name, values, most, self.name)
+
+    def check_index(self, name: str, value: int) -> None:
+        """ValueError naming the range when a layer or head is out of it (counted from 0)."""
+        self.choose(name, [value])
 
 
 def served_models(models: dict) -> dict[str, Served]:
