@@ -19,7 +19,8 @@ Data flows one way. Each module imports only the ones above it in this list, eac
     held          the models this server holds (`Served`), each with its long texts
     compute       the work behind each short request, run in a worker thread
     long          the work behind /api/long*, on a model's long texts
-    schemas       the JSON each request takes and each answer gives
+    schemas       the JSON each request takes, checked where it enters
+    answers       the JSON each answer gives, as /docs shows it
     api           the routes: check a request, pick its model, wait for its work
     app           `create_app`: the FastAPI app, its page and its error answers
     server        serving an app with uvicorn, from the command line or a thread

@@ -26,29 +26,31 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from qkv.inspect.bank_sentences import SENTENCES
 from qkv.inspect.demo import SENTENCE
 from qkv.serve import compute, long
+from qkv.serve.answers import (
+    AttentionAnswer,
+    ContributionsAnswer,
+    GenerateAnswer,
+    LongAnswer,
+    LongHeadAnswer,
+    LongProgress,
+    LongRegionAnswer,
+    ModelsAnswer,
+    NextAnswer,
+    Problem,
+)
 from qkv.serve.jobs import finished, in_pool, wait_turn
 from qkv.serve.limits import Cancelled
 from qkv.serve.schemas import (
-    AttentionAnswer,
     AttentionRequest,
-    ContributionsAnswer,
     ContributionsRequest,
-    GenerateAnswer,
     GenerateRequest,
     HeadsRequest,
     HideRequest,
-    LongAnswer,
-    LongHeadAnswer,
     LongHeadRequest,
-    LongProgress,
-    LongRegionAnswer,
     LongRegionRequest,
     LongRequest,
-    ModelsAnswer,
-    NextAnswer,
     NextRequest,
     ProbeRequest,
-    Problem,
     TraceRequest,
 )
 
