@@ -2,13 +2,15 @@
 
 Each request is checked where it enters: by its schema (`qkv.serve.schemas`), then its
 strings against the server's limits (`Request.check`), before any work. Work runs in the
-app's thread pool, never on the event loop, so a slow request delays no other; each is
-bounded by `Limits.timeout_s` (504 past it, the wait for a worker included), and past it
-its work is told to stop and does, at its next step. A generation first awaits its model's
-turn (503 if it does not come within timeout_s), then runs until max_new_tokens, the end of
-the text or `Limits.generate_s`; the turn passes on when its work has really stopped. A long
-text is read in its model's own thread, in turn (`qkv.serve.long_texts`): its request waits
-for it on the event loop, holding no worker, and is told 202 past half of timeout_s.
+app's thread pool (`qkv.serve.jobs`), never on the event loop, so a slow request delays no
+other; each is bounded by `Limits.timeout_s` (504 past it, the wait for a worker included),
+and past it its work is told to stop and does, at its next step. A generation first awaits
+its model's turn (503 if it does not come within timeout_s), then runs until
+max_new_tokens, the end of the text or `Limits.generate_s`; the turn passes on when its work
+has really stopped. A long text is read in its model's own thread, in turn
+(`qkv.serve.long_texts`), and a model's census of heads in a thread of its own: a request
+waits for either on the event loop, holding no worker, and past half of timeout_s is told to
+ask again (a long text's 202, the census's 503).
 """
 
 from __future__ import annotations
