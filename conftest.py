@@ -79,7 +79,7 @@ def smollm2_hf():
 SLOWEST_FIRST = (
     "tests/test_walkthrough.py",  # every command of the walkthrough; trains bank and reverse
     "tests/io/test_gguf.py",  # transformers' own load of SmolLM2 from GGUF
-    "tests/test_hf_families.py",  # a tiny checkpoint of every model type transformers has
+    "tests/hf/test_hf_families.py",  # a tiny checkpoint of every model type transformers has
     "tests/test_demo.py",
     "tests/train/test_loop.py",
     "tests/train/test_distributed.py",

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from qkv.attention import attend, attention_weights, explain_choice, flash
 from qkv.attention.eager import attend_into, compute_dtype, takes_into, weights_into
@@ -43,6 +45,11 @@ from qkv.hf.refusals import (
     refuse_arguments,
 )
 from qkv.nn.record import AttentionRecord
+
+try:
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # a transformers without the recorder passes output_attentions itself
+    _active_collector = None
 
 NAME = "qkv"  # attn_implementation="qkv"
 KEEP = "_qkv_keep"  # the attribute `keep` sets on a model's modules while it is active
@@ -69,9 +76,6 @@ def register(name: str = NAME, *, backend: str = "auto") -> None:
             f"attn_implementation {name!r} is registered with qkv backend "
             f"{_REGISTERED[name]!r}; register another name for {backend!r}"
         )
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(name, functools.partial(attention, backend=backend))
     AttentionMaskInterface.register(name, sdpa_mask)  # boolean, True = may attend
     _REGISTERED[name] = backend
@@ -160,7 +164,7 @@ def keep(
         )
     L, H = config.num_hidden_layers, config.num_attention_heads
     every = layers is None or (isinstance(layers, str) and layers == "all")
-    chosen = list(range(L)) if every else check_indices("layer", layers, L, name)
+    chosen = check_indices("layer", None if every else layers, L, name)
     shown = None if heads is None else check_indices("head", heads, H, name)
     if not chosen or shown == []:
         raise ValueError("no layer or no head asked for; leave layers and heads out for all")
@@ -355,11 +359,7 @@ def _asked(module: nn.Module, kwargs: dict) -> bool:
 
 def _collector() -> dict | None:
     """What transformers' `capture_outputs` is collecting in this forward (None outside one)."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without the recorder passes output_attentions itself
-        return None
-    return _active_collector.get()
+    return None if _active_collector is None else _active_collector.get()
 
 
 def _together(query, key, value, asked, heads, backend: str, variants: dict) -> bool:

@@ -17,12 +17,16 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from transformers import AutoModel, AutoTokenizer
 
 from qkv.attention.inputs import check_indices
-from qkv.hf.backend import check, keep
+from qkv.hf.backend import NAME, check, keep
+from qkv.inspect.trace import Layout, trace
 from qkv.io.tokenizer import Tokenizer
 from qkv.io.words import Encoded
 from qkv.pretrained import Attentions, check_weights_option
+from qkv.viz import write_html
+from qkv.viz.report import page_trace, untraceable
 
 # where transformers' attention modules keep their output projection, (C, H * D) as a Linear
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
@@ -107,10 +111,7 @@ class Inspected:
         check_weights_option(weights)
         if target is not None:
             raise ValueError(f"a target text is for encoder-decoder models; {self.source} is not")
-        every = layers is None or (isinstance(layers, str) and layers == "all")
-        layers = list(range(self.num_layers)) if every else layers
-        heads = check_indices("head", range(self.num_heads) if heads is None else heads,
-                              self.num_heads, self.source)  # fmt: skip
+        heads = check_indices("head", heads, self.num_heads, self.source)  # layers: by `keep`
         encoded = self.encode(text)
         ids = torch.tensor([encoded.ids], device=_device(self.model))  # (1, T)
         base = getattr(self.model, "base_model", self.model)  # no LM head: only records
@@ -128,8 +129,6 @@ class Inspected:
     def trace(self, text: str, query: str, key: str, **options):
         """`qkv.trace` of this model: the article's steps for `query` getting context from
         `key` in `text` (options as `trace` takes them: layer, head, attentions)."""
-        from qkv.inspect.trace import trace
-
         return trace(self, text, query, key, **options)
 
     def attention_layout(self):
@@ -137,8 +136,6 @@ class Inspected:
         its sizes, and each layer's output projection, found in transformers' attention
         module (o_proj, out_proj, dense or c_proj); a family that keeps it elsewhere is
         refused by name when a trace needs it."""
-        from qkv.inspect.trace import Layout
-
         return Layout(num_layers=self.num_layers, num_heads=self.num_heads,
                       width=self.config.hidden_size, cross=False,
                       out_weight=self._out_weight, anatomy=lambda layer: None)  # fmt: skip
@@ -162,9 +159,6 @@ class Inspected:
     def write_page(self, text: str, path: str | Path, **options) -> Path:
         """The interactive page of `qkv show` for `text`, with a clicked pair's steps redone
         from the records (`qkv.viz.write_html`); options as write_html takes them."""
-        from qkv.viz import write_html
-        from qkv.viz.report import page_trace, untraceable
-
         seen = self.attentions(text)
         vectors = scores = None
         if untraceable(seen.records) is None:
@@ -183,10 +177,6 @@ def inspect(model: nn.Module, tokenizer, *, source: str | None = None) -> Inspec
 def load(source: str | Path, *, dtype: str | torch.dtype = "float32") -> Inspected:
     """A model folder or hub id loaded by transformers (`AutoModel`, any family it reads)
     onto qkv's attention, with its tokenizer (`AutoTokenizer`), as an `Inspected`."""
-    from transformers import AutoModel, AutoTokenizer
-
-    from qkv.hf.backend import NAME
-
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     model = AutoModel.from_pretrained(source, attn_implementation=NAME, dtype=dtype)
     return Inspected(model, AutoTokenizer.from_pretrained(source), source=str(source))

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Callable
 
 from torch import nn
+from transformers import PreTrainedModel
 
 # keyword arguments that change the scores in a way qkv does not compute
 REFUSED = {
@@ -131,8 +132,6 @@ def guard_loading(registered: Callable[[str], bool]) -> None:
     """Refuse by name, as transformers checks the implementation a model is made with or
     switched to, a model class that qkv's attention would not compute exactly, where
     `registered(implementation)` says the implementation is qkv's. Installed once."""
-    from transformers import PreTrainedModel
-
     original = PreTrainedModel.get_correct_attn_implementation
     if getattr(original, "_qkv_guard", False):
         return

@@ -2,50 +2,57 @@
 
 Each request is checked where it enters: by its schema (`qkv.serve.schemas`), then its
 strings against the server's limits (`Request.check`), before any work. Work runs in the
-app's thread pool, never on the event loop, so a slow request delays no other; each is
-bounded by `Limits.timeout_s` (504 past it, the wait for a worker included), and past it
-its work is told to stop and does, at its next step. A generation first awaits its model's
-turn (503 if it does not come within timeout_s), then runs until max_new_tokens, the end of
-the text or `Limits.generate_s`; the turn passes on when its work has really stopped. A long
-text is read in its model's own thread, in turn (`qkv.serve.long_texts`): its request waits
-for it on the event loop, holding no worker, and is told 202 past half of timeout_s.
+app's thread pool (`qkv.serve.jobs`), never on the event loop, so a slow request delays no
+other; each is bounded by `Limits.timeout_s` (504 past it, the wait for a worker included),
+and past it its work is told to stop and does, at its next step. A generation first awaits
+its model's turn (503 if it does not come within timeout_s), then runs until
+max_new_tokens, the end of the text or `Limits.generate_s`; the turn passes on when its work
+has really stopped. A long text is read in its model's own thread, in turn
+(`qkv.serve.long_texts`), and a model's census of heads in a thread of its own: a request
+waits for either on the event loop, holding no worker, and past half of timeout_s is told to
+ask again (a long text's 202, the census's 503).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from qkv.inspect.bank_sentences import SENTENCES
+from qkv.inspect.demo import SENTENCE
 from qkv.serve import compute, long
-from qkv.serve.limits import Busy, Cancelled, TimedOut
-from qkv.serve.schemas import (
+from qkv.serve.answers import (
     AttentionAnswer,
-    AttentionRequest,
     ContributionsAnswer,
-    ContributionsRequest,
     GenerateAnswer,
+    LongAnswer,
+    LongHeadAnswer,
+    LongProgress,
+    LongRegionAnswer,
+    ModelsAnswer,
+    NextAnswer,
+    Problem,
+)
+from qkv.serve.jobs import finished, in_pool, wait_turn
+from qkv.serve.limits import Cancelled
+from qkv.serve.schemas import (
+    AttentionRequest,
+    ContributionsRequest,
     GenerateRequest,
     HeadsRequest,
     HideRequest,
-    LongAnswer,
-    LongHeadAnswer,
     LongHeadRequest,
-    LongProgress,
-    LongRegionAnswer,
     LongRegionRequest,
     LongRequest,
-    ModelsAnswer,
-    NextAnswer,
     NextRequest,
     ProbeRequest,
-    Problem,
     TraceRequest,
 )
 
@@ -72,13 +79,9 @@ log = logging.getLogger("qkv.serve")
 
 @router.get("/models", response_model=ModelsAnswer, summary="The models and the limits")
 async def models(request: Request):
-    from qkv import __version__
-    from qkv.inspect.bank_sentences import SENTENCES
-    from qkv.inspect.demo import SENTENCE
-
     state = request.app.state.qkv
     return {
-        "version": __version__,
+        "version": request.app.version,  # qkv's (`create_app`)
         "models": [served.describe() for served in state.models.values()],
         "limits": state.limits.to_dict(),
         "examples": [SENTENCE, *SENTENCES],
@@ -160,7 +163,14 @@ async def census(body: HeadsRequest, request: Request) -> dict:
     entropy (and window use) scores on built-in prompts, the top heads of each, and each
     layer's first-token mass. The same for every request: computed once per model. Fields:
     docs/heads.md."""
-    return await answer(request, body, compute.head_census)
+    state = request.app.state.qkv
+    body.check(state.limits)
+    served = state.pick(body.model)
+    deadline = time.monotonic() + state.limits.timeout_s / 2
+    counted = compute.census_of(served)
+    if not await finished(counted.done, deadline):
+        raise compute.still_counting(served)
+    return await run(request, lambda stop: compute.head_census(served, counted))
 
 
 LONG = {
@@ -198,15 +208,12 @@ async def long_text(body: LongRequest, request: Request):
     state = request.app.state.qkv
     body.check(state.limits)
     served, limits = state.pick(body.model), state.limits
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limits.timeout_s / 2
+    deadline = time.monotonic() + limits.timeout_s / 2
     reading = await in_pool(request, lambda stop: long.ask(served, limits, body.text))
-    while not reading.done.is_set():  # waited for here, on the event loop: no worker held
-        if loop.time() >= deadline:
-            progress = long.progress(served, reading)
-            return JSONResponse(progress, status_code=202, headers={"Retry-After": RETRY_AFTER})
-        served.long.touch(reading)  # its client is still here
-        await asyncio.sleep(0.05)
+    touched = served.long.touch  # at each look: its client is still here
+    if not await finished(reading.done.is_set, deadline, between=lambda: touched(reading)):
+        progress = long.progress(served, reading)
+        return JSONResponse(progress, status_code=202, headers={"Retry-After": RETRY_AFTER})
     return await run(request, lambda stop: long.summaries_of(served, reading))
 
 
@@ -359,16 +366,6 @@ def options(body: GenerateRequest) -> dict:
     }
 
 
-async def wait_turn(lock: asyncio.Lock, served, timeout: float) -> None:
-    try:
-        await asyncio.wait_for(lock.acquire(), timeout)
-    except TimeoutError:
-        raise Busy(
-            f"{served.name} has been generating for another request for {timeout:g} s "
-            "(timeout_s); try again when it is done"
-        ) from None
-
-
 async def answer(request: Request, body, work: Callable, *args) -> Response:
     """work(served model, limits, *args, stop=...) for the model a request names, once the
     request's strings are within the limits (see `run`)."""
@@ -398,52 +395,3 @@ async def run(
 
     body = await in_pool(request, encoded, timeout=timeout, then=then)
     return Response(body, media_type="application/json")
-
-
-# the errors a request is answered with (4xx, 503): sent without the frames they were raised in
-TOLD = (ValueError, Busy, long.NotComputed, Cancelled)
-
-
-async def in_pool(
-    request: Request,
-    work: Callable[[threading.Event], object],
-    *,
-    timeout: float | None = None,
-    then: Callable[[], None] | None = None,
-):
-    """work(stop)'s result, run in the app's thread pool. Past the time limit, TimedOut, and
-    `stop` is set: the work never starts, or stops at its next step. then(): called on the
-    event loop when the work has ended, however it ended (a generation's turn passes on
-    then, not at the 504). An error the client is told (4xx, 503) leaves without its
-    traceback, whose frames (the worker's locals: a long text's records) would otherwise stay
-    alive in a cycle with the future that carried it until the garbage collector ran."""
-    state = request.app.state.qkv
-    timeout = state.limits.timeout_s if timeout is None else timeout
-    loop, stop = asyncio.get_running_loop(), threading.Event()
-
-    def ended(_) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop has closed, its lock too
-            loop.call_soon_threadsafe(then)
-
-    try:
-        future = state.pool.submit(work, stop)
-    except RuntimeError:  # the pool has shut down: the server is stopping
-        if then is not None:
-            then()
-        raise
-    if then is not None:
-        future.add_done_callback(ended)
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(future), timeout)
-    except TimeoutError:
-        raise TimedOut(
-            f"the request took longer than this server's limit of {timeout:g} s (timeout_s) "
-            "and was stopped; ask for a shorter text, or fewer layers and heads"
-        ) from None
-    except TOLD as error:
-        raise error.with_traceback(None) from None
-    finally:
-        if not future.done():  # past the time limit, or the server is stopping
-            stop.set()
-            future.cancel()
-        future = None  # this frame, kept by an error's traceback, must not keep the error

@@ -20,16 +20,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib.resources import files
 
+import swagger_ui_bundle
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
+# the facade's, where qkv's version is read (importlib.metadata, or "+source" in a checkout)
+from qkv import __version__
 from qkv.serve.api import router
-from qkv.serve.limits import BodyLimit, Busy, Limits, TimedOut, TooLarge
-from qkv.serve.long import NotComputed
-from qkv.serve.models import Served, served_models
+from qkv.serve.held import Served, served_models
+from qkv.serve.limits import BodyLimit, Busy, Limits, NotComputed, TimedOut, TooLarge
 from qkv.serve.schemas import with_limits
 
 log = logging.getLogger("qkv.serve")
@@ -68,8 +70,6 @@ class State:
 def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
     """The app serving `models` ({name: qkv.Pretrained}, encoders and decoders) within
     `limits`. The models are only read; the app may be served by any ASGI server."""
-    from qkv import __version__
-
     limits = limits or Limits()
     state = State(
         served_models(models),
@@ -115,7 +115,8 @@ def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
     _add_error_handlers(app)
 
     app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
-    app.mount("/docs-assets", StaticFiles(directory=str(_swagger())), name="docs-assets")
+    swagger = StaticFiles(directory=str(swagger_ui_bundle.swagger_ui_path))
+    app.mount("/docs-assets", swagger, name="docs-assets")
 
     @app.get("/", include_in_schema=False)
     async def page():
@@ -133,12 +134,6 @@ def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
         )
 
     return app
-
-
-def _swagger():
-    import swagger_ui_bundle
-
-    return swagger_ui_bundle.swagger_ui_path
 
 
 def _add_error_handlers(app: FastAPI) -> None:

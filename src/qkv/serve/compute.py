@@ -6,7 +6,7 @@ generation is `Pretrained.generate`, a hidden key is `qkv.hide`, the census `qkv
 This module checks what only a model can tell (tokens, layers and heads in range, an
 answer's size) and shapes the answer. Requests share a model
 with no lock: each forward pass returns the records its numbers come from (see
-`qkv.serve.models`). Each function takes `stop`, an event the server sets when the request's
+`qkv.serve.held`). Each function takes `stop`, an event the server sets when the request's
 time is up; the work checks it between its expensive steps (`going`) and stops there.
 """
 
@@ -20,12 +20,19 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import numpy as np
 import torch
 
+# the module, not its function: a test may replace `census.heads` with a slow one
+from qkv.inspect import census
+from qkv.inspect.intervene import hide
+from qkv.inspect.probe import probe
+from qkv.inspect.trace import trace
+from qkv.serve.held import Served
+from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
-from qkv.serve.models import Served
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
 
@@ -65,14 +72,10 @@ def attention(
     """The weights of the chosen layers and heads, (L', H', T, T), and the text's tokens, as
     JSON. Its size, L' x H' x T x T, is checked against max_weights before the forward pass."""
     T = len(encode(served, limits, text).ids)
-    config = served.pretrained.config
-    layers = list(range(config.num_layers)) if layers is None else layers
-    heads = list(range(config.block.num_heads)) if heads is None else heads
     for name, chosen in (("layer", layers), ("head", heads)):
-        if not chosen:
+        if chosen is not None and not chosen:
             raise ValueError(f"{name}s is empty; leave it out for every {name}")
-        for value in chosen:
-            served.check_index(name, value)
+    layers, heads = served.choose("layer", layers), served.choose("head", heads)
     size = len(layers) * len(heads) * T * T
     if size > limits.max_weights:
         raise TooLarge(
@@ -127,8 +130,6 @@ def trace_pair(
     stop: threading.Event | None = None,
 ) -> dict:
     """`qkv.trace(...).to_dict()`: the article's steps for one pair (docs/explain.md)."""
-    from qkv.inspect.trace import trace
-
     encode(served, limits, text)
     going(stop)
     traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
@@ -146,8 +147,6 @@ def contributions(
 ) -> dict:
     """What each token added to `query`'s new vector in one head: the trace's contributions,
     ranked by softmax weight and by size after the output projection."""
-    from qkv.inspect.trace import trace
-
     encode(served, limits, text)
     served.check_index("layer", layer)
     served.check_index("head", head)
@@ -183,8 +182,6 @@ def probe_word(
     stop: threading.Event | None = None,
 ) -> dict:
     """`probe(...).to_dict()`: the word's vectors compared across sentences (docs/probe.md)."""
-    from qkv.inspect.probe import probe
-
     for i, sentence in enumerate(sentences or []):
         encode(served, limits, sentence, f"sentence {i}")
     going(stop)
@@ -309,15 +306,8 @@ def hide_word(
     `going(stop)` between. A row is the same either way, since each layer's runs resume
     from the clean run there; a test checks the answer equals one `hide` call's.
     """
-    from qkv.inspect.intervene import hide
-
     encode(served, limits, text)
-    config = served.pretrained.config
-    layers = list(range(config.num_layers)) if layers is None else layers
-    heads = list(range(config.block.num_heads)) if heads is None else heads
-    for name, chosen in (("layer", layers), ("head", heads)):
-        for value in chosen:
-            served.check_index(name, value)
+    layers, heads = served.choose("layer", layers), served.choose("head", heads)
     going(stop)
     hidden = hide(served.pretrained, text, key, query=query, layers=layers, heads=heads,
                   table=False)  # fmt: skip
@@ -339,36 +329,28 @@ _censuses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Pretrained
 _census_guard = threading.Lock()
 
 
-def head_census(served: Served, limits: Limits, stop: threading.Event | None = None) -> dict:
-    """`qkv.heads(...).to_dict()` (docs/heads.md): the census of the model's heads over the
-    built-in prompts, the same for every request. The first request starts it (SmolLM2's
-    takes a while on a small CPU: every prompt through every layer) and waits up to half of
-    timeout_s; past that it is told 503, ask again, while the census goes on to its end."""
-    from concurrent.futures import Future
-    from concurrent.futures import wait as wait_for
-
+def census_of(served: Served) -> Future:
+    """The census of the model's heads over the built-in prompts (`qkv.heads`, docs/heads.md),
+    the same for every request: the first request starts it in a thread of its own (SmolLM2's
+    takes a while on a small CPU: every prompt through every layer); each request waits for it
+    up to half of timeout_s, and past that is told 503 (`still_counting`), ask again, while the
+    census goes on to its end. A census the model cannot give is refused on every request."""
     pretrained = served.pretrained
     with _census_guard:
-        future = _censuses.get(pretrained)
-        if future is None:
-            future = _censuses[pretrained] = Future()
-            threading.Thread(target=_count, args=(pretrained, future), name="qkv-census",
-                             daemon=True).start()  # fmt: skip
-    deadline = time.monotonic() + limits.timeout_s / 2
-    while not wait_for([future], timeout=0.05).done:
-        going(stop)
-        if time.monotonic() > deadline:
-            raise Busy(
-                f"the census of {served.name}'s heads is being computed (every built-in prompt "
-                "through every layer, once per model); ask again in a few seconds"
-            )
-    return {"model": served.name, **future.result()}
+        if pretrained not in _censuses:
+            counting = in_thread(lambda: census.heads(pretrained).to_dict(), "qkv-census")
+            _censuses[pretrained] = counting
+        return _censuses[pretrained]
 
 
-def _count(pretrained, future) -> None:
-    from qkv.inspect.census import heads
+def still_counting(served: Served) -> Busy:
+    """The 503 of a request that waited for the census as long as it may."""
+    return Busy(
+        f"the census of {served.name}'s heads is being computed (every built-in prompt "
+        "through every layer, once per model); ask again in a few seconds"
+    )
 
-    try:
-        future.set_result(heads(pretrained).to_dict())
-    except Exception as error:  # a census the model cannot give is refused on every request
-        future.set_exception(error)
+
+def head_census(served: Served, counted: Future) -> dict:
+    """`qkv.heads(...).to_dict()` once `counted` (`census_of`) is done; its error if it failed."""
+    return {"model": served.name, **counted.result()}

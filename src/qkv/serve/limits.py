@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from starlette.responses import JSONResponse
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -123,6 +125,10 @@ class Busy(Exception):
     or a long text is still being computed, or too many long texts wait: HTTP 503."""
 
 
+class NotComputed(Exception):
+    """A head or a region of a text that is not one of the model's long texts: HTTP 409."""
+
+
 class Cancelled(Exception):
     """Raised in a request's work when its time is up: the work stops there, between steps."""
 
@@ -168,8 +174,6 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send, size: str, limit: int, name: str) -> None:
-        from starlette.responses import JSONResponse
-
         detail = f"the request body is {size} bytes; this server takes at most {limit:,} ({name})"
         response = JSONResponse({"detail": detail, "limit": name}, status_code=413)
         await response({"type": "http"}, _nothing, send)

@@ -1,12 +1,11 @@
-"""Long texts on the server: their forward passes, read as summaries.
+"""Long texts on the server: the work behind /api/long, /api/long/head and /api/long/region.
 
 /api/attention sends every weight, so it stops at `Limits.max_tokens`: a 4,096-token text on
 SmolLM2 has 4.5 billion of them. /api/long reads such a text the way `qkv show` does
-(docs/long.md): one forward pass keeps each layer's record (q, k, v: linear in T), then
-`summarize` computes every (layer, head)'s summaries a chunk of queries at a time (entropy,
-first-token mass, top keys of each query, attention received per key, a max-downsampled
-heatmap). A head's summaries (/api/long/head) are read from them, and a rectangle of
-weights at full resolution (/api/long/region) is `region` of the kept record.
+(docs/long.md): one forward pass keeps each layer's record, then every (layer, head)'s
+summaries are computed from them (`qkv.serve.long_reading`). A head's summaries
+(/api/long/head) are read from them, and a rectangle of weights at full resolution
+(/api/long/region) is `region` of the kept record.
 
 That takes longer than a request may wait (about 30 s for 4,096 tokens of SmolLM2 on two
 cores), so each model reads its long texts in a thread of its own, one after another in the
@@ -18,101 +17,17 @@ is told 202 with how far the text has got and how many are ahead of it (ask agai
 from __future__ import annotations
 
 import copy
-import logging
 import threading
-import traceback
 
-import torch
-
-from qkv.serve.limits import Busy, Cancelled, Limits
-from qkv.serve.long_texts import LongRun, without_traceback
-
-RECEIVED = 3  # keys per head in the table: those that receive the most attention
-TOP_K = 5  # keys kept per query
-log = logging.getLogger("qkv.serve")
-
-
-class NotComputed(Exception):
-    """A head or a region of a text that is not one of the model's long texts: HTTP 409."""
-
-
-def read(pretrained, run: LongRun, going) -> None:
-    """Read run.text: run.table, run.records and run.summaries, or run.error (without its
-    traceback: its frames would hold the records). going(): Cancelled when it must stop."""
-    from qkv.inspect.summaries import summarize
-
-    try:
-        going()
-        seen = pretrained.attentions(run.text, weights=False)  # summaries alone
-        tokens, heads = seen.pieces, seen.heads  # the tokens as pages show them
-        records = {layer: weights_only(r) for layer, r in seen.records.items()}
-        del seen  # the forward pass's full records: only what weights read is kept
-        parts = []
-        for layer, record in records.items():  # a layer at a time: it can stop
-            going()
-            parts.append(summarize({layer: record}, heads=heads, top_k=TOP_K))
-            run.layers_done += 1
-        summaries = joined(parts, tokens)
-        run.table, run.records, run.summaries = table(summaries), records, summaries
-    except Exception as error:  # told to the requests for this text
-        if not isinstance(error, Cancelled | ValueError):  # as text: a record keeps no frame
-            trace = "".join(traceback.format_exception(error)).rstrip()
-            log.error("reading a long text of %d tokens failed\n%s", run.T, trace)
-        run.error = without_traceback(error)
-
-
-def weights_only(record):
-    """The record with what `weights()` reads (q, k, the mask, lse, the score variants) and
-    nothing else: v and out emptied (D = 0), no copies from before the rotary turn. Of 4,096
-    tokens of SmolLM2 that keeps 13 MB of each layer's 38."""
-    import dataclasses
-
-    def empty(t):  # (B, H, T, 0): a tensor of its own, not a view that keeps t alive
-        return t.new_empty(*t.shape[:-1], 0)
-
-    return dataclasses.replace(record, v=empty(record.v), out=empty(record.out),
-                               q_before_rotary=None, k_before_rotary=None, made=None)  # fmt: skip
-
-
-def joined(parts: list, tokens: list[str]):
-    """One `Summaries` of every layer from summaries of one layer each: the same numbers as
-    `summarize` of every layer at once (each layer is summarized on its own either way)."""
-    from qkv.inspect.summaries import Summaries
-
-    first = parts[0]
-    stacked = {
-        name: torch.cat([getattr(p, name) for p in parts])
-        for name in ("entropy", "first_token_mass", "top_keys", "top_weights", "received",
-                     "heatmap")
-    }  # fmt: skip
-    layers = [layer for p in parts for layer in p.layers]
-    return Summaries(layers, first.heads, tokens, query_bin=first.query_bin,
-                     key_bin=first.key_bin, **stacked)  # fmt: skip
-
-
-def table(summaries) -> dict:
-    """The per-head table: mean entropy, mean first-token mass, the most received keys."""
-    received = summaries.received  # (L, H, T) float64
-    most = received.topk(min(RECEIVED, received.shape[-1]), dim=-1)  # (L, H, 3)
-    return {
-        "tokens": summaries.tokens,
-        "layers": summaries.layers,
-        "heads": summaries.heads,
-        "query_bin": summaries.query_bin,
-        "key_bin": summaries.key_bin,
-        "top_k": summaries.top_keys.shape[-1],
-        "mean_entropy": summaries.entropy.mean(-1).tolist(),
-        "mean_first_token_mass": summaries.first_token_mass.mean(-1).tolist(),
-        "most_received_keys": most.indices.tolist(),
-        "most_received": most.values.tolist(),
-    }
+from qkv.inspect.summaries import region
+from qkv.serve.compute import pack_float32, within
+from qkv.serve.limits import Busy, Cancelled, Limits, NotComputed, TooLarge
+from qkv.serve.long_texts import LongRun
 
 
 def encode(served, limits: Limits, text: str):
     """The tokens of a long text: over max_long_tokens is 413 (whatever the model reads),
     then over the model's context window 422 (Pretrained.encode)."""
-    from qkv.serve.compute import within
-
     return within(served, text, limits.check_long_tokens)
 
 
@@ -185,8 +100,6 @@ def head_of(
     stop: threading.Event | None = None,
 ) -> dict:  # fmt: skip
     """POST /api/long/head: one head's max-downsampled heatmap and per-query summaries."""
-    from qkv.serve.compute import pack_float32
-
     served.check_index("layer", layer)
     served.check_index("head", head)
     s = kept(served, limits, text).summaries
@@ -216,10 +129,6 @@ def region_of(
 ) -> dict:  # fmt: skip
     """POST /api/long/region: every weight of queries q0..q1-1 over keys k0..k1-1 of one head,
     `region` of the kept record; at most max_region weights, checked before any work."""
-    from qkv.inspect.summaries import region
-    from qkv.serve.compute import pack_float32
-    from qkv.serve.limits import TooLarge
-
     served.check_index("layer", layer)
     served.check_index("head", head)
     run = kept(served, limits, text)

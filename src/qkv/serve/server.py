@@ -14,6 +14,10 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import uvicorn
+
+from qkv.serve.long_texts import bound_allocator
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -44,8 +48,6 @@ def address(sock: socket.socket) -> str:
 
 
 def _server(app, quiet: bool):
-    import uvicorn
-
     level = "warning" if quiet else "info"
     config = uvicorn.Config(app, log_level=level, timeout_graceful_shutdown=5)
     return uvicorn.Server(config)
@@ -53,8 +55,6 @@ def _server(app, quiet: bool):
 
 def serve(app, sock: socket.socket, *, quiet: bool = False) -> None:
     """Serve `app` on a bound socket until Ctrl-C or SIGTERM (from the main thread)."""
-    from qkv.serve.long_texts import bound_allocator
-
     bound_allocator()  # this process is the server's: its memory after each long text is flat
     try:
         _server(app, quiet).run(sockets=[sock])
@@ -71,8 +71,6 @@ def running(app, host: str = LOOPBACK, port: int = 0) -> Iterator[str]:
     For tests and benchmarks that need a real HTTP server in the same process (whose
     allocator it sets as `serve` does: `qkv.serve.long_texts.bound_allocator`).
     """
-    from qkv.serve.long_texts import bound_allocator
-
     bound_allocator()
     sock = bind(host, port)
     server = _server(app, quiet=True)

@@ -23,7 +23,7 @@ import qkv.hf
 from qkv.attention import attention_weights
 from qkv.viz.report import read_weights
 
-SRC = Path(__file__).parents[1] / "src"
+SRC = Path(__file__).parents[2] / "src"
 T = 13  # past every tiny model's sliding window (4)
 SMALL = dict(vocab_size=99, hidden_size=48, intermediate_size=37, max_position_embeddings=64,
              initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=98)  # fmt: skip

@@ -1,4 +1,7 @@
-"""The models a server holds: loaded once at start-up, read-only, shared by every request.
+"""The models this server holds: loaded once at start-up, read-only, shared by every request.
+
+(Named `held`, not `models`, so that it is never read as `qkv.models`, the model classes: what
+lives here is the server's own record of each model it was given, by the name requests use.)
 
 Concurrency, and why: a forward pass under `torch.inference_mode` reads the weights and
 writes only tensors of its own, and everything the server shows about attention (weights,
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 
 from qkv.attention.inputs import check_indices
 from qkv.models import Decoder, Encoder
-from qkv.serve.long import read
+from qkv.serve.long_reading import read
 from qkv.serve.long_texts import LongTexts
 
 
@@ -63,11 +66,16 @@ class Served:
             "generates": self.decoder,
         }
 
-    def check_index(self, name: str, value: int) -> None:
-        """ValueError naming the range when a layer or head is out of it (counted from 0)."""
+    def choose(self, name: str, values) -> list[int]:
+        """The layers or heads ("layer" or "head") asked for, None for every one, counted from
+        0: `check_indices`, whose ValueError names the range or the repeat."""
         config = self.pretrained.config
         most = config.num_layers if name == "layer" else config.block.num_heads
-        check_indices(name, [value], most, self.name)
+        return check_indices(name, values, most, self.name)
+
+    def check_index(self, name: str, value: int) -> None:
+        """ValueError naming the range when a layer or head is out of it (counted from 0)."""
+        self.choose(name, [value])
 
 
 def served_models(models: dict) -> dict[str, Served]:
