@@ -73,8 +73,8 @@ log = logging.getLogger("qkv.serve")
 @router.get("/models", response_model=ModelsAnswer, summary="The models and the limits")
 async def models(request: Request):
     from qkv import __version__
+    from qkv.inspect.article import SENTENCE
     from qkv.inspect.bank_sentences import SENTENCES
-    from qkv.inspect.demo import SENTENCE
 
     state = request.app.state.qkv
     return {
