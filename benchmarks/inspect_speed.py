@@ -213,7 +213,7 @@ def main() -> None:
 
     import qkv
     import serve_load
-    from qkv.inspect.demo import SENTENCE
+    from qkv.inspect.article import SENTENCE
 
     if not Path(qkv.__file__).resolve().is_relative_to(tree):
         parser.error(f"qkv was imported from {qkv.__file__}, not from {tree}")

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import httpx
 import torch
 
+from qkv.inspect.article import SENTENCE
 from qkv.inspect.bank_sentences import SENTENCES
-from qkv.inspect.demo import SENTENCE
 
 TEXTS = [SENTENCE, *SENTENCES]
 

@@ -11,7 +11,7 @@ import torch
 from typer.testing import CliRunner
 
 import qkv
-from qkv.inspect.demo import SENTENCE
+from qkv.inspect.article import SENTENCE
 from qkv.models import Encoder
 
 SRC = Path(qkv.__file__).parent
@@ -90,7 +90,7 @@ def test_show_runs_the_model_once_per_text(forwards, tmp_path):
 def test_the_demo_runs_once_for_its_sentence_once_for_the_probe_and_per_layer_to_hide(
     forwards, tmp_path
 ):
-    from qkv.inspect.demo import article_walk
+    from qkv.cli.demo import article_walk
 
     sections = list(article_walk(tmp_path / "report"))
     assert len(sections) == 9

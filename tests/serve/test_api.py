@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qkv
-from qkv.inspect.demo import SENTENCE  # the article's sentence
+from qkv.inspect.article import SENTENCE  # the article's sentence
 from qkv.inspect.probe import probe
 
 

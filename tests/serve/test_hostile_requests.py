@@ -19,7 +19,7 @@ import pytest
 
 import qkv
 from hostile import DEFAULT_MEMORY_GB
-from qkv.inspect.demo import SENTENCE  # the article's sentence
+from qkv.inspect.article import SENTENCE  # the article's sentence
 from qkv.serve import Limits, create_app, running
 
 LIMITS = Limits(max_new_tokens=4, max_weights=100_000)

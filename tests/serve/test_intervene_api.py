@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import qkv
-from qkv.inspect.demo import SENTENCE  # the article's sentence
+from qkv.inspect.article import SENTENCE  # the article's sentence
 
 TEXT = "The bank of the river flooded the bank"  # two banks: bank#1, bank#2
 

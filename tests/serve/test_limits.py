@@ -15,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 
 import qkv
-from qkv.inspect.demo import SENTENCE  # the article's sentence
+from qkv.inspect.article import SENTENCE  # the article's sentence
 from qkv.serve import Limits, create_app
 from qkv.serve.compute import trace_pair
 

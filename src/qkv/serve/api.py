@@ -26,7 +26,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from qkv.inspect.bank_sentences import SENTENCES
-from qkv.inspect.demo import SENTENCE
+from qkv.inspect.article import SENTENCE
 from qkv.serve import compute, long
 from qkv.serve.answers import (
     AttentionAnswer,

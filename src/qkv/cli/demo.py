@@ -1,4 +1,5 @@
-"""The demo: the article's walk through self-attention, on its own sentence, with MiniLM.
+"""`qkv demo` (what `make demo` runs): the article's walk through self-attention, on its own
+sentence, with MiniLM.
 
 Each section is text for a person, in the article's order: tokens, the seven steps for
 "bank" getting context from "river", what contributed most, heads and layers, the sense
@@ -10,8 +11,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Annotated
 
-SENTENCE = "The bank on the side of the river"
+import typer
+
+from qkv.cli.errors import user_errors
+from qkv.inspect.article import SENTENCE
+
+
+def demo(
+    out: Annotated[Path, typer.Option(help="the report folder to write")] = Path("qkv-demo"),
+) -> None:
+    """The article's walk on its own sentence, with the embedded MiniLM's real numbers."""
+    with user_errors(out):
+        for section in article_walk(out):
+            typer.echo(section + "\n")
+    typer.echo(f"(sentence: {SENTENCE!r}; every number above is MiniLM's own)")
 
 
 def free_folder(path: Path) -> Path:

@@ -3,15 +3,17 @@ line on stderr and exit code 2, in bounded memory, or it does what was asked; ne
 traceback for the user's mistake, never a wrong reading in silence.
 
 Each case is the real `qkv` process under a memory limit (tests/hostile.py). The cases are
-examples of classes handled once in src/qkv/cli.py: `user_errors` (a ValueError, a file that
-cannot be read or written, memory that ran out), `_check_out` (an --out that cannot be
-written, refused before the model loads), `_numbers` (ranges checked before they are listed)
-and `_read_sentences` (one form of line throughout a --sentences file).
+examples of classes each handled once: `qkv.cli.errors.user_errors` (a ValueError, a file
+that cannot be read or written, memory that ran out), `check_out` (an --out that cannot be
+written, refused before the model loads), `qkv.attention.index_text.parse_indices` (ranges
+checked before they are listed) and `qkv.inspect.sentences_file.read_sentences` (one form of
+line throughout a --sentences file).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -223,7 +225,7 @@ def test_a_gpu_out_of_memory_is_one_line(capsys):
     here, in the process, since no test machine is sure to have a GPU to fill."""
     import typer
 
-    from qkv.cli import user_errors
+    from qkv.cli.errors import user_errors
 
     message = ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity\n"
                "of 79.1 GiB of which 3.2 GiB is free.")  # fmt: skip
@@ -233,3 +235,18 @@ def test_a_gpu_out_of_memory_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: out of memory: "), err
     assert "20.00 GiB" in err
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    """`python -m qkv.cli ARGS`, as a user runs it, with no memory limit."""
+    return subprocess.run(
+        [sys.executable, "-m", "qkv.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_bad_input_is_one_line_on_stderr_and_exit_2():
+    result = run("generate", "hi", "--temperature", "-1")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: temperature must be a finite number >= 0, got -1.0"
+    result = run("embed", "hi", "--model", "./missing-model")
+    assert result.returncode == 2 and result.stderr.startswith("error: ./missing-model does not")

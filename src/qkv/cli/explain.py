@@ -1,0 +1,99 @@
+"""`qkv explain` and `qkv probe`: the article's steps for one pair of words, and how context
+separates the senses of a word, with a real model's numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qkv.cli.errors import check_out, user_errors
+from qkv.cli.options import Backend, Model
+
+
+def explain(
+    text: str,
+    query: Annotated[str, typer.Option(help='the word getting context, e.g. bank or "bank#2"')],
+    key: Annotated[str, typer.Option(help="the word giving context")],
+    model: Model = "minilm",
+    layer: Annotated[
+        int | None, typer.Option(help="counted from 0; default: where query attends most to key")
+    ] = None,
+    head: Annotated[int | None, typer.Option(help="counted from 0")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+    target: Annotated[
+        str | None, typer.Option(help="encoder-decoder models: the decoder's text (query word)")
+    ] = None,
+    backend: Backend = None,
+) -> None:
+    """The article's steps for QUERY getting context from KEY in TEXT, with real numbers."""
+    from qkv import load
+    from qkv.inspect.narrate import contributions, heads_and_layers, narrate, tokens_line
+    from qkv.inspect.trace import trace
+
+    with user_errors():
+        pretrained = load(model, backend=backend)
+        traced = trace(pretrained, text, query, key, layer=layer, head=head, target=target)
+    if as_json:
+        typer.echo(json.dumps(traced.to_dict()))
+        return
+    for part in (tokens_line, narrate, contributions, heads_and_layers):
+        typer.echo(part(traced) + "\n")
+
+
+def probe(
+    word: str,
+    sentences: Annotated[
+        Path | None,
+        typer.Option(
+            help="a text file, one sentence a line, or 'label<TAB>sentence', or "
+            "'label<TAB>cue<TAB>sentence' (cue: the word that tells the sense)"
+        ),
+    ] = None,
+    model: Model = "minilm",
+    out: Annotated[Path | None, typer.Option(help="write the similarity matrices as a PNG")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+    hide_context: Annotated[
+        bool,
+        typer.Option(
+            help="also hide every other word from WORD (every layer and head): do its senses "
+            "still separate?"
+        ),
+    ] = False,
+) -> None:
+    """How context separates the senses of WORD across sentences, layer by layer."""
+    from qkv import load
+    from qkv.inspect.narrate import probe_lines
+    from qkv.inspect.probe import probe as run_probe
+    from qkv.inspect.probe import probe_plot
+    from qkv.inspect.sentences_file import read_sentences
+
+    with user_errors(out):
+        texts, labels, cues = read_sentences(sentences) if sentences else (None, None, None)
+        if out is not None:
+            check_out(out, (".png",))
+        pretrained = load(model)
+        result = run_probe(pretrained, word, texts, labels, cues=cues)
+        senses = None
+        if hide_context:
+            from qkv.inspect.intervene import senses_without_context
+
+            senses = senses_without_context(pretrained, word, result.sentences, result.labels)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)  # as `qkv show` makes its folders
+            probe_plot(result, out)
+    if as_json:
+        data = result.to_dict()
+        if senses is not None:
+            data["hidden_context"] = senses.to_dict()
+        typer.echo(json.dumps(data))
+        return
+    typer.echo(probe_lines(result))
+    if senses is not None:
+        from qkv.inspect.narrate import senses_lines
+
+        typer.echo("\n" + senses_lines(senses))
+    if out is not None:
+        typer.echo(f"wrote {out}")

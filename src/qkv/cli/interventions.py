@@ -1,0 +1,135 @@
+"""`qkv hide`, `qkv ablate` and `qkv patch`: change one head (or one position of the residual
+stream) at a time and measure what moves."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from qkv.cli.errors import check_out, user_errors
+from qkv.cli.options import Backend, Heads, Json, Layers, Model, Png
+
+
+def _shape(pretrained, verb: str, model: str) -> tuple[int, int]:
+    """(layers, heads) of the stack `qkv VERB` changes."""
+    from qkv.models import self_attention_stack, stack_shape
+
+    return stack_shape(self_attention_stack(pretrained.model, f"qkv {verb}", model))
+
+
+def hide(
+    text: str,
+    key: Annotated[str, typer.Option(help='the word to hide, e.g. river or "river#2"')],
+    query: Annotated[
+        str | None, typer.Option(help="the word it is hidden from; default: every word")
+    ] = None,
+    model: Model = "minilm",
+    layers: Layers = None,
+    heads: Heads = None,
+    top: Annotated[int, typer.Option(help="heads listed, the largest effect first")] = 10,
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """Which heads carry KEY into QUERY: hide it in each head alone, then in all at once."""
+    from qkv import load
+    from qkv.attention.index_text import parse_indices
+    from qkv.inspect.intervene import hide as run_hide
+    from qkv.inspect.narrate import hide_lines
+
+    with user_errors(out):
+        if top < 1:
+            raise ValueError(f"--top must be 1 or more, got {top}")
+        if out is not None:
+            check_out(out, (".png",))
+        pretrained = load(model, backend=backend)
+        L, H = _shape(pretrained, "hide", model)
+        result = run_hide(pretrained, text, key, query=query,
+                          layers=parse_indices(layers, "layers", L, model),
+                          heads=parse_indices(heads, "heads", H, model))  # fmt: skip
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            who = f"'{query}'" if query else "every word"
+            grid_plot([("1 - cosine", result.effect, None)], out, label="change",
+                      title=f"{model}: '{key}' hidden from {who}, one head at a time")  # fmt: skip
+    typer.echo(json.dumps(result.to_dict()) if as_json else hide_lines(result, top))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
+
+
+def ablate(
+    text: str,
+    model: Model = "minilm",
+    layers: Layers = None,
+    heads: Heads = None,
+    mode: Annotated[
+        str, typer.Option(help="zero, or mean (each head's mean output over reference texts)")
+    ] = "zero",
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """What each head does to TEXT: ablate it alone (zero or mean), then all chosen at once."""
+    from qkv import load
+    from qkv.attention.index_text import parse_indices
+    from qkv.attention.inputs import check_indices
+    from qkv.inspect.ablation import ablate as run_ablate
+    from qkv.inspect.narrate import ablate_lines
+
+    with user_errors(out):
+        if out is not None:
+            check_out(out, (".png",))
+        pretrained = load(model, backend=backend)
+        L, H = _shape(pretrained, "ablate", model)
+        chosen_layers = check_indices("layer", parse_indices(layers, "layers", L, model), L, model)
+        chosen_heads = check_indices("head", parse_indices(heads, "heads", H, model), H, model)
+        pairs = [(n, h) for n in chosen_layers for h in chosen_heads]
+        result = run_ablate(pretrained, text, pairs, mode=mode)
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            grid_plot([("1 - cosine", result.effect, None)], out, label="change",
+                      title=f"{model}: each head {mode}-ablated alone")  # fmt: skip
+    typer.echo(json.dumps(result.to_dict()) if as_json else ablate_lines(result))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
+
+
+def patch(
+    clean: str,
+    corrupt: str,
+    metric: Annotated[
+        str,
+        typer.Option(
+            help="'diff: Mary, John' (log p(' Mary') - log p(' John')) or 'prob: Paris', "
+            "of the next token; tokens as written, spaces kept"
+        ),
+    ],
+    model: Model = "smollm2",
+    out: Png = None,
+    as_json: Json = False,
+    backend: Backend = None,
+) -> None:
+    """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
+    the next token: which parts of the model carry the difference."""
+    from qkv import load
+    from qkv.inspect.ablation import patch as run_patch
+    from qkv.inspect.narrate import patch_lines
+
+    with user_errors(out):
+        if out is not None:
+            check_out(out, (".png",))
+        result = run_patch(load(model, backend=backend), clean, corrupt, metric)
+        if out is not None:
+            from qkv.viz.grids import grid_plot
+
+            grids = [("head outputs (layer x head)", result.restored(result.heads), None),
+                     ("residual (layer x position)", result.restored(result.residual),
+                      result.clean_tokens)]  # fmt: skip
+            grid_plot(grids, out, label="restored", title=f"{model}: {result.metric}")
+    typer.echo(json.dumps(result.to_dict()) if as_json else patch_lines(result))
+    if out is not None and not as_json:
+        typer.echo(f"wrote {out}")
