@@ -513,7 +513,7 @@ def test_generation_writes_the_int4_cache_and_a_later_copy_reads_it(smollm2, tmp
     """The first 4-bit copy is made by use_int4 and kept; the next is read back from disk,
     named by the file's SHA-256, torch's version and this CPU's kernels."""
     import qkv.io.gguf
-    import qkv.io.load
+    import qkv.io.int4
 
     monkeypatch.setattr(qkv.io.gguf, "default_cache_dir", lambda: tmp_path)
     first = smollm2._four_bit_copy()
@@ -522,7 +522,7 @@ def test_generation_writes_the_int4_cache_and_a_later_copy_reads_it(smollm2, tmp
     def refused(*args, **kwargs):
         raise AssertionError("use_int4 ran although the cache was there")
 
-    monkeypatch.setattr(qkv.io.load, "use_int4", refused)
+    monkeypatch.setattr(qkv.io.int4, "use_int4", refused)
     second = smollm2._four_bit_copy()
     assert _layout(second) == _layout(first) and cached.is_file()
     pairs = zip(first.state_dict().values(), second.state_dict().values(), strict=True)

@@ -132,7 +132,7 @@ def test_an_export_gets_the_users_permissions(tmp_path, umask):
 
 
 def test_an_export_failing_half_way_leaves_nothing(tmp_path, monkeypatch):
-    import safetensors.torch
+    import qkv.io.hf_folder
 
     ours = tiny_pretrained(tmp_path / "original")
 
@@ -140,7 +140,7 @@ def test_an_export_failing_half_way_leaves_nothing(tmp_path, monkeypatch):
         Path(filename).write_bytes(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", fail)
+    monkeypatch.setattr(qkv.io.hf_folder, "save_file", fail)  # where save_folder finds it
     with pytest.raises(OSError, match="disk full"):
         ours.save(tmp_path / "exported")
     assert [p.name for p in tmp_path.iterdir()] == ["original"]
