@@ -226,7 +226,7 @@ def generate(
 def _generation_recording(pretrained, prompt, layers, heads, model, chat, system, new):
     """generate's `record` for --attention, every choice checked before any token is made:
     the layers and heads in range, what they keep within the library's and the page's limits."""
-    from qkv.generate import Recording, check_recording_size
+    from qkv.inspect.generation import Recording, check_recording_size
     from qkv.models import Decoder
     from qkv.viz.generation import check_page_size
 

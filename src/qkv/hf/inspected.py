@@ -20,9 +20,9 @@ from torch import Tensor, nn
 
 from qkv.attention.inputs import check_indices
 from qkv.hf.backend import check, keep
+from qkv.inspect.attentions import Attentions, check_weights_option
 from qkv.io.tokenizer import Tokenizer
 from qkv.io.words import Encoded
-from qkv.pretrained import Attentions, check_weights_option
 
 # where transformers' attention modules keep their output projection, (C, H * D) as a Linear
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
