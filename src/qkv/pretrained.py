@@ -25,6 +25,8 @@ from qkv.inspect.generation import GenerationAttention, Recording, generate_reco
 from qkv.io.families import Family
 from qkv.io.hf import Pooling, save_folder
 from qkv.io.load import load_source
+from qkv.io.run_config import RunConfig
+from qkv.io.runs import CONFIG
 from qkv.models import Decoder, Encoder, EncoderDecoder, self_attention_stack
 from qkv.models.config import Layers
 
@@ -365,10 +367,6 @@ def load(
                             hf_config=loaded.hf_config, source=loaded.source,
                             pooling=loaded.pooling)  # fmt: skip
     pretrained.four_bits = FourBits.of(loaded.four_bit_file, loaded.four_bit_digest)
-    if loaded.run is not None:
-        # io finds a run's checkpoint; its RunConfig is train's to parse (io never imports train)
-        from qkv.io.runs import CONFIG
-        from qkv.train.config import RunConfig
-
+    if loaded.run is not None:  # io finds a run's last checkpoint and reads its config
         pretrained.run = RunConfig.from_toml(loaded.run / CONFIG)
     return pretrained
