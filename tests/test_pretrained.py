@@ -178,7 +178,7 @@ def test_cached_generation_equals_generation_without_the_cache(smollm2):
 def test_a_batch_with_left_padding_equals_each_prompt_alone(smollm2):
     # float32: bfloat16 inputs to the 4-bit kernel could round two rows of a batch apart
     # from one row alone on another CPU, and flip a near tie (FastStep's batches are held
-    # to a forward pass in float64 in tests/models/test_fast_step.py)
+    # to a forward pass in float64 in tests/generate/test_fast_step.py)
     prompts = ["Hello", "The bank on the side of the river"]
     together = smollm2.generate(prompts, 10, precision="loaded")
     assert together == [smollm2.generate(p, 10, precision="loaded") for p in prompts]

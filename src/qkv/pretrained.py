@@ -18,8 +18,8 @@ from torch import Tensor, nn
 
 from qkv.attention.inputs import check_indices
 from qkv.embed import embed as embed_sentences
-from qkv.generate import FourBits, Sampling, continuations, decode_steps, end_ids, seq2seq_steps
-from qkv.generate.precision import int4_loaded
+from qkv.generate import Sampling, continuations, decode_steps, end_ids, seq2seq_steps
+from qkv.generate.precision import FourBits, int4_loaded
 from qkv.inspect.attentions import Attentions, check_weights_option, self_attentions
 from qkv.inspect.generation import GenerationAttention, Recording, generate_recorded
 from qkv.io.families import Family

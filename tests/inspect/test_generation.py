@@ -161,7 +161,7 @@ def test_without_record_the_forward_passes_record_nothing():
     try:
         model.generate("the bank of the river", 4)
         # the prompt's forward pass records nothing; each later token runs FastStep, which
-        # keeps no records at all (tests/models/test_fast_step.py)
+        # keeps no records at all (tests/generate/test_fast_step.py)
         assert seen == [{}]
         seen.clear()
         model.generate("the bank of the river", 4, record=[1])

@@ -6,7 +6,8 @@ strings, and the weights each step reads.
   token per step for every sequence;
 - `fast_step`: `FastStep`, one decoding step with few operations, held to `Decoder.forward`;
 - `streaming`: tokens to text as it is made, cut at stop strings;
-- `precision`: the model as loaded, or the copy that keeps a .gguf file's 4-bit matrices.
+- `precision`: the model as loaded, or the copy that keeps a .gguf file's 4-bit matrices
+  (`FourBits`; imported from its module: it reads files through `qkv.io`).
 
 Generation sits below inspection: what is recorded while generating is kept by a callback
 (`decode_steps(..., keep=...)`) that `qkv.inspect.generation` provides.
@@ -14,14 +15,12 @@ Generation sits below inspection: what is recorded while generating is kept by a
 
 from qkv.generate.decode import decode_steps, seq2seq_steps
 from qkv.generate.fast_step import FastStep, fast_step_refusal
-from qkv.generate.precision import FourBits
 from qkv.generate.sampling import Sampling
 from qkv.generate.streaming import Continuation, continuations, end_ids
 
 __all__ = [
     "Continuation",
     "FastStep",
-    "FourBits",
     "Sampling",
     "continuations",
     "decode_steps",

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.io import gguf, int4_cache
+from qkv.io import int4_cache
 from qkv.io import load as io_load
 from qkv.io.families import Family
 from qkv.nn.quantized import Int4Linear, int4_available
@@ -83,6 +83,8 @@ class FourBits:
     def four_bit_copy(self, model: nn.Module, family: Family, config, source: str) -> nn.Module:
         """The model with the file's 4-bit matrices swapped in, sharing every other tensor:
         from the cache of an earlier process where there is one (`qkv.io.int4_cache`)."""
+        from qkv.io import gguf  # imports the gguf package: only a .gguf file's model needs it
+
         shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
         twin = copy.deepcopy(model, shared)  # the modules copied, their tensors not
         cache = None
