@@ -80,7 +80,7 @@ def test_embed_reads_minilms_256_tokens_as_sentence_transformers_does(minilm, mi
         tokens = model(**batch).last_hidden_state
     mask = batch["attention_mask"][..., None].float()
     want = torch.nn.functional.normalize((tokens * mask).sum(1) / mask.sum(1), dim=-1)
-    with caplog.at_level("WARNING", logger="qkv.pretrained"):
+    with caplog.at_level("WARNING", logger="qkv.embed"):
         got = minilm.embed(texts, precision="float32")
     cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
     assert (cosine > 0.99999).all(), cosine
@@ -157,7 +157,7 @@ def test_a_decoders_weights_are_made_in_its_forward_pass_equal_to_its_records(sm
 
 def test_attentions_makes_the_weights_by_default_only_up_to_its_size(smollm2, monkeypatch):
     text = "The bank of the river"
-    monkeypatch.setattr("qkv.pretrained.MADE_MAX_BYTES", 1000)
+    monkeypatch.setattr("qkv.inspect.attentions.MADE_MAX_BYTES", 1000)
     assert smollm2.attentions(text).made is None
     assert smollm2.attentions(text, weights=True).made is not None
     with pytest.raises(ValueError, match=r"weights must be True, False or None .* not 'yes'"):
@@ -178,7 +178,7 @@ def test_cached_generation_equals_generation_without_the_cache(smollm2):
 def test_a_batch_with_left_padding_equals_each_prompt_alone(smollm2):
     # float32: bfloat16 inputs to the 4-bit kernel could round two rows of a batch apart
     # from one row alone on another CPU, and flip a near tie (FastStep's batches are held
-    # to a forward pass in float64 in tests/models/test_fast_step.py)
+    # to a forward pass in float64 in tests/generate/test_fast_step.py)
     prompts = ["Hello", "The bank on the side of the river"]
     together = smollm2.generate(prompts, 10, precision="loaded")
     assert together == [smollm2.generate(p, 10, precision="loaded") for p in prompts]
@@ -442,7 +442,7 @@ def _quantized_twin(pretrained):
     import copy
 
     from qkv.io.gguf import read_int4
-    from qkv.io.load import use_int4
+    from qkv.io.int4 import use_int4
 
     twin = copy.deepcopy(pretrained.model)
     use_int4(twin, pretrained.family, pretrained.config, read_int4(pretrained.four_bit_file),
@@ -516,14 +516,18 @@ def test_generation_writes_the_int4_cache_and_a_later_copy_reads_it(smollm2, tmp
     import qkv.io.int4
 
     monkeypatch.setattr(qkv.io.gguf, "default_cache_dir", lambda: tmp_path)
-    first = smollm2._four_bit_copy()
-    (cached,) = tmp_path.glob(f"{smollm2._four_bit_digest}-int4-*.safetensors")
+    first = smollm2.four_bits.four_bit_copy(
+        smollm2.model, smollm2.family, smollm2.config, smollm2.source
+    )
+    (cached,) = tmp_path.glob(f"{smollm2.four_bits.digest}-int4-*.safetensors")
 
     def refused(*args, **kwargs):
         raise AssertionError("use_int4 ran although the cache was there")
 
     monkeypatch.setattr(qkv.io.int4, "use_int4", refused)
-    second = smollm2._four_bit_copy()
+    second = smollm2.four_bits.four_bit_copy(
+        smollm2.model, smollm2.family, smollm2.config, smollm2.source
+    )
     assert _layout(second) == _layout(first) and cached.is_file()
     pairs = zip(first.state_dict().values(), second.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)

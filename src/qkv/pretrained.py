@@ -9,140 +9,26 @@ torch.Size([6, 12, 7, 7])
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
-from qkv.attention.eager import compute_dtype
 from qkv.attention.inputs import check_indices
-from qkv.generate import (
-    GenerationAttention,
-    Recording,
-    RowKeeper,
-    Sampling,
-    SummaryKeeper,
-    check_recording_size,
-    decode_steps,
-    seq2seq_steps,
-)
+from qkv.embed import embed as embed_sentences
+from qkv.generate import Sampling, continuations, decode_steps, end_ids, seq2seq_steps
+from qkv.generate.precision import FourBits, int4_loaded
+from qkv.inspect.attentions import Attentions, check_weights_option, self_attentions
+from qkv.inspect.generation import GenerationAttention, Recording, generate_recorded
 from qkv.io.families import Family
 from qkv.io.hf_folder import Pooling, save_folder
-from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.io.load import load_source
+from qkv.io.run_config import RunConfig
+from qkv.io.runs import CONFIG
+from qkv.models import Decoder, Encoder, EncoderDecoder, self_attention_stack
 from qkv.models.config import Layers
-from qkv.nn import AttentionRecord
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Attentions:
-    """One forward pass over one text, and what the attention of each layer asked computed.
-
-    Or an encoder-decoder's cross-attention, from a target text's tokens (the queries) to the
-    source text's (the keys). Every number is read from the layers' records (AttentionRecord):
-    q, k, v, mask and scale as the model's backend received them.
-    """
-
-    records: dict[int, AttentionRecord]  # layer -> what its attention computed
-    tokens: list[str]  # the key tokens: the text's, the source's for cross-attention
-    encoded: object  # the tokenizer's Encoded of `tokens`: offsets, words, find("bank#2")
-    heads: list[int]  # the query heads `weights` shows, counted from 0
-    query_tokens: list[str] | None = None  # cross-attention: the decoder's, start token first
-    made: Tensor | None = None  # (L', H, Tq, Tk): the weights the forward pass made, if any
-
-    @property
-    def layers(self) -> list[int]:
-        """The layers recorded, counted from 0, in the order `weights` stacks them."""
-        return sorted(self.records)
-
-    @property
-    def pieces(self) -> list[str]:
-        """The key tokens as people read them, what pages and plots show (`Encoded.pieces`:
-        " river", not "Ġriver"; a byte of a character split over tokens as <0xE6>, never
-        U+FFFD), where the tokenizer tells them; the vocabulary's names otherwise."""
-        return getattr(self.encoded, "pieces", None) or list(self.tokens)
-
-    @functools.cached_property
-    def weights(self) -> Tensor:
-        """(L', H', Tq, Tk) float32 for `layers` and `heads`: row i is query token i's
-        attention over the keys (T x T over one text)."""
-        from qkv.attention.eager import weights_into
-
-        out = self.made  # filled a layer at a time: never two copies of the weights at once
-        for i, layer in enumerate(self.layers):
-            record = self.records[layer]
-            if record.made is not None:
-                continue  # made in out[i] by the forward pass
-            if out is None:
-                s = record.shape
-                out = record.q.new_empty(len(self.layers), len(self.heads), s.Tq, s.Tk,
-                                         dtype=compute_dtype(record.q.dtype))  # fmt: skip
-            plain = (record.lse is None and record.mask is None and record.window is None
-                     and record.softcap is None and record.bias is None)  # fmt: skip
-            if plain and record.q.shape[0] == 1 and self.heads == list(range(record.shape.H)):
-                weights_into(out[i], record.q, record.k, causal=record.causal,
-                             scale=record.scale)  # fmt: skip
-            else:
-                out[i] = record.weights(self.heads)[0]  # (H', Tq, Tk)
-        return out
-
-    @property
-    def scale(self) -> float:
-        """The factor every recorded layer put on its dot products (1/sqrt(D) in the article)."""
-        return self._same("scale")
-
-    @property
-    def causal(self) -> bool:
-        """Whether every recorded layer hid the keys after each query (a decoder)."""
-        return self._same("causal")
-
-    def _same(self, name: str):
-        found = {getattr(record, name) for record in self.records.values()}
-        if len(found) != 1:
-            raise ValueError(f"the layers differ in {name} ({sorted(found)}); ask one layer's")
-        return found.pop()
-
-    def vectors(self) -> tuple[Tensor, Tensor, Tensor]:
-        """Every recorded layer's and head's q, k and v over the text: (L', H, T, D) each.
-
-        The vectors attention received (after rotary rotation), with grouped key/value heads
-        repeated so that query head h sits beside the key/value head it reads: any pair's
-        steps can be redone from them (weights = softmax(q k^T * scale), masked as `allowed`).
-        A layer whose scores are more than that (a soft-cap, a score bias) is refused by name:
-        its pairs are `record.steps()`.
-        """
-        beyond = [n for n in self.layers if self.records[n].softcap is not None
-                  or self.records[n].bias is not None]  # fmt: skip
-        if beyond:
-            raise ValueError(
-                f"layer {beyond[0]} caps its scores or adds a bias to them, so q, k and v alone "
-                "do not redo its pairs; use records[layer].steps(head, query)"
-            )
-        qs, ks, vs = [], [], []
-        for layer in self.layers:
-            record = self.records[layer]
-            group = record.shape.group
-            qs.append(record.q[0])  # (H, T, D)
-            ks.append(record.k[0].repeat_interleave(group, dim=0))  # query head h reads h // group
-            vs.append(record.v[0].repeat_interleave(group, dim=0))
-        return torch.stack(qs), torch.stack(ks), torch.stack(vs)
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook import attentions_repr
-
-        return attentions_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import attentions_html
-
-        return attentions_html(self)
 
 
 class Pretrained:
@@ -163,13 +49,14 @@ class Pretrained:
         self.family, self.hf_config, self.source = family, hf_config, source
         self.pooling = pooling
         self.run = None  # a training run's RunConfig, when loaded from a run folder
-        # a .gguf file whose 4-bit matrices this model holds dequantized, and its size and
-        # modification time when it was read (set by `load`)
-        self.four_bit_file: Path | None = None
-        self._four_bit_stamp: tuple | None = None
-        self._four_bit_digest = ""  # the file's SHA-256 when loaded: its int4 cache's name
-        # generate's 4-bit copy, made on first use, and the model's weights it was made from
-        self._int4: tuple[nn.Module, tuple] | None = None
+        # a .gguf file whose 4-bit matrices this model holds dequantized (set by `load`), and
+        # generate's 4-bit copy of the model, made from them on first use
+        self.four_bits = FourBits()
+
+    @property
+    def four_bit_file(self) -> Path | None:
+        """The .gguf file whose 4-bit matrices this model holds dequantized, if any."""
+        return self.four_bits.file
 
     def __repr__(self) -> str:
         params = sum(p.numel() for p in self.model.parameters())
@@ -210,7 +97,7 @@ class Pretrained:
         was chosen with, read from the layers' records as they decode (no second forward
         pass), and return a `GenerationAttention` (its `.text` the text returned otherwise):
         "all" layers and heads, a list of layers, or `Recording(layers=..., heads=...)`. What
-        it keeps is bounded by qkv.generate.RECORD_MAX_BYTES, checked before any step.
+        it keeps is bounded by qkv.inspect.generation.RECORD_MAX_BYTES, checked before any step.
         "summaries" (or `Recording(..., summaries=True)`) keeps each row's entropy, weight
         on token 0 and top keys instead of its weights: a few numbers per row, however long
         the prompt.
@@ -252,7 +139,7 @@ class Pretrained:
         if seq2seq:
             return self._translate(prompts, sampling, max_new_tokens, list(stop), stream)
         if chat:
-            prompts = [self._chat(p, system) for p in prompts]
+            prompts = [self.chat_prompt(p, system) for p in prompts]
         ids, mask = self.tokenizer.encode_batch(
             prompts, add_special_tokens=not chat, padding_side="left"
         )
@@ -269,8 +156,11 @@ class Pretrained:
                 f"{self.source}'s context window of {self.context_window} tokens"
             )
         if record is not None:
-            return self._generate_recorded(model, ids, Recording.of(record), sampling,
-                                           max_new_tokens, list(stop), stream)  # fmt: skip
+            return generate_recorded(
+                model, ids, Recording.of(record), sampling, max_new_tokens,
+                tokenizer=self.tokenizer, eos=end_ids(self.hf_config, self.tokenizer),
+                stop=list(stop), stream=stream, source=self.source,
+            )  # fmt: skip
         steps = decode_steps(model, ids, mask, sampling, max_new_tokens)
         return self._decode(steps, list(stop), stream, len(prompts))
 
@@ -282,97 +172,10 @@ class Pretrained:
         other tensor with the model and is made once, on first use. "auto" takes it where
         the model was loaded from such a file onto the CPU and this torch has the int4
         kernel, and the model's weights have not changed since (any write torch counts: see
-        `_weights_state`); "loaded" is the model itself.
+        `qkv.generate.precision.weights_state`); "loaded" is the model itself.
         """
-        if precision not in ("auto", "loaded", "int4"):
-            raise ValueError(f"precision must be 'auto', 'loaded' or 'int4', got {precision!r}")
-        if self._int4_loaded():
-            return self.model, "the model as loaded with int4=True"
-        if precision == "loaded":
-            return self.model, "the model as loaded, as asked"
-        lacks = self._why_not_int4()
-        if lacks is not None:
-            if precision == "int4":
-                raise ValueError(f"precision='int4' cannot be given here: {lacks}")
-            return self.model, f"the model as loaded ({lacks})"
-        if self._int4 is None:
-            self._int4 = self._four_bit_copy(), _weights_state(self.model)
-        return self._int4[0], f"{self.four_bit_file.name}'s own 4-bit matrices, in 4 bits"
-
-    def _why_not_int4(self) -> str | None:
-        from qkv.nn.quantized import int4_available
-
-        parameter = next(self.model.parameters())
-        if self.four_bit_file is None:
-            return f"{self.source} is not a .gguf file with 4-bit matrices"
-        if not int4_available():
-            return f"torch {torch.__version__} has no CPU int4 kernel"
-        if parameter.device.type != "cpu":
-            return "the model is not on the CPU"
-        if parameter.dtype != torch.float32:
-            return f"the model is {parameter.dtype}, not float32"
-        if self._int4 is not None and self._int4[1] != _weights_state(self.model):
-            # the file's 4-bit matrices are no longer this model's weights
-            return "the model's weights have changed since it was loaded"
-        if self._int4 is None and _stamp(self.four_bit_file) != self._four_bit_stamp:
-            return f"{self.four_bit_file.name} has changed on disk since it was loaded"
-        return None
-
-    def _int4_loaded(self) -> bool:
-        from qkv.nn.quantized import Int4Linear
-
-        return any(isinstance(m, Int4Linear) for m in self.model.modules())
-
-    def _four_bit_copy(self) -> nn.Module:
-        """The model with the file's 4-bit matrices swapped in, sharing every other tensor:
-        from the cache of an earlier process where there is one (`qkv.io.int4_cache`)."""
-        import copy
-
-        from qkv.io import int4_cache
-        from qkv.io.gguf import default_cache_dir, read_int4
-        from qkv.io.int4 import use_int4
-
-        shared = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
-        twin = copy.deepcopy(self.model, shared)  # the modules copied, their tensors not
-        cache = None
-        if self._four_bit_digest:
-            cache = int4_cache.cache_path(self._four_bit_digest, default_cache_dir())
-            if int4_cache.restore(twin, cache):
-                return twin.eval()
-        use_int4(twin, self.family, self.config, read_int4(self.four_bit_file), self.source)
-        if cache is not None:
-            int4_cache.store(twin, cache)
-        return twin.eval()
-
-    def _generate_recorded(self, model, ids, recording, sampling, max_new_tokens, stop, stream):
-        """generate for one prompt ids (1, P), keeping the attention rows `recording` asks."""
-        cfg = model.config
-        layers, heads = recording.resolve(cfg.num_layers, cfg.block.num_heads, self.source)
-        if recording.summaries:  # a few numbers per row: the prompt's are summarized in chunks
-            keeper = SummaryKeeper(layers, heads, recording.top_k)
-        else:
-            itemsize = 8 if next(model.parameters()).dtype == torch.float64 else 4
-            check_recording_size(len(layers), len(heads), ids.shape[1], max_new_tokens, itemsize)
-            keeper = RowKeeper(layers, heads)
-        chosen = []
-
-        def steps():
-            for token in decode_steps(model, ids, None, sampling, max_new_tokens,
-                                      layers=layers, keep=keeper):  # fmt: skip
-                chosen.append(int(token[0]))
-                yield token
-
-        (continuation,) = self._continue(steps(), stop, stream, 1)
-        if continuation.within is not None:  # a stop string: the text's tokens, none after
-            del chosen[continuation.within :]
-        every = ids[0].tolist() + chosen
-        P = ids.shape[1]
-        return GenerationAttention(
-            continuation.text, every, [self.tokenizer.id_to_token(i) or str(i) for i in every],
-            self.tokenizer.pieces(every), P, layers, heads, *(
-                (None, [], keeper.summaries().first(P - 1 + len(chosen)))
-                if recording.summaries else (keeper.prompt, keeper.steps[: len(chosen) - 1])),
-        )  # fmt: skip
+        return self.four_bits.generation_model(self.model, self.family, self.config,
+                                               self.source, precision)  # fmt: skip
 
     def _translate(self, sources, sampling, max_new_tokens, stop, stream) -> str | list[str]:
         """An encoder-decoder's output for each source: the encoder reads the source, the
@@ -387,42 +190,17 @@ class Pretrained:
                               max_new_tokens)  # fmt: skip
         return self._decode(steps, stop, stream, len(sources))
 
-    def _chat(self, prompt: str, system: str | None) -> str:
+    def chat_prompt(self, prompt: str, system: str | None = None) -> str:
+        """`prompt` as a user message (after `system`'s, if any) in the model's chat
+        template, ending where the assistant's answer begins: what generate(chat=True) reads."""
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def _decode(self, steps, stop, stream, n) -> str | list[str]:
-        texts = [r.text for r in self._continue(steps, stop, stream, n)]
+        eos = end_ids(self.hf_config, self.tokenizer)
+        texts = [r.text for r in continuations(steps, self.tokenizer, eos, stop, stream, n)]
         return texts[0] if n == 1 else texts
-
-    def _continue(self, steps, stop, stream, n) -> list[_Continuation]:
-        """Each of n sequences' text as `steps` give its tokens, to the end-of-sequence token,
-        a stop string or the last step; pieces streamed as they are certain."""
-        rows = [_Continuation(self.tokenizer.stream(), stop) for _ in range(n)]
-
-        def emit(row: int, piece: str) -> None:
-            if stream is not None and piece:
-                stream(row, piece)
-
-        eos = self._eos_ids()
-        for tokens in steps:
-            for row, token in enumerate(tokens.tolist()):
-                if not rows[row].done:
-                    emit(row, rows[row].finish() if token in eos else rows[row].push(token))
-            if all(r.done for r in rows):
-                break
-        for row, continuation in enumerate(rows):  # text held back for a partial character
-            if not continuation.done:
-                emit(row, continuation.finish())
-        return rows
-
-    def _eos_ids(self) -> set[int]:
-        ids = self.hf_config.get("eos_token_id")
-        ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-        if self.tokenizer.eos_id is not None:
-            ids.add(self.tokenizer.eos_id)
-        return ids
 
     # ------------------------------------------------------------------ embeddings
 
@@ -447,38 +225,11 @@ class Pretrained:
         """
         if not isinstance(self.model, Encoder):
             raise ValueError(f"embed needs an encoder model; {self.source} is {self.family.name}")
-        if precision not in ("auto", "float32", "bfloat16"):
-            raise ValueError(
-                f"precision must be 'auto', 'float32' or 'bfloat16', got {precision!r}"
-            )
-        if precision == "auto":
-            from qkv.cpu import choose_precision
-
-            precision = choose_precision()[0]
-        if isinstance(sentences, str):
-            sentences = [sentences]
-        pooling = self.pooling or Pooling()
-        limit = self.max_sentence_tokens
-        rows_ids, lengths = self.tokenizer.encode_ids(sentences, max_length=limit)
-        cut = [i for i, n in enumerate(lengths) if n > limit]
-        if cut:
-            listed = ", ".join(map(str, cut[:10])) + (" ..." if len(cut) > 10 else "")
-            logger.warning(
-                "%s reads %d tokens of a sentence; %d of %d sentences were longer and were cut "
-                "there (sentences %s, counted from 0)", self.source, limit, len(cut),
-                len(sentences), listed,
-            )  # fmt: skip
-        order = sorted(range(len(sentences)), key=lambda i: -len(rows_ids[i]))
-        out = torch.empty(len(sentences), self.config.block.width)
-        lower = precision == "bfloat16"
-        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16, enabled=lower):
-            for start in range(0, len(order), batch_size):
-                rows = order[start : start + batch_size]
-                ids, mask = self.tokenizer.pad([rows_ids[i] for i in rows])  # (B, T)
-                padded = None if bool(mask.all()) else mask  # unpadded: the unmasked kernel
-                hidden = self.model(ids, attention_mask=padded).hidden.float()  # (B, T, C)
-                out[rows] = pool(hidden, mask, pooling)
-        return out
+        return embed_sentences(
+            self.model, self.tokenizer, sentences, pooling=self.pooling or Pooling(),
+            limit=self.max_sentence_tokens, source=self.source, batch_size=batch_size,
+            precision=precision,
+        )  # fmt: skip
 
     @property
     def max_sentence_tokens(self) -> int:
@@ -550,8 +301,9 @@ class Pretrained:
         pass); `.weights` then only hands them over. True makes them so; False keeps the
         records alone, and `.weights` computes from them when first read (for callers of a
         few rows or summaries: a long text's L x H x T x T floats are never all held then);
-        None (the default) makes them where they take at most MADE_MAX_BYTES (2 GiB:
-        SmolLM2 up to 1,409 tokens), and keeps the records alone beyond.
+        None (the default) makes them where they take at most MADE_MAX_BYTES
+        (`qkv.inspect.attentions`; 2 GiB: SmolLM2 up to 1,409 tokens), and keeps the records
+        alone beyond.
         target (encoder-decoder models only): the decoder's cross-attention instead, weights
         (L, H, Tt, Ts) from the decoder's tokens (its start token, then `target`'s, as in
         training) to `text`'s. Without a target an encoder-decoder shows its encoder. E.g. a
@@ -565,147 +317,31 @@ class Pretrained:
                 f"a target text is for encoder-decoder models' cross-attention; {self.source} "
                 f"is {self.family.name}"
             )
-        stack = self.model.decoder if target is not None else self.model
-        stack = stack.encoder if isinstance(stack, EncoderDecoder) else stack
+        if target is not None:  # cross-attention: the decoder's, over the encoder's output
+            stack = self.model.decoder
+        else:
+            stack = self_attention_stack(self.model, "attentions", self.source)
         L, H = stack.config.num_layers, stack.config.block.num_heads
         every = layers is None or (isinstance(layers, str) and layers == "all")
-        layers = range(L) if every else check_indices("layer", layers, L, self.source)
-        heads = check_indices("head", range(H) if heads is None else heads, H, self.source)
+        layers = check_indices("layer", None if every else layers, L, self.source)
+        heads = check_indices("head", heads, H, self.source)
         if not layers or not heads:
             raise ValueError("no layer or no head asked for; leave layers and heads out for all")
         encoded = self.encode(text)
+        if target is None:
+            return self_attentions(stack, encoded, layers, heads, weights)
         ids = torch.tensor([encoded.ids])  # (1, Ts)
-        if target is not None:
-            targets, queries, _ = self.decoder_input(target)
-            with torch.inference_mode():
-                records = self.model(ids, targets, cross_layers=layers).cross_records
-            return Attentions(records, list(encoded.tokens), encoded, heads, queries)
-        # made outside inference mode, so that `.weights` may fill a layer the pass did not
-        made = _made_for(stack, weights, len(layers), heads, ids.shape[1])
+        targets, queries, _ = self.decoder_input(target)
         with torch.inference_mode():
-            if made is not None:
-                records = stack(ids, layers=layers, logits=False, weights=made).records
-            else:
-                records = stack(ids, layers=layers, logits=False).records
-        return Attentions(records, list(encoded.tokens), encoded, heads, made=made)
+            records = self.model(ids, targets, cross_layers=layers).cross_records
+        return Attentions(records, list(encoded.tokens), encoded, heads, queries)
 
     def save(self, folder: str | Path) -> None:
         """Export as a Hugging Face folder that `transformers` loads with equal outputs."""
-        from qkv.nn.quantized import Int4Linear
-
-        if any(isinstance(m, Int4Linear) for m in self.model.modules()):
+        if int4_loaded(self.model):
             raise ValueError("a model loaded with int4=True cannot be exported; load it without")
         save_folder(Path(folder), self.model, self.family, self.config, self.hf_config,
                     self.tokenizer)  # fmt: skip
-
-
-MADE_MAX_BYTES = 2**31  # the most `attentions(weights=None)` makes in the forward pass
-
-
-def check_weights_option(weights) -> None:
-    """`attentions(weights=...)` takes True, False or None; anything else is refused."""
-    if weights is not None and type(weights) is not bool:
-        raise ValueError(f"weights must be True, False or None (made up to "
-                         f"{MADE_MAX_BYTES // 2**30} GiB), not {weights!r}")  # fmt: skip
-
-
-def _made_for(stack: nn.Module, weights: bool | None, L: int, heads: list[int],
-              T: int) -> Tensor | None:  # fmt: skip
-    """The (L, H, T, T) tensor a decoder's forward pass makes its weights in for
-    `attentions`, or None: where weights are not wanted (or not by default at this size),
-    some heads only are asked, or the model is not a decoder on the CPU (see `attentions`)."""
-    first = next(stack.parameters())
-    dtype, H = compute_dtype(first.dtype), len(heads)
-    if not isinstance(stack, Decoder) or first.device.type != "cpu" or weights is False:
-        return None
-    if heads != list(range(stack.config.block.num_heads)):
-        return None
-    size = L * H * T * T * torch.finfo(dtype).bits // 8
-    if weights is None and size > MADE_MAX_BYTES:
-        return None
-    return torch.empty(L, H, T, T, dtype=dtype)
-
-
-def _stamp(path: Path | None) -> tuple | None:
-    """A file's size and modification time: what tells that it was written again."""
-    if path is None:
-        return None
-    try:
-        stat = path.stat()
-    except OSError:
-        return ("gone",)
-    return stat.st_size, stat.st_mtime_ns
-
-
-def _weights_state(model: nn.Module) -> tuple:
-    """Which tensors the model's weights are, where their memory is and how often each was
-    written in place: an optimizer step, a load_state_dict, a swapped parameter or its
-    `.data` replaced change it. (A write into `p.data` itself is counted nowhere in torch.)"""
-    state = []
-    for p in model.parameters():
-        try:
-            version = p._version
-        except RuntimeError:  # an inference tensor keeps no count: never taken as unchanged
-            version = object()
-        state.append((id(p), p.data_ptr(), version))
-    return tuple(state)
-
-
-class _Continuation:
-    """The text one sequence has generated so far, cut at the first stop string.
-
-    Text that might be the start of a stop string is held back from the stream until the
-    next tokens tell, so a stream never shows text that the result will not contain.
-    """
-
-    def __init__(self, stream, stop: list[str]):
-        self.stream, self.stop = stream, [s for s in stop if s]
-        self.text, self.emitted, self.done = "", 0, False
-        self.ends: list[int] = []  # the text's length after each token, before any cut
-        self.within: int | None = None  # after a stop string: how many tokens the text holds
-
-    def push(self, token: int) -> str:
-        """Add a token; return the text that is now certain (possibly empty)."""
-        piece = self.stream.push(token)
-        self.ends.append(len(self.text) + len(piece))
-        return self._add(piece, final=False)
-
-    def finish(self) -> str:
-        """End the sequence: return whatever was held back."""
-        piece = self._add(self.stream.finish(), final=True)
-        self.done = True
-        return piece
-
-    def _add(self, piece: str, final: bool) -> str:
-        text = self.text + piece
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:  # a stop string: keep what came before it, and stop
-            text, self.done, final = text[:cut], True, True
-            self.within = sum(end <= cut for end in self.ends)  # the tokens wholly before it
-        held = 0 if final else max((_overlap(text, s) for s in self.stop), default=0)
-        self.text = text
-        out, self.emitted = text[self.emitted : len(text) - held], len(text) - held
-        return out
-
-
-def _overlap(text: str, stop: str) -> int:
-    """How many last characters of text begin `stop` (at most len(stop) - 1)."""
-    for k in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:k]):
-            return k
-    return 0
-
-
-def pool(hidden: Tensor, mask: Tensor, pooling: Pooling) -> Tensor:
-    """Token vectors (B, T, C) with mask (B, T) -> sentence vectors (B, C)."""
-    real = mask.to(hidden.dtype)[..., None]  # (B, T, 1)
-    if pooling.mode == "mean":
-        vectors = (hidden * real).sum(1) / real.sum(1).clamp(min=1e-9)
-    elif pooling.mode == "cls":
-        vectors = hidden[:, 0]
-    else:
-        vectors = hidden.masked_fill(real == 0, float("-inf")).max(1).values
-    return torch.nn.functional.normalize(vectors, dim=-1) if pooling.normalize else vectors
 
 
 def load(
@@ -726,19 +362,11 @@ def load(
     int4 kernel (inputs rounded to bfloat16), the LM head in 8 bits (a scale per row): faster
     decoding, slightly different numbers.
     """
-    from qkv.io.load import load_source
-
     loaded = load_source(source, dtype=dtype, backend=backend, int4=int4)
     pretrained = Pretrained(loaded.model, loaded.tokenizer, loaded.config, family=loaded.family,
                             hf_config=loaded.hf_config, source=loaded.source,
                             pooling=loaded.pooling)  # fmt: skip
-    pretrained.four_bit_file = loaded.four_bit_file
-    pretrained._four_bit_stamp = _stamp(loaded.four_bit_file)
-    pretrained._four_bit_digest = loaded.four_bit_digest
-    if loaded.run is not None:
-        # io finds a run's checkpoint; its RunConfig is train's to parse (io never imports train)
-        from qkv.io.runs import CONFIG
-        from qkv.train.config import RunConfig
-
+    pretrained.four_bits = FourBits.of(loaded.four_bit_file, loaded.four_bit_digest)
+    if loaded.run is not None:  # io finds a run's last checkpoint and reads its config
         pretrained.run = RunConfig.from_toml(loaded.run / CONFIG)
     return pretrained

@@ -194,7 +194,7 @@ def no_full_weights(monkeypatch, smollm2):
     """`Attentions.weights` (L, H, T, T) is never asked for; `qkv show -m smollm2` reads the
     session's SmolLM2 rather than loading its own."""
     import qkv
-    from qkv.pretrained import Attentions
+    from qkv.inspect.attentions import Attentions
 
     monkeypatch.setattr(qkv, "load", lambda name, backend=None: smollm2)
 

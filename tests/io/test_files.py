@@ -148,8 +148,8 @@ def test_an_export_failing_half_way_leaves_nothing(tmp_path, monkeypatch):
 
 def small_run():
     from qkv.data import word_tokenizer
+    from qkv.io.run_config import RunConfig
     from qkv.train.arch import build_model, hf_config
-    from qkv.train.config import RunConfig
 
     config = RunConfig().updated({"model": {"layers": 1, "heads": 2, "width": 16}})
     tokenizer = word_tokenizer(["river", "bank", "money"], style="gpt")

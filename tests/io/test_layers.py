@@ -57,9 +57,9 @@ def test_loading_a_run_folder_through_io_imports_nothing_above(tmp_path):
     """The run-time check: read a training run's checkpoint with qkv.io alone."""
     from qkv.data import word_tokenizer
     from qkv.io.hf_folder import save_folder
+    from qkv.io.run_config import RunConfig
     from qkv.io.runs import CONFIG, checkpoint_folder
     from qkv.train.arch import build_model, hf_config
-    from qkv.train.config import RunConfig
 
     config = RunConfig().updated({"model": {"layers": 1, "heads": 2, "width": 16}})
     tokenizer = word_tokenizer(["river", "bank", "money"], style="gpt")

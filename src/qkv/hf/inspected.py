@@ -21,10 +21,10 @@ from transformers import AutoModel, AutoTokenizer
 
 from qkv.attention.inputs import check_indices
 from qkv.hf.backend import NAME, check, keep
+from qkv.inspect.attentions import Attentions, check_weights_option
 from qkv.inspect.trace import Layout, trace
 from qkv.io.tokenizer import Tokenizer
 from qkv.io.words import Encoded
-from qkv.pretrained import Attentions, check_weights_option
 from qkv.viz import write_html
 from qkv.viz.report import page_trace, untraceable
 

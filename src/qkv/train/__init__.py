@@ -5,7 +5,7 @@
 ('masked', 'seq2seq', 'causal')
 """
 
-from qkv.train.config import DataSpec, ModelSpec, RunConfig, TrainSpec
+from qkv.io.run_config import DataSpec, ModelSpec, RunConfig, TrainSpec
 from qkv.train.loop import RunResult, train
 from qkv.train.presets import PRESETS, preset
 

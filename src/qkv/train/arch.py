@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from qkv.io.families import Family, family_for, family_named
+from qkv.io.run_config import RunConfig
 from qkv.models import DecoderConfig, EncoderConfig, EncoderDecoderConfig
 from qkv.nn import BlockConfig
-from qkv.train.config import RunConfig
 
 
 def model_config(config: RunConfig, vocab_size: int):

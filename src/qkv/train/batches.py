@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.train.config import RunConfig
+from qkv.io.run_config import RunConfig
 
 IGNORE = -100  # a label that no loss counts, as in torch's cross_entropy
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from qkv.io.files import write_folder_atomically
+from qkv.io.run_config import RunConfig
 from qkv.train.batches import Examples
-from qkv.train.config import RunConfig
 
 TOKENIZER_STYLE = {"gpt2": "gpt", "llama": "gpt", "bert": "bert", "bart": "bart"}
 # With data.sense_targets, the masked objective's target at "bank": the sense as a word of

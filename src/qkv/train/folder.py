@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qkv.io.files import write_atomically
+from qkv.io.run_config import RESUMABLE, RunConfig
 from qkv.io.runs import staging_leftovers
 from qkv.train import checkpoint as ckpt
-from qkv.train.config import RESUMABLE, RunConfig
 
 if TYPE_CHECKING:
     from qkv.train.loop import Distributed

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.io.run_config import RunConfig
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.train import checkpoint as ckpt
 from qkv.train.arch import build_model, hf_config
 from qkv.train.batches import IGNORE, Batches, shard
-from qkv.train.config import RunConfig
 from qkv.train.data import prepare
 from qkv.train.folder import open_run, undone_if_it_fails
 from qkv.train.metrics import append_record, truncate_records

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qkv.train.config import DataSpec, ModelSpec, RunConfig, TrainSpec
+from qkv.io.run_config import DataSpec, ModelSpec, RunConfig, TrainSpec
 
 PRESETS: dict[str, RunConfig] = {
     # A small BERT on the generated bank sentences: about a minute on a 2-core CPU, after

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qkv.train.config import RunConfig
+from qkv.io.run_config import RunConfig
 
 
 def exact_match(pretrained, config: RunConfig) -> tuple[float, int]:

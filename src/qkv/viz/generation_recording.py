@@ -5,7 +5,7 @@ in range, what they keep within the library's and the page's limits."""
 from __future__ import annotations
 
 from qkv.attention.index_text import parse_indices
-from qkv.generate import Recording, check_recording_size
+from qkv.inspect.generation import Recording, check_recording_size
 from qkv.models import Decoder, stack_shape
 from qkv.viz.generation import check_page_size
 

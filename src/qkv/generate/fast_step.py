@@ -13,7 +13,7 @@ generation (`_packed`), a block's q, k, v and its gate and up stacked into one p
 the same products, summed in another order. An int4 model's 8-bit LM head rounds its
 inputs to 8 bits too, where the CPU multiplies bytes fast (`head_of`). `fast_step_refusal`
 names what it does not handle, and `decode_steps` then takes `Decoder.forward`, the trusted
-path that the tests hold it to (tests/models/test_fast_step.py).
+path that the tests hold it to (tests/generate/test_fast_step.py).
 """
 
 from __future__ import annotations
@@ -288,7 +288,7 @@ def _mlp(mlp):
 
 def _norm_of(norm):
     """norm as one call; an RMSNorm of float32 vectors as `torch.rms_norm`, which gives the
-    module's numbers bit for bit (tests/models/test_fast_step.py) in one call from Python
+    module's numbers bit for bit (tests/generate/test_fast_step.py) in one call from Python
     where the module makes eight."""
     if norm is None:
         return None

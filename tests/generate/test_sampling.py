@@ -1,4 +1,4 @@
-"""Sampling rules and stop strings, on logits and texts chosen so the answer is known."""
+"""Sampling rules, on logits chosen so the answer is known."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from qkv.generate import Sampling
-from qkv.pretrained import _Continuation
 
 LOGITS = torch.log(torch.tensor([[0.05, 0.4, 0.3, 0.2, 0.05]]))
 
@@ -35,41 +34,6 @@ def test_a_seed_repeats_and_temperature_sharpens():
          for _ in range(20)]  # fmt: skip
     assert a == b
     assert draws(Sampling(temperature=0.01)) == {1}
-
-
-class _Pieces:
-    """A stand-in for the tokenizer's stream: each 'token' is already its text."""
-
-    def push(self, piece):
-        return piece
-
-    def finish(self):
-        return ""
-
-
-@pytest.mark.parametrize(
-    ("pieces", "stop", "text", "streamed"),
-    [
-        (["Hel", "lo", " wor", "ld"], ["wor"], "Hello ", ["Hel", "lo", " "]),
-        (["a", "b", "X", "c"], ["bc"], "abXc", ["a", "", "bX", "c"]),
-        (["ab", "c", "d"], ["bcd"], "a", ["a", "", ""]),
-        (["one", " two"], [], "one two", ["one", " two"]),
-    ],
-)
-def test_stop_strings_cut_the_text_and_the_stream_never_shows_what_is_cut(
-    pieces, stop, text, streamed
-):
-    continuation = _Continuation(_Pieces(), stop)
-    shown = []
-    for piece in pieces:
-        if continuation.done:
-            break
-        shown.append(continuation.push(piece))
-    if not continuation.done:
-        shown.append(continuation.finish())
-    assert continuation.text == text
-    assert "".join(shown) == text
-    assert shown[: len(streamed)] == streamed
 
 
 @pytest.mark.parametrize("temperature", [1e-300, 5e-324, 1e-45, 1e-8])

@@ -4,6 +4,8 @@ A run is described by what model to build (`ModelSpec`), what it reads (`DataSpe
 how it learns (`TrainSpec`). Every key has a dotted name (`model.width`, `train.lr`), the
 same in the TOML file (`[model]` then `width = 256`) and on the command line
 (`--set model.width=256`). A key that does not exist is an error that lists the close ones.
+It lives in io beside `runs` (the run folder's layout): `qkv.load` reads a run's config,
+`qkv.train` writes it, and io needs nothing of train.
 
 >>> config = RunConfig().override(["model.width=96", "train.lr=1e-3"])
 >>> config.model.width, config.train.lr

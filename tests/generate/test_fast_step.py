@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qkv.generate as generate
-from qkv.generate import Sampling, decode_steps
+from qkv.generate import Sampling, decode, decode_steps
+from qkv.generate.fast_step import FastStep, _norm_of, fast_step_refusal
 from qkv.models import Decoder, DecoderConfig, EncoderDecoder, EncoderDecoderConfig
 from qkv.models.config import mask_positions
-from qkv.models.fast_step import FastStep, _norm_of, fast_step_refusal
 from qkv.nn import BlockConfig
 from qkv.nn.layers import RMSNorm
 
@@ -100,8 +99,8 @@ def test_greedy_decoding_gives_forwards_tokens_and_logits(kind, monkeypatch):
     model = built(KINDS[kind], torch.float32)
     ids = torch.randint(VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
     logits = {}
-    for name, refusal in (("fast", generate.fast_step_refusal), ("forward", lambda *a: "off")):
-        monkeypatch.setattr(generate, "fast_step_refusal", refusal)
+    for name, refusal in (("fast", decode.fast_step_refusal), ("forward", lambda *a: "off")):
+        monkeypatch.setattr(decode, "fast_step_refusal", refusal)
         seen = []
         monkeypatch.setattr(Sampling, "pick", lambda self, x, g, seen=seen: seen.append(x)
                             or x.argmax(-1))  # fmt: skip
@@ -118,9 +117,9 @@ def test_the_prompts_token_comes_before_the_steps_copies(monkeypatch):
     model = built(KINDS["llama"], torch.float32)
     ids = torch.randint(VOCAB, (2, 5), generator=torch.Generator().manual_seed(5))
     made = []
-    monkeypatch.setattr(generate, "head_of", lambda m, real=generate.head_of: made.append("head")
+    monkeypatch.setattr(decode, "head_of", lambda m, real=decode.head_of: made.append("head")
                         or real(m))  # fmt: skip
-    monkeypatch.setattr(generate, "FastStep", lambda *a, real=FastStep: made.append("step")
+    monkeypatch.setattr(decode, "FastStep", lambda *a, real=FastStep: made.append("step")
                         or real(*a))  # fmt: skip
     seen = []
     monkeypatch.setattr(Sampling, "pick", lambda self, x, g: seen.append(x) or x.argmax(-1))
@@ -178,6 +177,6 @@ def test_each_generation_reads_the_weights_as_they_are_now(monkeypatch):
         for block in model.blocks:
             block.mlp.down.weight.data.copy_(torch.randn_like(block.mlp.down.weight) * 3)
     after = [int(t) for t in decode_steps(model, ids, None, Sampling(), 6)]
-    monkeypatch.setattr(generate, "fast_step_refusal", lambda *a: "off")
+    monkeypatch.setattr(decode, "fast_step_refusal", lambda *a: "off")
     assert after == [int(t) for t in decode_steps(model, ids, None, Sampling(), 6)]
     assert after != before  # the write changed the continuation

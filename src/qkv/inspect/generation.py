@@ -1,206 +1,23 @@
-"""Sampling from a decoder with a KV cache: one new token per step for every sequence.
+"""The attention a generation ran on, recorded as it decodes: what `Pretrained.generate(...,
+record=...)` keeps and returns.
 
-The prompt is read in one forward pass that fills the cache; each later step feeds only
-the newest token, whose query attends to every cached key. Batches are left-padded so
-that every sequence's next token is in the last column.
+`decode_steps` hands every forward pass's records to a keeper (`RowKeeper`: the weights'
+rows; `SummaryKeeper`: a few numbers per row) and drops them; `GenerationAttention` is the
+generation with the rows that chose each of its tokens.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from qkv.attention.inputs import check_indices
-from qkv.models import Decoder, EncoderDecoder
-from qkv.models.decoder import cap_logits
-from qkv.models.fast_step import FastStep, fast_step_refusal, head_of
+from qkv.generate import Sampling, continuations, decode_steps
+from qkv.inspect import summaries
 from qkv.nn import AttentionRecord
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How the next token is picked from the logits. temperature 0 means greedy."""
-
-    temperature: float = 0.0
-    top_k: int | None = None  # keep the k most likely tokens
-    top_p: float | None = None  # keep the smallest set whose probabilities reach p
-    seed: int | None = None
-
-    def __post_init__(self):
-        t = self.temperature
-        if not (isinstance(t, int | float) and math.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
-            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        p = self.top_p
-        if p is not None and not (isinstance(p, int | float) and 0 < p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] or None, got {p!r}")
-        seed = self.seed  # torch's generators take 0..2**64-1 and wrap a negative silently
-        if seed is not None and not (type(seed) is int and 0 <= seed < 2**64):
-            raise ValueError(f"seed must be a whole number from 0 to 2**64-1, got {seed!r}")
-
-    def pick(self, logits: Tensor, generator: torch.Generator | None) -> Tensor:
-        """logits (B, vocab) -> next token ids (B,).
-
-        Any finite temperature > 0 samples: the logits' gaps to their largest are divided in
-        float64, so a tiny temperature sends every gap to -inf (probability 0) and the most
-        likely token (or a tie among them) is drawn, never NaN; a huge one is near uniform.
-        """
-        if self.temperature == 0:
-            return logits.argmax(dim=-1)
-        logits = logits.double()
-        logits = (logits - logits.max(dim=-1, keepdim=True).values) / self.temperature
-        if self.top_k is not None and self.top_k < logits.shape[-1]:
-            kth = logits.topk(self.top_k, dim=-1).values[:, -1:]  # (B, 1)
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            # drop a token when the tokens more likely than it already reach top_p
-            drop = probs.cumsum(dim=-1) - probs >= self.top_p
-            logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-        probs = logits.softmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def decode_steps(
-    model: Decoder,
-    input_ids: Tensor,
-    attention_mask: Tensor | None,
-    sampling: Sampling,
-    max_new_tokens: int,
-    *,
-    layers: Sequence[int] | None = None,
-    keep: Callable[[dict[int, AttentionRecord]], None] | None = None,
-) -> Iterator[Tensor]:
-    """Yield the next token of every sequence (B,), max_new_tokens times at most.
-
-    input_ids (B, T) left-padded, attention_mask (B, T) with 1 for real tokens (None when
-    nothing is padded). The caller stops iterating when it has what it wants.
-    layers, keep: every forward pass (the prompt's, then each fed-back token's) returns the
-    records of these layers and hands them to keep(records) before its token is yielded;
-    without them the forward passes record nothing.
-    """
-    if max_new_tokens < 1:
-        return
-    generator = None
-    if sampling.seed is not None:
-        generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)
-    cache = model.new_cache()
-    positions = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        # each row counts positions from its own first real token
-        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    else:
-        attention_mask = None  # nothing padded: the faster unmasked path
-    # The prompt's token comes from the model's own head (model(ids).logits' arithmetic), and
-    # is yielded before the copies that make each later step fast (0.1-0.2 s for SmolLM2's):
-    # a stream shows it that much sooner.
-    logits = _next_logits(model, None, None, input_ids, attention_mask, positions, cache,
-                          layers, keep)  # fmt: skip
-    token = sampling.pick(logits, generator)  # (B,)
-    yield token
-    if max_new_tokens <= 1:
-        return
-    # each later token through FastStep, where it computes what forward does
-    use_fast = keep is None and fast_step_refusal(model, input_ids.device) is None
-    head, bias = _step_head(model, use_fast)
-    fast = None
-    if use_fast:
-        fast = FastStep(model, cache, input_ids.shape[1] + max_new_tokens, attention_mask)
-    for _ in range(max_new_tokens - 1):
-        if positions is not None:
-            positions = positions[:, -1:] + 1  # (B, 1)
-            if fast is None:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)],
-                                           1)  # fmt: skip
-        if fast is not None:
-            logits = _head(model, head, bias, fast(token, positions))
-        else:
-            logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions,
-                                  cache, layers, keep)  # fmt: skip
-        token = sampling.pick(logits, generator)  # (B,)
-        yield token
-
-
-def seq2seq_steps(
-    model: EncoderDecoder,
-    source_ids: Tensor,
-    source_mask: Tensor | None,
-    start_id: int,
-    sampling: Sampling,
-    max_new_tokens: int,
-) -> Iterator[Tensor]:
-    """Yield the next target token of every sequence (B,), max_new_tokens times at most.
-
-    The encoder reads source_ids (B, S) (right-padded; source_mask 1 for real tokens) once;
-    the decoder starts from `start_id` and feeds each new token back with its KV cache, its
-    cross-attention reading the encoder's output every step.
-    """
-    generator = None
-    if sampling.seed is not None:
-        generator = torch.Generator(device=source_ids.device).manual_seed(sampling.seed)
-    with torch.inference_mode():
-        encoded = model.read_source(source_ids, source_mask=source_mask)
-    cache = model.new_cache()
-    token = torch.full((len(source_ids),), start_id, dtype=torch.long, device=source_ids.device)
-    for _ in range(max_new_tokens):
-        with torch.inference_mode():
-            logits = model(source_ids, token[:, None], source_mask=source_mask, encoded=encoded,
-                           cache=cache).logits[:, -1]  # fmt: skip
-        token = sampling.pick(logits, generator)  # (B,)
-        yield token
-
-
-@torch.inference_mode()
-def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, positions, cache,
-                 layers=None, keep=None):  # fmt: skip
-    """The logits (B, vocab) of the token after input_ids (B, T), appending to the cache;
-    the records of `layers` go to keep(records)."""
-    out = model(
-        input_ids, attention_mask=attention_mask, positions=positions, cache=cache,
-        layers=layers, logits=False,
-    )  # fmt: skip
-    if keep is not None:
-        keep(out.records)
-    return _head(model, head, bias, out.hidden[:, -1])
-
-
-def _step_head(model: Decoder, fast: bool) -> tuple:
-    """The LM head each step after the prompt's reads, and its bias where it is not a module.
-
-    The head reads the largest matrix once per token: stored (C, vocab) it is read in memory
-    order, about twice as fast at one row as the (vocab, C) Linear weight, and in oneDNN's
-    layout (FastStep's `head_of`) faster still; an 8-bit one (int4 models'), with 8-bit inputs
-    where the CPU has VNNI. A quantized head FastStep does not take computes itself."""
-    packed = head_of(model) if fast else None
-    if packed is not None:
-        return packed, None
-    head = model.lm_head
-    if isinstance(head, torch.nn.Linear):
-        return head.weight.detach().t().contiguous(), head.bias  # (C, vocab)
-    return head, None
-
-
-@torch.inference_mode()
-def _head(model: Decoder, head, bias, hidden: Tensor) -> Tensor:
-    """The logits (B, vocab) of the last position's hidden vectors (B, C); head None: the
-    model's own (`Decoder.project`)."""
-    if head is None:
-        return model.project(hidden)
-    if model.config.head_scale is not None:  # as Decoder.project: scaled before the head
-        hidden = hidden * model.config.head_scale
-    # (B, vocab): a module or a function (a quantized or a packed head) adds its own bias
-    logits = hidden @ head.to(hidden.dtype) if isinstance(head, Tensor) else head(hidden)
-    logits = logits if bias is None else logits + bias
-    return cap_logits(logits, model.config.logit_softcap)
-
-
-# ---------------------------------------------------------------- attention while generating
 
 # The most bytes of weights `Pretrained.generate(record=...)` may keep: the prompt's rows
 # (L', H', P, P) and one row (L', H', Tk) per generated token, counted for max_new_tokens
@@ -253,10 +70,8 @@ class Recording:
         every = isinstance(self.layers, str) and self.layers == "all"
         if isinstance(self.layers, str) and not every:
             raise ValueError(f"record's layers are 'all' or indices, not {self.layers!r}")
-        layers = range(num_layers) if every else check_indices("layer", self.layers, num_layers,
-                                                                owner)  # fmt: skip
-        heads = range(num_heads) if self.heads is None else self.heads
-        heads = check_indices("head", heads, num_heads, owner)
+        layers = check_indices("layer", None if every else self.layers, num_layers, owner)
+        heads = check_indices("head", self.heads, num_heads, owner)
         if type(self.summaries) is not bool:
             raise ValueError(f"record's summaries is True or False, not {self.summaries!r}")
         if type(self.top_k) is not int or self.top_k < 1:
@@ -284,7 +99,7 @@ def check_recording_size(layers: int, heads: int, prompt: int, new: int, itemsiz
         raise ValueError(
             f"recording {layers} layers x {heads} heads over {prompt} prompt tokens and "
             f"{new} new ones keeps up to {_bytes(size)} of weights, more than the "
-            f"{_bytes(RECORD_MAX_BYTES)} limit (qkv.generate.RECORD_MAX_BYTES); record "
+            f"{_bytes(RECORD_MAX_BYTES)} limit (qkv.inspect.generation.RECORD_MAX_BYTES); record "
             "fewer layers or heads, or generate fewer tokens"
         )
 
@@ -326,8 +141,6 @@ class SummaryKeeper:
         self.parts: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []
 
     def __call__(self, records: dict[int, AttentionRecord]) -> None:
-        from qkv.inspect import summaries
-
         if not self.parts:  # the prompt's forward pass: P rows, a chunk at a time
             s = summaries.summarize({n: records[n] for n in self.layers}, heads=self.heads,
                                     top_k=self.top_k, bins=1, chunk=summaries.CHUNK)  # fmt: skip
@@ -453,3 +266,47 @@ class GenerationAttention:
         from qkv.viz.notebook import generation_html
 
         return generation_html(self)
+
+
+def generate_recorded(
+    model,
+    ids: Tensor,
+    recording: Recording,
+    sampling: Sampling,
+    max_new_tokens: int,
+    *,
+    tokenizer,
+    eos: set[int],
+    stop: list[str],
+    stream: Callable[[int, str], None] | None,
+    source: str,
+) -> GenerationAttention:
+    """`Pretrained.generate` for one prompt ids (1, P) of a decoder, keeping the attention rows
+    `recording` asks as it decodes (no second forward pass); eos: the tokens that end it."""
+    cfg = model.config
+    layers, heads = recording.resolve(cfg.num_layers, cfg.block.num_heads, source)
+    if recording.summaries:  # a few numbers per row: the prompt's are summarized in chunks
+        keeper = SummaryKeeper(layers, heads, recording.top_k)
+    else:
+        itemsize = 8 if next(model.parameters()).dtype == torch.float64 else 4
+        check_recording_size(len(layers), len(heads), ids.shape[1], max_new_tokens, itemsize)
+        keeper = RowKeeper(layers, heads)
+    chosen = []
+
+    def steps():
+        for token in decode_steps(model, ids, None, sampling, max_new_tokens,
+                                  layers=layers, keep=keeper):  # fmt: skip
+            chosen.append(int(token[0]))
+            yield token
+
+    (continuation,) = continuations(steps(), tokenizer, eos, stop, stream, 1)
+    if continuation.within is not None:  # a stop string: the text's tokens, none after
+        del chosen[continuation.within :]
+    every = ids[0].tolist() + chosen
+    P = ids.shape[1]
+    return GenerationAttention(
+        continuation.text, every, [tokenizer.id_to_token(i) or str(i) for i in every],
+        tokenizer.pieces(every), P, layers, heads, *(
+            (None, [], keeper.summaries().first(P - 1 + len(chosen)))
+            if recording.summaries else (keeper.prompt, keeper.steps[: len(chosen) - 1])),
+    )  # fmt: skip

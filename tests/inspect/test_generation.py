@@ -16,7 +16,7 @@ import torch
 from playwright.sync_api import sync_playwright
 
 from browser import CHROMIUM, FLAGS, only_file
-from qkv.generate import GenerationAttention, Recording
+from qkv.inspect.generation import GenerationAttention, Recording
 from qkv.viz.generation import read_generation_page, write_generation_page
 from variant_models import decoder, gemma2_like, tiny
 
@@ -161,7 +161,7 @@ def test_without_record_the_forward_passes_record_nothing():
     try:
         model.generate("the bank of the river", 4)
         # the prompt's forward pass records nothing; each later token runs FastStep, which
-        # keeps no records at all (tests/models/test_fast_step.py)
+        # keeps no records at all (tests/generate/test_fast_step.py)
         assert seen == [{}]
         seen.clear()
         model.generate("the bank of the river", 4, record=[1])
@@ -199,12 +199,12 @@ def test_a_batch_and_a_recording_beyond_the_limit_are_refused(monkeypatch):
     model = tiny(decoder())
     with pytest.raises(ValueError, match="record keeps a decoder's attention over one prompt; 2"):
         model.generate(["the bank", "the river"], 3, record="all")
-    monkeypatch.setattr("qkv.generate.RECORD_MAX_BYTES", 1000)
+    monkeypatch.setattr("qkv.inspect.generation.RECORD_MAX_BYTES", 1000)
     # 2 layers x 2 heads x (4 + 2 x 2 + 1) weights x 4 bytes = 144 bytes fit; 30 new tokens,
     # 2 x 2 x (4 + 29 x 2 + 435) x 4 = 7952 bytes (7.8 KiB), do not
     assert model.generate("the bank", 3, record="all").generated == 3
     with pytest.raises(ValueError, match=r"keeps up to 7.8 KiB of weights, more than the 1000 "
-                       r"bytes limit \(qkv.generate.RECORD_MAX_BYTES\)"):  # fmt: skip
+                       r"bytes limit \(qkv.inspect.generation.RECORD_MAX_BYTES\)"):  # fmt: skip
         model.generate("the bank", 30, record="all")
 
 
@@ -248,7 +248,7 @@ def test_recorded_summaries_are_those_of_one_forward_passs_rows(config, record, 
 
 def test_summaries_keep_a_few_numbers_a_row_beyond_the_rows_limit(monkeypatch):
     model = tiny(decoder())
-    monkeypatch.setattr("qkv.generate.RECORD_MAX_BYTES", 1000)  # 30 tokens' rows: 7.8 KiB
+    monkeypatch.setattr("qkv.inspect.generation.RECORD_MAX_BYTES", 1000)  # 30 tokens' rows: 7.8 KiB
     seen = model.generate("the bank", 30, record="summaries")
     assert seen.summaries.entropy.shape == (2, 2, seen.prompt_length + seen.generated - 1)
     rows = model.generate("the bank", 3, record="all")
@@ -263,7 +263,7 @@ def test_summaries_keep_a_few_numbers_a_row_beyond_the_rows_limit(monkeypatch):
 
 def test_docs_generate_md_shows_these_numbers(smollm2, recorded):
     """docs/generate.md's table is SmolLM2's own numbers for this generation."""
-    doc = (Path(__file__).parent.parent / "docs" / "generate.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).parents[2] / "docs" / "generate.md").read_text(encoding="utf-8")
     assert repr(recorded.text) in doc
     # the greedy text is not the CPU's round-off: each token's logit leads the next by far
     # more than float32's summation order moves it (1e-4)
