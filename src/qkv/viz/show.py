@@ -14,14 +14,16 @@ from pathlib import Path
 
 from torch import nn
 
+# viz's drawing functions are looked up on the package when called, as `qkv show` always
+# did, so that a test can stand in for one
+from qkv import viz
 from qkv.attention.index_text import parse_indices
 from qkv.attention.inputs import check_indices
 from qkv.inspect.summaries import region as region_of
 from qkv.inspect.summaries import summarize
 from qkv.models import Decoder, Encoder
-from qkv.viz.heatmap import head_heatmap, model_view
 from qkv.viz.long import downsampled_grid, downsampled_heatmap, summary_page
-from qkv.viz.report import page_trace, untraceable, write_html, write_report
+from qkv.viz.report import page_trace, untraceable
 
 LONG = 512  # tokens beyond which `show` draws summaries rather than every weight
 
@@ -62,14 +64,16 @@ def draw_attention(
     chosen = (layer or 0, head or 0) if layer is not None or head is not None else None
     common = {"title": f"{name}: {text[:60]}", "text": text, "head": chosen}
     if out.suffix.lower() == ".png" and (layers or heads):
-        model_view(seen.weights, seen.pieces, out, layers=parse_indices(layers, "layers", L, name),
-                   heads=parse_indices(heads, "heads", H, name),
-                   query_tokens=seen.query_tokens)  # fmt: skip
+        viz.model_view(seen.weights, seen.pieces, out,
+                       layers=parse_indices(layers, "layers", L, name),
+                       heads=parse_indices(heads, "heads", H, name),
+                       query_tokens=seen.query_tokens)  # fmt: skip
     elif out.suffix.lower() == ".png":
         lh = chosen or (0, 0)
         kind = " cross-attention" if cross else ""
-        head_heatmap(seen.weights[lh], seen.pieces, out, title=f"{name}{kind} L{lh[0]} H{lh[1]}",
-                     query_tokens=seen.query_tokens)  # fmt: skip
+        viz.head_heatmap(seen.weights[lh], seen.pieces, out,
+                         title=f"{name}{kind} L{lh[0]} H{lh[1]}",
+                         query_tokens=seen.query_tokens)  # fmt: skip
     else:  # a page, which traces a clicked pair from the q, k, v vectors
         vectors = scores = None
         why = untraceable(seen.records, cross=cross)  # cross: the decoder's q over the encoder's
@@ -81,7 +85,7 @@ def draw_attention(
         elif transformers or isinstance(model, Encoder | Decoder):
             relative = getattr(model.config, "position", None) == "relative"
             vectors, scores = page_trace(seen.records, bias_is_distance=relative)
-        write = write_html if out.suffix.lower() in (".html", ".htm") else write_report
+        write = viz.write_html if out.suffix.lower() in (".html", ".htm") else viz.write_report
         write(out, seen.weights, seen.pieces, vectors=vectors, causal=seen.causal,
               scale=seen.scale, scores=scores, query_tokens=seen.query_tokens,
               **common)  # fmt: skip
@@ -103,9 +107,9 @@ def _draw_long(seen, out: Path, name: str, text: str, layers, heads, layer, head
         (q0, q1), (k0, k1) = spans
         weights = region_of(seen.records[lh[0]], queries=spans[0], keys=spans[1], heads=[lh[1]])
         queries = seen.query_tokens or seen.pieces
-        head_heatmap(weights[0], seen.pieces[k0:k1], out, query_tokens=queries[q0:q1],
-                     title=f"{name} L{lh[0]} H{lh[1]}: queries {q0}-{q1 - 1} over keys "
-                     f"{k0}-{k1 - 1}, every weight")  # fmt: skip
+        viz.head_heatmap(weights[0], seen.pieces[k0:k1], out, query_tokens=queries[q0:q1],
+                         title=f"{name} L{lh[0]} H{lh[1]}: queries {q0}-{q1 - 1} over keys "
+                         f"{k0}-{k1 - 1}, every weight")  # fmt: skip
         return
     if suffix not in (".png", ".html", ".htm"):
         raise ValueError(f"a text of more than {LONG} tokens is shown as FILE.png or FILE.html "
