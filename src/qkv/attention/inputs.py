@@ -185,6 +185,44 @@ def check_variants(shape: Shape, q: Tensor, softcap, bias) -> Variants:
     return Variants(None if softcap is None else float(softcap), bias)
 
 
+@dataclass(frozen=True)
+class Call:
+    """One checked call of attention, as every backend receives it: its sizes, the scale to
+    use, the mask with the sliding window folded in, the causal rule and the score variants."""
+
+    shape: Shape
+    scale: float
+    mask: Tensor | None
+    causal: bool
+    variants: Variants
+
+
+def check_call(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mask: Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
+) -> Call:
+    """The one prologue of every entry to attention: `check_inputs`, `check_variants` and
+    `check_window`, then the window folded into the mask (a window is a mask).
+
+    >>> q = k = v = torch.zeros(1, 2, 3, 4)
+    >>> call = check_call(q, k, v, causal=True, window=1)
+    >>> call.scale, call.mask[2].int().tolist(), call.variants.names  # the last query's keys
+    (0.5, [0, 0, 1], frozenset())
+    """
+    shape, scale = check_inputs(q, k, v, mask, scale)
+    variants = check_variants(shape, q, softcap, bias)
+    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
+    return Call(shape, scale, mask, causal, variants)
+
+
 def capped(scores: Tensor, softcap: float | None) -> Tensor:
     """Gemma 2's soft-cap: softcap * tanh(scores / softcap), or the scores themselves."""
     return scores if softcap is None else torch.tanh(scores / softcap) * softcap

@@ -13,9 +13,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import attend, backend_names, flash
-from qkv.attention.eager import attend_into, compute_dtype, takes_into
-from qkv.attention.inputs import with_window
+from qkv.attention import attend_for_record, backend_names
 from qkv.nn.edit import Edit
 from qkv.nn.layers import NormKind, make_norm
 from qkv.nn.linear import linear, project
@@ -176,19 +174,6 @@ class MultiHeadAttention(nn.Module):
             return kv.split(self.sizes[1:], dim=-1)
         return project(self.k, source), project(self.v, source)
 
-    def _made(self, record, q: Tensor, k: Tensor, v: Tensor, mask, causal: bool, window,
-              bias) -> Tensor | None:  # fmt: skip
-        """The tensor `record` asks the weights made in, where attend_into computes exactly
-        what this call's `attend` would; None otherwise."""
-        if not isinstance(record, Tensor) or self.backend not in ("auto", "eager"):
-            return None
-        fits = (record.shape == q.shape[1:3] + k.shape[2:3] and record.is_contiguous()
-                and record.dtype == compute_dtype(q.dtype)
-                and record.device == q.device)  # fmt: skip
-        plain = takes_into(q, k, v, mask=mask, causal=causal, window=window,
-                           softcap=self.softcap, bias=bias)  # fmt: skip
-        return record if fits and plain else None
-
     def split_heads(self, x: Tensor, num_heads: int) -> Tensor:
         B, T, _ = x.shape
         return x.view(B, T, num_heads, self.head_dim).transpose(1, 2)  # (B, num_heads, T, D)
@@ -265,29 +250,20 @@ class MultiHeadAttention(nn.Module):
             mask = padding if mask is None else mask & padding
         if edit is not None:
             mask = edit.mask(mask)
-        lse = None
         # a window applies to self-attention only (cross-attention reads the whole context)
         window = self.window if context is None else None
         recording = isinstance(record, Tensor) or bool(record)
-        made = self._made(record, q, k, v, mask, causal, window, bias)
-        if made is not None:  # the weights asked for anyway: made with the output
-            out = attend_into(made, q, k, v, scale=self.scale)
-        elif recording and self.backend == "flash" and self.softcap is None and bias is None:
-            # the kernel's log-sum-exp turns q and k into any head's weights directly
-            windowed = with_window(mask, window, causal, q.shape[2], k.shape[2], q.device)
-            out, lse = flash.flash_attention(
-                q, k, v, mask=windowed, causal=causal, scale=self.scale
-            )
-        else:
-            out = attend(
-                q, k, v, mask=mask, causal=causal, scale=self.scale, window=window,
-                softcap=self.softcap, bias=bias, backend=self.backend,
-            )  # fmt: skip
+        attended = attend_for_record(
+            q, k, v, mask=mask, causal=causal, scale=self.scale, window=window,
+            softcap=self.softcap, bias=bias, backend=self.backend,
+            weights=record if isinstance(record, Tensor) else None,
+        )  # fmt: skip
+        out = attended.out
         kept = None  # (B, H, T, D) out, and the rest, as attend saw them
         if recording:
             kept = AttentionRecord(
-                q, k, v, out, mask, causal, self.scale, self.backend, lse, q_plain, k_plain,
-                window, self.softcap, bias, made,
+                q, k, v, out, mask, causal, self.scale, self.backend, attended.lse, q_plain,
+                k_plain, window, self.softcap, bias, attended.made,
             )  # fmt: skip
         if edit is not None:
             out = edit.head_outputs(out)
