@@ -53,9 +53,9 @@ from pathlib import Path
 import torch
 
 import qkv
-from qkv.cpu import choose_int8_inputs
 from qkv.generate import Sampling, decode_steps
 from qkv.io.embedded import embedded_path
+from qkv.nn.quantized import choose_int8_inputs
 from timing import CORES, machine, time_peers
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived"

@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from qkv.cpu import choose_gemm
+from qkv.device import choose_gemm
 from qkv.nn.linear import linear
 from timing import CORES, machine, time_peers
 

@@ -57,7 +57,7 @@ def machine() -> str:
 
     import torch
 
-    from qkv.cpu import capability
+    from qkv.device import capability
 
     model = platform.processor() or platform.machine()
     try:

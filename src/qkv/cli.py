@@ -68,13 +68,8 @@ def backends(
         if verbose:
             import torch
 
-            from qkv.cpu import (
-                capability,
-                choose_gemm,
-                choose_int8_inputs,
-                choose_precision,
-                freed_memory,
-            )
+            from qkv.device import capability, choose_gemm, choose_precision, freed_memory
+            from qkv.nn.quantized import choose_int8_inputs
 
             precision, why = choose_precision()
             typer.echo(f"\nthis CPU: {capability().describe()}; {torch.get_num_threads()} threads")
@@ -899,7 +894,7 @@ def main() -> None:
     result. The library leaves every setting of a user's process as the user made it."""
     import gc
 
-    from qkv.cpu import reuse_freed_memory
+    from qkv.device import reuse_freed_memory
 
     gc.freeze()
     reuse_freed_memory()

@@ -452,7 +452,7 @@ class Pretrained:
                 f"precision must be 'auto', 'float32' or 'bfloat16', got {precision!r}"
             )
         if precision == "auto":
-            from qkv.cpu import choose_precision
+            from qkv.device import choose_precision
 
             precision = choose_precision()[0]
         if isinstance(sentences, str):
