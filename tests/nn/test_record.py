@@ -123,7 +123,7 @@ def test_weights_made_with_the_output_are_eagers_and_the_output_is_unchanged(dty
     x = torch.randn(1, 9, 48, dtype=dtype)
     made = torch.full((6, 9, 9), float("nan"), dtype=dtype)  # every weight must be written
     with torch.no_grad():  # a pass that keeps gradients does not make them (below)
-        out, record = mha(x, causal=True, record=made)
+        out, record = mha(x, causal=True, record=True, weights_into=made)
         plain, plain_record = mha(x, causal=True, record=True)
     assert record.made is made and plain_record.made is None
     want = eager_backend.attention_weights(record.q, record.k, causal=True, scale=record.scale)
@@ -147,7 +147,15 @@ def test_a_call_the_weights_cannot_be_made_in_records_as_before(case):
     made = torch.full((6, 5 if case == "other shape" else 6, 6), float("nan"))
     padding = torch.tensor([[True] * 5 + [False]]) if case == "padding" else None
     with torch.enable_grad() if case == "gradient" else torch.no_grad():
-        out, record = mha(x, causal=case != "not causal", key_padding_mask=padding, record=made)
+        out, record = mha(
+            x, causal=case != "not causal", key_padding_mask=padding, record=True, weights_into=made
+        )
     assert record.made is None and made.isnan().all(), "left alone"
     want, _ = mha(x, causal=case != "not causal", key_padding_mask=padding)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+
+
+def test_weights_into_is_for_a_record_and_is_refused_without_one():
+    made = torch.empty(6, 4, 4)
+    with pytest.raises(ValueError, match="weights_into makes the weights a record keeps"):
+        layer("eager")(torch.randn(1, 4, 48), causal=True, weights_into=made)

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.models.decoder import Decoder, DecoderCache
-from qkv.nn.layers import MLP, GatedMLP, RMSNorm
+from qkv.nn.mlps import MLP, GatedMLP
+from qkv.nn.norms import RMSNorm
 from qkv.nn.position import Rotation
 from qkv.nn.quantized import GROUP, Int4Linear, Int8Linear, choose_int8_inputs
 

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from qkv.attention import attend_for_record, backend_names
 from qkv.nn.edit import Edit
-from qkv.nn.layers import NormKind, make_norm
 from qkv.nn.linear import linear, project
+from qkv.nn.norms import NormKind, make_norm
 from qkv.nn.position import RotaryEmbedding, Rotation, positions_for
 from qkv.nn.record import AttentionRecord
 
@@ -191,7 +191,8 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         bias: Tensor | None = None,
         edit: Edit | None = None,
-        record: bool | Tensor = False,
+        record: bool = False,
+        weights_into: Tensor | None = None,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """Contextualize x; return (out (B, T, C), this call's AttentionRecord or None).
 
@@ -209,14 +210,16 @@ class MultiHeadAttention(nn.Module):
           relative positions, made once by the model and shared by its layers).
         edit: an intervention (`qkv.nn.edit.Edit`): pairs hidden (joined to the mask, so
           on every backend) and head outputs replaced before the projection.
-        record: also return what attention received and computed (see AttentionRecord);
-          or a tensor (H, T, Tk) of the weights' dtype (float32, float64 for float64) to
-          make every head's weights in as well, with the output in one pass (eager's
-          arithmetic, `attend_into`) where this call is one causal sequence of plain scores
-          on the "auto" or "eager" backend with no gradient to keep
+        record: also return what attention received and computed (see AttentionRecord).
+        weights_into: with record, a tensor (H, T, Tk) of the weights' dtype (float32, float64
+          for float64) to make every head's weights in as well, with the output in one pass
+          (eager's arithmetic, `attend_into`) where this call is one causal sequence of plain
+          scores on the "auto" or "eager" backend with no gradient to keep
           (`qkv.attention.eager.takes_into`); the record's `made` is then that tensor. A call
-          that is not such leaves the tensor alone and records as with True.
+          that is not such leaves the tensor alone and records as without it.
         """
+        if weights_into is not None and not record:
+            raise ValueError("weights_into makes the weights a record keeps: pass record=True")
         B, T, _ = x.shape
         q_plain = k_plain = None
         if context is None:  # self-attention: queries, keys and values all from x
@@ -252,15 +255,13 @@ class MultiHeadAttention(nn.Module):
             mask = edit.mask(mask)
         # a window applies to self-attention only (cross-attention reads the whole context)
         window = self.window if context is None else None
-        recording = isinstance(record, Tensor) or bool(record)
         attended = attend_for_record(
             q, k, v, mask=mask, causal=causal, scale=self.scale, window=window,
-            softcap=self.softcap, bias=bias, backend=self.backend,
-            weights=record if isinstance(record, Tensor) else None,
+            softcap=self.softcap, bias=bias, backend=self.backend, weights=weights_into,
         )  # fmt: skip
         out = attended.out
         kept = None  # (B, H, T, D) out, and the rest, as attend saw them
-        if recording:
+        if record:
             kept = AttentionRecord(
                 q, k, v, out, mask, causal, self.scale, self.backend, attended.lse, q_plain,
                 k_plain, window, self.softcap, bias, attended.made,
