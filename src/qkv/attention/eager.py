@@ -8,10 +8,12 @@ in float32 and the result cast back, as fused kernels do internally.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 from torch import Tensor
 
-from qkv.attention.inputs import Shape, allowed_keys, capped, check_call
+from qkv.attention.inputs import Options, Shape, allowed_keys, capped, check_call
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -114,8 +116,8 @@ def attend_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, scale: floa
     return out[None].to(q.dtype)
 
 
-def forward_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, mask, causal: bool,
-                 scale: float, window, softcap, bias) -> Tensor | None:  # fmt: skip
+def forward_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, scale: float, mask=None,
+                 causal=False, window=None, softcap=None, bias=None) -> Tensor | None:  # fmt: skip
     """Registry entry for the weights made with the output: `attend_into`'s output where it
     computes exactly what `attend` would for this call (`takes_into`) and `weights` is the
     tensor it writes (H, Tq, Tk, contiguous, the compute dtype, on q's device); else None."""
@@ -190,17 +192,7 @@ def _forward(
 
 
 def attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    bias: Tensor | None = None,
-    return_weights: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, *, return_weights: bool = False, **options: Unpack[Options]
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with the `eager` backend; optionally also the weights.
 
@@ -208,11 +200,9 @@ def attend(
     is (B, H, Tq, Tk) in float32 (float64 for float64 inputs); each row sums to 1, or to 0
     for a query that may see no key.
     """
-    call = check_call(
-        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
-    )
-    s = call.variants.softcap
-    out, weights = _forward(q, k, v, call.mask, causal, call.scale, call.shape, s, bias)
+    call = check_call(q, k, v, **options)
+    softcap, bias = call.variants.softcap, call.variants.bias
+    out, weights = _forward(q, k, v, call.mask, call.causal, call.scale, call.shape, softcap, bias)
     return (out, weights) if return_weights else out
 
 

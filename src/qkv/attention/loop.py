@@ -12,11 +12,12 @@ gradient too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 from torch import Tensor
 
-from qkv.attention.inputs import Call, Shape, Variants, allowed_keys, check_call
+from qkv.attention.inputs import Call, Options, Shape, Variants, allowed_keys, check_call
 
 
 @dataclass(frozen=True)
@@ -119,18 +120,7 @@ def contextualize(
     return contextualized, pairs
 
 
-def steps(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    bias: Tensor | None = None,
-) -> list[QuerySteps]:
+def steps(q: Tensor, k: Tensor, v: Tensor, **options: Unpack[Options]) -> list[QuerySteps]:
     """Run the article over every (batch, head, query) and keep every intermediate.
 
     Arguments as in `attend`. Returns B * H * Tq steps in (batch, head, query) order. (A real
@@ -140,10 +130,7 @@ def steps(
     >>> [round(w, 3) for w in steps(q, k, v)[0].weights.tolist()]
     [0.67, 0.33]
     """
-    call = check_call(
-        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
-    )
-    return _steps(q, k, v, call)
+    return _steps(q, k, v, check_call(q, k, v, **options))
 
 
 def _steps(q: Tensor, k: Tensor, v: Tensor, call: Call) -> list[QuerySteps]:
@@ -190,20 +177,7 @@ def forward(
     return _contextualized(q, _steps(q, k, v, call))
 
 
-def attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    bias: Tensor | None = None,
-) -> Tensor:
-    """The `loop` backend: (B, H, Tq, D) out, computed in float64, returned in q's dtype."""
-    every = steps(
-        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
-    )
-    return _contextualized(q, every)
+def attend(q: Tensor, k: Tensor, v: Tensor, **options: Unpack[Options]) -> Tensor:
+    """The `loop` backend: (B, H, Tq, D) out, computed in float64, returned in q's dtype.
+    Options as in `qkv.attend`."""
+    return _contextualized(q, steps(q, k, v, **options))

@@ -22,17 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Unpack
 
 from torch import Tensor
 
 from qkv.attention import eager, loop, sdpa
 from qkv.attention.flash import backend as flash
-from qkv.attention.inputs import NONE, Call, Shape, Variants, check_call
+from qkv.attention.inputs import NONE, Call, Options, Shape, Variants, check_call
 
 Forward = Callable[..., Tensor]
 # (q, k, v, *, mask, causal, scale, shape) -> (out, lse (B, H, Tq) float32)
 ForwardLse = Callable[..., tuple[Tensor, Tensor]]
-# (weights, q, k, v, *, mask, causal, scale, window, softcap, bias) -> out, or None where
+# (weights, q, k, v, *, scale, mask=, causal=, window=, softcap=, bias=) -> out, or None where
 # this backend cannot make exactly these weights in that tensor with its output
 WeightsInto = Callable[..., Tensor | None]
 # (q, mask, causal, shape) -> None when the backend can run these inputs, else the reason.
@@ -251,24 +252,19 @@ def attend_for_record(
     k: Tensor,
     v: Tensor,
     *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    bias: Tensor | None = None,
     backend: str = "auto",
     weights: Tensor | None = None,
+    **options: Unpack[Options],
 ) -> Attended:
     """`attend`, and what a record of the call needs beside its output: the log-sum-exp
     where the backend offers it, or every head's weights made with the output.
 
-    Arguments as in `attend`. weights: a tensor (H, Tq, Tk) of the compute dtype (float32,
-    float64 for float64 inputs) to make the weights of one sequence in, with the output in
-    one pass, where a backend that offers it (`eager`, for "auto" or "eager") computes
-    exactly what `attend` would (`qkv.attention.eager.takes_into`); `made` is then that
-    tensor. Otherwise the tensor is left alone and the call is `attend`'s, with the lse of a
-    backend that offers one (`flash`).
+    Arguments and options (mask, causal, scale, window, softcap, bias) as in `attend`.
+    weights: a tensor (H, Tq, Tk) of the compute dtype (float32, float64 for float64 inputs)
+    to make the weights of one sequence in, with the output in one pass, where a backend that
+    offers it (`eager`, for "auto" or "eager") computes exactly what `attend` would
+    (`qkv.attention.eager.takes_into`); `made` is then that tensor. Otherwise the tensor is
+    left alone and the call is `attend`'s, with the lse of a backend that offers one (`flash`).
 
     >>> import torch
     >>> q = k = v = torch.eye(2).view(1, 1, 2, 2)
@@ -278,24 +274,19 @@ def attend_for_record(
     (True, [0.3302, 0.6698])
     """
     chosen = resolve_backend(backend)
-    call = check_call(
-        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
-    )
+    call = check_call(q, k, v, **options)
     if weights is not None:
         makers = [chosen] if chosen is not None else [b for b in _by_speed() if b.auto]
         for maker in makers:
             if maker.weights_into is None:
                 continue
-            out = maker.weights_into(
-                weights, q, k, v, mask=mask, causal=causal, scale=call.scale, window=window,
-                softcap=softcap, bias=bias,
-            )  # fmt: skip
+            out = maker.weights_into(weights, q, k, v, **{**options, "scale": call.scale})
             if out is not None:
                 return Attended(out, made=weights)
     chosen = _runnable(chosen, q, call)
     if chosen.forward_lse is None:
         return Attended(_run(chosen, q, k, v, call))
     out, lse = chosen.forward_lse(
-        q, k, v, mask=call.mask, causal=causal, scale=call.scale, shape=call.shape
+        q, k, v, mask=call.mask, causal=call.causal, scale=call.scale, shape=call.shape
     )
     return Attended(out, lse)
