@@ -148,7 +148,7 @@ def main() -> None:
         f"(median {statistics.median(lengths):.0f}), batch size {args.batch_size}"
     )
 
-    from qkv.cpu import choose_precision
+    from qkv.device import choose_precision
 
     default = f"qkv default ({choose_precision()[0]})"
     fns = {

@@ -2,7 +2,7 @@
 qkv's models multiply: SmolLM2's matrices at 1, 15 and 512 rows (one decode step, a prompt,
 a long text) and GPT-2's at 2,048 rows with the gradients a training step takes.
 
-On a CPU where `qkv.cpu.choose_gemm` picks oneDNN (an AMD CPU, where torch's MKL takes its
+On a CPU where `qkv.device.choose_gemm` picks oneDNN (an AMD CPU, where torch's MKL takes its
 AVX2 path), `linear` runs oneDNN's linear; elsewhere it is F.linear itself, and the ratios
 are 1 but for noise. Each cell is the median of interleaved calls on fresh random inputs;
 each row also prints the largest difference between the two, relative to the output's
@@ -18,7 +18,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from qkv.cpu import choose_gemm
+from qkv.device import choose_gemm
 from qkv.nn.linear import linear
 from timing import CORES, machine, time_peers
 

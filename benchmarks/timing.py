@@ -51,13 +51,13 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
 
 def machine() -> str:
     """One line a benchmark prints first: the CPU, what torch's kernels use on it, the
-    instruction sets that decide the fast paths (`qkv.cpu`, as the library reads them), the
+    instruction sets that decide the fast paths (`qkv.device`, as the library reads them), the
     threads and the memory bandwidth."""
     import platform
 
     import torch
 
-    from qkv.cpu import capability
+    from qkv.device import capability
 
     model = platform.processor() or platform.machine()
     try:

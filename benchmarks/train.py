@@ -158,7 +158,7 @@ def main() -> None:
     import transformers
     from transformers.utils import logging
 
-    from qkv.cpu import capability
+    from qkv.device import capability
 
     logging.set_verbosity_error()  # the warnings about attention_mask and loss_type
     torch.set_num_threads(CORES)

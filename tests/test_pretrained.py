@@ -103,9 +103,9 @@ def test_bfloat16_embeddings_stay_within_the_target_of_float32(minilm):
 
 
 def test_auto_precision_is_what_this_cpu_is_told_to_choose(minilm):
-    """The default is the precision `qkv.cpu.choose_precision` picks for this CPU, exactly:
+    """The default is the precision `qkv.device.choose_precision` picks for this CPU, exactly:
     on an AVX2 machine float32, on one with bfloat16 instructions bfloat16."""
-    from qkv.cpu import capability, choose_precision
+    from qkv.device import capability, choose_precision
 
     chosen, why = choose_precision()
     assert chosen == ("bfloat16" if capability().bfloat16 else "float32") and why
@@ -392,8 +392,7 @@ def test_int4_decoding_rounds_the_heads_inputs_where_this_cpu_chose_it(smollm2, 
     with_int8_inputs exactly where choose_int8_inputs says "int8" (elsewhere, and for the
     prompt's token, through the module: bfloat16 inputs);
     and those logits follow float32's as the int4 forward's do (the test above)."""
-    from qkv.cpu import choose_int8_inputs
-    from qkv.nn.quantized import Int8Linear
+    from qkv.nn.quantized import Int8Linear, choose_int8_inputs
 
     fast = qkv.load("smollm2", int4=True)
     read, real = [], Int8Linear.with_int8_inputs

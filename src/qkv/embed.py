@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from qkv.cpu import choose_precision
+from qkv.device import choose_precision
 from qkv.io.hf_folder import Pooling
 from qkv.models import Encoder
 

@@ -218,7 +218,7 @@ class Pretrained:
         float32): about twice as fast on CPUs with bfloat16 instructions, several times slower
         on others; "float32" is the arithmetic of transformers and sentence-transformers.
         "auto" takes bfloat16 where the CPU has bfloat16 instructions, else float32
-        (`qkv.cpu.choose_precision`; the cosine of each to float32 stays above 0.9999).
+        (`qkv.device.choose_precision`; the cosine of each to float32 stays above 0.9999).
         A sentence longer than the model reads (`max_sentence_tokens`: a sentence-transformers
         folder's max_seq_length, else the context window) is cut there, its [CLS] ... [SEP]
         kept, as sentence-transformers cuts it; a warning is logged saying which were cut.

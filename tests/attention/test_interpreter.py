@@ -12,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from qkv.attention.flash.backend import interpreter_on
+from qkv.attention.flash.limits import interpreter_on
 
 pytestmark = pytest.mark.skipif(
     not interpreter_on(), reason="the fixes are for Triton's interpreter (TRITON_INTERPRET=1)"

@@ -13,7 +13,7 @@ from qkv.generate.fast_step import FastStep, _norm_of, fast_step_refusal
 from qkv.models import Decoder, DecoderConfig, EncoderDecoder, EncoderDecoderConfig
 from qkv.models.config import mask_positions
 from qkv.nn import BlockConfig
-from qkv.nn.layers import RMSNorm
+from qkv.nn.norms import RMSNorm
 
 VOCAB = 40
 CPU = torch.device("cpu")

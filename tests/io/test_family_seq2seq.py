@@ -373,7 +373,7 @@ def test_rmsnorm_is_t5s_layer_norm_in_every_dtype(dtype):
     then the gain; qkv's RMSNorm computes the same numbers."""
     from transformers.models.t5.modeling_t5 import T5LayerNorm
 
-    from qkv.nn.layers import make_norm
+    from qkv.nn.norms import make_norm
 
     theirs, ours = T5LayerNorm(32, eps=1e-6), make_norm("rmsnorm", 32, 1e-6)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""qkv.nn.linear: the Linear layers' products on oneDNN where qkv.cpu chooses it, checked
+"""qkv.nn.linear: the Linear layers' products on oneDNN where qkv.device chooses it, checked
 against F.linear in float64 on fresh random inputs: the outputs, and every gradient.
 
 The oneDNN path is run directly here, whatever this machine's CPU (the choice itself is
@@ -19,7 +19,7 @@ from qkv.nn.linear import linear, project
 
 @pytest.fixture
 def onednn(monkeypatch):
-    """The oneDNN path taken on any CPU, as on one where qkv.cpu chooses it."""
+    """The oneDNN path taken on any CPU, as on one where qkv.device chooses it."""
     assert torch.backends.mkldnn.is_available(), "torch's CPU build lacks oneDNN"
     monkeypatch.setattr(qkv_linear, "onednn_chosen", lambda: True)
     calls = []

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from qkv.attention import attend, causal_mask, loop
+from qkv.attention import attend_for_record, causal_mask, loop
 from qkv.attention import eager as eager_backend
 from qkv.nn import KVCache, MultiHeadAttention, RotaryEmbedding
 
@@ -29,18 +29,17 @@ def test_the_record_is_what_the_backend_received_and_its_weights_are_eagers(back
     real[1, 5:] = False  # padding: the second text is 5 tokens long
     seen = []
 
-    def spy(q, k, v, **kwargs):  # what attend is given, to compare with the record
+    def spy(q, k, v, **kwargs):  # what the one door is given, to compare with the record
         seen.append((q, k, v, kwargs))
-        return attend(q, k, v, **kwargs)
+        return attend_for_record(q, k, v, **kwargs)
 
     torch.manual_seed(1)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("qkv.nn.attention.attend", spy)
+        patch.setattr("qkv.nn.attention.attend_for_record", spy)
         _, record = mha(x, key_padding_mask=real, causal=True, record=True)
-    if backend != "flash":  # flash with a record goes to the kernel itself, for its lse
-        ((q, k, v, kwargs),) = seen
-        assert record.q is q and record.k is k and record.v is v
-        assert record.mask is kwargs["mask"] and record.scale == kwargs["scale"] == 1 / math.sqrt(8)
+    ((q, k, v, kwargs),) = seen  # every backend, flash too, through the registry's one door
+    assert record.q is q and record.k is k and record.v is v
+    assert record.mask is kwargs["mask"] and record.scale == kwargs["scale"] == 1 / math.sqrt(8)
     assert (record.lse is not None) == (backend == "flash")
     # the record's weights are the eager backend's on the same q, k, v, mask and scale
     want_out, want = eager_backend.attend(
@@ -124,7 +123,7 @@ def test_weights_made_with_the_output_are_eagers_and_the_output_is_unchanged(dty
     x = torch.randn(1, 9, 48, dtype=dtype)
     made = torch.full((6, 9, 9), float("nan"), dtype=dtype)  # every weight must be written
     with torch.no_grad():  # a pass that keeps gradients does not make them (below)
-        out, record = mha(x, causal=True, record=made)
+        out, record = mha(x, causal=True, record=True, weights_into=made)
         plain, plain_record = mha(x, causal=True, record=True)
     assert record.made is made and plain_record.made is None
     want = eager_backend.attention_weights(record.q, record.k, causal=True, scale=record.scale)
@@ -148,7 +147,15 @@ def test_a_call_the_weights_cannot_be_made_in_records_as_before(case):
     made = torch.full((6, 5 if case == "other shape" else 6, 6), float("nan"))
     padding = torch.tensor([[True] * 5 + [False]]) if case == "padding" else None
     with torch.enable_grad() if case == "gradient" else torch.no_grad():
-        out, record = mha(x, causal=case != "not causal", key_padding_mask=padding, record=made)
+        out, record = mha(
+            x, causal=case != "not causal", key_padding_mask=padding, record=True, weights_into=made
+        )
     assert record.made is None and made.isnan().all(), "left alone"
     want, _ = mha(x, causal=case != "not causal", key_padding_mask=padding)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+
+
+def test_weights_into_is_for_a_record_and_is_refused_without_one():
+    made = torch.empty(6, 4, 4)
+    with pytest.raises(ValueError, match="weights_into makes the weights a record keeps"):
+        layer("eager")(torch.randn(1, 4, 48), causal=True, weights_into=made)

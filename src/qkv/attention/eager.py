@@ -8,18 +8,12 @@ in float32 and the result cast back, as fused kernels do internally.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import torch
 from torch import Tensor
 
-from qkv.attention.inputs import (
-    Shape,
-    allowed_keys,
-    capped,
-    check_inputs,
-    check_variants,
-    check_window,
-    with_window,
-)
+from qkv.attention.inputs import Options, Shape, allowed_keys, capped, check_call
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -122,6 +116,19 @@ def attend_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, scale: floa
     return out[None].to(q.dtype)
 
 
+def forward_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, scale: float, mask=None,
+                 causal=False, window=None, softcap=None, bias=None) -> Tensor | None:  # fmt: skip
+    """Registry entry for the weights made with the output: `attend_into`'s output where it
+    computes exactly what `attend` would for this call (`takes_into`) and `weights` is the
+    tensor it writes (H, Tq, Tk, contiguous, the compute dtype, on q's device); else None."""
+    fits = (weights.shape == q.shape[1:3] + k.shape[2:3] and weights.is_contiguous()
+            and weights.dtype == compute_dtype(q.dtype)
+            and weights.device == q.device)  # fmt: skip
+    plain = takes_into(q, k, v, mask=mask, causal=causal, window=window, softcap=softcap,
+                       bias=bias)  # fmt: skip
+    return attend_into(weights, q, k, v, scale=scale) if fits and plain else None
+
+
 def _causal_into(out: Tensor, q: Tensor, k: Tensor, v: Tensor | None = None,
                  attended: Tensor | None = None) -> Tensor:  # fmt: skip
     """Causal weights (H, Tq, Tk) into out from scaled queries q (H, Tq, D) and keys k (Hkv,
@@ -185,17 +192,7 @@ def _forward(
 
 
 def attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    bias: Tensor | None = None,
-    return_weights: bool = False,
+    q: Tensor, k: Tensor, v: Tensor, *, return_weights: bool = False, **options: Unpack[Options]
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention with the `eager` backend; optionally also the weights.
 
@@ -203,10 +200,9 @@ def attend(
     is (B, H, Tq, Tk) in float32 (float64 for float64 inputs); each row sums to 1, or to 0
     for a query that may see no key.
     """
-    shape, scale = check_inputs(q, k, v, mask, scale)
-    variants = check_variants(shape, q, softcap, bias)
-    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
-    out, weights = _forward(q, k, v, mask, causal, scale, shape, variants.softcap, bias)
+    call = check_call(q, k, v, **options)
+    softcap, bias = call.variants.softcap, call.variants.bias
+    out, weights = _forward(q, k, v, call.mask, call.causal, call.scale, call.shape, softcap, bias)
     return (out, weights) if return_weights else out
 
 
@@ -231,7 +227,7 @@ def attention_weights(
     tensor([[1.0000, 0.0000],
             [0.3302, 0.6698]])
     """
-    shape, scale = check_inputs(q, k, k, mask, scale)
-    variants = check_variants(shape, q, softcap, bias)
-    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
-    return _weights(q, k, mask, causal, scale, shape, variants.softcap, bias)
+    call = check_call(
+        q, k, k, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
+    )
+    return _weights(q, k, call.mask, causal, call.scale, call.shape, call.variants.softcap, bias)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
+from typing import TypedDict, Unpack
 
 import torch
 from torch import Tensor
@@ -183,6 +184,52 @@ def check_variants(shape: Shape, q: Tensor, softcap, bias) -> Variants:
                 f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Tq, Tk) = {target}"
             )
     return Variants(None if softcap is None else float(softcap), bias)
+
+
+class Options(TypedDict, total=False):
+    """The keywords of one attention call beside q, k and v, as `qkv.attend` takes them: mask,
+    causal, scale, window, softcap, bias. A backend's own entry (`loop.steps`, `eager.attend`)
+    takes them as `**options` and hands them to `check_call`."""
+
+    mask: Tensor | None
+    causal: bool
+    scale: float | None
+    window: int | None
+    softcap: float | None
+    bias: Tensor | None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One checked call of attention, as every backend receives it: its sizes, the scale to
+    use, the mask with the sliding window folded in, the causal rule and the score variants."""
+
+    shape: Shape
+    scale: float
+    mask: Tensor | None
+    causal: bool
+    variants: Variants
+
+
+def check_call(q: Tensor, k: Tensor, v: Tensor, **options: Unpack[Options]) -> Call:
+    """The one prologue of every entry to attention: `check_inputs`, `check_variants` and
+    `check_window`, then the window folded into the mask (a window is a mask).
+
+    >>> q = k = v = torch.zeros(1, 2, 3, 4)
+    >>> call = check_call(q, k, v, causal=True, window=1)
+    >>> call.scale, call.mask[2].int().tolist(), call.variants.names  # the last query's keys
+    (0.5, [0, 0, 1], frozenset())
+    """
+    unknown = sorted(set(options) - set(Options.__annotations__))
+    if unknown:
+        raise TypeError(f"unknown attention option {unknown[0]!r}; allowed: "
+                        f"{', '.join(Options.__annotations__)}")  # fmt: skip
+    mask, causal = options.get("mask"), options.get("causal", False)
+    shape, scale = check_inputs(q, k, v, mask, options.get("scale"))
+    variants = check_variants(shape, q, options.get("softcap"), options.get("bias"))
+    window = check_window(options.get("window"))
+    return Call(shape, scale, with_window(mask, window, causal, shape.Tq, shape.Tk, q.device),
+                causal, variants)  # fmt: skip
 
 
 def capped(scores: Tensor, softcap: float | None) -> Tensor:

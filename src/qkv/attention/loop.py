@@ -12,11 +12,12 @@ gradient too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 from torch import Tensor
 
-from qkv.attention.inputs import allowed_keys, check_inputs, check_variants, check_window
+from qkv.attention.inputs import Call, Options, Shape, Variants, allowed_keys, check_call
 
 
 @dataclass(frozen=True)
@@ -119,18 +120,7 @@ def contextualize(
     return contextualized, pairs
 
 
-def steps(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    window: int | None = None,
-    softcap: float | None = None,
-    bias: Tensor | None = None,
-) -> list[QuerySteps]:
+def steps(q: Tensor, k: Tensor, v: Tensor, **options: Unpack[Options]) -> list[QuerySteps]:
     """Run the article over every (batch, head, query) and keep every intermediate.
 
     Arguments as in `attend`. Returns B * H * Tq steps in (batch, head, query) order. (A real
@@ -140,9 +130,12 @@ def steps(
     >>> [round(w, 3) for w in steps(q, k, v)[0].weights.tolist()]
     [0.67, 0.33]
     """
-    shape, scale = check_inputs(q, k, v, mask, scale)
-    softcap = check_variants(shape, q, softcap, bias).softcap
-    allowed = allowed_keys(mask, causal, shape.Tq, shape.Tk, q.device, check_window(window))
+    return _steps(q, k, v, check_call(q, k, v, **options))
+
+
+def _steps(q: Tensor, k: Tensor, v: Tensor, call: Call) -> list[QuerySteps]:
+    shape, softcap, bias = call.shape, call.variants.softcap, call.variants.bias
+    allowed = allowed_keys(call.mask, call.causal, shape.Tq, shape.Tk, q.device)
     if allowed is None:
         allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     allowed = allowed.expand(shape.B, shape.H, shape.Tq, shape.Tk).tolist()
@@ -155,29 +148,36 @@ def steps(
             kv_head = h // shape.group  # grouped-query attention: heads share keys and values
             for i in range(shape.Tq):
                 contextualized, pairs = contextualize(
-                    q[b, h, i], k[b, kv_head], v[b, kv_head], allowed[b][h][i], scale,
+                    q[b, h, i], k[b, kv_head], v[b, kv_head], allowed[b][h][i], call.scale,
                     softcap, None if bias is None else bias[b, h, i],
                 )  # fmt: skip
                 found.append(QuerySteps(b, h, i, q[b, h, i], pairs, contextualized))
     return found
 
 
-def attend(
+def _contextualized(q: Tensor, every: list[QuerySteps]) -> Tensor:
+    B, H, Tq, D = q.shape
+    return torch.stack([s.contextualized for s in every]).view(B, H, Tq, D).to(q.dtype)
+
+
+def forward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    window: int | None = None,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    shape: Shape,
     softcap: float | None = None,
     bias: Tensor | None = None,
 ) -> Tensor:
-    """The `loop` backend: (B, H, Tq, D) out, computed in float64, returned in q's dtype."""
-    every = steps(
-        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
-    )
-    B, H, Tq, D = q.shape
-    out = torch.stack([s.contextualized for s in every]).view(B, H, Tq, D)
-    return out.to(q.dtype)
+    """Backend entry for the registry: inputs already checked (a window already in mask)."""
+    call = Call(shape, scale, mask, causal, Variants(softcap, bias))
+    return _contextualized(q, _steps(q, k, v, call))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, **options: Unpack[Options]) -> Tensor:
+    """The `loop` backend: (B, H, Tq, D) out, computed in float64, returned in q's dtype.
+    Options as in `qkv.attend`."""
+    return _contextualized(q, steps(q, k, v, **options))

@@ -1,34 +1,41 @@
-"""The one function, `attend`, and the registry of backends it dispatches to.
+"""The one door to attention: `attend`, its sibling `attend_for_record`, and the registry of
+backends they dispatch to.
 
 A backend is one module with a `forward(q, k, v, *, mask, causal, scale, shape)` plus one
-`Backend` line below. `auto` walks the backends from fastest to slowest and takes the
-first whose `supports` and `prefer` have no objection; `explain_choice` says which and why.
+`Backend` entry below that says what it offers. `auto` walks the backends from fastest to
+slowest and takes the first whose `supports` and `prefer` have no objection;
+`explain_choice` says which and why. Every call is checked once, by `inputs.check_call`,
+before any backend sees it.
 
-A sliding window reaches every backend folded into the mask (it is one). A soft-cap and a
-score bias change the scores themselves: a backend lists in `variants` those its forward
-takes (as `softcap=`, `bias=`), and is never handed, or chosen for, one it does not.
+What a backend offers beside its output, declared in its entry:
+- `variants`: the score variants its forward computes. A sliding window reaches every
+  backend folded into the mask (it is one). A soft-cap and a score bias change the scores
+  themselves: a backend lists those its forward takes (as `softcap=`, `bias=`), and is never
+  handed, or chosen for, one it does not; named for one, it is refused by name.
+- `forward_lse`: the same call returning (out, lse), the log-sum-exp of every query's scores,
+  from which a record recomputes any head's weights (`flash`).
+- `weights_into`: the output made together with every head's weights, written into a tensor
+  the caller gives, where the backend can compute exactly what `attend` would (`eager`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Unpack
 
 from torch import Tensor
 
 from qkv.attention import eager, loop, sdpa
 from qkv.attention.flash import backend as flash
-from qkv.attention.inputs import (
-    NONE,
-    Shape,
-    Variants,
-    check_inputs,
-    check_variants,
-    check_window,
-    with_window,
-)
+from qkv.attention.inputs import NONE, Call, Options, Shape, Variants, check_call
 
 Forward = Callable[..., Tensor]
+# (q, k, v, *, mask, causal, scale, shape) -> (out, lse (B, H, Tq) float32)
+ForwardLse = Callable[..., tuple[Tensor, Tensor]]
+# (weights, q, k, v, *, scale, mask=, causal=, window=, softcap=, bias=) -> out, or None where
+# this backend cannot make exactly these weights in that tensor with its output
+WeightsInto = Callable[..., Tensor | None]
 # (q, mask, causal, shape) -> None when the backend can run these inputs, else the reason.
 Supports = Callable[[Tensor, Tensor | None, bool, Shape], str | None]
 
@@ -47,6 +54,15 @@ class Backend:
     prefer: Supports = _always  # asked by `auto` only: should it be chosen for them
     auto: bool = True  # False keeps a backend out of `auto` (the slow oracle)
     variants: frozenset[str] = frozenset()  # of "softcap", "bias": what forward computes
+    forward_lse: ForwardLse | None = None  # offers the log-sum-exp beside the output
+    weights_into: WeightsInto | None = None  # offers the weights made with the output
+
+    @property
+    def offers(self) -> frozenset[str]:
+        """What this backend gives beside its output: a subset of {"lse", "weights"}, and
+        the score variants it computes."""
+        extras = {"lse": self.forward_lse is not None, "weights": self.weights_into is not None}
+        return frozenset(name for name, on in extras.items() if on) | self.variants
 
     def lacks(self, variants: Variants) -> str | None:
         """Why this backend cannot compute these score variants, or None."""
@@ -64,20 +80,13 @@ def register_backend(backend: Backend) -> None:
     BACKENDS[backend.name] = backend
 
 
-def _loop_forward(q, k, v, *, mask, causal, scale, shape, softcap=None, bias=None):
-    return loop.attend(q, k, v, mask=mask, causal=causal, scale=scale, softcap=softcap, bias=bias)
-
-
 register_backend(
     Backend(
-        "flash",
-        flash.forward,
-        5,
+        "flash", flash.forward, 5,
         "qkv's Triton kernel (FlashAttention-2), forward and backward; CUDA",
-        supports=flash.supports,
-        prefer=flash.prefer,
+        supports=flash.supports, prefer=flash.prefer, forward_lse=flash.forward_lse,
     )
-)
+)  # fmt: skip
 register_backend(
     Backend(
         "sdpa", sdpa.forward, 10, "torch's fused scaled_dot_product_attention",
@@ -87,12 +96,12 @@ register_backend(
 register_backend(
     Backend(
         "eager", eager.forward, 50, "matmul, softmax, matmul; can return weights",
-        variants=frozenset({"softcap", "bias"}),
+        variants=frozenset({"softcap", "bias"}), weights_into=eager.forward_into,
     )
 )  # fmt: skip
 register_backend(
     Backend(
-        "loop", _loop_forward, 100, "the article, one pair at a time, float64", auto=False,
+        "loop", loop.forward, 100, "the article, one pair at a time, float64", auto=False,
         variants=frozenset({"softcap", "bias"}),
     )
 )  # fmt: skip
@@ -112,14 +121,18 @@ class Choice:
 
 def backend_names() -> list[str]:
     """Every backend name `attend` accepts, fastest first, then 'auto'."""
-    return [b.name for b in sorted(BACKENDS.values(), key=lambda b: b.speed_rank)] + ["auto"]
+    return [b.name for b in _by_speed()] + ["auto"]
+
+
+def _by_speed() -> list[Backend]:
+    return sorted(BACKENDS.values(), key=lambda b: b.speed_rank)
 
 
 def _choose(
     q: Tensor, mask: Tensor | None, causal: bool, shape: Shape, variants: Variants = NONE
 ) -> Choice:
     passed_over = {}
-    for backend in sorted(BACKENDS.values(), key=lambda b: b.speed_rank):
+    for backend in _by_speed():
         if not backend.auto:
             continue
         reason = (
@@ -152,10 +165,10 @@ def explain_choice(
     >>> explain_choice(x, x, x).backend
     'sdpa'
     """
-    shape, _ = check_inputs(q, k, v, mask, scale)
-    variants = check_variants(shape, q, softcap, bias)
-    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
-    return _choose(q, mask, causal, shape, variants)
+    call = check_call(
+        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
+    )
+    return _choose(q, call.mask, causal, call.shape, call.variants)
 
 
 def resolve_backend(name: str) -> Backend | None:
@@ -202,14 +215,78 @@ def attend(
     [1.0, 0.0]
     """
     chosen = resolve_backend(backend)
-    shape, scale = check_inputs(q, k, v, mask, scale)
-    variants = check_variants(shape, q, softcap, bias)
-    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
+    call = check_call(
+        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
+    )
+    return _run(_runnable(chosen, q, call), q, k, v, call)
+
+
+def _runnable(chosen: Backend | None, q: Tensor, call: Call) -> Backend:
+    """The backend named, refused by name if it cannot run this call; or auto's choice."""
     if chosen is None:
-        chosen = BACKENDS[_choose(q, mask, causal, shape, variants).backend]
-    else:
-        reason = chosen.lacks(variants) or chosen.supports(q, mask, causal, shape)
-        if reason is not None:
-            raise ValueError(f"backend {chosen.name!r} cannot run these inputs: {reason}")
-    extra = {name: getattr(variants, name) for name in variants.names}
-    return chosen.forward(q, k, v, mask=mask, causal=causal, scale=scale, shape=shape, **extra)
+        return BACKENDS[_choose(q, call.mask, call.causal, call.shape, call.variants).backend]
+    reason = chosen.lacks(call.variants) or chosen.supports(q, call.mask, call.causal, call.shape)
+    if reason is not None:
+        raise ValueError(f"backend {chosen.name!r} cannot run these inputs: {reason}")
+    return chosen
+
+
+def _run(chosen: Backend, q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor:
+    extra = {name: getattr(call.variants, name) for name in call.variants.names}
+    return chosen.forward(
+        q, k, v, mask=call.mask, causal=call.causal, scale=call.scale, shape=call.shape, **extra
+    )
+
+
+@dataclass(frozen=True)
+class Attended:
+    """What `attend_for_record` returns: the output, and what the backend offered beside it."""
+
+    out: Tensor  # (B, H, Tq, D), as `attend` returns it
+    lse: Tensor | None = None  # (B, H, Tq) float32, from a backend that offers it
+    made: Tensor | None = None  # (H, Tq, Tk): the weights, made with the output
+
+
+def attend_for_record(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    backend: str = "auto",
+    weights: Tensor | None = None,
+    **options: Unpack[Options],
+) -> Attended:
+    """`attend`, and what a record of the call needs beside its output: the log-sum-exp
+    where the backend offers it, or every head's weights made with the output.
+
+    Arguments and options (mask, causal, scale, window, softcap, bias) as in `attend`.
+    weights: a tensor (H, Tq, Tk) of the compute dtype (float32, float64 for float64 inputs)
+    to make the weights of one sequence in, with the output in one pass, where a backend that
+    offers it (`eager`, for "auto" or "eager") computes exactly what `attend` would
+    (`qkv.attention.eager.takes_into`); `made` is then that tensor. Otherwise the tensor is
+    left alone and the call is `attend`'s, with the lse of a backend that offers one (`flash`).
+
+    >>> import torch
+    >>> q = k = v = torch.eye(2).view(1, 1, 2, 2)
+    >>> made = torch.empty(1, 2, 2)
+    >>> attended = attend_for_record(q, k, v, causal=True, weights=made)
+    >>> attended.made is made, [round(w, 4) for w in made[0, 1].tolist()]
+    (True, [0.3302, 0.6698])
+    """
+    chosen = resolve_backend(backend)
+    call = check_call(q, k, v, **options)
+    if weights is not None:
+        makers = [chosen] if chosen is not None else [b for b in _by_speed() if b.auto]
+        for maker in makers:
+            if maker.weights_into is None:
+                continue
+            out = maker.weights_into(weights, q, k, v, **{**options, "scale": call.scale})
+            if out is not None:
+                return Attended(out, made=weights)
+    chosen = _runnable(chosen, q, call)
+    if chosen.forward_lse is None:
+        return Attended(_run(chosen, q, k, v, call))
+    out, lse = chosen.forward_lse(
+        q, k, v, mask=call.mask, causal=call.causal, scale=call.scale, shape=call.shape
+    )
+    return Attended(out, lse)

@@ -12,14 +12,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.attention.inputs import (
-    Shape,
-    allowed_keys,
-    check_inputs,
-    check_variants,
-    check_window,
-    with_window,
-)
+from qkv.attention.inputs import Shape, allowed_keys
 
 
 def forward(
@@ -68,21 +61,3 @@ def _with_bias(q, k, v, mask, causal, scale, shape: Shape, bias: Tensor) -> Tens
         q, k, v, attn_mask=scores, scale=scale, enable_gqa=shape.Hkv != shape.H
     )
     return out.masked_fill(~sees_some_key, 0.0)
-
-
-def attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    mask: Tensor | None = None,
-    causal: bool = False,
-    scale: float | None = None,
-    window: int | None = None,
-    bias: Tensor | None = None,
-) -> Tensor:
-    """Attention with the `sdpa` backend. Arguments as in `qkv.attend` (no soft-cap)."""
-    shape, scale = check_inputs(q, k, v, mask, scale)
-    check_variants(shape, q, None, bias)
-    mask = with_window(mask, check_window(window), causal, shape.Tq, shape.Tk, q.device)
-    return forward(q, k, v, mask=mask, causal=causal, scale=scale, shape=shape, bias=bias)

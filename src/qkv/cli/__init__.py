@@ -41,13 +41,13 @@ app.command("heads")(heads_census)
 
 def main() -> None:
     """The `qkv` program. The program's process is its own, so it lets glibc keep freed
-    memory for its next tensors (`qkv.cpu.reuse_freed_memory`), and moves what its imports
+    memory for its next tensors (`qkv.device.reuse_freed_memory`), and moves what its imports
     made (torch's modules and functions, which live as long as it does) out of the garbage
     collector's way (`gc.freeze`): its full passes over them cost 0.1 s before a verb's first
     result. The library leaves every setting of a user's process as the user made it."""
     import gc
 
-    from qkv.cpu import reuse_freed_memory
+    from qkv.device import reuse_freed_memory
 
     gc.freeze()
     reuse_freed_memory()

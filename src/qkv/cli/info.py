@@ -68,13 +68,8 @@ def _this_machine() -> None:
     """`backends --verbose`: what this CPU can do, and what qkv chose for it."""
     import torch
 
-    from qkv.cpu import (
-        capability,
-        choose_gemm,
-        choose_int8_inputs,
-        choose_precision,
-        freed_memory,
-    )
+    from qkv.device import capability, choose_gemm, choose_precision, freed_memory
+    from qkv.nn.quantized import choose_int8_inputs
 
     precision, why = choose_precision()
     typer.echo(f"\nthis CPU: {capability().describe()}; {torch.get_num_threads()} threads")

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.cpu import choose_int8_inputs
 from qkv.models.decoder import Decoder, DecoderCache
-from qkv.nn.layers import MLP, GatedMLP, RMSNorm
+from qkv.nn.mlps import MLP, GatedMLP
+from qkv.nn.norms import RMSNorm
 from qkv.nn.position import Rotation
-from qkv.nn.quantized import GROUP, Int4Linear, Int8Linear
+from qkv.nn.quantized import GROUP, Int4Linear, Int8Linear, choose_int8_inputs
 
 
 def fast_step_refusal(model: Decoder, device: torch.device) -> str | None:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from qkv.attention.inputs import check_indices
 from qkv.nn import BlockConfig, Embeddings, RotaryEmbedding
-from qkv.nn.layers import Position
+from qkv.nn.embeddings import Position
 from qkv.nn.position import SinusoidLayout
 from qkv.nn.relative import RelativePositionBias
 from qkv.nn.rope import RopeScaling

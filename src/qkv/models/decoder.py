@@ -124,7 +124,7 @@ class Decoder(nn.Module):
         weights (len(layers), H, T, Tk): where the layers' weights are wanted anyway, each
           recorded layer makes them in weights[j] (j: its place among `layers`, in order)
           with its output, in one pass over the scores, where its attention allows (one
-          sequence of plain causal scores: see MultiHeadAttention's `record`); its record's
+          sequence of plain causal scores: see MultiHeadAttention's `weights_into`); its record's
           `made` says whether it did.
         """
         cfg = self.config
@@ -164,7 +164,8 @@ class Decoder(nn.Module):
                 cross_cache=cache.cross[layer] if cache is not None and cache.cross else None,
                 bias=bias,
                 edit=edits.get(layer),
-                record=layer in wanted if weights is None else _made_in(weights, place, layer),
+                record=layer in wanted,
+                weights_into=_made_in(weights, place, layer),
                 record_cross=layer in wanted_cross,
             )
             if kept is not None:
@@ -178,9 +179,10 @@ class Decoder(nn.Module):
         return out
 
 
-def _made_in(weights: Tensor, place: dict[int, int], layer: int) -> Tensor | bool:
-    """A recorded layer's share of `weights` (its record=), or False for a layer not recorded."""
-    return weights[place[layer]] if layer in place else False
+def _made_in(weights: Tensor | None, place: dict[int, int], layer: int) -> Tensor | None:
+    """A recorded layer's share of `weights` (its weights_into=), or None: no weights given, or
+    a layer not recorded."""
+    return weights[place[layer]] if weights is not None and layer in place else None
 
 
 def cap_logits(logits: Tensor, cap: float | None) -> Tensor:

@@ -17,8 +17,8 @@ from qkv.models.config import (
 )
 from qkv.nn import AttentionRecord, EncoderBlock
 from qkv.nn.edit import Edits, check_edits
-from qkv.nn.layers import _ACTIVATIONS, GATED, Activation
 from qkv.nn.linear import project
+from qkv.nn.mlps import ACTIVATIONS, GATED, Activation
 from qkv.nn.position import positions_for
 
 
@@ -69,7 +69,7 @@ class MaskedLMHead(nn.Module):
     ):
         super().__init__()
         self.dense = nn.Linear(width, width, bias=bias)
-        self.activation = _ACTIVATIONS[activation]
+        self.activation = ACTIVATIONS[activation]
         self.norm = nn.LayerNorm(width, eps=norm_eps, bias=norm_bias)
         self.decoder = nn.Linear(width, vocab_size)
 

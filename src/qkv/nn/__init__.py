@@ -3,7 +3,9 @@
 from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.blocks import BlockConfig, DecoderBlock, EncoderBlock
 from qkv.nn.edit import Edit, Edits
-from qkv.nn.layers import MLP, Embeddings, RMSNorm, SwiGLU, make_norm
+from qkv.nn.embeddings import Embeddings
+from qkv.nn.mlps import MLP, SwiGLU
+from qkv.nn.norms import RMSNorm, make_norm
 from qkv.nn.position import (
     LearnedPositions,
     RotaryEmbedding,

@@ -13,12 +13,10 @@ import math
 import torch
 from torch import Tensor, nn
 
-from qkv.attention import attend, backend_names, flash
-from qkv.attention.eager import attend_into, compute_dtype, takes_into
-from qkv.attention.inputs import with_window
+from qkv.attention import attend_for_record, backend_names
 from qkv.nn.edit import Edit
-from qkv.nn.layers import NormKind, make_norm
 from qkv.nn.linear import linear, project
+from qkv.nn.norms import NormKind, make_norm
 from qkv.nn.position import RotaryEmbedding, Rotation, positions_for
 from qkv.nn.record import AttentionRecord
 
@@ -176,19 +174,6 @@ class MultiHeadAttention(nn.Module):
             return kv.split(self.sizes[1:], dim=-1)
         return project(self.k, source), project(self.v, source)
 
-    def _made(self, record, q: Tensor, k: Tensor, v: Tensor, mask, causal: bool, window,
-              bias) -> Tensor | None:  # fmt: skip
-        """The tensor `record` asks the weights made in, where attend_into computes exactly
-        what this call's `attend` would; None otherwise."""
-        if not isinstance(record, Tensor) or self.backend not in ("auto", "eager"):
-            return None
-        fits = (record.shape == q.shape[1:3] + k.shape[2:3] and record.is_contiguous()
-                and record.dtype == compute_dtype(q.dtype)
-                and record.device == q.device)  # fmt: skip
-        plain = takes_into(q, k, v, mask=mask, causal=causal, window=window,
-                           softcap=self.softcap, bias=bias)  # fmt: skip
-        return record if fits and plain else None
-
     def split_heads(self, x: Tensor, num_heads: int) -> Tensor:
         B, T, _ = x.shape
         return x.view(B, T, num_heads, self.head_dim).transpose(1, 2)  # (B, num_heads, T, D)
@@ -206,7 +191,8 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         bias: Tensor | None = None,
         edit: Edit | None = None,
-        record: bool | Tensor = False,
+        record: bool = False,
+        weights_into: Tensor | None = None,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """Contextualize x; return (out (B, T, C), this call's AttentionRecord or None).
 
@@ -224,14 +210,16 @@ class MultiHeadAttention(nn.Module):
           relative positions, made once by the model and shared by its layers).
         edit: an intervention (`qkv.nn.edit.Edit`): pairs hidden (joined to the mask, so
           on every backend) and head outputs replaced before the projection.
-        record: also return what attention received and computed (see AttentionRecord);
-          or a tensor (H, T, Tk) of the weights' dtype (float32, float64 for float64) to
-          make every head's weights in as well, with the output in one pass (eager's
-          arithmetic, `attend_into`) where this call is one causal sequence of plain scores
-          on the "auto" or "eager" backend with no gradient to keep
+        record: also return what attention received and computed (see AttentionRecord).
+        weights_into: with record, a tensor (H, T, Tk) of the weights' dtype (float32, float64
+          for float64) to make every head's weights in as well, with the output in one pass
+          (eager's arithmetic, `attend_into`) where this call is one causal sequence of plain
+          scores on the "auto" or "eager" backend with no gradient to keep
           (`qkv.attention.eager.takes_into`); the record's `made` is then that tensor. A call
-          that is not such leaves the tensor alone and records as with True.
+          that is not such leaves the tensor alone and records as without it.
         """
+        if weights_into is not None and not record:
+            raise ValueError("weights_into makes the weights a record keeps: pass record=True")
         B, T, _ = x.shape
         q_plain = k_plain = None
         if context is None:  # self-attention: queries, keys and values all from x
@@ -265,29 +253,18 @@ class MultiHeadAttention(nn.Module):
             mask = padding if mask is None else mask & padding
         if edit is not None:
             mask = edit.mask(mask)
-        lse = None
         # a window applies to self-attention only (cross-attention reads the whole context)
         window = self.window if context is None else None
-        recording = isinstance(record, Tensor) or bool(record)
-        made = self._made(record, q, k, v, mask, causal, window, bias)
-        if made is not None:  # the weights asked for anyway: made with the output
-            out = attend_into(made, q, k, v, scale=self.scale)
-        elif recording and self.backend == "flash" and self.softcap is None and bias is None:
-            # the kernel's log-sum-exp turns q and k into any head's weights directly
-            windowed = with_window(mask, window, causal, q.shape[2], k.shape[2], q.device)
-            out, lse = flash.flash_attention(
-                q, k, v, mask=windowed, causal=causal, scale=self.scale
-            )
-        else:
-            out = attend(
-                q, k, v, mask=mask, causal=causal, scale=self.scale, window=window,
-                softcap=self.softcap, bias=bias, backend=self.backend,
-            )  # fmt: skip
+        attended = attend_for_record(
+            q, k, v, mask=mask, causal=causal, scale=self.scale, window=window,
+            softcap=self.softcap, bias=bias, backend=self.backend, weights=weights_into,
+        )  # fmt: skip
+        out = attended.out
         kept = None  # (B, H, T, D) out, and the rest, as attend saw them
-        if recording:
+        if record:
             kept = AttentionRecord(
-                q, k, v, out, mask, causal, self.scale, self.backend, lse, q_plain, k_plain,
-                window, self.softcap, bias, made,
+                q, k, v, out, mask, causal, self.scale, self.backend, attended.lse, q_plain,
+                k_plain, window, self.softcap, bias, attended.made,
             )  # fmt: skip
         if edit is not None:
             out = edit.head_outputs(out)

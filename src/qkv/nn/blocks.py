@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.edit import Edit
-from qkv.nn.layers import GATED, MLP, Activation, GatedMLP, NormKind, make_norm
+from qkv.nn.mlps import GATED, MLP, Activation, GatedMLP
+from qkv.nn.norms import NormKind, make_norm
 from qkv.nn.position import RotaryEmbedding, Rotation
 from qkv.nn.record import AttentionRecord
 
@@ -173,17 +174,20 @@ class EncoderBlock(_Block):
         rotation: Rotation | None = None,
         bias: Tensor | None = None,
         edit: Edit | None = None,
-        record: bool | Tensor = False,
+        record: bool = False,
+        weights_into: Tensor | None = None,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """x (B, T, C) -> (B, T, C), and the attention's record if asked (MultiHeadAttention).
 
         mask: any mask `attend` takes, e.g. key padding (B, 1, 1, T).
         edit: an intervention in this block (`qkv.nn.edit.Edit`).
+        record, weights_into: as MultiHeadAttention's.
         """
         h = self.sublayer_input(x, self.attn_norm)
         attended, kept = self.attn(
-            h, mask=mask, rotation=rotation, bias=bias, edit=edit, record=record
-        )
+            h, mask=mask, rotation=rotation, bias=bias, edit=edit, record=record,
+            weights_into=weights_into,
+        )  # fmt: skip
         if self.parallel:
             return _edited(self.feed_forward(x, attended), edit), kept
         x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
@@ -221,7 +225,8 @@ class DecoderBlock(_Block):
         bias: Tensor | None = None,
         cross_bias: Tensor | None = None,
         edit: Edit | None = None,
-        record: bool | Tensor = False,
+        record: bool = False,
+        weights_into: Tensor | None = None,
         record_cross: bool = False,
     ) -> tuple[Tensor, AttentionRecord | None, AttentionRecord | None]:
         """x (B, T, C) -> (B, T, C), the self- and the cross-attention's records if asked.
@@ -230,12 +235,12 @@ class DecoderBlock(_Block):
         context: the encoder's output (B, S, C), with context_mask (B, S) True for real
         tokens; needed on every step when the block has cross-attention.
         edit: an intervention in this block's self-attention and output (`Edit`).
-        record: True, or a tensor to make the weights in (MultiHeadAttention's `record`).
+        record, weights_into: as MultiHeadAttention's, for the self-attention.
         """
         h = self.sublayer_input(x, self.attn_norm)
         attended, kept = self.attn(
             h, key_padding_mask=key_padding_mask, causal=True, rotation=rotation, cache=cache,
-            bias=bias, edit=edit, record=record,
+            bias=bias, edit=edit, record=record, weights_into=weights_into,
         )  # fmt: skip
         if self.parallel:
             return _edited(self.feed_forward(x, attended), edit), kept, None

@@ -1,7 +1,7 @@
 """The products of qkv's Linear layers, on the CPU's faster float32 GEMM.
 
 Every query, key, value, output, MLP and head matrix in qkv's layers multiplies through
-`project(module, x)`. For a plain float32 `nn.Linear` on a CPU where `qkv.cpu.choose_gemm`
+`project(module, x)`. For a plain float32 `nn.Linear` on a CPU where `qkv.device.choose_gemm`
 picks oneDNN (an AMD CPU, where torch's MKL takes its AVX2 path), the product runs through
 oneDNN's linear, with the same weights, the same shapes and the same autograd; everywhere
 else, and for any module that is not a plain Linear (int4, a parametrization, a module with
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkv.device import choose_gemm
+
 
 @functools.cache
 def onednn_chosen() -> bool:
     """Whether float32 CPU products go to oneDNN on this machine (read once per process)."""
-    from qkv.cpu import choose_gemm
-
     return choose_gemm()[0] == "onednn"
 
 

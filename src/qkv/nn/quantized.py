@@ -16,6 +16,8 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from qkv.device import INT8_FLAGS, Capability, capability
+
 GROUP = 32  # columns per scale: ggml's Q4 block
 ROWS = 2048  # rows Int8Linear rounds at once: SmolLM2's 576 columns make 4.7 MB of float32
 OUTLIERS = 8  # inputs of a row that `Int8Linear.with_int8_inputs` multiplies in float32
@@ -104,6 +106,40 @@ def int8_inputs_available() -> bool:
     )
 
 
+def choose_int8_inputs(cpu: Capability | None = None) -> tuple[str, str]:
+    """("int8" or "bfloat16", why): the inputs of an 8-bit LM head (an int4 model's) when
+    decoding rounds them, `Int8Linear.with_int8_inputs`, or keeps them in bfloat16, torch's
+    weight-only kernel.
+
+    The weight-only kernel turns every 8-bit weight into a float before it multiplies, and
+    that arithmetic bounds it: on 2 cores of an AVX-512 EPYC it read SmolLM2's 28 MB head in
+    1.9-3 ms a token (3.9 ms on 1 thread), 9-15 GB/s. oneDNN's u8 x s8 kernel multiplies the
+    bytes themselves, 64 pairs an instruction with VNNI: 0.74-1.6 ms as the host allowed,
+    0.9-2.2 ms with the rounding and the outliers, a token 0.7-1.1 ms faster in all
+    (`docs/speed.md`). Without VNNI or AMX, oneDNN sums byte pairs into 16 bits first
+    (AVX2's and AVX-512's vpmaddubsw), where they can saturate (oneDNN's "Nuances of int8
+    computations"): held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), a product of full-range 8-bit
+    rows came out 2.8% off where VNNI's was 0.5% (the inputs' rounding alone), so those
+    CPUs keep bfloat16 inputs. Like the precision, this depends on the machine alone.
+
+    >>> choose_int8_inputs(Capability("AVX2", frozenset({"avx2", "fma"})))[0]
+    'bfloat16'
+    """
+    cpu = cpu or capability()
+    if not int8_inputs_available():
+        return "bfloat16", "this torch has no oneDNN 8-bit products"
+    having = [flag for flag in INT8_FLAGS if flag in cpu.flags]
+    if not having:
+        return "bfloat16", (
+            "the CPU has no 8-bit dot-product instructions (avx512_vnni, avx_vnni or "
+            "amx_int8), without which oneDNN's 8-bit sums can saturate"
+        )
+    return "int8", (
+        f"the CPU has 8-bit dot-product instructions ({', '.join(having)}): oneDNN multiplies "
+        "the 8-bit rows by 8-bit inputs 1.3-3x as fast as the weight-only kernel where measured"
+    )
+
+
 # What `with_int8_inputs` reads besides q and scale, per layer, with the versions of q and scale
 # it was made from. Kept beside the layer, not in it: a copy or a state dict of the layer
 # never carries oneDNN's opaque tensors.
@@ -171,7 +207,7 @@ class Int8Linear(nn.Module):
         """x @ W.T + bias for x (B, K), its inputs rounded to 8 bits too: (B, N) in x's dtype.
 
         The product llama.cpp computes for its 8-bit matrices, on oneDNN's u8 x s8 kernel
-        (VNNI's instructions; `qkv.cpu.choose_int8_inputs` says where it is used). In each
+        (VNNI's instructions; `qkv.nn.quantized.choose_int8_inputs` says where it is used). In each
         row of x, the OUTLIERS inputs of largest magnitude are multiplied in float32 by their
         columns of the 8-bit matrix; the others are rounded to whole steps of (their largest
         magnitude) / 127, and multiplied by the 8-bit rows in 32-bit integers, exactly. A

@@ -21,7 +21,7 @@ __all__ = ["attention_weights_from_lse", "flash_attention", "flash_attention_var
 
 def __getattr__(name: str):
     if name in ("flash_attention", "flash_attention_varlen"):
-        from qkv.attention.flash import function
+        from qkv.attention.flash import function  # imports triton: only when the kernel is used
 
         return getattr(function, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

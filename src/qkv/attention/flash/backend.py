@@ -1,24 +1,19 @@
 """The `flash` backend's registry entry: what it can run, and when `auto` should pick it.
 
-Nothing here imports triton, so `import qkv` stays free of it and `auto` can ask, on every
-call, whether the kernel applies without paying for the import.
+Nothing here imports triton at import time, so `import qkv` stays free of it and `auto` can
+ask, on every call, whether the kernel applies without paying for the import; the kernel
+itself (`function.py`, which imports triton) is loaded by the first call that runs it.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from qkv.attention.flash.limits import unsupported
 from qkv.attention.inputs import Shape
-
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_HEAD_DIM = 256  # a 256-wide tile of K and V is as much as shared memory holds
-MIN_CAPABILITY = (8, 0)  # Ampere: bfloat16 tensor cores
 
 
 @dataclass(frozen=True)
@@ -36,39 +31,6 @@ class Measured:
 # No GPU has run the kernel yet (benchmarks/results/ holds no flash_gpu table), so `auto`
 # never picks `flash`; `backend="flash"` runs it on request.
 MEASURED_FASTER: tuple[Measured, ...] = ()
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreter_on() -> bool:
-    """TRITON_INTERPRET=1: Triton runs the kernels on the CPU, one program at a time."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-def unsupported(q: Tensor, head_dim: int) -> str | None:
-    """Why the kernel cannot run on tensors like q, or None when it can."""
-    if q.dtype not in DTYPES:
-        return f"it computes in bfloat16, float16 or float32, not {q.dtype}"
-    if head_dim > MAX_HEAD_DIM:
-        return f"head size D={head_dim} is over its largest, {MAX_HEAD_DIM}"
-    if q.device.type == "cuda":
-        capability = torch.cuda.get_device_capability(q.device)
-        if capability < MIN_CAPABILITY:
-            return (
-                "it needs an NVIDIA GPU of compute capability 8.0 or newer; "
-                f"{torch.cuda.get_device_name(q.device)} is {capability[0]}.{capability[1]}"
-            )
-    elif not interpreter_on():
-        return (
-            f"it runs on CUDA GPUs and q is on {q.device} (TRITON_INTERPRET=1 runs the "
-            "kernels on the CPU, slowly, as the tests do)"
-        )
-    if not _triton_installed():
-        return "it needs the triton package (pip install triton)"
-    return None
 
 
 def supports(q: Tensor, mask: Tensor | None, causal: bool, shape: Shape) -> str | None:
@@ -100,6 +62,13 @@ def forward(
     q: Tensor, k: Tensor, v: Tensor, *, mask, causal: bool, scale: float, shape: Shape
 ) -> Tensor:
     """Backend entry for the registry: inputs already checked."""
-    from qkv.attention.flash.function import flash_attention
+    return forward_lse(q, k, v, mask=mask, causal=causal, scale=scale, shape=shape)[0]
 
-    return flash_attention(q, k, v, mask=mask, causal=causal, scale=scale)[0]
+
+def forward_lse(
+    q: Tensor, k: Tensor, v: Tensor, *, mask, causal: bool, scale: float, shape: Shape
+) -> tuple[Tensor, Tensor]:
+    """Registry entry for the log-sum-exp: (out (B, H, Tq, D), lse (B, H, Tq) float32)."""
+    from qkv.attention.flash.function import flash_attention  # imports triton: on first use
+
+    return flash_attention(q, k, v, mask=mask, causal=causal, scale=scale)

@@ -16,7 +16,7 @@ import triton
 from torch import Tensor
 
 from qkv.attention.flash import kernels
-from qkv.attention.flash.backend import unsupported
+from qkv.attention.flash.limits import unsupported
 from qkv.attention.inputs import check_inputs
 
 DELTA_BLOCK = 64  # queries per program of the (memory-bound) delta kernel

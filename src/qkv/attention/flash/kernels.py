@@ -29,7 +29,7 @@ import contextlib
 import triton
 import triton.language as tl
 
-from qkv.attention.flash.backend import interpreter_on
+from qkv.attention.flash.limits import interpreter_on
 
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 LN_2 = 0.6931471805599453  # ln(x) = log2(x) * LN_2
@@ -55,6 +55,7 @@ def launching() -> contextlib.AbstractContextManager:
     interpreter.py) for that launch only; on a GPU, nothing."""
     if not interpreting():
         return contextlib.nullcontext()
+    # Triton's interpreter module (and numpy) is loaded only where the interpreter runs.
     from qkv.attention.flash.interpreter import fixed_interpreter
 
     return fixed_interpreter()

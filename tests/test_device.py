@@ -1,4 +1,4 @@
-"""qkv.cpu: the precision "auto" takes is the CPU's, read from its feature flags.
+"""qkv.device: the precision "auto" takes is the CPU's, read from its feature flags.
 
 The CPUs below are not this machine: their /proc/cpuinfo lines are written here (the flags of
 an AMD EPYC with AVX2 only, and of an Intel Xeon with AVX-512 and AMX), since a test cannot
@@ -15,16 +15,15 @@ import pytest
 import torch
 
 import qkv
-from qkv.cpu import (
+from qkv.device import (
     Capability,
     capability,
     choose_gemm,
-    choose_int8_inputs,
     choose_precision,
     cpu_flags,
     cpu_vendor,
 )
-from qkv.nn.quantized import int8_inputs_available
+from qkv.nn.quantized import choose_int8_inputs, int8_inputs_available
 
 EPYC_AVX2 = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -108,7 +107,7 @@ def test_backends_verbose_says_what_this_cpu_chose_and_why():
 WHERE_KEPT = """
 import ctypes, sys
 import torch
-from qkv.cpu import freed_memory, reuse_freed_memory
+from qkv.device import freed_memory, reuse_freed_memory
 
 class Info(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
@@ -144,10 +143,10 @@ def test_only_the_program_changes_the_allocator():
     callers = sorted(
         str(path.relative_to(src))
         for path in src.rglob("*.py")
-        if "reuse_freed_memory()" in path.read_text() and path.name != "cpu.py"
+        if "reuse_freed_memory()" in path.read_text() and path.name != "device.py"
     )
     assert callers == ["cli.py"]
-    done = subprocess.run([sys.executable, "-c", "import qkv; from qkv.cpu import freed_memory;"
+    done = subprocess.run([sys.executable, "-c", "import qkv; from qkv.device import freed_memory;"
                            " qkv.load('minilm'); print(freed_memory())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     assert done.stdout.strip() == "the allocator as the system set it"

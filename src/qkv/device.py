@@ -1,4 +1,5 @@
-"""What this CPU can do fast, and the precision qkv picks by it.
+"""What this CPU and torch can do fast (instruction sets, dtypes, kernels present), and the
+choices qkv makes by it. The bottom floor: it imports torch and nothing of qkv.
 
 A fast path on one CPU is a slow one on another: matrix products in bfloat16 run about twice
 as fast as float32 on a CPU with bfloat16 instructions (AVX512_BF16, AMX), and several times
@@ -21,6 +22,8 @@ import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")  # the instructions that make bfloat16 fast
 INT8_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # 8-bit dot products summed in 32 bits
@@ -78,8 +81,6 @@ def cpu_vendor(cpuinfo: str) -> str:
 @functools.cache
 def capability() -> Capability:
     """This machine's CPU, read once per process."""
-    import torch
-
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:  # not Linux: no flags known, so nothing beyond float32 is assumed
@@ -116,8 +117,6 @@ def choose_gemm(cpu: Capability | None = None) -> tuple[str, str]:
     >>> choose_gemm(Capability("AVX512", frozenset(), "GenuineIntel"))[0]
     'blas'
     """
-    import torch
-
     cpu = cpu or capability()
     if not (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")):  # fmt: skip
@@ -129,42 +128,6 @@ def choose_gemm(cpu: Capability | None = None) -> tuple[str, str]:
     return "onednn", (
         f"MKL picks its kernels by vendor and takes an AVX2 path on this {cpu.vendor} CPU; "
         "oneDNN picks by the instructions (1.07-2.7x MKL's float32 products where measured)"
-    )
-
-
-def choose_int8_inputs(cpu: Capability | None = None) -> tuple[str, str]:
-    """("int8" or "bfloat16", why): the inputs of an 8-bit LM head (an int4 model's) when
-    decoding rounds them, `Int8Linear.with_int8_inputs`, or keeps them in bfloat16, torch's
-    weight-only kernel.
-
-    The weight-only kernel turns every 8-bit weight into a float before it multiplies, and
-    that arithmetic bounds it: on 2 cores of an AVX-512 EPYC it read SmolLM2's 28 MB head in
-    1.9-3 ms a token (3.9 ms on 1 thread), 9-15 GB/s. oneDNN's u8 x s8 kernel multiplies the
-    bytes themselves, 64 pairs an instruction with VNNI: 0.74-1.6 ms as the host allowed,
-    0.9-2.2 ms with the rounding and the outliers, a token 0.7-1.1 ms faster in all
-    (`docs/speed.md`). Without VNNI or AMX, oneDNN sums byte pairs into 16 bits first
-    (AVX2's and AVX-512's vpmaddubsw), where they can saturate (oneDNN's "Nuances of int8
-    computations"): held to AVX2 (ONEDNN_MAX_CPU_ISA=AVX2), a product of full-range 8-bit
-    rows came out 2.8% off where VNNI's was 0.5% (the inputs' rounding alone), so those
-    CPUs keep bfloat16 inputs. Like the precision, this depends on the machine alone.
-
-    >>> choose_int8_inputs(Capability("AVX2", frozenset({"avx2", "fma"})))[0]
-    'bfloat16'
-    """
-    from qkv.nn.quantized import int8_inputs_available
-
-    cpu = cpu or capability()
-    if not int8_inputs_available():
-        return "bfloat16", "this torch has no oneDNN 8-bit products"
-    having = [flag for flag in INT8_FLAGS if flag in cpu.flags]
-    if not having:
-        return "bfloat16", (
-            "the CPU has no 8-bit dot-product instructions (avx512_vnni, avx_vnni or "
-            "amx_int8), without which oneDNN's 8-bit sums can saturate"
-        )
-    return "int8", (
-        f"the CPU has 8-bit dot-product instructions ({', '.join(having)}): oneDNN multiplies "
-        "the 8-bit rows by 8-bit inputs 1.3-3x as fast as the weight-only kernel where measured"
     )
 
 
