@@ -9,7 +9,7 @@ import pytest
 
 import qkv
 from qkv.inspect.demo import SENTENCE, free_folder
-from qkv.inspect.intervene import senses_without_context
+from qkv.inspect.hide import senses_without_context
 from qkv.viz import read_weights
 
 

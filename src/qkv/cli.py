@@ -334,7 +334,7 @@ def probe(
         result = run_probe(pretrained, word, texts, labels, cues=cues)
         senses = None
         if hide_context:
-            from qkv.inspect.intervene import senses_without_context
+            from qkv.inspect.hide import senses_without_context
 
             senses = senses_without_context(pretrained, word, result.sentences, result.labels)
         if out is not None:
@@ -638,7 +638,7 @@ Png = Annotated[Path | None, typer.Option(help="write a layer x head heatmap PNG
 
 
 def _stack_shape(pretrained) -> tuple[int, int]:
-    from qkv.inspect.intervene import stack_of
+    from qkv.inspect.runs import stack_of
 
     config = stack_of(pretrained).config
     return config.num_layers, config.block.num_heads
@@ -661,7 +661,7 @@ def hide(
 ) -> None:
     """Which heads carry KEY into QUERY: hide it in each head alone, then in all at once."""
     from qkv import load
-    from qkv.inspect.intervene import hide as run_hide
+    from qkv.inspect.hide import hide as run_hide
     from qkv.inspect.narrate import hide_lines
 
     with user_errors(out):
@@ -700,7 +700,7 @@ def ablate(
 ) -> None:
     """What each head does to TEXT: ablate it alone (zero or mean), then all chosen at once."""
     from qkv import load
-    from qkv.inspect.ablation import ablate as run_ablate
+    from qkv.inspect.ablate import ablate as run_ablate
     from qkv.inspect.narrate import ablate_lines
 
     with user_errors(out):
@@ -741,8 +741,8 @@ def patch(
     """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
     the next token: which parts of the model carry the difference."""
     from qkv import load
-    from qkv.inspect.ablation import patch as run_patch
     from qkv.inspect.narrate import patch_lines
+    from qkv.inspect.patch import patch as run_patch
 
     with user_errors(out):
         if out is not None:

@@ -56,7 +56,7 @@ def article_walk(out: Path) -> Iterator[str]:
         '5. Context pulls the two senses of "bank" apart: the same word in 8 river and 8 money\n'
         "   sentences, its vector before attention and after each layer.\n" + probe_lines(senses)
     )
-    from qkv.inspect.intervene import hide, senses_without_context
+    from qkv.inspect.hide import hide, senses_without_context
     from qkv.inspect.narrate import hide_lines, senses_lines
 
     hidden = hide(minilm, SENTENCE, "river", query="bank")

@@ -6,9 +6,11 @@ import math
 
 from torch import Tensor
 
-from qkv.inspect.ablation import Ablated, Patched
-from qkv.inspect.intervene import Hidden, NextTokens, Senses, Token
+from qkv.inspect.ablate import Ablated
+from qkv.inspect.hide import Hidden, Senses
+from qkv.inspect.patch import Patched
 from qkv.inspect.probe import Probe
+from qkv.inspect.runs import NextTokens, Token
 from qkv.inspect.trace import Trace
 
 

@@ -128,7 +128,7 @@ def probe(
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if sentences is None and cues is None:
         sentences, labels, cues = _run_sentences(pretrained, word, labels)
-    sentences, labels = _sentences_and_labels(word, sentences, labels)
+    sentences, labels = sentences_and_labels(word, sentences, labels)
     spans = _spans(pretrained, word, sentences)
     cue_spans = _cue_spans(pretrained, sentences, cues) if cues is not None else None
 
@@ -160,7 +160,7 @@ def probe(
 
     accuracy = separation = None
     if labels is not None:
-        accuracy = [_leave_one_out_accuracy(unit[d], labels) for d in range(L + 1)]
+        accuracy = [leave_one_out_accuracy(unit[d], labels) for d in range(L + 1)]
         separation = [_separation(similarity[d], labels) for d in range(L + 1)]
     return Probe(
         word=word,
@@ -200,7 +200,7 @@ def _cue_spans(pretrained, sentences: list[str], cues: Sequence[str]) -> list[tu
     return spans
 
 
-def _sentences_and_labels(
+def sentences_and_labels(
     word: str, sentences: Sequence[str] | None, labels: Sequence[str] | None
 ) -> tuple[list[str], list[str] | None]:
     """Check the inputs (or pick the default "bank" set); return them as lists."""
@@ -269,19 +269,19 @@ def _spans(pretrained, word: str, sentences: list[str]) -> list[tuple[int, int]]
 def _separation(similarity: Tensor, labels: list[str]) -> float:
     """Mean cosine over pairs of different sentences with the same sense, minus the mean
     over pairs with different senses. similarity: (N, N)."""
-    same = _same_sense(labels)  # (N, N)
+    same = same_sense(labels)  # (N, N)
     different_sentence = ~torch.eye(len(labels), dtype=torch.bool)
     within = similarity[same & different_sentence].mean()
     across = similarity[~same].mean()
     return float(within - across)
 
 
-def _leave_one_out_accuracy(unit: Tensor, labels: list[str]) -> float:
+def leave_one_out_accuracy(unit: Tensor, labels: list[str]) -> float:
     """The fraction of sentences whose sense is that of the nearest centroid (by cosine),
     each sentence left out of the centroids it is compared with. unit: (N, C), norm 1.
 
     >>> unit = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
-    >>> _leave_one_out_accuracy(unit, ["a", "a", "b", "b"])
+    >>> leave_one_out_accuracy(unit, ["a", "a", "b", "b"])
     1.0
     """
     senses = list(dict.fromkeys(labels))
@@ -296,7 +296,8 @@ def _leave_one_out_accuracy(unit: Tensor, labels: list[str]) -> float:
     return float((cosines.argmax(-1) == sense_of).float().mean())
 
 
-def _same_sense(labels: list[str]) -> Tensor:
+def same_sense(labels: list[str]) -> Tensor:
+    """(N, N) booleans: True where sentences i and j have the same sense."""
     return torch.tensor([[a == b for b in labels] for a in labels])  # (N, N)
 
 

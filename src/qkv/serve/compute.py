@@ -309,7 +309,7 @@ def hide_word(
     `going(stop)` between. A row is the same either way, since each layer's runs resume
     from the clean run there; a test checks the answer equals one `hide` call's.
     """
-    from qkv.inspect.intervene import hide
+    from qkv.inspect.hide import hide
 
     encode(served, limits, text)
     config = served.pretrained.config

@@ -11,7 +11,7 @@ from qkv.viz.notebook import _cut, _grid, _number, _quote, _wrap
 
 
 def hidden_html(found) -> str:
-    """`qkv.hide`'s result (a `qkv.inspect.intervene.Hidden`): the change with the key hidden
+    """`qkv.hide`'s result (a `qkv.inspect.hide.Hidden`): the change with the key hidden
     everywhere asked, each (layer, head)'s alone as a grid, and a decoder's next tokens."""
     keys = " and ".join(_quote(k) for k in _listed(found.key))
     whom = _quote(found.query) if found.query is not None else "every word"
@@ -38,7 +38,7 @@ def hidden_repr(found) -> str:
 
 
 def ablated_html(found) -> str:
-    """`qkv.ablate`'s result (a `qkv.inspect.ablation.Ablated`): the change with every head
+    """`qkv.ablate`'s result (a `qkv.inspect.ablate.Ablated`): the change with every head
     asked ablated, each head's alone as a grid, and a decoder's next tokens."""
     L = found.effect.shape[0]
     parts = [
@@ -61,7 +61,7 @@ def ablated_repr(found) -> str:
 
 
 def patched_html(found) -> str:
-    """`qkv.patch`'s result (a `qkv.inspect.ablation.Patched`): the share of the clean metric
+    """`qkv.patch`'s result (a `qkv.inspect.patch.Patched`): the share of the clean metric
     each patch restores, per (layer, head) and per (layer, position)."""
     heads, residual = found.restored(found.heads), found.restored(found.residual)
     L = found.residual.shape[0]
