@@ -167,10 +167,10 @@ def trace(
     source = pretrained.encode(text)
     if cross:  # the decoder reads its start token, then the target (see decoder_input)
         _, query_tokens, queries = pretrained.decoder_input(target)
-        query_index = 1 + _first_token(queries, query)
+        query_index = 1 + queries.find(query)[0]
     else:
-        query_index, query_tokens = _first_token(source, query), None
-    key_index = _first_token(source, key)
+        query_index, query_tokens = source.find(query)[0], None
+    key_index = source.find(key)[0]
     L, H = layout.num_layers, layout.num_heads
     if layer is not None:
         check_indices("layer", [layer], L, pretrained.source)
@@ -235,16 +235,6 @@ def trace(
         softcap=record.softcap, bias=bias, window=record.window, outside_window=outside,
         anatomy=layout.anatomy(layer),
     )  # fmt: skip
-
-
-def _first_token(encoded, word: str) -> int:
-    """The first token of `word`; a word that occurs twice must say which ("bank#2")."""
-    if "#" not in word:
-        same = [w for w in encoded.words() if w.text.lower() == word.lower()]
-        if len(same) > 1:
-            names = ", ".join(f"{word}#{n}" for n in range(1, len(same) + 1))
-            raise ValueError(f"'{word}' occurs {len(same)} times in the text; name one: {names}")
-    return encoded.find(word)[0]
 
 
 def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
