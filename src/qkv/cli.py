@@ -473,7 +473,8 @@ def show(
                          title=f"{model}{kind} L{lh[0]} H{lh[1]}",
                          query_tokens=seen.query_tokens)  # fmt: skip
         else:  # a page, which traces a clicked pair from the q, k, v vectors
-            from qkv.viz.report import page_trace, untraceable
+            from qkv.inspect.records import why_not_redone as untraceable
+            from qkv.viz.page_vectors import page_trace
 
             vectors = scores = None
             cross = target is not None  # the decoder's q over the encoder output's k and v

@@ -162,8 +162,9 @@ class Inspected:
     def write_page(self, text: str, path: str | Path, **options) -> Path:
         """The interactive page of `qkv show` for `text`, with a clicked pair's steps redone
         from the records (`qkv.viz.write_html`); options as write_html takes them."""
+        from qkv.inspect.records import why_not_redone as untraceable
         from qkv.viz import write_html
-        from qkv.viz.report import page_trace, untraceable
+        from qkv.viz.page_vectors import page_trace
 
         seen = self.attentions(text)
         vectors = scores = None

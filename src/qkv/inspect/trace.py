@@ -19,6 +19,7 @@ from torch import Tensor
 
 from qkv.attention.inputs import check_indices
 from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
+from qkv.inspect.records import why_not_redone
 from qkv.models import Decoder, Encoder, EncoderDecoder
 
 
@@ -250,24 +251,7 @@ def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
             f"attention_vectors supports encoders and decoders, not {type(pretrained.model)}"
         )
     seen = pretrained.attentions(text)
-    beyond = beyond_the_vectors(seen.records)
+    beyond = why_not_redone(seen.records, applies=())
     if beyond is not None:
         raise ValueError(f"the weights are not softmax(q k^T * scale) alone: {beyond}")
     return seen.vectors()
-
-
-def beyond_the_vectors(records: dict) -> str | None:
-    """Why q, k, v and the scale alone (`attention_vectors`' softmax(q k^T * scale)) cannot
-    redo a layer's weights (a soft-cap, a window or a score bias), or None where they can. The
-    qkv show page redoes these too, from each layer's own (`qkv.viz.page_trace`).
-
-    >>> beyond_the_vectors({})
-    """
-    for layer, record in sorted(records.items()):
-        if record.softcap is not None:
-            return f"layer {layer} caps its scores ({record.softcap:g} tanh(s/{record.softcap:g}))"
-        if record.window is not None:
-            return f"layer {layer} hides keys {record.window} or more tokens away (a window)"
-        if record.bias is not None:
-            return f"layer {layer} adds a bias to its scores"
-    return None

@@ -31,7 +31,7 @@ import numpy as np
 
 from qkv.io.files import write_atomically
 from qkv.viz import escape
-from qkv.viz.report import _json, _version
+from qkv.viz.encode import page_json, qkv_version
 
 ENCODING = (
     "float32, little-endian, base64; one per layer and head: row j (P + j weights) after row j - 1"
@@ -101,12 +101,12 @@ def render_generation_page(seen, *, title: str, head: tuple[int, int] | None = N
         for i, piece in enumerate(seen.pieces)
     )  # fmt: skip
     slots = {
-        "version": _version(),
+        "version": qkv_version(),
         "title": escape.text(title),
         "layer_options": _options(seen.layers, layer, "the first layer"),
         "head_options": _options(seen.heads, chosen, "the first head"),
         "text": text,
-        "data": escape.script_json(_json(data, separators=(",", ":"))),
+        "data": escape.script_json(page_json(data, separators=(",", ":"))),
     }
     page = re.sub(r"\{\{ (\w+) \}\}", lambda match: slots[match.group(1)], TEMPLATE)
     return page.encode("utf-8", errors="replace")

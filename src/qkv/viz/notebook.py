@@ -5,7 +5,7 @@ Every view here is self-contained: inline styles and numbers, images as data: UR
 no network, no server, no widget extension. Several outputs in one notebook must not clash,
 so nothing here uses an element id or a global name:
 
-- `Attentions` shows the interactive page of `qkv show` (`qkv.viz.report.render_page`) inside
+- `Attentions` shows the interactive page of `qkv show` (`qkv.viz.page.attention_page`) inside
   an iframe whose `srcdoc` is the whole page: its ids and its script live in a window of
   their own, one per output;
 - the other results are static HTML (tables with colored cells, each number in a `title`
@@ -18,13 +18,18 @@ A plain `repr` stays one short line, e.g. `Hidden('river' hidden from 'bank', mi
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import math
 import tempfile
 from pathlib import Path
 
+import torch
+
 from qkv.viz import escape
+from qkv.viz.generation import render_generation_page
+from qkv.viz.heatmap import head_heatmap
+from qkv.viz.page import attention_page
+from qkv.viz.report import strongest_head
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
 # iopub data rate limit (1 MB/s over 3 s windows by default), leaving a blank cell.
@@ -56,16 +61,14 @@ STYLE = """<style>
 def attentions_html(seen) -> str:
     """The interactive page of `seen` (a `qkv.pretrained.Attentions`) in an iframe of its own:
     layer and head selectors, heatmap, head view, a query's row and, where the records allow
-    (`qkv.viz.report.untraceable`), a clicked pair's steps; cross-attention's page has the
+    (`qkv.inspect.records.why_not_redone`), a clicked pair's steps; cross-attention's page has the
     target's tokens down and the source's across. A page too large for a notebook output
     shows the strongest head as a PNG (cross-attention: as a table)."""
-    from qkv.viz.report import strongest_head
-
     weights = seen.weights  # (L', H', Tq, Tk)
     if seen.query_tokens is not None:
         return _cross_html(seen, weights)
-    page = _page(seen, weights, title=f"Attention: {_cut(seen.encoded.text, 60)}",
-                 causal=seen.causal)  # fmt: skip
+    page = attention_page(seen, title=f"Attention: {_cut(seen.encoded.text, 60)}",
+                          text=seen.encoded.text, max_bytes=NOTEBOOK_PAGE_BYTES)  # fmt: skip
     if len(page) > NOTEBOOK_PAGE_BYTES:
         layer, head = strongest_head(weights)  # counted among the layers and heads shown
         layer, head = seen.layers[layer], seen.heads[head]
@@ -84,68 +87,12 @@ def attentions_html(seen) -> str:
     return _page_frame(page, len(seen.tokens))
 
 
-def _page(seen, weights, *, cross: bool = False, **options) -> bytes:
-    """`render_page` of `seen`, with the vectors that let it redo a clicked pair where the
-    records allow and the page still fits a notebook output; without them otherwise."""
-    from qkv.viz.report import render_page
-
-    common = dict(text=seen.encoded.text, extra=_subset_note(seen), head=None, query=None,
-                  **options)  # fmt: skip
-    scale = _scale(seen)
-    vectors, scores = _page_vectors(seen, cross=cross) if scale is not None else (None, None)
-    page = render_page(weights, seen.pieces, vectors=vectors, scale=scale, scores=scores,
-                       **common)  # fmt: skip
-    if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
-        page = render_page(weights, seen.pieces, **common)
-    return page
-
-
-def _page_vectors(seen, cross: bool = False):
-    """(vectors, scores) that let the page redo a pair, sliced to the heads shown; (None,
-    None) where the records cannot be redone by the page."""
-    from qkv.viz.report import page_trace, untraceable
-
-    if untraceable(seen.records, cross=cross) is not None:
-        return None, None
-    vectors, scores = page_trace(seen.records, cross=cross)  # 3 x (L', H, T, D)
-    heads = list(seen.heads)
-    vectors = [array[:, heads] for array in vectors]
-    scores = [s if s.bias is None else dataclasses.replace(s, bias=s.bias[heads]) for s in scores]
-    return vectors, scores
-
-
-def _scale(seen) -> float | None:
-    """The one scale of every layer's dot products; None where they differ, and the page,
-    which takes one, is then written without the vectors."""
-    try:
-        return float(seen.scale)
-    except ValueError:  # the layers differ in scale: the page can only take one
-        return None
-
-
-def _subset_note(seen) -> dict | None:
-    """The page counts the layers and heads it holds from 0: say which of the model's they are
-    when they are not all of them."""
-    H = next(iter(seen.records.values())).shape.H
-    layers, heads = seen.layers, list(seen.heads)
-    if layers == list(range(len(layers))) and heads == list(range(H)):
-        return None
-    return {
-        "layers shown": layers,
-        "heads shown": heads,
-        "counting": "this page counts the layers and heads it holds from 0: its layer i is "
-        "the model's layer 'layers shown'[i], its head j the model's 'heads shown'[j]",
-    }
-
-
 def _cross_html(seen, weights) -> str:
     """Cross-attention's interactive page (target tokens down, source across) in an iframe of
     its own, as `qkv show --target` writes it; a page too large for a notebook output gives
     the head with the largest weight as a table."""
-    from qkv.viz.report import strongest_head
-
     title = f"Cross-attention: {_cut(seen.encoded.text, 60)}"
-    page = _page(seen, weights, cross=True, title=title, query_tokens=seen.query_tokens)
+    page = attention_page(seen, title=title, text=seen.encoded.text, max_bytes=NOTEBOOK_PAGE_BYTES)
     if len(page) <= NOTEBOOK_PAGE_BYTES:
         return _page_frame(page, max(len(seen.query_tokens), len(seen.tokens)))
     layer, head = strongest_head(weights, cross=True)  # the head holding the largest weight
@@ -162,7 +109,7 @@ def _cross_html(seen, weights) -> str:
 
 
 def _page_frame(page: bytes, rows: int) -> str:
-    """A page of `render_page` as an iframe's srcdoc, growing to fit its page."""
+    """A page of `attention_page` as an iframe's srcdoc, growing to fit its page."""
     height = 760 + 22 * min(rows, 40)  # until the page has loaded and the frame fits it
     fit = (  # grow the frame to its page, as the page grows (a clicked pair's trace)
         "try{const f=this,d=f.contentDocument,fit=()=>{f.style.height="
@@ -327,8 +274,6 @@ def probe_repr(found) -> str:
 def generation_html(seen) -> str:
     """The page of `qkv generate --attention` (a `qkv.generate.GenerationAttention`) in an
     iframe of its own: click a generated token to see the row that chose it."""
-    from qkv.viz.generation import render_generation_page
-
     if seen.summaries is not None:
         return _generation_summaries_html(seen)
     page = render_generation_page(seen, title=f"Attention while generating: {_cut(seen.text, 60)}")
@@ -350,8 +295,6 @@ def generation_html(seen) -> str:
 def _generation_summaries_html(seen) -> str:
     """A generation recorded as summaries: a row per generated token, with the summaries of
     the row that chose it, over every recorded layer and head."""
-    import torch
-
     rows = []
     for j in range(seen.generated):
         entropy, first, keys, weights = seen.summary(j)  # (L', H'), (L', H'), (L', H', k) x 2
@@ -446,8 +389,6 @@ def _diverging(x: float) -> tuple[int, int, int]:
 
 def _png_heatmap(matrix, tokens, title: str) -> str:
     """One head drawn by `head_heatmap`, inline as a data: URI."""
-    from qkv.viz.heatmap import head_heatmap
-
     with tempfile.TemporaryDirectory(prefix="qkv-notebook-") as folder:
         path = head_heatmap(matrix, tokens, Path(folder) / "head.png", title=title)
         data = base64.b64encode(path.read_bytes()).decode("ascii")
@@ -469,8 +410,6 @@ def _number(value: float, shown: str | None = None) -> str:
 
 
 def _eye(n: int):
-    import torch
-
     return torch.eye(n, dtype=torch.bool)
 
 
