@@ -286,8 +286,8 @@ def explain(
 ) -> None:
     """The article's steps for QUERY getting context from KEY in TEXT, with real numbers."""
     from qkv import load
-    from qkv.inspect.narrate import contributions, heads_and_layers, narrate, tokens_line
     from qkv.inspect.trace import trace
+    from qkv.viz.narrate import contributions, heads_and_layers, narrate, tokens_line
 
     with user_errors():
         pretrained = load(model, backend=backend)
@@ -322,9 +322,9 @@ def probe(
 ) -> None:
     """How context separates the senses of WORD across sentences, layer by layer."""
     from qkv import load
-    from qkv.inspect.narrate import probe_lines
     from qkv.inspect.probe import probe as run_probe
-    from qkv.inspect.probe import probe_plot
+    from qkv.viz.lines import probe_lines
+    from qkv.viz.plots import probe_plot
 
     with user_errors(out):
         texts, labels, cues = _read_sentences(sentences) if sentences else (None, None, None)
@@ -348,7 +348,7 @@ def probe(
         return
     typer.echo(probe_lines(result))
     if senses is not None:
-        from qkv.inspect.narrate import senses_lines
+        from qkv.viz.lines import senses_lines
 
         typer.echo("\n" + senses_lines(senses))
     if out is not None:
@@ -663,7 +663,7 @@ def hide(
     """Which heads carry KEY into QUERY: hide it in each head alone, then in all at once."""
     from qkv import load
     from qkv.inspect.hide import hide as run_hide
-    from qkv.inspect.narrate import hide_lines
+    from qkv.viz.lines import hide_lines
 
     with user_errors(out):
         if top < 1:
@@ -702,7 +702,7 @@ def ablate(
     """What each head does to TEXT: ablate it alone (zero or mean), then all chosen at once."""
     from qkv import load
     from qkv.inspect.ablate import ablate as run_ablate
-    from qkv.inspect.narrate import ablate_lines
+    from qkv.viz.lines import ablate_lines
 
     with user_errors(out):
         if out is not None:
@@ -742,8 +742,8 @@ def patch(
     """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
     the next token: which parts of the model carry the difference."""
     from qkv import load
-    from qkv.inspect.narrate import patch_lines
     from qkv.inspect.patch import patch as run_patch
+    from qkv.viz.lines import patch_lines
 
     with user_errors(out):
         if out is not None:
@@ -850,7 +850,7 @@ def lens(
     and MLP's direct contribution to the token's logit."""
     from qkv import load
     from qkv.inspect.lens import lens as run_lens
-    from qkv.inspect.lens import lens_lines
+    from qkv.viz.lines import lens_lines
 
     with user_errors():
         if terms < 0:
@@ -873,7 +873,9 @@ def heads_census(
     """A census of the model's heads: previous-token, induction, first-token (sink), self,
     entropy and window use on built-in prompts; the top heads and each layer's sink mass."""
     from qkv import load
-    from qkv.inspect.census import census_lines, census_plot, heads
+    from qkv.inspect.census import heads
+    from qkv.viz.lines import census_lines
+    from qkv.viz.plots import census_plot
 
     with user_errors(out):
         if top < 1:

@@ -15,12 +15,12 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 import qkv
-from qkv.inspect.narrate import heads_and_layers, narrate
 from qkv.io.hf import load_folder
 from qkv.io.tokenizer import Tokenizer
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.rope import RopeScaling
+from qkv.viz.narrate import heads_and_layers, narrate
 from variant_models import TEXT, WORDS, decoder, tiny
 from variant_models import gemma2_like as gemma2_like_config
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from qkv.inspect.bank_sentences import LABELS, SENTENCES
-from qkv.inspect.probe import Probe, probe, probe_plot
+from qkv.inspect.probe import Probe, probe
+from qkv.viz.plots import probe_plot
 
 
 @pytest.fixture(scope="module")

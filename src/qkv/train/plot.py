@@ -22,7 +22,7 @@ def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
     """Draw the loss per step (and the validation loss where measured) above the learning
     rate, as a PNG at `out` (default: run/loss.png), written all or nothing."""
     from qkv.io.files import write_atomically
-    from qkv.viz.heatmap import png_path
+    from qkv.viz.paths import png_path
 
     records = read_metrics(run)
     out = png_path(Path(run) / "loss.png" if out is None else out)

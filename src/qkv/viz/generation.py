@@ -32,6 +32,7 @@ import numpy as np
 from qkv.io.files import write_atomically
 from qkv.viz import escape
 from qkv.viz.encode import page_json, qkv_version
+from qkv.viz.paths import html_path
 
 ENCODING = (
     "float32, little-endian, base64; one per layer and head: row j (P + j weights) after row j - 1"
@@ -48,10 +49,7 @@ def write_generation_page(path: str | Path, seen, *, title: str = "Attention whi
     head = (layer, head), as the model counts them, is the one shown first (the first recorded
     by default). Nothing is written when an argument is wrong.
     """
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        got = repr(path.suffix) if path.suffix else "a name without one"
-        raise ValueError(f"{path}: the extension must be .html, not {got}")
+    path = html_path(path)
     page = render_generation_page(seen, title=title, head=head)
     write_atomically(path, lambda file: file.write(page))
     return path

@@ -33,6 +33,7 @@ import numpy as np
 
 from qkv.attention.inputs import check_indices
 from qkv.io.files import write_atomically
+from qkv.viz.paths import png_path
 
 DPI = 100
 CMAP = "viridis"
@@ -227,14 +228,6 @@ def token_text(token: str, width: int = 16) -> str:
     """
     shown = repr(token) if not token.strip() else token.replace("\n", "\\n").replace("\t", "\\t")
     return shown if len(shown) <= width else shown[: width - 1] + "…"
-
-
-def png_path(path: str | Path) -> Path:
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        got = repr(path.suffix) if path.suffix else "a name without one"
-        raise ValueError(f"{path}: the extension must be .png, not {got}")
-    return path
 
 
 def check_weights(weights, tokens: Sequence[str], *, ndim: int) -> np.ndarray:

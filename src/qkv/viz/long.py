@@ -23,7 +23,8 @@ import numpy as np
 
 from qkv.io.files import write_atomically
 from qkv.viz import escape
-from qkv.viz.heatmap import CMAP, DPI, png_path, token_text
+from qkv.viz.heatmap import CMAP, DPI, token_text
+from qkv.viz.paths import html_path, png_path
 
 PANEL_PIXELS = 150  # one (layer, head) panel of the grid, a side
 GRID_MAX_WIDTH, GRID_MAX_HEIGHT = 20.0, 30.0  # inches: the grid shrinks its panels to fit
@@ -120,10 +121,7 @@ def summary_page(summary, path: str | Path, *, title: str = "Attention", text=No
     """A self-contained .html page of a long text's summaries: the downsampled grid (inline
     PNG), and per (layer, head) its mean entropy, mean first-token mass and the keys that
     receive the most attention. No script, no network."""
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        got = repr(path.suffix) if path.suffix else "a name without one"
-        raise ValueError(f"{path}: the extension must be .html, not {got}")
+    path = html_path(path)
     grid = io.BytesIO()
     _grid_figure(summary, None, None, None).savefig(grid, format="png")
     image = base64.b64encode(grid.getvalue()).decode("ascii")

@@ -73,6 +73,7 @@ from qkv.viz.page_vectors import (
     check_vectors,
     vectors_data,
 )
+from qkv.viz.paths import html_path
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
 CROSS_ENCODING = "float32, little-endian, row-major Tq x Tk, zlib, base64; one per head"
@@ -107,10 +108,7 @@ def write_html(
     source's Tk `tokens` (columns); `vectors` are then q (L, H, Tq, D), k and v (L, H, Tk, D).
     Returns the path written.
     """
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        got = repr(path.suffix) if path.suffix else "a name without one"
-        raise ValueError(f"{path}: the extension must be .html, not {got}")
+    path = html_path(path)
     page = render_page(
         weights, tokens, title=title, text=text, extra=extra, head=head, query=query,
         vectors=vectors, causal=causal, scale=scale, scores=scores, query_tokens=query_tokens,
