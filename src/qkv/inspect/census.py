@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.models import Decoder, self_attention_stack
 
 # Short natural sentences: previous-token, sink, self, entropy and window use are read here.
 PROMPTS = (
@@ -147,7 +147,7 @@ def heads(
     `length` random tokens repeated twice (seeded), one forward per prompt and one for the
     random rows together, every layer recorded. An encoder-decoder's encoder is counted.
     """
-    stack = _stack(pretrained.model, pretrained.source)
+    stack = self_attention_stack(pretrained.model, "the census", pretrained.source)
     texts = list(PROMPTS if prompts is None else prompts)
     if isinstance(prompts, str) or not texts:
         raise ValueError("prompts must be a non-empty list of texts")
@@ -194,7 +194,7 @@ def census_of(
     >>> census_of(toy, [[1, 2, 3]], rows).induction.shape
     torch.Size([2, 2])
     """
-    stack = _stack(model, source)
+    stack = self_attention_stack(model, "the census", source)
     if not isinstance(repeated, Tensor) or repeated.dim() != 2:
         raise ValueError("repeated must be a (B, T) tensor of token ids")
     T = repeated.shape[1]
@@ -253,19 +253,6 @@ def census_of(
         windows=windows,
         window_use=use,
     )
-
-
-def _stack(model, source: str):
-    """The stack whose self-attention is counted: an encoder, a decoder, or an
-    encoder-decoder's encoder; anything else is refused by name."""
-    if isinstance(model, EncoderDecoder):
-        return model.encoder
-    if not isinstance(model, Encoder | Decoder):
-        raise ValueError(
-            f"the census reads encoders, decoders and an encoder-decoder's encoder; {source} is "
-            f"a {type(model).__name__}"
-        )
-    return model
 
 
 def _records(stack, ids: Tensor) -> dict:
@@ -368,7 +355,7 @@ def flow(weights: Tensor) -> Tensor:
             f"attention flow is {T}^2 max-flows over {L + 1} x {T} nodes; it computes "
             f"{FLOW_MAX_TOKENS} tokens at most (rollout has no limit)"
         )
-    import networkx as nx
+    import networkx as nx  # an optional dependency, loaded only when flow is asked for
     from networkx.algorithms.flow import shortest_augmenting_path
 
     graph = nx.DiGraph()
@@ -401,7 +388,7 @@ class TextRollout:
 def text_rollout(pretrained, text: str, *, with_flow: bool = True) -> TextRollout:
     """Attention rollout and flow of `pretrained` over `text`, from one forward's records
     (an encoder-decoder's encoder). with_flow=False skips flow (and its token limit)."""
-    _stack(pretrained.model, pretrained.source)
+    self_attention_stack(pretrained.model, "the census", pretrained.source)
     if with_flow:  # refused before the forward, from the token count alone
         count = len(pretrained.encode(text).ids)
         if count > FLOW_MAX_TOKENS:

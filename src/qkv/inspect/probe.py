@@ -26,8 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from qkv.data import bank_corpus
+from qkv.inspect.bank_sentences import LABELS, SENTENCES
 from qkv.io.words import parse_word
-from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.models import Decoder, self_attention_stack
 
 
 @dataclass
@@ -114,11 +116,8 @@ def probe(
     row of its tokens) is largest on a token of the cue, every token of the sentence counted.
     A model trained with qkv on the bank corpus probes its held-out sentences by default.
     """
-    model = pretrained.model
-    if isinstance(model, EncoderDecoder):
-        model = model.encoder  # the encoder reads the whole sentence at once
-    if not isinstance(model, Encoder | Decoder):
-        raise ValueError(f"probe supports encoders and decoders; {pretrained.source} is neither")
+    # an encoder-decoder's encoder: it reads the whole sentence at once
+    model = self_attention_stack(pretrained.model, "the probe", pretrained.source)
     if not isinstance(word, str) or not word.strip():
         raise ValueError("the word to probe is empty; give a word such as 'bank'")
     parse_word(word)  # the "bank#2" form, checked where it is defined: "bank#0" is refused
@@ -179,8 +178,6 @@ def _run_sentences(pretrained, word: str, labels):
     run = getattr(pretrained, "run", None)
     if run is None or run.data.kind != "bank" or word.casefold() != "bank" or labels is not None:
         return None, labels, None
-    from qkv.data import bank_corpus
-
     heldout = bank_corpus(run.data.heldout, split="heldout", seed=run.train.seed)
     return [s.text for s in heldout], [s.sense for s in heldout], [s.cue for s in heldout]
 
@@ -210,8 +207,6 @@ def sentences_and_labels(
             )
         if labels is not None:
             raise ValueError("labels were given without sentences; pass the sentences they label")
-        from qkv.inspect.bank_sentences import LABELS, SENTENCES
-
         sentences, labels = SENTENCES, LABELS
     if isinstance(sentences, str):
         raise ValueError("sentences must be a list of texts, not one str; wrap it in a list")

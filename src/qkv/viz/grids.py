@@ -21,7 +21,9 @@ def grid_plot(
     """Draw one heatmap per (title, grid (L, N), column labels or None for numbers) side by
     side, layers down, as a PNG at `path`, written whole or not at all. NaN cells (not
     computed) are left blank."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     path = png_path(path)
     widths = [max(3.0, 0.35 * grid.shape[1] + 1.5) for _, grid, _ in grids]

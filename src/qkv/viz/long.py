@@ -39,7 +39,9 @@ def downsampled_heatmap(summary, layer: int, head: int, path: str | Path, *, tit
     at = _position(summary, layer, head)
     matrix = summary.heatmap[at].float().numpy()  # (Rq, Rk)
     Tq, Tk = summary.entropy.shape[-1], summary.received.shape[-1]
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     figure = Figure(figsize=(11.6, 10.0), dpi=DPI, layout="constrained")
     ax = figure.subplots()
@@ -77,7 +79,9 @@ def _grid_figure(summary, layers, heads, title):
     cols_of = _model_indices(summary.heads, heads, "head")
     rows, cols = len(rows_of), len(cols_of)
     panel = min(PANEL_PIXELS / DPI, GRID_MAX_WIDTH / cols, GRID_MAX_HEIGHT / rows)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     heatmap = summary.heatmap.float().numpy()  # (L, H, Rq, Rk)
     f = math.ceil(max(heatmap.shape[-2:]) / (panel * DPI))  # more max-pooling to fit a panel
@@ -95,7 +99,7 @@ def _grid_figure(summary, layers, heads, title):
     size = (max(cols * panel, 4.0) + 0.8, rows * panel + 1.1)
     figure = Figure(figsize=size, dpi=DPI, layout="constrained")
     ax = figure.subplots()
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
 
     cmap = matplotlib.colormaps[CMAP].with_extremes(bad="white")
     ax.imshow(mosaic, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")

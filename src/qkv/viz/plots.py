@@ -31,7 +31,9 @@ def probe_plot(probe: Probe, path: str | os.PathLike[str], layer: int | None = N
 
     # a Figure of its own, saved by its own canvas: no pyplot, no backend chosen for the
     # whole process, nothing left open
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     names = [_short(i, s, probe.labels) for i, s in enumerate(probe.sentences)]
     N = len(names)
@@ -74,7 +76,9 @@ def census_plot(census: Census, path) -> Path:
     induction score (up), colored by layer, the best head of each labelled. Written whole or
     not at all. Returns the path."""
     path = png_path(path, existing_folder=True)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     L, H = census.previous_token.shape
     layer_of = torch.arange(L)[:, None].expand(L, H).flatten()
