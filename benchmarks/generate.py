@@ -5,7 +5,8 @@ Three parts:
 1. Decoding speed. `qkv.load("smollm2").generate(prompt, N)` as a user calls it (precision
    "auto": the file's own 4-bit matrices in 4 bits, torch's CPU int4 kernel with inputs rounded
    to bfloat16, the LM head in 8 bits, its inputs rounded to 8 bits too where the CPU has
-   VNNI (`qkv.nn.quantized.choose_int8_inputs`); every token after the prompt's through FastStep), the
+   VNNI (`qkv.nn.quantized.choose_int8_inputs`); every token after the prompt's through
+   FastStep), the
    same with precision="loaded" (float32: transformers' arithmetic), transformers'
    `AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)` and `model.generate(ids,
    max_new_tokens=N, min_new_tokens=N, do_sample=False)` in float32 on the same prompt ids,

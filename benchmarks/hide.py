@@ -6,7 +6,7 @@ query word's final vector (1 - cosine, the vectors of its tokens averaged first)
 L x H table, on MiniLM (an encoder, 6 x 12) and SmolLM2 (a decoder, 30 x 9), for a short
 and a longer text.
 
-- qkv: `qkv.inspect.intervene.hide(pretrained, text, key, query=query)` on the model's default
+- qkv: `qkv.inspect.hide.hide(pretrained, text, key, query=query)` on the model's default
   backend ("auto"): one clean forward, then for each layer one batched run of its heads
   (one head hidden per row) that resumes from the clean residual stream at that layer; in a
   decoder only from the query word's position on (the earlier positions cannot see the
@@ -51,7 +51,8 @@ import torch
 import torch.nn.functional as F
 
 import qkv
-from qkv.inspect.intervene import hide, stack_of, word_span
+from qkv.inspect.hide import hide
+from qkv.inspect.runs import stack_of, word_span
 from qkv.io.embedded import embedded_path
 from qkv.models import Decoder
 from timing import CORES, time_peers

@@ -26,7 +26,8 @@ matplotlib.rcParams["lines.linewidth"] = 3.25
 import numpy as np
 import torch
 
-from qkv.inspect.probe import Probe, probe_plot
+from qkv.inspect.probe import Probe
+from qkv.viz.plots import probe_plot
 from qkv.train.plot import plot_run
 from qkv.viz.heatmap import head_heatmap, model_view
 

@@ -21,7 +21,7 @@ __all__ = [
 ]  # fmt: skip
 
 # interventions: "what if" asked of the model
-_INTERVENTIONS = {"hide": "intervene", "ablate": "ablation", "patch": "ablation"}
+_INTERVENTIONS = {"hide": "hide", "ablate": "ablate", "patch": "patch"}
 
 
 def __getattr__(name: str):

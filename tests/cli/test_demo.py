@@ -8,7 +8,7 @@ import sys
 import qkv
 from qkv.cli.demo import free_folder
 from qkv.inspect.article import SENTENCE
-from qkv.inspect.intervene import senses_without_context
+from qkv.inspect.hide import senses_without_context
 from qkv.viz import read_weights
 
 

@@ -26,7 +26,7 @@ def test_generate_streams_the_greedy_continuation():
 def test_generate_attention_of_a_chat_counts_the_template_in_the_prompt(smollm2, tmp_path):
     """--chat --attention sizes the page from the prompt wrapped in the chat template
     (`Pretrained.chat_prompt`), and writes the same page as generate with that record."""
-    from qkv.generate import Recording
+    from qkv.inspect.generation import Recording
     from qkv.viz.generation import read_generation_page
 
     out = tmp_path / "chat.html"

@@ -11,8 +11,9 @@ import matplotlib.image
 import pytest
 import torch
 
-from qkv.inspect.ablation import Metric, ablate
-from qkv.inspect.intervene import hide
+from qkv.inspect.ablate import ablate
+from qkv.inspect.hide import hide
+from qkv.inspect.patch import Metric
 
 TEXT = "The bank on the side of the river"
 

@@ -15,12 +15,12 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import models, pre_tokenizers
 
 import qkv
-from qkv.inspect.narrate import heads_and_layers, narrate
 from qkv.io.hf_folder import load_folder
 from qkv.io.tokenizer import Tokenizer
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.rope import RopeScaling
+from qkv.viz.narrate import heads_and_layers, narrate
 from variant_models import TEXT, WORDS, decoder, tiny
 from variant_models import gemma2_like as gemma2_like_config
 
@@ -190,13 +190,14 @@ def test_the_json_of_a_trace_carries_the_variants(gemma2_like):
 
 def test_the_pages_own_steps_are_refused_where_the_vectors_cannot_redo_the_weights(gemma2_like):
     # the qkv show page redoes a clicked pair from q, k, v and the scale alone
-    from qkv.inspect.trace import attention_vectors, beyond_the_vectors
+    from qkv.inspect.records import why_not_redone
+    from qkv.inspect.trace import attention_vectors
 
     with pytest.raises(ValueError, match=r"layer 0 caps its scores \(0.02 tanh\(s/0.02\)\)"):
         attention_vectors(gemma2_like, TEXT)
     windowed = tiny(decoder(window=4))
-    assert "hides keys 4 or more tokens away" in beyond_the_vectors(
-        windowed.attentions(TEXT).records
+    assert "hides keys 4 or more tokens away" in why_not_redone(
+        windowed.attentions(TEXT).records, applies=()
     )
     q, _, _ = attention_vectors(tiny(decoder(attn_scale=1.0)), TEXT)  # a scale the page has
     assert q.shape == (2, 2, len(TEXT.split()), 16)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from qkv.inspect.bank_sentences import LABELS, SENTENCES
-from qkv.inspect.probe import Probe, probe, probe_plot
+from qkv.inspect.probe import Probe, probe
+from qkv.viz.plots import probe_plot
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,7 @@ def test_batch_size_and_second_occurrence(minilm):
     whole = probe(minilm, "bank#2", sentences)
     one_by_one = probe(minilm, "bank#2", sentences, batch_size=1)
     torch.testing.assert_close(whole.vectors, one_by_one.vectors, atol=1e-5, rtol=1e-5)
-    first = probe(minilm, "bank", sentences)
+    first = probe(minilm, "bank#1", sentences)
     assert not torch.allclose(whole.vectors[-1], first.vectors[-1], atol=1e-3)
     assert whole.labels is whole.accuracy is whole.separation is None
 

@@ -111,9 +111,9 @@ def test_encoder_decoder_traces_cross_attention_like_transformers(tmp_path):
     from tokenizers import Tokenizer as Backend
     from tokenizers import models, pre_tokenizers
 
-    from qkv.inspect.narrate import narrate, tokens_line
     from qkv.io.hf_folder import load_folder
     from qkv.io.tokenizer import Tokenizer
+    from qkv.viz.narrate import narrate, tokens_line
     from tiny_models import save_tiny
 
     theirs = save_tiny("bart", tmp_path)

@@ -17,9 +17,10 @@ from typer.testing import CliRunner
 import qkv
 from browser import ARTIFACTS, offline
 from qkv.cli import app
+from qkv.inspect.records import why_not_redone
 from qkv.nn import MultiHeadAttention
 from qkv.viz import page_trace, read_weights, write_html, write_report
-from qkv.viz.report import CROSS_HEADER, untraceable
+from qkv.viz.report import CROSS_HEADER
 
 LETTERS = list(string.ascii_lowercase)
 
@@ -74,15 +75,15 @@ def test_the_page_holds_the_cross_attention_transformers_computes(folder, bart, 
 
 
 def test_cross_records_are_traced_only_as_cross_attention(seen):
-    assert untraceable(seen.records, cross=True) is None
-    assert untraceable(seen.records) == "layer 0 is not one text's self-attention"
+    assert why_not_redone(seen.records, cross=True) is None
+    assert why_not_redone(seen.records) == "layer 0 is not one text's self-attention"
     (q, k, v), scores = page_trace(seen.records, cross=True)
     assert q.shape == (2, 4, 6, 8) and k.shape == v.shape == (2, 4, 7, 8)
     assert np.array_equal(q[1, 2], seen.records[1].q[0, 2].numpy())
     assert [(s.window, s.softcap, s.bias) for s in scores] == [(None, None, None)] * 2
     mha = MultiHeadAttention(width=16, num_heads=2)  # causal self-attention is not cross's
     _, record = mha(torch.randn(1, 3, 16), causal=True, record=True)
-    assert untraceable({0: record}, cross=True) == (
+    assert why_not_redone({0: record}, cross=True) == (
         "layer 0 hides keys by position, which cross-attention does not"
     )
 
@@ -199,7 +200,7 @@ def test_the_notebook_shows_the_cross_attention_page(bart, seen):
         (dict(weights=lambda w: w.transpose(-1, -2)),
          r"^cross-attention weights must have shape \(L, H, Tq, Tk\) with Tq = 6 target tokens "
          r"\(rows\) and Tk = 7 source tokens \(columns\); got \(2, 4, 7, 6\) \(transposed\? "),
-        (dict(query=6), r"^target token 6 is out of range: there are 6, 0-5$"),
+        (dict(query=6), r"^target token 6 is out of range: the page has 6 target tokens \(0-5\)$"),
         (dict(vectors=lambda q, k, v: (k, k, v)),
          r"^the query vectors must be \(L, H, Tq, D\) = \(2, 4, 6, D\) to match the weights, "
          r"not \(2, 4, 7, 8\)$"),

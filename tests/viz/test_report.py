@@ -244,9 +244,9 @@ def test_a_failure_half_way_leaves_nothing(att, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"head": (6, 0)}, "layer 6 is out of range: there are 6, 0-5"),
+        ({"head": (6, 0)}, r"layer 6 is out of range: the page has 6 layers \(0-5\)"),
         ({"head": (0, 12)}, "head 12 is out of range"),
-        ({"query": 10}, "token 10 is out of range: there are 10"),
+        ({"query": 10}, "token 10 is out of range: the page has 10 tokens"),
         ({"extra": {"x": object()}}, "extra must be JSON-serialisable"),
         ({"extra": {"x": float("nan")}}, "extra must be JSON-serialisable"),
         ({"extra": ["not", "a", "dict"]}, "extra must be a dict"),

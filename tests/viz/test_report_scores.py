@@ -15,10 +15,10 @@ from typer.testing import CliRunner
 
 import qkv
 from qkv.cli import app
+from qkv.inspect.records import why_not_redone
 from qkv.models import EncoderConfig
 from qkv.nn import BlockConfig, MultiHeadAttention
 from qkv.viz import LayerScores, page_trace, write_html
-from qkv.viz.report import untraceable
 from variant_models import TEXT, WORDS, gemma2_like, tiny
 
 
@@ -70,7 +70,7 @@ def test_a_masked_record_is_not_traced_by_the_page():
     mha = MultiHeadAttention(width=16, num_heads=2)
     mask = torch.tensor([[True, True, False]])
     _, record = mha(torch.randn(1, 3, 16), mask=mask, record=True)
-    assert untraceable({0: record}) == "layer 0 masks keys beyond the causal rule and the window"
+    assert why_not_redone({0: record}) == "layer 0 masks keys beyond the causal rule and the window"
     with pytest.raises(ValueError, match="the page cannot redo these pairs: layer 0 masks"):
         page_trace({0: record})
 

@@ -45,15 +45,10 @@ def _indented(text: str) -> str:
 def article_walk(out: Path) -> Iterator[str]:
     """Yield the demo's sections one by one (so a terminal shows each as it is ready)."""
     from qkv import load
-    from qkv.inspect.narrate import (
-        contributions,
-        heads_and_layers,
-        narrate,
-        probe_lines,
-        tokens_line,
-    )
-    from qkv.inspect.probe import probe, probe_plot
+    from qkv.inspect.probe import probe
     from qkv.inspect.trace import trace
+    from qkv.viz.lines import probe_lines
+    from qkv.viz.narrate import contributions, heads_and_layers, narrate, tokens_line
 
     minilm = load("minilm")
     yield (
@@ -71,8 +66,8 @@ def article_walk(out: Path) -> Iterator[str]:
         '5. Context pulls the two senses of "bank" apart: the same word in 8 river and 8 money\n'
         "   sentences, its vector before attention and after each layer.\n" + probe_lines(senses)
     )
-    from qkv.inspect.intervene import hide, senses_without_context
-    from qkv.inspect.narrate import hide_lines, senses_lines
+    from qkv.inspect.hide import hide, senses_without_context
+    from qkv.viz.lines import hide_lines, senses_lines
 
     hidden = hide(minilm, SENTENCE, "river", query="bank")
     yield (
@@ -86,6 +81,7 @@ def article_walk(out: Path) -> Iterator[str]:
     )
     folder = free_folder(out)
     from qkv.viz import write_report
+    from qkv.viz.plots import probe_plot
 
     write_report(
         folder,

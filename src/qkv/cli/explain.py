@@ -30,8 +30,8 @@ def explain(
 ) -> None:
     """The article's steps for QUERY getting context from KEY in TEXT, with real numbers."""
     from qkv import load
-    from qkv.inspect.narrate import contributions, heads_and_layers, narrate, tokens_line
     from qkv.inspect.trace import trace
+    from qkv.viz.narrate import contributions, heads_and_layers, narrate, tokens_line
 
     with user_errors():
         pretrained = load(model, backend=backend)
@@ -65,10 +65,10 @@ def probe(
 ) -> None:
     """How context separates the senses of WORD across sentences, layer by layer."""
     from qkv import load
-    from qkv.inspect.narrate import probe_lines
     from qkv.inspect.probe import probe as run_probe
-    from qkv.inspect.probe import probe_plot
     from qkv.inspect.sentences_file import read_sentences
+    from qkv.viz.lines import probe_lines
+    from qkv.viz.plots import probe_plot
 
     with user_errors(out):
         texts, labels, cues = read_sentences(sentences) if sentences else (None, None, None)
@@ -78,7 +78,7 @@ def probe(
         result = run_probe(pretrained, word, texts, labels, cues=cues)
         senses = None
         if hide_context:
-            from qkv.inspect.intervene import senses_without_context
+            from qkv.inspect.hide import senses_without_context
 
             senses = senses_without_context(pretrained, word, result.sentences, result.labels)
         if out is not None:
@@ -92,7 +92,7 @@ def probe(
         return
     typer.echo(probe_lines(result))
     if senses is not None:
-        from qkv.inspect.narrate import senses_lines
+        from qkv.viz.lines import senses_lines
 
         typer.echo("\n" + senses_lines(senses))
     if out is not None:

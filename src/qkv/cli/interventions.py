@@ -36,8 +36,8 @@ def hide(
     """Which heads carry KEY into QUERY: hide it in each head alone, then in all at once."""
     from qkv import load
     from qkv.attention.index_text import parse_indices
-    from qkv.inspect.intervene import hide as run_hide
-    from qkv.inspect.narrate import hide_lines
+    from qkv.inspect.hide import hide as run_hide
+    from qkv.viz.lines import hide_lines
 
     with user_errors(out):
         if top < 1:
@@ -76,8 +76,8 @@ def ablate(
     from qkv import load
     from qkv.attention.index_text import parse_indices
     from qkv.attention.inputs import check_indices
-    from qkv.inspect.ablation import ablate as run_ablate
-    from qkv.inspect.narrate import ablate_lines
+    from qkv.inspect.ablate import ablate as run_ablate
+    from qkv.viz.lines import ablate_lines
 
     with user_errors(out):
         if out is not None:
@@ -116,8 +116,8 @@ def patch(
     """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
     the next token: which parts of the model carry the difference."""
     from qkv import load
-    from qkv.inspect.ablation import patch as run_patch
-    from qkv.inspect.narrate import patch_lines
+    from qkv.inspect.patch import patch as run_patch
+    from qkv.viz.lines import patch_lines
 
     with user_errors(out):
         if out is not None:

@@ -32,7 +32,7 @@ def lens(
     and MLP's direct contribution to the token's logit."""
     from qkv import load
     from qkv.inspect.lens import lens as run_lens
-    from qkv.inspect.lens import lens_lines
+    from qkv.viz.lines import lens_lines
 
     with user_errors():
         if terms < 0:
@@ -54,7 +54,9 @@ def heads_census(
     """A census of the model's heads: previous-token, induction, first-token (sink), self,
     entropy and window use on built-in prompts; the top heads and each layer's sink mass."""
     from qkv import load
-    from qkv.inspect.census import census_lines, census_plot, heads
+    from qkv.inspect.census import heads
+    from qkv.viz.lines import census_lines
+    from qkv.viz.plots import census_plot
 
     with user_errors(out):
         if top < 1:

@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from qkv.io import int4_cache
-from qkv.io import int4
+from qkv.io import int4, int4_cache
 from qkv.io.families import Family
 from qkv.nn.quantized import Int4Linear, int4_available
 

@@ -22,11 +22,12 @@ from transformers import AutoModel, AutoTokenizer
 from qkv.attention.inputs import check_indices
 from qkv.hf.backend import NAME, check, keep
 from qkv.inspect.attentions import Attentions, check_weights_option
+from qkv.inspect.records import why_not_redone as untraceable
 from qkv.inspect.trace import Layout, trace
 from qkv.io.tokenizer import Tokenizer
 from qkv.io.words import Encoded
 from qkv.viz import write_html
-from qkv.viz.report import page_trace, untraceable
+from qkv.viz.page_vectors import page_trace
 
 # where transformers' attention modules keep their output projection, (C, H * D) as a Linear
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from qkv.io.families import FAMILIES
 from qkv.models import DecoderConfig, EncoderDecoderConfig
 
 NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm", "rmsnorm_plus1": "RMSNorm (1 + w)"}
@@ -200,9 +201,7 @@ class FamilyModel:
 
 def family_models(families=None) -> list[FamilyModel]:
     """Every model type of `families` (default: all that qkv reads), in order."""
-    import transformers
-
-    from qkv.io.families import FAMILIES
+    import transformers  # an optional dependency, loaded only to describe its configs
 
     found = []
     for family in FAMILIES if families is None else families:

@@ -29,12 +29,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.models import Decoder, self_attention_stack
 
 # Short natural sentences: previous-token, sink, self, entropy and window use are read here.
 PROMPTS = (
@@ -148,7 +147,7 @@ def heads(
     `length` random tokens repeated twice (seeded), one forward per prompt and one for the
     random rows together, every layer recorded. An encoder-decoder's encoder is counted.
     """
-    stack = _stack(pretrained.model, pretrained.source)
+    stack = self_attention_stack(pretrained.model, "the census", pretrained.source)
     texts = list(PROMPTS if prompts is None else prompts)
     if isinstance(prompts, str) or not texts:
         raise ValueError("prompts must be a non-empty list of texts")
@@ -195,7 +194,7 @@ def census_of(
     >>> census_of(toy, [[1, 2, 3]], rows).induction.shape
     torch.Size([2, 2])
     """
-    stack = _stack(model, source)
+    stack = self_attention_stack(model, "the census", source)
     if not isinstance(repeated, Tensor) or repeated.dim() != 2:
         raise ValueError("repeated must be a (B, T) tensor of token ids")
     T = repeated.shape[1]
@@ -254,19 +253,6 @@ def census_of(
         windows=windows,
         window_use=use,
     )
-
-
-def _stack(model, source: str):
-    """The stack whose self-attention is counted: an encoder, a decoder, or an
-    encoder-decoder's encoder; anything else is refused by name."""
-    if isinstance(model, EncoderDecoder):
-        return model.encoder
-    if not isinstance(model, Encoder | Decoder):
-        raise ValueError(
-            f"the census reads encoders, decoders and an encoder-decoder's encoder; {source} is "
-            f"a {type(model).__name__}"
-        )
-    return model
 
 
 def _records(stack, ids: Tensor) -> dict:
@@ -369,7 +355,7 @@ def flow(weights: Tensor) -> Tensor:
             f"attention flow is {T}^2 max-flows over {L + 1} x {T} nodes; it computes "
             f"{FLOW_MAX_TOKENS} tokens at most (rollout has no limit)"
         )
-    import networkx as nx
+    import networkx as nx  # an optional dependency, loaded only when flow is asked for
     from networkx.algorithms.flow import shortest_augmenting_path
 
     graph = nx.DiGraph()
@@ -402,7 +388,7 @@ class TextRollout:
 def text_rollout(pretrained, text: str, *, with_flow: bool = True) -> TextRollout:
     """Attention rollout and flow of `pretrained` over `text`, from one forward's records
     (an encoder-decoder's encoder). with_flow=False skips flow (and its token limit)."""
-    _stack(pretrained.model, pretrained.source)
+    self_attention_stack(pretrained.model, "the census", pretrained.source)
     if with_flow:  # refused before the forward, from the token count alone
         count = len(pretrained.encode(text).ids)
         if count > FLOW_MAX_TOKENS:
@@ -413,66 +399,3 @@ def text_rollout(pretrained, text: str, *, with_flow: bool = True) -> TextRollou
     seen = pretrained.attentions(text)  # (L, H, T, T) weights
     weights = seen.weights
     return TextRollout(seen.tokens, rollout(weights), flow(weights) if with_flow else None)
-
-
-def census_plot(census: Census, path) -> Path:
-    """A PNG scatter at `path`: each head's previous-token score (across) against its
-    induction score (up), colored by layer, the best head of each labelled. Written whole or
-    not at all. Returns the path."""
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"{path} does not end in .png; census_plot writes PNG images")
-    if not path.parent.is_dir():
-        raise ValueError(f"the folder {path.parent} does not exist; create it first")
-    from matplotlib.figure import Figure
-
-    L, H = census.previous_token.shape
-    layer_of = torch.arange(L)[:, None].expand(L, H).flatten()
-    figure = Figure(figsize=(7, 5.5), layout="constrained")
-    ax = figure.subplots()
-    dots = ax.scatter(census.previous_token.flatten(), census.induction.flatten(), c=layer_of,
-                      cmap="viridis", vmin=0, vmax=max(L - 1, 1), s=24, alpha=0.85)  # fmt: skip
-    for name in ("previous_token", "induction"):
-        layer, head, _ = census.top(name, 1)[0]
-        point = (float(census.previous_token[layer, head]), float(census.induction[layer, head]))
-        ax.annotate(f"L{layer} H{head}", point, textcoords="offset points", xytext=(5, 5),
-                    fontsize=8)  # fmt: skip
-    ax.set_xlabel("previous-token score (weight on the token before)")
-    ax.set_ylabel("induction score (repeated random tokens)")
-    ax.set_title(f"{census.source}: {L} layers x {H} heads, one dot per head", fontsize=10)
-    ax.set_xlim(-0.02, 1.02)
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    figure.colorbar(dots, ax=ax, label="layer (from 0)")
-
-    from qkv.io.files import write_atomically
-
-    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
-    return path
-
-
-_MEANING = {
-    "previous_token": "previous token (weight on key i-1)",
-    "induction": "induction (repeated random tokens: key i-n+1)",
-    "first_token": "first token (weight on key 0: a sink)",
-    "self": "self (weight on key i)",
-    "entropy": "entropy (nats; lowest first: most focused)",
-    "window_use": "window use (distance / farthest key seen)",
-}
-
-
-def census_lines(census: Census, k: int = 5) -> str:
-    """The census for people: the top k heads of each score, then each layer's first-token
-    mass (the mean over its heads) with a bar."""
-    L, H = census.previous_token.shape
-    lines = [f"{census.source}: {L} layers x {H} heads (counted from 0), each score the mean "
-             "over queries i >= 1", "", "top heads, as L(ayer) H(ead) score:"]  # fmt: skip
-    width = max(len(text) for text in _MEANING.values())
-    for name in SCORES:
-        top = census.top(name, k)
-        cells = "   ".join(f"L{layer} H{head} {score:.3f}" for layer, head, score in top)
-        lines.append(f"  {_MEANING[name]:<{width}}  {cells or '(no layer has a window)'}")
-    lines += ["", "first-token mass per layer (attention sinks):"]
-    for layer, mass in enumerate(census.sink_per_layer.tolist()):
-        lines.append(f"  layer {layer:>2}  {mass:.3f}  {'#' * round(mass * 40)}")
-    return "\n".join(lines)

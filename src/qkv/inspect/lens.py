@@ -351,36 +351,3 @@ def _readout(model: Decoder, final: Tensor, token_id: int) -> tuple[Tensor, floa
             explicit += float(norm.bias.double() @ row)
         return scale * (gain - gain.mean()), scale, explicit  # centering: c - mean(c)
     raise ValueError(f"direct logit attribution knows RMSNorm and LayerNorm, not {norm}")
-
-
-def lens_lines(found: Lens, terms: int = 10) -> str:
-    """The lens as text for people: each depth's top next tokens, then the largest direct
-    contributions to the token's logit, the rest summed, the remainder and the total."""
-    at = f"position {found.position} ({found.tokens[found.position]!r})"
-    lines = [
-        f"{found.source}, {len(found.tokens)} tokens; the next token after {at}",
-        f"logit lens: each depth's stream through the final norm and LM head; {found.token!r} "
-        "followed (rank 0: the top)",
-    ]
-    cells = [[f"{t!r} {p:.3g}" for t, p in zip(tokens, probs, strict=True)]
-             for tokens, probs in zip(found.top_tokens, found.top_probs, strict=True)]  # fmt: skip
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    name_width = max(len(name) for name in found.layers)
-    for depth, name in enumerate(found.layers):
-        row = "  ".join(cell.ljust(w) for cell, w in zip(cells[depth], widths, strict=True))
-        lines.append(f"  {name:<{name_width}}  {row}  | rank {found.rank[depth]}, "
-                     f"log-prob {found.logprob[depth]:.3g}")  # fmt: skip
-    attribution = found.attribution
-    if attribution is None:
-        return "\n".join(lines)
-    ranked = attribution.terms()
-    shown, rest = ranked[:terms], ranked[terms:]
-    lines += ["", f"direct logit attribution of {attribution.token!r} at {at}, "
-              f"logit {attribution.logit:.4f}; the largest terms first:"]  # fmt: skip
-    lines += [f"  {value:+10.4f}  {name}" for name, value in shown]
-    if rest:
-        lines.append(f"  {sum(v for _, v in rest):+10.4f}  the other {len(rest)} terms")
-    lines.append(f"  {attribution.remainder:+10.4f}  the final norm's remainder (its shift and "
-                 "the LM head's bias)")  # fmt: skip
-    lines.append(f"  {attribution.total:10.4f}  total = the logit")
-    return "\n".join(lines)

@@ -20,16 +20,16 @@ True
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from qkv.data import bank_corpus
+from qkv.inspect.bank_sentences import LABELS, SENTENCES
 from qkv.io.words import parse_word
-from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.models import Decoder, self_attention_stack
 
 
 @dataclass
@@ -116,11 +116,8 @@ def probe(
     row of its tokens) is largest on a token of the cue, every token of the sentence counted.
     A model trained with qkv on the bank corpus probes its held-out sentences by default.
     """
-    model = pretrained.model
-    if isinstance(model, EncoderDecoder):
-        model = model.encoder  # the encoder reads the whole sentence at once
-    if not isinstance(model, Encoder | Decoder):
-        raise ValueError(f"probe supports encoders and decoders; {pretrained.source} is neither")
+    # an encoder-decoder's encoder: it reads the whole sentence at once
+    model = self_attention_stack(pretrained.model, "the probe", pretrained.source)
     if not isinstance(word, str) or not word.strip():
         raise ValueError("the word to probe is empty; give a word such as 'bank'")
     parse_word(word)  # the "bank#2" form, checked where it is defined: "bank#0" is refused
@@ -128,7 +125,7 @@ def probe(
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     if sentences is None and cues is None:
         sentences, labels, cues = _run_sentences(pretrained, word, labels)
-    sentences, labels = _sentences_and_labels(word, sentences, labels)
+    sentences, labels = sentences_and_labels(word, sentences, labels)
     spans = _spans(pretrained, word, sentences)
     cue_spans = _cue_spans(pretrained, sentences, cues) if cues is not None else None
 
@@ -160,7 +157,7 @@ def probe(
 
     accuracy = separation = None
     if labels is not None:
-        accuracy = [_leave_one_out_accuracy(unit[d], labels) for d in range(L + 1)]
+        accuracy = [leave_one_out_accuracy(unit[d], labels) for d in range(L + 1)]
         separation = [_separation(similarity[d], labels) for d in range(L + 1)]
     return Probe(
         word=word,
@@ -181,8 +178,6 @@ def _run_sentences(pretrained, word: str, labels):
     run = getattr(pretrained, "run", None)
     if run is None or run.data.kind != "bank" or word.casefold() != "bank" or labels is not None:
         return None, labels, None
-    from qkv.data import bank_corpus
-
     heldout = bank_corpus(run.data.heldout, split="heldout", seed=run.train.seed)
     return [s.text for s in heldout], [s.sense for s in heldout], [s.cue for s in heldout]
 
@@ -200,7 +195,7 @@ def _cue_spans(pretrained, sentences: list[str], cues: Sequence[str]) -> list[tu
     return spans
 
 
-def _sentences_and_labels(
+def sentences_and_labels(
     word: str, sentences: Sequence[str] | None, labels: Sequence[str] | None
 ) -> tuple[list[str], list[str] | None]:
     """Check the inputs (or pick the default "bank" set); return them as lists."""
@@ -212,8 +207,6 @@ def _sentences_and_labels(
             )
         if labels is not None:
             raise ValueError("labels were given without sentences; pass the sentences they label")
-        from qkv.inspect.bank_sentences import LABELS, SENTENCES
-
         sentences, labels = SENTENCES, LABELS
     if isinstance(sentences, str):
         raise ValueError("sentences must be a list of texts, not one str; wrap it in a list")
@@ -269,19 +262,19 @@ def _spans(pretrained, word: str, sentences: list[str]) -> list[tuple[int, int]]
 def _separation(similarity: Tensor, labels: list[str]) -> float:
     """Mean cosine over pairs of different sentences with the same sense, minus the mean
     over pairs with different senses. similarity: (N, N)."""
-    same = _same_sense(labels)  # (N, N)
+    same = same_sense(labels)  # (N, N)
     different_sentence = ~torch.eye(len(labels), dtype=torch.bool)
     within = similarity[same & different_sentence].mean()
     across = similarity[~same].mean()
     return float(within - across)
 
 
-def _leave_one_out_accuracy(unit: Tensor, labels: list[str]) -> float:
+def leave_one_out_accuracy(unit: Tensor, labels: list[str]) -> float:
     """The fraction of sentences whose sense is that of the nearest centroid (by cosine),
     each sentence left out of the centroids it is compared with. unit: (N, C), norm 1.
 
     >>> unit = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
-    >>> _leave_one_out_accuracy(unit, ["a", "a", "b", "b"])
+    >>> leave_one_out_accuracy(unit, ["a", "a", "b", "b"])
     1.0
     """
     senses = list(dict.fromkeys(labels))
@@ -296,66 +289,6 @@ def _leave_one_out_accuracy(unit: Tensor, labels: list[str]) -> float:
     return float((cosines.argmax(-1) == sense_of).float().mean())
 
 
-def _same_sense(labels: list[str]) -> Tensor:
+def same_sense(labels: list[str]) -> Tensor:
+    """(N, N) booleans: True where sentences i and j have the same sense."""
     return torch.tensor([[a == b for b in labels] for a in labels])  # (N, N)
-
-
-def probe_plot(probe: Probe, path: str | os.PathLike[str], layer: int | None = None) -> Path:
-    """Draw the probe as a PNG at `path`: the word's similarity matrix after `layer` (default:
-    the last) beside the one at the embeddings, and, with labels, separation and accuracy per
-    depth. The file is written whole or not at all. Returns the path.
-    """
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"{path} does not end in .png; probe_plot writes PNG images")
-    if not path.parent.is_dir():
-        raise ValueError(f"the folder {path.parent} does not exist; create it first")
-    L = len(probe.layers) - 1
-    if layer is None:
-        layer = L - 1
-    if not isinstance(layer, int) or not 0 <= layer < L:
-        raise ValueError(
-            f"layer {layer!r} is out of range: the model has {L} layers, 0 to {L - 1} "
-            "(the embeddings are always drawn beside it)"
-        )
-
-    # a Figure of its own, saved by its own canvas: no pyplot, no backend chosen for the
-    # whole process, nothing left open
-    from matplotlib.figure import Figure
-
-    names = [_short(i, s, probe.labels) for i, s in enumerate(probe.sentences)]
-    N = len(names)
-    panels = 3 if probe.labels is not None else 2
-    size = max(4.0, 0.3 * N + 2.5)
-    figure = Figure(figsize=(size * 2 + 4.0 * (panels - 2), size), layout="constrained")
-    axes = figure.subplots(1, panels, width_ratios=[size, size, 4.0][:panels])
-    shown = [0, layer + 1]  # depths drawn: the embeddings, then the layer asked for
-    low = float(probe.similarity[shown].min())
-    for ax, depth in zip(axes, shown, strict=False):
-        image = ax.imshow(probe.similarity[depth].numpy(), vmin=low, vmax=1.0, cmap="viridis")
-        ax.set_title(f"{probe.word!r} at {probe.layers[depth]}", fontsize=10)
-        ax.set_xticks(range(N), [str(i) for i in range(N)], fontsize=7)
-        ax.set_yticks(range(N), names if depth == 0 else [str(i) for i in range(N)], fontsize=7)
-    figure.colorbar(image, ax=axes[:2], shrink=0.8, label="cosine similarity")
-    if probe.labels is not None:
-        ax = axes[2]
-        xs = range(L + 1)
-        ax.plot(xs, probe.separation, marker="o", label="separation (within - across)")
-        ax.plot(xs, probe.accuracy, marker="s", label="leave-one-out accuracy")
-        ax.set_xticks(list(xs), ["emb", *(str(i) for i in range(L))], fontsize=7)
-        ax.set_xlabel("depth (embeddings, then layer)", fontsize=8)
-        ax.set_title("senses apart, per depth", fontsize=10)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-
-    from qkv.io.files import write_atomically
-
-    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
-    return path
-
-
-def _short(index: int, sentence: str, labels: list[str] | None, width: int = 32) -> str:
-    """An axis label: "3 river: Ducks waddled up the st…"."""
-    text = " ".join(sentence.split())
-    text = text if len(text) <= width else text[: width - 1] + "…"
-    return f"{index} {labels[index]}: {text}" if labels is not None else f"{index} {text}"

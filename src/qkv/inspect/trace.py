@@ -19,6 +19,7 @@ from torch import Tensor
 
 from qkv.attention.inputs import check_indices
 from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
+from qkv.inspect.records import why_not_redone
 from qkv.models import Decoder, Encoder, EncoderDecoder
 
 
@@ -167,10 +168,10 @@ def trace(
     source = pretrained.encode(text)
     if cross:  # the decoder reads its start token, then the target (see decoder_input)
         _, query_tokens, queries = pretrained.decoder_input(target)
-        query_index = 1 + _first_token(queries, query)
+        query_index = 1 + queries.find(query)[0]
     else:
-        query_index, query_tokens = _first_token(source, query), None
-    key_index = _first_token(source, key)
+        query_index, query_tokens = source.find(query)[0], None
+    key_index = source.find(key)[0]
     L, H = layout.num_layers, layout.num_heads
     if layer is not None:
         check_indices("layer", [layer], L, pretrained.source)
@@ -237,16 +238,6 @@ def trace(
     )  # fmt: skip
 
 
-def _first_token(encoded, word: str) -> int:
-    """The first token of `word`; a word that occurs twice must say which ("bank#2")."""
-    if "#" not in word:
-        same = [w for w in encoded.words() if w.text.lower() == word.lower()]
-        if len(same) > 1:
-            names = ", ".join(f"{word}#{n}" for n in range(1, len(same) + 1))
-            raise ValueError(f"'{word}' occurs {len(same)} times in the text; name one: {names}")
-    return encoded.find(word)[0]
-
-
 def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
     """Every layer's and head's query, key and value vectors over `text`: (L, H, T, D) each.
 
@@ -260,24 +251,7 @@ def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:
             f"attention_vectors supports encoders and decoders, not {type(pretrained.model)}"
         )
     seen = pretrained.attentions(text)
-    beyond = beyond_the_vectors(seen.records)
+    beyond = why_not_redone(seen.records, applies=())
     if beyond is not None:
         raise ValueError(f"the weights are not softmax(q k^T * scale) alone: {beyond}")
     return seen.vectors()
-
-
-def beyond_the_vectors(records: dict) -> str | None:
-    """Why q, k, v and the scale alone (`attention_vectors`' softmax(q k^T * scale)) cannot
-    redo a layer's weights (a soft-cap, a window or a score bias), or None where they can. The
-    qkv show page redoes these too, from each layer's own (`qkv.viz.page_trace`).
-
-    >>> beyond_the_vectors({})
-    """
-    for layer, record in sorted(records.items()):
-        if record.softcap is not None:
-            return f"layer {layer} caps its scores ({record.softcap:g} tanh(s/{record.softcap:g}))"
-        if record.window is not None:
-            return f"layer {layer} hides keys {record.window} or more tokens away (a window)"
-        if record.bias is not None:
-            return f"layer {layer} adds a bias to its scores"
-    return None

@@ -25,8 +25,8 @@ from collections.abc import Callable
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from qkv.inspect.bank_sentences import SENTENCES
 from qkv.inspect.article import SENTENCE
+from qkv.inspect.bank_sentences import SENTENCES
 from qkv.serve import compute, long
 from qkv.serve.answers import (
     AttentionAnswer,

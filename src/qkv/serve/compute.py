@@ -27,7 +27,7 @@ import torch
 
 # the module, not its function: a test may replace `census.heads` with a slow one
 from qkv.inspect import census
-from qkv.inspect.intervene import hide
+from qkv.inspect.hide import hide
 from qkv.inspect.probe import probe
 from qkv.inspect.trace import trace
 from qkv.serve.held import Served

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qkv.io.files import write_atomically
 from qkv.train.metrics import read_records
+from qkv.viz.paths import png_path
 
 
 def read_metrics(run: str | Path) -> list[dict]:
@@ -21,9 +23,6 @@ def read_metrics(run: str | Path) -> list[dict]:
 def plot_run(run: str | Path, out: str | Path | None = None) -> Path:
     """Draw the loss per step (and the validation loss where measured) above the learning
     rate, as a PNG at `out` (default: run/loss.png), written all or nothing."""
-    from qkv.io.files import write_atomically
-    from qkv.viz.heatmap import png_path
-
     records = read_metrics(run)
     out = png_path(Path(run) / "loss.png" if out is None else out)
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from qkv.data import seq2seq_corpus
+from qkv.inspect.probe import probe
 from qkv.io.run_config import RunConfig
+from qkv.pretrained import load
 
 
 def exact_match(pretrained, config: RunConfig) -> tuple[float, int]:
     """The share of the run's held-out examples whose greedy output is exactly the target."""
-    from qkv.data import seq2seq_corpus
-
     d = config.data
     examples = seq2seq_corpus(d.kind, d.heldout, split="heldout", seed=config.train.seed,
                               symbols=d.symbols, min_length=d.min_length,
@@ -24,8 +25,6 @@ def exact_match(pretrained, config: RunConfig) -> tuple[float, int]:
 
 def summary(result, config: RunConfig) -> str:
     """Lines for the end of `qkv train`: losses, where the model is, and what it learned."""
-    from qkv import load
-
     last = result.losses.get(result.steps)
     lines = [f"{result.run}: {result.steps} steps" + (f", loss {last:.4f}" if last else "")]
     lines[0] += f" ({result.seconds:.0f} s)" if result.losses else ""
@@ -35,8 +34,6 @@ def summary(result, config: RunConfig) -> str:
     lines.append(f"checkpoint: {result.checkpoint} (qkv.load({str(result.run)!r}) reads it)")
     pretrained = load(result.run)
     if config.data.kind == "bank":
-        from qkv.inspect.probe import probe
-
         found = probe(pretrained, "bank")
         layer, head, share = found.cue_head
         lines.append(

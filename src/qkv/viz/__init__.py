@@ -6,14 +6,8 @@ PNG is drawn.
 """
 
 from qkv.viz.heatmap import head_heatmap, model_view
-from qkv.viz.report import (
-    LayerScores,
-    page_trace,
-    read_weights,
-    strongest_head,
-    write_html,
-    write_report,
-)
+from qkv.viz.page_vectors import LayerScores, page_trace
+from qkv.viz.report import read_weights, strongest_head, write_html, write_report
 
 __all__ = [
     "LayerScores",

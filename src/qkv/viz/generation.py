@@ -31,7 +31,8 @@ import numpy as np
 
 from qkv.io.files import write_atomically
 from qkv.viz import escape
-from qkv.viz.report import _json, _version
+from qkv.viz.encode import page_json, qkv_version
+from qkv.viz.paths import html_path
 
 ENCODING = (
     "float32, little-endian, base64; one per layer and head: row j (P + j weights) after row j - 1"
@@ -48,10 +49,7 @@ def write_generation_page(path: str | Path, seen, *, title: str = "Attention whi
     head = (layer, head), as the model counts them, is the one shown first (the first recorded
     by default). Nothing is written when an argument is wrong.
     """
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        got = repr(path.suffix) if path.suffix else "a name without one"
-        raise ValueError(f"{path}: the extension must be .html, not {got}")
+    path = html_path(path)
     page = render_generation_page(seen, title=title, head=head)
     write_atomically(path, lambda file: file.write(page))
     return path
@@ -101,12 +99,12 @@ def render_generation_page(seen, *, title: str, head: tuple[int, int] | None = N
         for i, piece in enumerate(seen.pieces)
     )  # fmt: skip
     slots = {
-        "version": _version(),
+        "version": qkv_version(),
         "title": escape.text(title),
         "layer_options": _options(seen.layers, layer, "the first layer"),
         "head_options": _options(seen.heads, chosen, "the first head"),
         "text": text,
-        "data": escape.script_json(_json(data, separators=(",", ":"))),
+        "data": escape.script_json(page_json(data, separators=(",", ":"))),
     }
     page = re.sub(r"\{\{ (\w+) \}\}", lambda match: slots[match.group(1)], TEMPLATE)
     return page.encode("utf-8", errors="replace")

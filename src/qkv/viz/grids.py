@@ -7,6 +7,9 @@ from pathlib import Path
 
 from torch import Tensor
 
+from qkv.io.files import write_atomically
+from qkv.viz.paths import png_path
+
 
 def grid_plot(
     grids: Sequence[tuple[str, Tensor, Sequence[str] | None]],
@@ -18,11 +21,11 @@ def grid_plot(
     """Draw one heatmap per (title, grid (L, N), column labels or None for numbers) side by
     side, layers down, as a PNG at `path`, written whole or not at all. NaN cells (not
     computed) are left blank."""
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise ValueError(f"{path} does not end in .png; the heatmap is a PNG image")
+    path = png_path(path)
     widths = [max(3.0, 0.35 * grid.shape[1] + 1.5) for _, grid, _ in grids]
     height = max(3.0, 0.25 * max(grid.shape[0] for _, grid, _ in grids) + 1.5)
     figure = Figure(figsize=(sum(widths) + 1.0, height), layout="constrained")
@@ -39,8 +42,6 @@ def grid_plot(
         ax.set_xticks(range(N), names, fontsize=6, rotation=90 if columns else 0)
         figure.colorbar(image, ax=ax, shrink=0.8, label=label)
     figure.suptitle(title, fontsize=10)
-
-    from qkv.io.files import write_atomically
 
     write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
     return path

@@ -33,6 +33,7 @@ import numpy as np
 
 from qkv.attention.inputs import check_indices
 from qkv.io.files import write_atomically
+from qkv.viz.paths import png_path
 
 DPI = 100
 CMAP = "viridis"
@@ -70,7 +71,9 @@ def head_heatmap(
     queries = tokens if query_tokens is None else query_tokens
     Tq, Tk = matrix.shape
     height, width = figure_side(Tq), figure_side(Tk)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     figure = Figure(figsize=(width + 1.6, height), dpi=DPI, layout="constrained")
     ax = figure.subplots()
@@ -150,7 +153,9 @@ def model_view(
     heads = chosen_indices(heads, H, "head")
     rows, cols = len(layers), len(heads)
     panel = min(PANEL_MAX, GRID_MAX_WIDTH / cols, GRID_MAX_HEIGHT / rows)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     size = (max(cols * panel, 4.0) + 0.3, rows * panel + 0.9)
     figure = Figure(figsize=size, dpi=DPI, layout="constrained")
@@ -229,14 +234,6 @@ def token_text(token: str, width: int = 16) -> str:
     return shown if len(shown) <= width else shown[: width - 1] + "…"
 
 
-def png_path(path: str | Path) -> Path:
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        got = repr(path.suffix) if path.suffix else "a name without one"
-        raise ValueError(f"{path}: the extension must be .png, not {got}")
-    return path
-
-
 def check_weights(weights, tokens: Sequence[str], *, ndim: int) -> np.ndarray:
     """`weights` as a float32 array of `ndim` dimensions ending in (T, T), T = len(tokens)."""
     T = len(tokens)
@@ -290,12 +287,12 @@ def _check_values(array: np.ndarray) -> np.ndarray:
 
 
 def chosen_indices(chosen: Sequence[int] | None, count: int, name: str) -> list[int]:
-    """The chosen layers or heads (all when None), each in range and once (`check_indices`)."""
-    if chosen is None:
-        return list(range(count))
-    if not chosen:
+    """The chosen layers or heads (all when None), each in range and once (`check_indices`),
+    one at least."""
+    indices = check_indices(name, chosen, count, "the stack of weights")
+    if not indices:
         raise ValueError(f"no {name}s chosen; pick some of 0-{count - 1}")
-    return check_indices(name, chosen, count, "the stack of weights")
+    return indices
 
 
 def _tick_layout(T: int, side: float) -> tuple[int, float]:

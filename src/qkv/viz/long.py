@@ -23,7 +23,8 @@ import numpy as np
 
 from qkv.io.files import write_atomically
 from qkv.viz import escape
-from qkv.viz.heatmap import CMAP, DPI, png_path, token_text
+from qkv.viz.heatmap import CMAP, DPI, token_text
+from qkv.viz.paths import html_path, png_path
 
 PANEL_PIXELS = 150  # one (layer, head) panel of the grid, a side
 GRID_MAX_WIDTH, GRID_MAX_HEIGHT = 20.0, 30.0  # inches: the grid shrinks its panels to fit
@@ -38,7 +39,9 @@ def downsampled_heatmap(summary, layer: int, head: int, path: str | Path, *, tit
     at = _position(summary, layer, head)
     matrix = summary.heatmap[at].float().numpy()  # (Rq, Rk)
     Tq, Tk = summary.entropy.shape[-1], summary.received.shape[-1]
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     figure = Figure(figsize=(11.6, 10.0), dpi=DPI, layout="constrained")
     ax = figure.subplots()
@@ -76,7 +79,9 @@ def _grid_figure(summary, layers, heads, title):
     cols_of = _model_indices(summary.heads, heads, "head")
     rows, cols = len(rows_of), len(cols_of)
     panel = min(PANEL_PIXELS / DPI, GRID_MAX_WIDTH / cols, GRID_MAX_HEIGHT / rows)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
 
     heatmap = summary.heatmap.float().numpy()  # (L, H, Rq, Rk)
     f = math.ceil(max(heatmap.shape[-2:]) / (panel * DPI))  # more max-pooling to fit a panel
@@ -94,7 +99,7 @@ def _grid_figure(summary, layers, heads, title):
     size = (max(cols * panel, 4.0) + 0.8, rows * panel + 1.1)
     figure = Figure(figsize=size, dpi=DPI, layout="constrained")
     ax = figure.subplots()
-    import matplotlib
+    import matplotlib  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
 
     cmap = matplotlib.colormaps[CMAP].with_extremes(bad="white")
     ax.imshow(mosaic, cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest", aspect="auto")
@@ -120,10 +125,7 @@ def summary_page(summary, path: str | Path, *, title: str = "Attention", text=No
     """A self-contained .html page of a long text's summaries: the downsampled grid (inline
     PNG), and per (layer, head) its mean entropy, mean first-token mass and the keys that
     receive the most attention. No script, no network."""
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        got = repr(path.suffix) if path.suffix else "a name without one"
-        raise ValueError(f"{path}: the extension must be .html, not {got}")
+    path = html_path(path)
     grid = io.BytesIO()
     _grid_figure(summary, None, None, None).savefig(grid, format="png")
     image = base64.b64encode(grid.getvalue()).decode("ascii")

@@ -5,7 +5,7 @@ Every view here is self-contained: inline styles and numbers, images as data: UR
 no network, no server, no widget extension. Several outputs in one notebook must not clash,
 so nothing here uses an element id or a global name:
 
-- `Attentions` shows the interactive page of `qkv show` (`qkv.viz.report.render_page`) inside
+- `Attentions` shows the interactive page of `qkv show` (`qkv.viz.page.attention_page`) inside
   an iframe whose `srcdoc` is the whole page: its ids and its script live in a window of
   their own, one per output;
 - the other results are static HTML (tables with colored cells, each number in a `title`
@@ -18,13 +18,18 @@ A plain `repr` stays one short line, e.g. `Hidden('river' hidden from 'bank', mi
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import math
 import tempfile
 from pathlib import Path
 
+import torch
+
 from qkv.viz import escape
+from qkv.viz.generation import render_generation_page
+from qkv.viz.heatmap import head_heatmap
+from qkv.viz.page import attention_page
+from qkv.viz.report import strongest_head
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
 # iopub data rate limit (1 MB/s over 3 s windows by default), leaving a blank cell.
@@ -56,20 +61,18 @@ STYLE = """<style>
 def attentions_html(seen) -> str:
     """The interactive page of `seen` (a `qkv.pretrained.Attentions`) in an iframe of its own:
     layer and head selectors, heatmap, head view, a query's row and, where the records allow
-    (`qkv.viz.report.untraceable`), a clicked pair's steps; cross-attention's page has the
+    (`qkv.inspect.records.why_not_redone`), a clicked pair's steps; cross-attention's page has the
     target's tokens down and the source's across. A page too large for a notebook output
     shows the strongest head as a PNG (cross-attention: as a table)."""
-    from qkv.viz.report import strongest_head
-
     weights = seen.weights  # (L', H', Tq, Tk)
     if seen.query_tokens is not None:
         return _cross_html(seen, weights)
-    page = _page(seen, weights, title=f"Attention: {_cut(seen.encoded.text, 60)}",
-                 causal=seen.causal)  # fmt: skip
+    page = attention_page(seen, title=f"Attention: {cut(seen.encoded.text, 60)}",
+                          text=seen.encoded.text, max_bytes=NOTEBOOK_PAGE_BYTES)  # fmt: skip
     if len(page) > NOTEBOOK_PAGE_BYTES:
         layer, head = strongest_head(weights)  # counted among the layers and heads shown
         layer, head = seen.layers[layer], seen.heads[head]
-        return _wrap(
+        return wrapped(
             f"<p>{len(seen.tokens)} tokens: the page of every head would take "
             f"{len(page) / 2**20:.1f} MB, more than a notebook output carries "
             f"({NOTEBOOK_PAGE_BYTES / 2**20:.0f} MB). The strongest head, layer {layer}, head "
@@ -84,85 +87,29 @@ def attentions_html(seen) -> str:
     return _page_frame(page, len(seen.tokens))
 
 
-def _page(seen, weights, *, cross: bool = False, **options) -> bytes:
-    """`render_page` of `seen`, with the vectors that let it redo a clicked pair where the
-    records allow and the page still fits a notebook output; without them otherwise."""
-    from qkv.viz.report import render_page
-
-    common = dict(text=seen.encoded.text, extra=_subset_note(seen), head=None, query=None,
-                  **options)  # fmt: skip
-    scale = _scale(seen)
-    vectors, scores = _page_vectors(seen, cross=cross) if scale is not None else (None, None)
-    page = render_page(weights, seen.pieces, vectors=vectors, scale=scale, scores=scores,
-                       **common)  # fmt: skip
-    if len(page) > NOTEBOOK_PAGE_BYTES and vectors is not None:  # the weights alone, then
-        page = render_page(weights, seen.pieces, **common)
-    return page
-
-
-def _page_vectors(seen, cross: bool = False):
-    """(vectors, scores) that let the page redo a pair, sliced to the heads shown; (None,
-    None) where the records cannot be redone by the page."""
-    from qkv.viz.report import page_trace, untraceable
-
-    if untraceable(seen.records, cross=cross) is not None:
-        return None, None
-    vectors, scores = page_trace(seen.records, cross=cross)  # 3 x (L', H, T, D)
-    heads = list(seen.heads)
-    vectors = [array[:, heads] for array in vectors]
-    scores = [s if s.bias is None else dataclasses.replace(s, bias=s.bias[heads]) for s in scores]
-    return vectors, scores
-
-
-def _scale(seen) -> float | None:
-    """The one scale of every layer's dot products; None where they differ, and the page,
-    which takes one, is then written without the vectors."""
-    try:
-        return float(seen.scale)
-    except ValueError:  # the layers differ in scale: the page can only take one
-        return None
-
-
-def _subset_note(seen) -> dict | None:
-    """The page counts the layers and heads it holds from 0: say which of the model's they are
-    when they are not all of them."""
-    H = next(iter(seen.records.values())).shape.H
-    layers, heads = seen.layers, list(seen.heads)
-    if layers == list(range(len(layers))) and heads == list(range(H)):
-        return None
-    return {
-        "layers shown": layers,
-        "heads shown": heads,
-        "counting": "this page counts the layers and heads it holds from 0: its layer i is "
-        "the model's layer 'layers shown'[i], its head j the model's 'heads shown'[j]",
-    }
-
-
 def _cross_html(seen, weights) -> str:
     """Cross-attention's interactive page (target tokens down, source across) in an iframe of
     its own, as `qkv show --target` writes it; a page too large for a notebook output gives
     the head with the largest weight as a table."""
-    from qkv.viz.report import strongest_head
-
-    title = f"Cross-attention: {_cut(seen.encoded.text, 60)}"
-    page = _page(seen, weights, cross=True, title=title, query_tokens=seen.query_tokens)
+    title = f"Cross-attention: {cut(seen.encoded.text, 60)}"
+    page = attention_page(seen, title=title, text=seen.encoded.text, max_bytes=NOTEBOOK_PAGE_BYTES)
     if len(page) <= NOTEBOOK_PAGE_BYTES:
         return _page_frame(page, max(len(seen.query_tokens), len(seen.tokens)))
     layer, head = strongest_head(weights, cross=True)  # the head holding the largest weight
     matrix = weights[layer, head].tolist()  # (Tq, Tk)
     model_layer, model_head = seen.layers[layer], seen.heads[head]
-    return _wrap(
+    return wrapped(
         f"<h4>Cross-attention: {len(seen.query_tokens)} target tokens (down) over "
         f"{len(seen.tokens)} source tokens (across)</h4><p>The page of every head would take "
         f"{len(page) / 2**20:.1f} MB, more than a notebook output carries. Layer {model_layer}, "
         f"head {model_head} (counted from 0), the head holding the largest weight; every head "
         "is in <code>.weights</code> (L, H, Tq, Tk).</p>"
-        + _grid(matrix, seen.query_tokens, seen.pieces, name="weight", low=0.0)
+        + grid_table(matrix, seen.query_tokens, seen.pieces, name="weight", low=0.0)
     )
 
 
 def _page_frame(page: bytes, rows: int) -> str:
-    """A page of `render_page` as an iframe's srcdoc, growing to fit its page."""
+    """A page of `attention_page` as an iframe's srcdoc, growing to fit its page."""
     height = 760 + 22 * min(rows, 40)  # until the page has loaded and the frame fits it
     fit = (  # grow the frame to its page, as the page grows (a clicked pair's trace)
         "try{const f=this,d=f.contentDocument,fit=()=>{f.style.height="
@@ -181,7 +128,7 @@ def attentions_repr(seen) -> str:
     if seen.query_tokens is not None:
         return (f"Attentions(cross-attention, {len(seen.query_tokens)} target x "
                 f"{len(seen.tokens)} source tokens, {L} layers x {H} heads)")  # fmt: skip
-    return (f"Attentions({_cut(seen.encoded.text, 60)!r}, {len(seen.tokens)} tokens, {L} layers"
+    return (f"Attentions({cut(seen.encoded.text, 60)!r}, {len(seen.tokens)} tokens, {L} layers"
             f" x {H} heads)")  # fmt: skip
 
 
@@ -192,16 +139,16 @@ def trace_html(found) -> str:
     """The article's seven steps for one pair (a `qkv.inspect.trace.Trace`), as a table of the
     real numbers: each vector's first numbers and its norm shown, every number kept in the
     cell's data-value."""
-    q, k = _quote(found.query), _quote(found.key)
+    q, k = quoted(found.query), quoted(found.key)
     rows = [
         ("1", "query", f"Query vector of {q} (its embedding times the query matrix)",
          _vector(found.query_vector)),
         ("2", "key", f"Key vector of {k} (its embedding times the key matrix)",
          _vector(found.key_vector)),
         ("3", "scalar", "Dot product of the query and key vectors: the attention scalar",
-         _number(found.attention_scalar)),
+         number_cell(found.attention_scalar)),
         ("", "scaled", f"Times the scale {found.scale:.6g} (1/&radic;{found.head_dim} = "
-         f"{1 / math.sqrt(found.head_dim):.6g}: the side note)", _number(found.scaled_scalar)),
+         f"{1 / math.sqrt(found.head_dim):.6g}: the side note)", number_cell(found.scaled_scalar)),
     ]  # fmt: skip
     if found.score != found.scaled_scalar:
         beyond = []
@@ -210,14 +157,14 @@ def trace_html(found) -> str:
         if found.bias is not None:
             beyond.append(f"plus the layer's score bias {found.bias:+.4f}")
         rows.append(("", "score", f"The score the softmax reads: {', '.join(beyond)}",
-                     _number(found.score)))  # fmt: skip
+                     number_cell(found.score)))  # fmt: skip
     why = ""
     if found.masked:
         why = " (hidden by the layer's mask" + (", outside its window)" if found.outside_window
                                                  else ")")  # fmt: skip
     rows += [
         ("4", "weight", f"Softmax over every key word: the weight of {k} for {q}{why}",
-         _number(found.weight, shown=f"{100 * found.weight:.2f}% ({found.weight:.6g})")),
+         number_cell(found.weight, shown=f"{100 * found.weight:.2f}% ({found.weight:.6g})")),
         ("5", "value", f"Value vector of {k} (its embedding times the value matrix)",
          _vector(found.value_vector)),
         ("6", "scaled-value", "Scaled value vector: the weight times the value vector",
@@ -247,11 +194,11 @@ def trace_html(found) -> str:
         "</tr>"
         for i in top
     )
-    return _wrap(
+    return wrapped(
         f"<h4>{q} gets context from {k}: {where}, counted from 0{chosen}</h4>"
         f"<p>{escape.text(found.source)} ({found.num_layers} layers x {found.num_heads} heads, D = "
         f"{found.head_dim}{', causal' if found.causal else ''}): "
-        f"<i>{escape.text(_cut(shown, 120))}</i></p>"
+        f"<i>{escape.text(cut(shown, 120))}</i></p>"
         f'<table class="steps"><tr><th>step</th><th class="text">the article</th>'
         f"<th>the model's numbers</th></tr>{body}</table>"
         f"<h4>{q}'s weights in this head, the largest first</h4>"
@@ -260,8 +207,8 @@ def trace_html(found) -> str:
 
 
 def trace_repr(found) -> str:
-    return (f"Trace({_cut(found.query, 20)!r} <- {_cut(found.key, 20)!r}, "
-            f"{_cut(found.source, 40)}, layer {found.layer} head {found.head}, "
+    return (f"Trace({cut(found.query, 20)!r} <- {cut(found.key, 20)!r}, "
+            f"{cut(found.source, 40)}, layer {found.layer} head {found.head}, "
             f"weight {found.weight:.4f})")  # fmt: skip
 
 
@@ -281,13 +228,13 @@ def probe_html(found) -> str:
     rows = []
     for d, name in enumerate(depths):
         mean = float(found.similarity[d][off].mean()) if N > 1 else 1.0
-        cells = f'<td class="text">{escape.text(name)}</td>{_number(mean, shown=f"{mean:.4f}")}'
+        cells = f'<td class="text">{escape.text(name)}</td>{number_cell(mean, shown=f"{mean:.4f}")}'
         if found.separation is not None:
             s, a = found.separation[d], found.accuracy[d]
             width = max(0.0, 300 * s)
-            cells += (f'{_number(s, shown=f"{s:.4f}")}<td class="text"><span class="bar" '
+            cells += (f'{number_cell(s, shown=f"{s:.4f}")}<td class="text"><span class="bar" '
                       f'style="width:{width:.1f}px"></span></td>'
-                      f'{_number(a, shown=f"{100 * a:.0f}%")}')  # fmt: skip
+                      f'{number_cell(a, shown=f"{100 * a:.0f}%")}')  # fmt: skip
         rows.append(f'<tr data-depth="{d}">{cells}</tr>')
     what = f"{len(found.sentences)} sentences"
     if found.labels is not None:
@@ -296,19 +243,19 @@ def probe_html(found) -> str:
     cue = ""
     if found.cue_head is not None:
         layer, head_, share = found.cue_head
-        cue = (f"<p>The cue head: layer {layer}, head {head_}, where {_quote(found.word)} "
+        cue = (f"<p>The cue head: layer {layer}, head {head_}, where {quoted(found.word)} "
                f"attends most to its cue in {100 * share:.0f}% of the sentences.</p>")  # fmt: skip
     names = [f"{i} {found.labels[i]}" if found.labels else str(i) for i in range(N)]
     last = found.similarity[-1].tolist()
-    return _wrap(
-        f"<h4>{_quote(found.word)} across {what}, at every depth</h4>"
+    return wrapped(
+        f"<h4>{quoted(found.word)} across {what}, at every depth</h4>"
         '<p class="note">Separation: the mean cosine between the word\'s vectors in sentences '
         "of the same sense minus across senses; accuracy: each sentence's sense told by the "
         "nearest sense centroid, leaving the sentence out. Depth 0 is the embeddings, before any"
         " attention.</p>"
         f'<table class="depths">{head}{"".join(rows)}</table>{cue}'
-        f"<h4>Cosine similarity of {_quote(found.word)} at {escape.text(depths[-1])}</h4>"
-        + _grid(last, names, [str(i) for i in range(N)], name="cosine")
+        f"<h4>Cosine similarity of {quoted(found.word)} at {escape.text(depths[-1])}</h4>"
+        + grid_table(last, names, [str(i) for i in range(N)], name="cosine")
     )
 
 
@@ -316,7 +263,7 @@ def probe_repr(found) -> str:
     apart = ""
     if found.separation is not None:
         apart = f", separation {found.separation[0]:.3f} -> {found.separation[-1]:.3f}"
-    return (f"Probe({_cut(found.word, 20)!r}, {len(found.sentences)} sentences, "
+    return (f"Probe({cut(found.word, 20)!r}, {len(found.sentences)} sentences, "
             f"{len(found.layers)} depths{apart})")  # fmt: skip
 
 
@@ -327,13 +274,11 @@ def probe_repr(found) -> str:
 def generation_html(seen) -> str:
     """The page of `qkv generate --attention` (a `qkv.generate.GenerationAttention`) in an
     iframe of its own: click a generated token to see the row that chose it."""
-    from qkv.viz.generation import render_generation_page
-
     if seen.summaries is not None:
         return _generation_summaries_html(seen)
-    page = render_generation_page(seen, title=f"Attention while generating: {_cut(seen.text, 60)}")
+    page = render_generation_page(seen, title=f"Attention while generating: {cut(seen.text, 60)}")
     if len(page) > NOTEBOOK_PAGE_BYTES:
-        return _wrap(
+        return wrapped(
             f"<p>the page of {len(seen.layers)} layers x {len(seen.heads)} heads would take "
             f"{len(page) / 2**20:.1f} MB, more than a notebook output carries; record fewer "
             "(generate(..., record={'layers': [...], 'heads': [...]})) or write it with "
@@ -350,8 +295,6 @@ def generation_html(seen) -> str:
 def _generation_summaries_html(seen) -> str:
     """A generation recorded as summaries: a row per generated token, with the summaries of
     the row that chose it, over every recorded layer and head."""
-    import torch
-
     rows = []
     for j in range(seen.generated):
         entropy, first, keys, weights = seen.summary(j)  # (L', H'), (L', H'), (L', H', k) x 2
@@ -362,8 +305,8 @@ def _generation_summaries_html(seen) -> str:
         piece = seen.pieces[seen.prompt_length + j]
         rows.append(f"<tr><td>{j}</td><td>{escape.text(piece)}</td><td>{float(entropy.mean()):.3f}"
                     f"</td><td>{float(first.mean()):.3f}</td><td>{named}</td></tr>")  # fmt: skip
-    return _wrap(
-        f"<h4>Attention while generating, as summaries: {escape.text(_cut(seen.text, 80))}</h4><p>"
+    return wrapped(
+        f"<h4>Attention while generating, as summaries: {escape.text(cut(seen.text, 80))}</h4><p>"
         f"{seen.generated} tokens after a prompt of {seen.prompt_length}; for each, the row that "
         f"chose it, over {len(seen.layers)} layers x {len(seen.heads)} heads: mean entropy "
         "(nats), mean weight on token 0, and the keys whose top weights sum highest over "
@@ -376,14 +319,14 @@ def generation_repr(seen) -> str:
     kept = "summaries of " if seen.summaries is not None else ""
     return (
         f"GenerationAttention({seen.generated} tokens generated after {seen.prompt_length}, "
-        f"{kept}{len(seen.layers)} layers x {len(seen.heads)} heads: {_cut(seen.text, 40)!r})"
+        f"{kept}{len(seen.layers)} layers x {len(seen.heads)} heads: {cut(seen.text, 40)!r})"
     )
 
 
 # ---------------------------------------------------------------------------- helpers
 
 
-def _wrap(body: str) -> str:
+def wrapped(body: str) -> str:
     return _ascii(f'{STYLE}<div class="qkv-nb">{body}</div>')
 
 
@@ -393,7 +336,7 @@ def _ascii(markup: str) -> str:
     return markup.encode("ascii", "xmlcharrefreplace").decode("ascii")
 
 
-def _grid(values, rows, columns, *, name: str, low=None, raw=None, diverging=False) -> str:
+def grid_table(values, rows, columns, *, name: str, low=None, raw=None, diverging=False) -> str:
     """A table of colored cells: `values` (R, C) lists of floats (NaN: blank), each cell's
     number shown to 3 places, in its title, and exactly in data-value (`raw`'s number in the
     title, where given). Colors run over the finite values (viridis), or, `diverging`, blue
@@ -403,7 +346,7 @@ def _grid(values, rows, columns, *, name: str, low=None, raw=None, diverging=Fal
     bottom = min(finite, default=0.0) if low is None else low
     span = max(abs(top), abs(bottom)) or 1.0
     head = "".join(
-        f'<th title="{escape.attribute(c)}">{escape.text(_cut(str(c), 10))}</th>' for c in columns
+        f'<th title="{escape.attribute(c)}">{escape.text(cut(str(c), 10))}</th>' for c in columns
     )
     lines = [f"<tr><th></th>{head}</tr>"]
     for r, (label, row) in enumerate(zip(rows, values, strict=True)):
@@ -425,7 +368,7 @@ def _grid(values, rows, columns, *, name: str, low=None, raw=None, diverging=Fal
                 f'style="background:rgb{rgb};color:{ink}">'
                 f"{v:.3f}</td>"
             )
-        label = escape.text(_cut(str(label), 24))
+        label = escape.text(cut(str(label), 24))
         lines.append(f'<tr><th class="text">{label}</th>{"".join(cells)}</tr>')
     return f'<table class="grid" data-name="{escape.attribute(name)}">{"".join(lines)}</table>'
 
@@ -446,8 +389,6 @@ def _diverging(x: float) -> tuple[int, int, int]:
 
 def _png_heatmap(matrix, tokens, title: str) -> str:
     """One head drawn by `head_heatmap`, inline as a data: URI."""
-    from qkv.viz.heatmap import head_heatmap
-
     with tempfile.TemporaryDirectory(prefix="qkv-notebook-") as folder:
         path = head_heatmap(matrix, tokens, Path(folder) / "head.png", title=title)
         data = base64.b64encode(path.read_bytes()).decode("ascii")
@@ -463,23 +404,21 @@ def _vector(values) -> str:
             f"({len(numbers)} numbers, norm {norm:.4f})</td>")  # fmt: skip
 
 
-def _number(value: float, shown: str | None = None) -> str:
+def number_cell(value: float, shown: str | None = None) -> str:
     value = float(value)
     return f'<td data-value="{value!r}">{shown if shown is not None else f"{value:.6g}"}</td>'
 
 
 def _eye(n: int):
-    import torch
-
     return torch.eye(n, dtype=torch.bool)
 
 
-def _quote(word: str) -> str:
+def quoted(word: str) -> str:
     """A word of the text in curly quotes, escaped as text."""
     return f"“{escape.text(word)}”"
 
 
-def _cut(words: str, width: int) -> str:
+def cut(words: str, width: int) -> str:
     """One line of at most `width` characters: "The bank on the side of the r…"."""
     line = " ".join(str(words).split())
     return line if len(line) <= width else line[: width - 1] + "…"

@@ -6,21 +6,22 @@ styled under the class `qkv-nb` as the rest of `qkv.viz.notebook`; and each resu
 
 from __future__ import annotations
 
+from qkv.inspect.census import SCORES
 from qkv.viz import escape
-from qkv.viz.notebook import _cut, _grid, _number, _quote, _wrap
+from qkv.viz.notebook import cut, grid_table, number_cell, quoted, wrapped
 
 
 def hidden_html(found) -> str:
-    """`qkv.hide`'s result (a `qkv.inspect.intervene.Hidden`): the change with the key hidden
+    """`qkv.hide`'s result (a `qkv.inspect.hide.Hidden`): the change with the key hidden
     everywhere asked, each (layer, head)'s alone as a grid, and a decoder's next tokens."""
-    keys = " and ".join(_quote(k) for k in _listed(found.key))
-    whom = _quote(found.query) if found.query is not None else "every word"
+    keys = " and ".join(quoted(k) for k in _listed(found.key))
+    whom = quoted(found.query) if found.query is not None else "every word"
     L = found.effect.shape[0]
     parts = [
         f"<h4>{keys} hidden from {whom}: {escape.text(found.source)}</h4>",
         f"<p>Hidden in every head asked at once, {whom}'s final vector changes by "
         f'<b class="total" data-value="{found.total!r}">{found.total:.4f}</b> (1 - cosine; '
-        f"distance {found.total_distance:.4f}). <i>{escape.text(_cut(found.text, 120))}</i></p>",
+        f"distance {found.total_distance:.4f}). <i>{escape.text(cut(found.text, 120))}</i></p>",
     ]
     if bool((found.effect == found.effect).any()):  # the table was asked for (table=True)
         parts.append("<p>Each (layer, head) alone, the change of the final vector "
@@ -28,17 +29,17 @@ def hidden_html(found) -> str:
         parts.append(_head_grid(found.effect, "change", L))
     if found.next is not None:
         parts.append(_next_html(found.next))
-    return _wrap("".join(parts))
+    return wrapped("".join(parts))
 
 
 def hidden_repr(found) -> str:
-    keys = "+".join(repr(_cut(k, 20)) for k in _listed(found.key))
-    whom = repr(_cut(found.query, 20)) if found.query is not None else "every word"
-    return f"Hidden({keys} hidden from {whom}, {_cut(found.source, 40)}, total {found.total:.4f})"
+    keys = "+".join(repr(cut(k, 20)) for k in _listed(found.key))
+    whom = repr(cut(found.query, 20)) if found.query is not None else "every word"
+    return f"Hidden({keys} hidden from {whom}, {cut(found.source, 40)}, total {found.total:.4f})"
 
 
 def ablated_html(found) -> str:
-    """`qkv.ablate`'s result (a `qkv.inspect.ablation.Ablated`): the change with every head
+    """`qkv.ablate`'s result (a `qkv.inspect.ablate.Ablated`): the change with every head
     asked ablated, each head's alone as a grid, and a decoder's next tokens."""
     L = found.effect.shape[0]
     parts = [
@@ -46,46 +47,46 @@ def ablated_html(found) -> str:
         f"({escape.text(found.mode)}): {escape.text(found.source)}</h4>",
         f'<p>All at once, the final vectors change by <b class="total" data-value='
         f'"{found.total!r}">{found.total:.4f}</b> (1 - cosine, the mean over every token). '
-        f"<i>{escape.text(_cut(found.text, 120))}</i></p>",
+        f"<i>{escape.text(cut(found.text, 120))}</i></p>",
         "<p>Each head ablated alone; blank where not asked:</p>",
         _head_grid(found.effect, "change", L),
     ]
     if found.next is not None:
         parts.append(_next_html(found.next))
-    return _wrap("".join(parts))
+    return wrapped("".join(parts))
 
 
 def ablated_repr(found) -> str:
-    return (f"Ablated({found.mode}, {len(found.heads)} heads, {_cut(found.source, 40)}, "
+    return (f"Ablated({found.mode}, {len(found.heads)} heads, {cut(found.source, 40)}, "
             f"total {found.total:.4f})")  # fmt: skip
 
 
 def patched_html(found) -> str:
-    """`qkv.patch`'s result (a `qkv.inspect.ablation.Patched`): the share of the clean metric
+    """`qkv.patch`'s result (a `qkv.inspect.patch.Patched`): the share of the clean metric
     each patch restores, per (layer, head) and per (layer, position)."""
     heads, residual = found.restored(found.heads), found.restored(found.residual)
     L = found.residual.shape[0]
     columns = [f"{i} {t}" for i, t in enumerate(found.corrupt_tokens)]
-    return _wrap(
-        f"<h4>Patching {_quote(_cut(found.clean_text, 60))} into "
-        f"{_quote(_cut(found.corrupt_text, 60))}: {escape.text(found.source)}</h4>"
+    return wrapped(
+        f"<h4>Patching {quoted(cut(found.clean_text, 60))} into "
+        f"{quoted(cut(found.corrupt_text, 60))}: {escape.text(found.source)}</h4>"
         f"<p>Metric {escape.text(str(found.metric))}: clean "
         f'<b data-value="{found.clean!r}">{found.clean:.4f}</b>, corrupted '
         f'<b data-value="{found.corrupt!r}">{found.corrupt:.4f}</b>. Each cell is the share of '
         "the way back to clean that one patch restores (1: all of it, 0: nothing); the metric "
         "itself is in its title.</p>"
         "<h4>Each head's output patched in</h4>"
-        + _grid(heads.tolist(), [f"layer {n}" for n in range(L)],
+        + grid_table(heads.tolist(), [f"layer {n}" for n in range(L)],
                 [f"head {h}" for h in range(heads.shape[1])], name="restored",
                 raw=found.heads.tolist(), diverging=True)
         + "<h4>The residual stream after each layer, at each position</h4>"
-        + _grid(residual.tolist(), [f"layer {n}" for n in range(L)], columns, name="restored",
+        + grid_table(residual.tolist(), [f"layer {n}" for n in range(L)], columns, name="restored",
                 raw=found.residual.tolist(), diverging=True)
     )  # fmt: skip
 
 
 def patched_repr(found) -> str:
-    return (f"Patched({_cut(str(found.metric), 50)}, {_cut(found.source, 40)}, "
+    return (f"Patched({cut(str(found.metric), 50)}, {cut(found.source, 40)}, "
             f"clean {found.clean:.4f}, corrupt {found.corrupt:.4f})")  # fmt: skip
 
 
@@ -94,7 +95,7 @@ def lens_html(found) -> str:
     token's rank and log-probability, then the largest terms of its logit's attribution."""
     top = len(found.top_tokens[0]) if found.top_tokens else 0
     head = ('<tr><th class="text">depth</th>' + "".join(f"<th>#{i + 1}</th>" for i in range(top))
-            + f"<th>rank of {_quote(found.token)}</th><th>log-prob</th></tr>")  # fmt: skip
+            + f"<th>rank of {quoted(found.token)}</th><th>log-prob</th></tr>")  # fmt: skip
     rows = []
     for d, name in enumerate(found.layers):
         cells = "".join(
@@ -103,11 +104,11 @@ def lens_html(found) -> str:
             for t, p, i in zip(found.top_tokens[d], found.top_probs[d], found.top_ids[d],
                                strict=True)
         )  # fmt: skip
-        logprob = _number(found.logprob[d], shown=f"{found.logprob[d]:.3f}")
+        logprob = number_cell(found.logprob[d], shown=f"{found.logprob[d]:.3f}")
         rank = f'<td data-value="{found.rank[d]}">{found.rank[d]}</td>'
         rows.append(f'<tr data-depth="{d}"><td class="text">{escape.text(name)}</td>{cells}{rank}'
                     f"{logprob}</tr>")  # fmt: skip
-    at = f"position {found.position} ({_quote(found.tokens[found.position])})"
+    at = f"position {found.position} ({quoted(found.tokens[found.position])})"
     parts = [f"<h4>The logit lens of {escape.text(found.source)}: the next token after {at}</h4>",
              f'<table class="lens">{head}{"".join(rows)}</table>']  # fmt: skip
     a = found.attribution
@@ -115,32 +116,30 @@ def lens_html(found) -> str:
         terms = a.terms()[:10]
         most = max((abs(v) for _, v in terms), default=1.0) or 1.0
         lines = "".join(
-            f'<tr><td class="text">{escape.text(name)}</td>{_number(v, shown=f"{v:+.4f}")}<td '
+            f'<tr><td class="text">{escape.text(name)}</td>{number_cell(v, shown=f"{v:+.4f}")}<td '
             f'class="text"><span class="bar{" negative" if v < 0 else ""}" style="width:'
             f'{160 * abs(v) / most:.1f}px"></span></td></tr>'
             for name, v in terms
         )
         parts.append(
-            f"<h4>Direct logit attribution of {_quote(a.token)}: logit "
+            f"<h4>Direct logit attribution of {quoted(a.token)}: logit "
             f'<span data-value="{a.logit!r}">{a.logit:.4f}</span>, the largest terms</h4>'
             f'<table class="terms">{lines}<tr><td class="text">the final norm\'s remainder</td>'
-            f"{_number(a.remainder, shown=f'{a.remainder:+.4f}')}<td></td></tr>"
+            f"{number_cell(a.remainder, shown=f'{a.remainder:+.4f}')}<td></td></tr>"
             f'<tr><td class="text">total (every term)</td>'
-            f"{_number(a.total, shown=f'{a.total:.4f}')}<td></td></tr></table>"
+            f"{number_cell(a.total, shown=f'{a.total:.4f}')}<td></td></tr></table>"
         )
-    return _wrap("".join(parts))
+    return wrapped("".join(parts))
 
 
 def lens_repr(found) -> str:
-    return (f"Lens({_cut(found.source, 40)}, position {found.position}, {_cut(found.token, 20)!r}"
+    return (f"Lens({cut(found.source, 40)}, position {found.position}, {cut(found.token, 20)!r}"
             f" rank {found.rank[-1]} at {found.layers[-1]})")  # fmt: skip
 
 
 def census_html(found) -> str:
     """The census of heads (a `qkv.inspect.census.Census`): each score as an (L, H) grid of
     colored cells, the top heads first."""
-    from qkv.inspect.census import SCORES  # the census's own list and order of scores
-
     L, H = found.previous_token.shape
     parts = [f"<h4>{escape.text(found.source)}: {L} layers x {H} heads, counted from 0</h4>"]
     for name in SCORES:
@@ -151,7 +150,7 @@ def census_html(found) -> str:
         words = escape.text(name.replace("_", " "))
         parts.append(f'<h4 data-score="{escape.attribute(name)}">{words}: top {best}</h4>')
         parts.append(_head_grid(grid, name.replace("_", " "), L))
-    return _wrap("".join(parts))
+    return wrapped("".join(parts))
 
 
 def census_repr(found) -> str:
@@ -161,12 +160,12 @@ def census_repr(found) -> str:
         for name in ("previous_token", "induction")
         for n, h, _ in found.top(name, 1)
     )
-    return f"Census({_cut(found.source, 40)}, {L} layers x {H} heads; {tops})"
+    return f"Census({cut(found.source, 40)}, {L} layers x {H} heads; {tops})"
 
 
 def _head_grid(grid, name: str, L: int) -> str:
     H = grid.shape[1]
-    return _grid(grid.tolist(), [f"layer {n}" for n in range(L)],
+    return grid_table(grid.tolist(), [f"layer {n}" for n in range(L)],
                  [f"head {h}" for h in range(H)], name=name)  # fmt: skip
 
 
@@ -176,7 +175,7 @@ def _listed(key) -> list[str]:
 
 def _next_html(next_tokens) -> str:
     def cells(token) -> str:
-        shown = _number(token.logprob, shown=f"{token.logprob:.3f}")
+        shown = number_cell(token.logprob, shown=f"{token.logprob:.3f}")
         return f'<td class="text">{escape.text(repr(token.token))}</td>{shown}'
 
     rows = "".join(

@@ -52,9 +52,7 @@ and an encoder-decoder's cross-attention (target tokens down, source tokens acro
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
-import math
 import re
 import zlib
 from collections.abc import Sequence
@@ -63,80 +61,23 @@ from pathlib import Path
 
 import numpy as np
 
+from qkv.attention.inputs import check_indices
 from qkv.io.files import write_atomically, write_folder_atomically
 from qkv.viz import escape
+from qkv.viz.encode import pack, page_json, qkv_version
 from qkv.viz.heatmap import check_cross_weights, check_weights, head_heatmap, model_view
+from qkv.viz.page_vectors import (
+    VECTORS_MAX_BYTES,
+    LayerScores,
+    check_scores,
+    check_vectors,
+    vectors_data,
+)
+from qkv.viz.paths import html_path
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
 CROSS_ENCODING = "float32, little-endian, row-major Tq x Tk, zlib, base64; one per head"
 CROSS_HEADER = "cross-attention: target (queries) down, source (keys) across"
-# Above this many bytes of float32 q, k, v (3 x L x H x T x D x 4) the vectors are left out:
-# they barely compress, and a page of tens of MB is slow to open.
-VECTORS_MAX_BYTES = 8 * 2**20
-VECTOR_ENCODING = "float32, little-endian, row-major T x D, zlib, base64; one per head"
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerScores:
-    """What one layer does to a pair's scaled scalar beyond the article, for the page to redo:
-    `window` (keys `window` or more tokens away hidden: back only in a decoder, both ways in
-    an encoder), `softcap` (score s -> softcap * tanh(s / softcap)) and `bias` ((H, T, T)
-    floats added after the cap, e.g. T5's relative positions; `bias_is_distance` says so;
-    (H, Tq, Tk) for cross-attention)."""
-
-    window: int | None = None
-    softcap: float | None = None
-    bias: object = None  # (H, T, T) array or tensor
-    bias_is_distance: bool = False
-
-
-def page_trace(records: dict, *, bias_is_distance: bool = False, cross: bool = False):
-    """(vectors, scores) for a page from one text's `AttentionRecord`s (layer -> record): each
-    layer's q, k and v (L, H, T, D), grouped key/value heads repeated so that query head h sits
-    beside the one it reads, and its `LayerScores`. A record whose keys a mask hides (padding)
-    is refused: the page knows the causal rule and the window only.
-
-    cross: the records are an encoder-decoder's cross-attention (`Attentions.records` of
-    `attentions(text, target=...)`): q (L, H, Tq, D) the decoder's, k and v (L, H, Tk, D) the
-    encoder output's.
-    """
-    why = untraceable(records, cross=cross)
-    if why is not None:
-        raise ValueError(f"the page cannot redo these pairs: {why}")
-    qs, ks, vs, scores = [], [], [], []
-    for _, record in sorted(records.items()):
-        s = record.shape
-        qs.append(record.q[0])  # (H, T, D)
-        ks.append(record.k[0].repeat_interleave(s.group, dim=0))
-        vs.append(record.v[0].repeat_interleave(s.group, dim=0))
-        bias = None
-        if record.bias is not None:
-            bias = record.bias.float().expand(s.B, s.H, s.Tq, s.Tk)[0]
-        scores.append(LayerScores(record.window, record.softcap, bias, bias_is_distance))
-    stack = [np.stack([x.detach().float().cpu().numpy() for x in xs]) for xs in (qs, ks, vs)]
-    return stack, scores
-
-
-def untraceable(records: dict, *, cross: bool = False) -> str | None:
-    """Why the page's script cannot redo these records' pairs, or None where it can: it knows
-    q, k, v, the scale, the causal rule, a window, a soft-cap and a score bias, not a mask (a
-    padded batch). Without `cross` the records must be one text's self-attention; with it,
-    one target's cross-attention over one source, which no causal rule or window hides (the
-    page would not know where a query sits among the keys).
-
-    >>> untraceable({})
-    """
-    for layer, record in sorted(records.items()):
-        s = record.shape
-        if record.mask is not None:
-            return f"layer {layer} masks keys beyond the causal rule and the window"
-        if s.B != 1:
-            return f"layer {layer} holds {s.B} texts, not one"
-        if not cross and s.Tq != s.Tk:
-            return f"layer {layer} is not one text's self-attention"
-        if cross and (record.causal or record.window is not None):
-            return f"layer {layer} hides keys by position, which cross-attention does not"
-    return None
 
 
 def write_html(
@@ -167,10 +108,7 @@ def write_html(
     source's Tk `tokens` (columns); `vectors` are then q (L, H, Tq, D), k and v (L, H, Tk, D).
     Returns the path written.
     """
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        got = repr(path.suffix) if path.suffix else "a name without one"
-        raise ValueError(f"{path}: the extension must be .html, not {got}")
+    path = html_path(path)
     page = render_page(
         weights, tokens, title=title, text=text, extra=extra, head=head, query=query,
         vectors=vectors, causal=causal, scale=scale, scores=scores, query_tokens=query_tokens,
@@ -204,15 +142,35 @@ def write_report(
     The target must not exist or be an empty folder. Returns the folder.
     """
     folder = Path(folder)
+    check_new_folder(folder)
+    page = render_page(
+        weights, tokens, title=title, text=text, extra=extra, head=head, query=query,
+        vectors=vectors, causal=causal, scale=scale, scores=scores, query_tokens=query_tokens,
+    )  # fmt: skip
+    return report_folder(folder, page, weights, tokens, head=head, query_tokens=query_tokens)
+
+
+def check_new_folder(folder: Path) -> None:
+    """A report folder is written where nothing is, or into an empty folder."""
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
         raise ValueError(f"{folder} exists and is not an empty folder; choose a new one")
+
+
+def report_folder(
+    folder: Path,
+    page: bytes,
+    weights,
+    tokens: Sequence[str],
+    *,
+    head: tuple[int, int] | None = None,
+    query_tokens: Sequence[str] | None = None,
+) -> Path:
+    """Write `page` (`render_page`'s, of these `weights` and `head`) as a report folder's
+    index.html, beside model_view.png and the PNG of `head` (by default the
+    `strongest_head`), all or nothing."""
     cross = query_tokens is not None
     stack = _check_stack(weights, tokens, query_tokens)  # (L, H, Tq, Tk)
     layer, chosen = head if head is not None else strongest_head(stack, cross=cross)
-    page = render_page(
-        stack, tokens, title=title, text=text, extra=extra, head=(layer, chosen), query=query,
-        vectors=vectors, causal=causal, scale=scale, scores=scores, query_tokens=query_tokens,
-    )  # fmt: skip
     strongest = "the strongest weight" + ("" if cross else " from one token to another")
     why = "chosen" if head is not None else strongest
 
@@ -302,14 +260,14 @@ def render_page(
             f"{high:.4g}"
         )
     layer, chosen = head if head is not None else strongest_head(stack, cross=cross)
-    _check_index(layer, L, "layer")
-    _check_index(chosen, H, "head")
+    check_indices("layer", [layer], L, "the page")
+    check_indices("head", [chosen], H, "the page")
     if query is not None:
-        _check_index(query, Tq, "target token" if cross else "token")
+        check_indices("target token" if cross else "token", [query], Tq, "the page")
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"extra must be a dict of names to values, not {type(extra).__name__}")
-    kept = _check_vectors(vectors, (L, H, Tq, T), cross) if vectors is not None else None
-    rules = _check_scores(scores, (L, H, Tq, T), cross) if scores is not None else None
+    kept = check_vectors(vectors, (L, H, Tq, T), cross) if vectors is not None else None
+    rules = check_scores(scores, (L, H, Tq, T), cross) if scores is not None else None
     if rules is not None and kept is None:
         raise ValueError("scores change how the page redoes a pair: pass them with the vectors")
     size = 0 if kept is None else sum(array.size * 4 for array in kept)
@@ -350,15 +308,15 @@ def render_page(
         "num_heads": H,
         "weights": {
             "encoding": CROSS_ENCODING if cross else ENCODING,
-            "heads": [[_pack(matrix) for matrix in heads] for heads in stored],
+            "heads": [[pack(matrix) for matrix in heads] for heads in stored],
         },
         "selected": {"layer": int(layer), "head": int(chosen), "query": _maybe_int(query)},
         "causal": bool(causal),
-        "vectors": None if kept is None else _vectors_data(kept, scale, rules),
+        "vectors": None if kept is None else vectors_data(kept, scale, rules),
         "extra": extra,
     }
     slots = {
-        "version": _version(),
+        "version": qkv_version(),
         "title": escape.text(title),
         "text": escape.text(text or " ".join(tokens)),
         "layer_options": _options(L, int(layer), first="the first layer"),
@@ -377,7 +335,7 @@ def render_page(
         ),
         "extra": _extra_section(extra),
         "trace_note": escape.text(trace_note),
-        "data": escape.script_json(_json(data, separators=(",", ":"))),
+        "data": escape.script_json(page_json(data, separators=(",", ":"))),
     }
     template = (files("qkv.viz") / "report.html").read_text(encoding="utf-8")
     page = re.sub(r"\{\{ (\w+) \}\}", lambda match: slots[match.group(1)], template)
@@ -403,104 +361,8 @@ def _cross_header(queries: list[str], tokens: list[str]) -> str:
     )
 
 
-def _check_vectors(vectors, shape: tuple[int, int, int, int], cross: bool) -> list[np.ndarray]:
-    """(q, k, v) as three float32 arrays, q (L, H, Tq, D), k and v (L, H, Tk, D), checked
-    against the weights' (L, H, Tq, Tk); Tq = Tk = T for self-attention."""
-    L, H, Tq, Tk = shape
-    if isinstance(vectors, str | bytes) or len(vectors) != 3:
-        what = "(L, H, Tq, D), (L, H, Tk, D) and (L, H, Tk, D)" if cross else "three (L, H, T, D)"
-        raise ValueError(f"vectors must be (q, k, v): {what} tensors or arrays")
-    arrays = []
-    for name, array in zip(("query", "key", "value"), vectors, strict=True):
-        if hasattr(array, "detach"):
-            array = array.detach().float().cpu().numpy()
-        array = np.asarray(array, dtype=np.float32)
-        rows, letter = (Tq, "Tq") if name == "query" else (Tk, "Tk")
-        want = (L, H, rows)
-        if array.ndim != 4 or array.shape[:3] != want:
-            form = f"(L, H, {letter}, D)" if cross else "(L, H, T, D)"
-            raise ValueError(
-                f"the {name} vectors must be {form} = ({', '.join(map(str, want))}, D) "
-                f"to match the weights, not {tuple(array.shape)}"
-            )
-        if not np.isfinite(array).all():
-            raise ValueError(f"the {name} vectors hold NaN or infinite numbers")
-        arrays.append(array)
-    if len({array.shape[-1] for array in arrays}) != 1:
-        raise ValueError("the query, key and value vectors must have the same size D")
-    return arrays
-
-
-def _vectors_data(
-    vectors: list[np.ndarray], scale: float | None, rules: list[LayerScores] | None
-) -> dict:
-    """The page's "vectors": q, k and v as one packed (T, D) float32 matrix per layer and head,
-    the scale on their dot products and, per layer, what it does to a score beyond the scale
-    (its window, soft-cap, and bias as one packed (T, T) float32 matrix per head)."""
-    packed = {
-        name: [[_pack(matrix.astype("<f4")) for matrix in heads] for heads in array]
-        for name, array in zip(("query", "key", "value"), vectors, strict=True)
-    }
-    D = int(vectors[0].shape[-1])
-    scale = 1 / math.sqrt(D) if scale is None else float(scale)
-    layers = [
-        {
-            "window": rule.window,
-            "softcap": rule.softcap,
-            "bias": None if rule.bias is None else [_pack(m.astype("<f4")) for m in rule.bias],
-            "bias_is_distance": rule.bias_is_distance,
-        }
-        for rule in rules or [LayerScores()] * len(vectors[0])
-    ]
-    return {"encoding": VECTOR_ENCODING, "size": D, "scale": scale, **packed, "layers": layers}
-
-
-def _check_scores(scores, shape: tuple[int, int, int, int], cross: bool) -> list[LayerScores]:
-    """One LayerScores per layer, each bias (H, Tq, Tk) finite float32 (Tq = Tk = T for
-    self-attention); cross-attention has no window."""
-    L, H, Tq, T = shape
-    rules = list(scores)
-    if len(rules) != L or not all(isinstance(rule, LayerScores) for rule in rules):
-        raise ValueError(f"scores must be one LayerScores per layer: {L}, not {len(rules)}")
-    kept = []
-    for layer, rule in enumerate(rules):
-        bias = rule.bias
-        if bias is not None:
-            if hasattr(bias, "detach"):
-                bias = bias.detach().float().cpu().numpy()
-            bias = np.asarray(bias, dtype=np.float32)
-            if bias.shape != (H, Tq, T):
-                form = "(H, Tq, Tk)" if cross else "(H, T, T)"
-                raise ValueError(
-                    f"layer {layer}'s score bias must be {form} = ({H}, {Tq}, {T}), "
-                    f"not {tuple(bias.shape)}"
-                )
-            if not np.isfinite(bias).all():
-                raise ValueError(f"layer {layer}'s score bias holds NaN or infinite numbers")
-        if cross and rule.window is not None:
-            raise ValueError(f"layer {layer} has a window; cross-attention hides no key by place")
-        if rule.window is not None and not (isinstance(rule.window, int) and rule.window > 0):
-            raise ValueError(f"layer {layer}'s window must be a positive whole number or None")
-        if rule.softcap is not None and not 0 < rule.softcap < float("inf"):
-            raise ValueError(f"layer {layer}'s soft-cap must be a positive number or None")
-        kept.append(dataclasses.replace(rule, bias=bias))
-    return kept
-
-
-def _pack(matrix: np.ndarray) -> str:
-    """One head's matrix ((Tq, Tk) weights or (T, D) vectors, float32) as base64 of its
-    zlib-compressed bytes."""
-    # level 1: 2-3x smaller on real attention, and ten times faster than level 9 for ~10% more
-    return base64.b64encode(zlib.compress(matrix.tobytes(), 1)).decode("ascii")
-
-
 def _maybe_int(index: int | None) -> int | None:
     return None if index is None else int(index)
-
-
-def _check_index(index: int, count: int, name: str) -> None:
-    if not 0 <= index < count:
-        raise ValueError(f"{name} {index} is out of range: there are {count}, 0-{count - 1}")
 
 
 def _options(count: int, selected: int, *, first: str) -> str:
@@ -524,30 +386,6 @@ def _extra_section(extra: dict | None) -> str:
         if isinstance(value, str | int | float | bool) or value is None:
             shown = escape.text(value)
         else:
-            shown = f"<pre>{escape.text(_json(value, indent=2))}</pre>"
+            shown = f"<pre>{escape.text(page_json(value, indent=2))}</pre>"
         items.append(f"<dt>{escape.text(key)}</dt><dd>{shown}</dd>")
     return f'<section id="extra"><h2>Details</h2><dl>{"".join(items)}</dl></section>'
-
-
-def _json(value, **options) -> str:
-    try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False, default=_plain, **options)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"extra must be JSON-serialisable (finite numbers): {error}") from None
-
-
-def _plain(value):
-    """Tensors and arrays as lists, paths as text, dataclasses as dicts, for JSON."""
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, Path):
-        return str(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
-
-
-def _version() -> str:
-    from qkv import __version__
-
-    return __version__

@@ -19,11 +19,12 @@ from torch import nn
 from qkv import viz
 from qkv.attention.index_text import parse_indices
 from qkv.attention.inputs import check_indices
+from qkv.inspect.records import why_not_redone as untraceable
 from qkv.inspect.summaries import region as region_of
 from qkv.inspect.summaries import summarize
 from qkv.models import Decoder, Encoder
 from qkv.viz.long import downsampled_grid, downsampled_heatmap, summary_page
-from qkv.viz.report import page_trace, untraceable
+from qkv.viz.page_vectors import page_trace
 
 LONG = 512  # tokens beyond which `show` draws summaries rather than every weight
 

@@ -1,5 +1,4 @@
-"""Ask the model "what if": hide a word from another, and the machinery every intervention
-shares (ablating heads and patching runs are in `qkv.inspect.ablation`).
+"""Ask the model "what if": hide a word from another.
 
 The article's claim is causal: "river" gives "bank" its context. `hide` takes "river" away
 from "bank" and measures what changes in the final vector of "bank", in each (layer, head)
@@ -9,196 +8,37 @@ asks whether its senses still separate.
 Each question is asked of the model itself, through `Edit`s its layers apply in their own
 forward pass (`qkv.nn.edit`): a hidden pair joins the layer's mask, so the softmax
 renormalizes over the remaining keys exactly as for padding, on whichever backend the
-model runs. A table over every (layer, head) reuses one clean forward: each layer's run
-resumes from the clean residual stream at that layer, the heads of a layer run side by
-side as one batch, one head edited per row, and in a decoder only the positions from the
-query word on are computed (the earlier ones never see it; their keys and values come from
-the clean run's cache).
+model runs. A table over every (layer, head) reuses one clean forward and runs the heads of
+a layer side by side (`qkv.inspect.runs`).
 
 Everything runs under `torch.inference_mode` and leaves the model as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from qkv.attention.inputs import check_indices
-from qkv.models import Decoder, Encoder, EncoderDecoder
-from qkv.nn.attention import KVCache
-from qkv.nn.edit import Edit, Edits
-
-# the most (rows x heads x queries x keys) mask elements one batched run builds (64 Mi
-# booleans): a long text runs its heads in smaller batches instead of taking more memory
-MASK_BUDGET = 1 << 26
-TOP = 5  # next tokens shown before and after
-
-
-# ---------------------------------------------------------------------------- the model
-
-
-def stack_of(pretrained) -> Encoder | Decoder:
-    """The stack interventions run on: an encoder's or a decoder's, an encoder-decoder's
-    encoder (what `attentions` shows without a target)."""
-    model = pretrained.model
-    if isinstance(model, EncoderDecoder):
-        return model.encoder
-    if isinstance(model, Encoder | Decoder):
-        return model
-    raise ValueError(f"interventions need an encoder or a decoder, not {type(model).__name__}")
-
-
-@dataclass
-class Run:
-    """One forward pass of a stack over ids (1, T): the residual stream at every block's
-    input (`inputs[l]`, then the last block's output), the final vectors, every layer's head
-    outputs (L, H, T, D) and, in a decoder, its keys and values, as the records keep them."""
-
-    ids: Tensor  # (1, T)
-    inputs: list[Tensor]  # L + 1 tensors (1, T, C)
-    states: Tensor  # (T, C) after the final norm
-    head_outputs: Tensor  # (L, H, T, D)
-    logits: Tensor | None  # (T, vocab), decoders
-    keys: list[Tensor] = field(default_factory=list)  # decoders: L tensors (1, Hkv, T, D)
-    values: list[Tensor] = field(default_factory=list)
-
-
-def run(stack: Encoder | Decoder, ids: Tensor, edits: Edits | None = None) -> Run:
-    out = _forward(stack, ids, edits, layers="all", hidden_states=True)
-    records = [out.records[n] for n in range(len(stack.blocks))]
-    heads = torch.stack([record.out[0] for record in records])
-    if not isinstance(stack, Decoder):
-        return Run(ids, out.hidden_states, out.hidden[0], heads, None)
-    logits = _logits(stack, out.hidden[0])
-    keys, values = [r.k for r in records], [r.v for r in records]
-    return Run(ids, out.hidden_states, out.hidden[0], heads, logits, keys, values)
-
-
-def _forward(stack, ids: Tensor, edits: Edits | None, **kwargs):
-    if isinstance(stack, Decoder):
-        return stack(ids, edits=edits, logits=False, **kwargs)
-    return stack(ids, edits=edits, **kwargs)
-
-
-def _logits(stack: Decoder, hidden: Tensor) -> Tensor:
-    return stack.project(hidden).float()
-
-
-def resumed(stack, clean: Run, layer: int, edits: Edits, rows: int, start: int = 0) -> Tensor:
-    """The final vectors (rows, T, C) of `rows` runs from `layer` on, each starting from the
-    clean residual stream there, with `edits` (batched: row b's edit in row b).
-
-    start (decoders): the first position an edit can change. A decoder's earlier positions
-    never see a later one, so they keep the clean run's vectors, and their keys and values
-    come from the clean run's cache: only positions start.. are computed, and the edits'
-    masks and vectors cover those positions only (hide: (rows, H, T - start, T)).
-    """
-    if start == 0:
-        ids = clean.ids.expand(rows, -1)
-        return _forward(stack, ids, edits, resume=(layer, clean.inputs[layer])).hidden
-    assert isinstance(stack, Decoder), "only a decoder's earlier positions are left as they were"
-    cache = stack.new_cache()
-    for n, (keys, values) in enumerate(zip(clean.keys, clean.values, strict=True)):
-        prefix = (t[:, :, :start].expand(rows, -1, -1, -1) for t in (keys, values))
-        cache.layers[n] = KVCache.holding(*prefix)
-    ids = clean.ids[:, start:].expand(rows, -1)
-    x = clean.inputs[layer][:, start:]
-    after = stack(ids, edits=edits, resume=(layer, x), cache=cache, logits=False).hidden
-    before = clean.states[None, :start].expand(rows, -1, -1)
-    return torch.cat([before, after], dim=1)
-
-
-def batches(count: int, per_row: int) -> Iterator[slice]:
-    """Slices of `count` rows, each batch within MASK_BUDGET elements at `per_row` a row."""
-    size = max(1, min(count, MASK_BUDGET // max(per_row, 1)))
-    for start in range(0, count, size):
-        yield slice(start, min(start + size, count))
-
-
-def changed(before: Tensor, after: Tensor) -> tuple[Tensor, Tensor]:
-    """1 - cosine and Euclidean distance between vectors (…, C), float64."""
-    before, after = before.double(), after.double()
-    return 1 - F.cosine_similarity(before, after, dim=-1), (after - before).norm(dim=-1)
-
-
-def _layers_heads(stack, layers, heads, source: str) -> tuple[list[int], list[int]]:
-    L, H = stack.config.num_layers, stack.config.block.num_heads
-    layers = list(range(L)) if layers is None else check_indices("layer", layers, L, source)
-    heads = list(range(H)) if heads is None else check_indices("head", heads, H, source)
-    if not layers or not heads:
-        raise ValueError("no layer or no head asked for; leave layers and heads out for all")
-    return layers, heads
-
-
-# ---------------------------------------------------------------------------- tokens
-
-
-@dataclass
-class Token:
-    token: str
-    id: int
-    logprob: float
-
-
-@dataclass
-class NextTokens:
-    """A decoder's next-token log-probabilities at one position, before and after a change."""
-
-    position: int
-    before: list[Token]  # the top tokens of the clean run
-    after: list[Token]  # the top tokens of the changed run
-    # the clean run's top token: its log-probability after the change minus before
-    top_change: float
-
-    def to_dict(self) -> dict:
-        return {
-            "position": self.position,
-            "before": [vars(t) for t in self.before],
-            "after": [vars(t) for t in self.after],
-            "top_change": self.top_change,
-        }
-
-
-def _top(tokenizer, logprobs: Tensor, k: int = TOP) -> list[Token]:
-    values, ids = logprobs.topk(min(k, logprobs.numel()))
-    return [
-        Token(tokenizer.id_to_token(i) or str(i), i, float(v))
-        for v, i in zip(values.tolist(), ids.tolist(), strict=True)
-    ]
-
-
-def next_tokens(tokenizer, before: Tensor, after: Tensor, position: int) -> NextTokens:
-    """From logits (vocab,) of the clean and the changed run at `position`."""
-    before, after = before.double().log_softmax(-1), after.double().log_softmax(-1)
-    top = int(before.argmax())
-    change = float(after[top] - before[top])
-    return NextTokens(position, _top(tokenizer, before), _top(tokenizer, after), change)
-
-
-def word_span(encoded, word: str, what: str) -> tuple[int, int]:
-    """A word's token span [start, end) ("bank", "bank#2"): a word that occurs twice must
-    say which."""
-    from qkv.inspect.trace import _first_token
-
-    try:
-        start = _first_token(encoded, word)
-        span = encoded.find(word)
-    except ValueError as error:
-        raise ValueError(f"{what}: {error}") from None
-    assert span[0] == start
-    return span
-
-
-def grid_dict(grid: Tensor) -> list[list[float | None]]:
-    """An (L, H) grid as lists, None where it was not computed (NaN)."""
-    return [[None if v != v else float(v) for v in row] for row in grid.tolist()]
-
-
-# ---------------------------------------------------------------------------- hide
+from qkv.inspect.probe import leave_one_out_accuracy, same_sense, sentences_and_labels
+from qkv.inspect.runs import (
+    NextTokens,
+    batches,
+    changed,
+    decoder_logits,
+    grid_dict,
+    layers_heads,
+    next_tokens,
+    resumed,
+    run,
+    stack_of,
+    word_span,
+)
+from qkv.models import Decoder
+from qkv.nn.edit import Edit
 
 
 @dataclass
@@ -306,7 +146,7 @@ def hide(
     is then all NaN) and runs only the model with the key hidden everywhere asked.
     """
     stack = stack_of(pretrained)
-    layers, heads = _layers_heads(stack, layers, heads, pretrained.source)
+    layers, heads = layers_heads(stack, layers, heads, pretrained.source)
     encoded = pretrained.encode(text)
     keys = [key] if isinstance(key, str) else list(key)
     if not keys:
@@ -351,7 +191,7 @@ def hide(
                 states = resumed(stack, clean_run, layer, edits, len(chosen), start)
                 effect[layer, chosen], distance[layer, chosen] = measure(states)
                 if by_head is not None:
-                    logprobs = _logits(stack, states[:, position]).double().log_softmax(-1)
+                    logprobs = decoder_logits(stack, states[:, position]).double().log_softmax(-1)
                     clean = clean_run.logits[position].double().log_softmax(-1)
                     top = int(clean.argmax())
                     by_head[layer, chosen] = logprobs[:, top] - clean[top]
@@ -359,7 +199,7 @@ def hide(
         edits = {layer: Edit(hide=everywhere) for layer in layers}
         states = resumed(stack, clean_run, min(layers), edits, 1, start)
         total, total_distance = measure(states)
-        after = _logits(stack, states[0, position]) if causal else None
+        after = decoder_logits(stack, states[0, position]) if causal else None
     return Hidden(
         source=pretrained.source, text=text, tokens=list(encoded.tokens), key=key,
         query=query, key_spans=key_spans, query_span=query_span, layers=layers, heads=heads,
@@ -400,9 +240,7 @@ def senses_without_context(pretrained, word: str = "bank", sentences=None, label
     """The sense probe's last layer asked causally: hide every other word of each sentence
     from `word` and see whether its senses still separate. Without sentences, "bank" uses
     the built-in river / money set (`qkv.inspect.bank_sentences`)."""
-    from qkv.inspect.probe import _leave_one_out_accuracy, _same_sense, _sentences_and_labels
-
-    sentences, labels = _sentences_and_labels(word, sentences, labels)
+    sentences, labels = sentences_and_labels(word, sentences, labels)
     if labels is None:
         raise ValueError("senses need labels: one sense per sentence")
     clean, hidden = [], []
@@ -415,14 +253,14 @@ def senses_without_context(pretrained, word: str = "bank", sentences=None, label
         result = hide(pretrained, sentence, others, query=word, table=False)
         clean.append(result.clean_states[slice(*span)].mean(0))
         hidden.append(result.states[slice(*span)].mean(0))
-    same = _same_sense(labels) & ~torch.eye(len(labels), dtype=torch.bool)
-    across = ~_same_sense(labels)
+    same = same_sense(labels) & ~torch.eye(len(labels), dtype=torch.bool)
+    across = ~same_sense(labels)
 
     def apart(vectors: list[Tensor]) -> tuple[float, float]:
         unit = F.normalize(torch.stack(vectors).double(), dim=-1)
         similarity = unit @ unit.T
         gap = float(similarity[same].mean() - similarity[across].mean())
-        return gap, _leave_one_out_accuracy(unit, labels)
+        return gap, leave_one_out_accuracy(unit, labels)
 
     (separation, accuracy), (hidden_separation, hidden_accuracy) = apart(clean), apart(hidden)
     return Senses(word, sentences, labels, separation, hidden_separation, accuracy,

@@ -1,58 +1,27 @@
-"""Interventions (`qkv.inspect.intervene`, `qkv.inspect.ablation`) are exact by construction:
-a hidden pair is a masked pair, a patch of everything is the clean run, an ablation of every
-head is a layer without attention; each checked against an independent computation, never
-against itself."""
+"""`qkv.inspect.hide` is exact by construction: a hidden pair is a masked pair, checked
+against the loop backend, transformers' key padding and a full forward, never against itself."""
 
 from __future__ import annotations
 
-import copy
-import math
+import json
 
 import pytest
 import torch
 import transformers
 
+from intervention_models import (
+    assert_unchanged,
+    encoder_like,
+    gemma2_like_pretrained,
+    llama_like,
+    snapshot,
+)
 from qkv.attention import attend
-from qkv.inspect.ablation import Metric, ablate, patch
-from qkv.inspect.intervene import hide, hide_mask, run, stack_of
+from qkv.inspect.hide import hide, hide_mask, senses_without_context
+from qkv.inspect.probe import probe
 from qkv.io.embedded import embedded_path
-from qkv.models import EncoderConfig
-from qkv.nn import BlockConfig
 from qkv.nn.edit import Edit
-from variant_models import TEXT, WORDS, decoder, gemma2_like, tiny
-
-
-def gentle(pretrained):
-    """`tiny`'s weights a quarter as large: attention spread over several keys, not one."""
-    with torch.no_grad():
-        for p in pretrained.model.parameters():
-            p.div_(4.0)
-    return pretrained
-
-
-def llama_like(**block):
-    return gentle(tiny(decoder(num_kv_heads=1, mlp="swiglu", norm="rmsnorm", **block)))
-
-
-def encoder_like():
-    block = BlockConfig(width=32, num_heads=4, norm_position="post")
-    config = EncoderConfig(vocab_size=len(WORDS), num_layers=2, max_positions=16, block=block)
-    return gentle(tiny(config))
-
-
-def snapshot(pretrained):
-    """The parameters, and the outputs for TEXT: what a call must leave as they were."""
-    ids = torch.tensor([pretrained.encode(TEXT).ids])
-    with torch.inference_mode():
-        states = stack_of(pretrained)(ids).hidden.clone()
-    return {k: v.clone() for k, v in pretrained.model.state_dict().items()}, states
-
-
-def assert_unchanged(pretrained, before):
-    params, states = snapshot(pretrained)
-    assert params.keys() == before[0].keys()
-    assert all(torch.equal(params[k], before[0][k]) for k in params)
-    assert torch.equal(states, before[1])
+from variant_models import TEXT, WORDS
 
 
 @pytest.mark.parametrize("backend", ["loop", "eager", "sdpa", "flash"])
@@ -126,10 +95,6 @@ def test_hide_table_is_each_head_alone_and_resumes_from_the_clean_run():
     assert result.next.before[0].logprob >= result.next.before[-1].logprob
 
 
-def gemma2_like_pretrained():
-    return tiny(gemma2_like())
-
-
 def test_hide_asks_only_the_layers_and_heads_given():
     pretrained = encoder_like()
     result = hide(pretrained, TEXT, "river", query="bank", layers=[1], heads=[0, 2])
@@ -140,87 +105,9 @@ def test_hide_asks_only_the_layers_and_heads_given():
     assert [(r["layer"], r["head"]) for r in data["ranked"]] in ([(1, 0), (1, 2)], [(1, 2), (1, 0)])
 
 
-def test_ablating_every_head_of_a_layer_removes_its_attention_output():
-    """Zero-ablating all heads of layer 0 equals a copy of the model whose layer 0 output
-    projection is zero (a model without biases: nothing of attention reaches the stream)."""
-    pretrained = llama_like()
-    result = ablate(pretrained, TEXT, [0])
-    without = copy.deepcopy(pretrained.model)
-    with torch.no_grad():
-        without.blocks[0].attn.out.weight.zero_()
-        expected = without(torch.tensor([pretrained.encode(TEXT).ids])).hidden[0]
-    torch.testing.assert_close(result.states, expected, atol=1e-6, rtol=1e-5)
-    assert result.heads == [(0, 0), (0, 1)] and result.effect[1].isnan().all()
-    assert result.total > 0 and result.next is not None
-
-
-def test_mean_ablation_puts_the_heads_mean_output_over_the_reference_in_its_place():
-    """With one reference text equal to the text, a head's mean output is the mean over the
-    text's own tokens: check against a forward where that head's outputs are set to it."""
-    pretrained = encoder_like()
-    result = ablate(pretrained, TEXT, [(1, 2)], mode="mean", reference=[TEXT])
-    ids = torch.tensor([pretrained.encode(TEXT).ids])
-    with torch.inference_mode():
-        clean = run(pretrained.model, ids)
-        mean = clean.head_outputs[1, 2].mean(0)  # (D,)
-        which = torch.zeros(1, 4, 1, 1, dtype=torch.bool)
-        which[0, 2] = True
-        values = torch.zeros(1, 4, 1, mean.shape[0])
-        values[0, 2, 0] = mean
-        expected = pretrained.model(ids, edits={1: Edit(heads=which, head_values=values)}).hidden
-    torch.testing.assert_close(result.states, expected[0], atol=1e-6, rtol=1e-5)
-    zero = ablate(pretrained, TEXT, [(1, 2)])
-    assert not torch.allclose(zero.states, result.states)
-
-
-def test_patching_clean_into_clean_changes_nothing_and_a_whole_layer_restores_it():
-    pretrained = llama_like()
-    metric = Metric.parse("diff:deep,wide")
-    same = patch(pretrained, TEXT, TEXT, metric)
-    assert same.clean == same.corrupt
-    torch.testing.assert_close(same.heads, torch.full_like(same.heads, same.clean))
-    torch.testing.assert_close(same.residual, torch.full_like(same.residual, same.clean))
-
-    corrupt = "the bank of the river was deep and wide"  # as many tokens
-    result = patch(pretrained, TEXT, corrupt, metric)
-    assert result.clean != pytest.approx(result.corrupt)
-    # every position of a layer's residual patched at once: the clean metric exactly
-    stack = pretrained.model
-    T = len(pretrained.encode(TEXT).ids)
-    with torch.inference_mode():
-        clean = run(stack, torch.tensor([pretrained.encode(TEXT).ids]))
-        target = run(stack, torch.tensor([pretrained.encode(corrupt).ids]))
-        everywhere = Edit(positions=torch.ones(1, T, dtype=torch.bool), residual=clean.inputs[1])
-        states = stack(target.ids, edits={0: everywhere}).hidden
-        restored = metric.score(stack.project(states[0, -1]), metric.ids(pretrained.tokenizer))
-    assert float(restored) == pytest.approx(result.clean, abs=1e-5)
-    # the last layer's residual at the last position decides the next token alone
-    assert float(result.residual[-1, -1]) == pytest.approx(result.clean, abs=1e-5)
-    assert float(result.residual[-1, 0]) == pytest.approx(result.corrupt, abs=1e-5)
-    restored = result.restored(result.residual)
-    assert float(restored[-1, -1]) == pytest.approx(1.0, abs=1e-4)
-    data = result.to_dict()
-    assert len(data["heads"]) == 2 and len(data["residual"][0]) == T
-
-
-def test_the_metric_scores_the_next_token():
-    logits = torch.tensor([0.0, 1.0, 2.0])
-    logprobs = logits.log_softmax(-1)
-    assert float(Metric("diff", ("a", "b")).score(logits, [2, 0])) == pytest.approx(2.0)
-    assert float(Metric("prob", ("a",)).score(logits, [1])) == pytest.approx(
-        math.exp(float(logprobs[1]))
-    )
-    assert Metric.parse("diff: Mary, John").tokens == (" Mary", " John")
-    assert Metric.parse(("prob", "x")) == Metric("prob", ("x",))
-
-
 @pytest.mark.parametrize(
     "call, message",
     [
-        (lambda p: patch(p, TEXT, "the bank", "diff:deep,wide"), "equal token length"),
-        (lambda p: patch(p, TEXT, TEXT, "diff:deep,wide and"), "not one token"),
-        (lambda p: patch(p, TEXT, TEXT, "diff:deep"), "takes 2 token"),
-        (lambda p: patch(p, TEXT, TEXT, "deep"), "a metric is"),
         (lambda p: hide(p, TEXT, "river", query="bank"), "comes after"),
         (lambda p: hide(p, TEXT, "lake"), "the key word: 'lake' is not a word"),
         (lambda p: hide(p, TEXT, "river", layers=[2]), "layer 2"),
@@ -228,9 +115,6 @@ def test_the_metric_scores_the_next_token():
         (lambda p: hide(p, TEXT, "river", layers=[1, 1]), "layer 1 is asked for twice"),
         (lambda p: p.attentions(TEXT, layers=[0, 0]), "layer 0 is asked for twice"),
         (lambda p: hide(p, TEXT, "the"), "occurs 2 times"),
-        (lambda p: ablate(p, TEXT, [(0, 5)]), "head 5"),
-        (lambda p: ablate(p, TEXT, "all", mode="half"), "mode must be"),
-        (lambda p: ablate(p, TEXT, "all", reference=[TEXT]), "mode='mean'"),
     ],
 )
 def test_bad_input_is_one_clear_error(call, message):
@@ -241,19 +125,11 @@ def test_bad_input_is_one_clear_error(call, message):
     assert_unchanged(pretrained, before)
 
 
-def test_patch_needs_a_decoder():
-    with pytest.raises(ValueError, match="needs a decoder"):
-        patch(encoder_like(), TEXT, TEXT, "prob:deep")
-
-
 @pytest.mark.parametrize("make", [llama_like, encoder_like, gemma2_like_pretrained])
-def test_no_call_changes_the_model(make):
+def test_hide_leaves_the_model_as_it_was(make):
     pretrained = make()
     before = snapshot(pretrained)
     hide(pretrained, TEXT, "river", query="deep")
-    ablate(pretrained, TEXT, "all", mode="mean", reference=[TEXT, "the river"])
-    if make is not encoder_like:
-        patch(pretrained, TEXT, "the bank of the river was deep and wide", "prob:deep")
     assert_unchanged(pretrained, before)
     assert not torch.is_grad_enabled() or all(p.grad is None for p in pretrained.model.parameters())
 
@@ -270,9 +146,6 @@ def test_backends_agree_on_a_hide_table():
 def test_the_senses_with_their_context_are_the_probes_last_layer(minilm):
     """senses_without_context's clean side is the probe's last layer (another code path:
     hide's unpadded runs, the probe's padded batch); hiding the context collapses it."""
-    from qkv.inspect.intervene import senses_without_context
-    from qkv.inspect.probe import probe
-
     senses = senses_without_context(minilm, "bank")
     probed = probe(minilm, "bank")
     assert senses.separation == pytest.approx(probed.separation[-1], abs=1e-5)
@@ -313,8 +186,6 @@ def test_an_encoder_decoder_hides_in_its_encoder_as_transformers_pads(tmp_path):
 
 
 def test_without_the_table_only_the_total_is_computed_and_the_json_is_valid():
-    import json
-
     pretrained = encoder_like()
     full = hide(pretrained, TEXT, "river", query="bank")
     quick = hide(pretrained, TEXT, "river", query="bank", table=False)

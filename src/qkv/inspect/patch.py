@@ -1,0 +1,213 @@
+"""Patch one run into another: where a difference between two texts lives.
+
+`patch` copies the clean run's head outputs, or its residual stream at one layer and
+position, into a corrupted run, one at a time, and scores the next token. Each patch is an
+`Edit` the model's layers apply in their own forward pass, on every backend, with the runs
+of a table resumed from the patched layer and batched (`qkv.inspect.runs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from qkv.inspect.runs import (
+    Token,
+    batches,
+    decoder_logits,
+    grid_dict,
+    resumed,
+    run,
+    stack_of,
+    top_tokens,
+)
+from qkv.models import Decoder
+from qkv.nn.edit import Edit
+
+
+@dataclass(frozen=True)
+class Metric:
+    """What a patched run is scored by, at the last position's next token.
+
+    kind "diff": log p(tokens[0]) - log p(tokens[1]) (the log-probability difference of two
+    tokens, e.g. " Mary" over " John"); "prob": p(tokens[0]).
+    A token is written as the model's tokenizer reads it: " Paris" (with its space) is
+    another token than "Paris".
+    """
+
+    kind: Literal["diff", "prob"]
+    tokens: tuple[str, ...]
+
+    def __post_init__(self):
+        counts = {"diff": 2, "prob": 1}
+        if self.kind not in counts:
+            raise ValueError(f"a metric is 'diff' or 'prob', got {self.kind!r}")
+        if len(self.tokens) != counts[self.kind]:
+            raise ValueError(
+                f"metric {self.kind!r} takes {counts[self.kind]} token(s), got {len(self.tokens)}"
+            )
+
+    @classmethod
+    def parse(cls, spec) -> Metric:
+        """A Metric, a ("diff", a, b) / ("prob", t) tuple, or text: "diff: Mary, John"
+        (tokens after the colon, split at commas, spaces kept: ' Mary' and ' John') or
+        "prob: Paris"."""
+        if isinstance(spec, Metric):
+            return spec
+        if isinstance(spec, tuple | list) and spec:
+            return cls(spec[0], tuple(spec[1:]))
+        if not isinstance(spec, str) or ":" not in spec:
+            raise ValueError(f"a metric is 'diff:TOKEN_A,TOKEN_B' or 'prob:TOKEN', got {spec!r}")
+        kind, _, rest = spec.partition(":")
+        return cls(kind.strip(), tuple(rest.split(",")))
+
+    def ids(self, tokenizer) -> list[int]:
+        found = []
+        for token in self.tokens:
+            encoded = tokenizer.encode(token, add_special_tokens=False)
+            if len(encoded.ids) != 1:
+                raise ValueError(
+                    f"the metric's token {token!r} is not one token of the vocabulary: it reads "
+                    f"as {list(encoded.tokens)}; give one of those, spaces as written"
+                )
+            found.append(encoded.ids[0])
+        return found
+
+    def score(self, logits: Tensor, ids: list[int]) -> Tensor:
+        """logits (…, vocab) -> the metric (…), float64."""
+        logprobs = logits.double().log_softmax(-1)
+        if self.kind == "diff":
+            return logprobs[..., ids[0]] - logprobs[..., ids[1]]
+        return logprobs[..., ids[0]].exp()
+
+    def __str__(self) -> str:
+        if self.kind == "diff":
+            return f"log p({self.tokens[0]!r}) - log p({self.tokens[1]!r})"
+        return f"p({self.tokens[0]!r})"
+
+
+@dataclass
+class Patched:
+    """Activation patching: the clean run's activations copied, one at a time, into the
+    corrupted run, and the metric of the corrupted run's next token measured.
+
+    `heads` (L, H): the metric with that head's output patched in; `residual` (L, T): with
+    the residual stream after that layer's block patched in at that position. `clean` and
+    `corrupt` are the metric unpatched; `restored(grid)` is (metric - corrupt) / (clean -
+    corrupt): 1 where a patch restores the clean metric, 0 where it changes nothing.
+    """
+
+    source: str
+    clean_text: str
+    corrupt_text: str
+    clean_tokens: list[str]
+    corrupt_tokens: list[str]
+    metric: Metric
+    clean: float
+    corrupt: float
+    heads: Tensor  # (L, H) float64
+    residual: Tensor  # (L, T) float64
+    clean_next: list[Token] = field(default_factory=list)
+    corrupt_next: list[Token] = field(default_factory=list)
+
+    def restored(self, grid: Tensor) -> Tensor:
+        gap = self.clean - self.corrupt
+        if gap == 0:
+            return torch.full_like(grid, float("nan"))
+        return (grid - self.corrupt) / gap
+
+    def to_dict(self) -> dict:
+        """JSON-ready (see docs/patch.md)."""
+        return {
+            "source": self.source,
+            "clean_text": self.clean_text,
+            "corrupt_text": self.corrupt_text,
+            "clean_tokens": self.clean_tokens,
+            "corrupt_tokens": self.corrupt_tokens,
+            "metric": {
+                "kind": self.metric.kind,
+                "tokens": list(self.metric.tokens),
+                "text": str(self.metric),
+            },
+            "clean": self.clean,
+            "corrupt": self.corrupt,
+            "heads": grid_dict(self.heads),
+            "residual": grid_dict(self.residual),
+            "heads_restored": grid_dict(self.restored(self.heads)),
+            "residual_restored": grid_dict(self.restored(self.residual)),
+            "clean_next": [vars(t) for t in self.clean_next],
+            "corrupt_next": [vars(t) for t in self.corrupt_next],
+        }
+
+    def __repr__(self) -> str:
+        from qkv.viz.notebook_interventions import patched_repr
+
+        return patched_repr(self)
+
+    def _repr_html_(self) -> str:
+        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
+        from qkv.viz.notebook_interventions import patched_html
+
+        return patched_html(self)
+
+
+def patch(pretrained, clean: str, corrupt: str, metric) -> Patched:
+    """Patch `clean`'s head outputs (per layer and head) and residual stream (per layer and
+    position) into the run over `corrupt`, one at a time, and score the next token after
+    the last position with `metric` (a `Metric`, or its text: "diff: Mary, John").
+
+    Decoders only; the two texts must have the same number of tokens (positions are
+    patched into the same positions).
+    """
+    stack = stack_of(pretrained)
+    if not isinstance(stack, Decoder):
+        raise ValueError(
+            f"patch scores the next token, so it needs a decoder; {pretrained.source} is "
+            f"{pretrained.family.name}"
+        )
+    metric = Metric.parse(metric)
+    ids_of_metric = metric.ids(pretrained.tokenizer)
+    clean_encoded, corrupt_encoded = pretrained.encode(clean), pretrained.encode(corrupt)
+    if len(clean_encoded.ids) != len(corrupt_encoded.ids):
+        raise ValueError(
+            f"the clean text has {len(clean_encoded.ids)} tokens and the corrupted text "
+            f"{len(corrupt_encoded.ids)}; patching copies positions into the same positions, "
+            f"so give texts of equal token length (clean: {list(clean_encoded.tokens)}, "
+            f"corrupted: {list(corrupt_encoded.tokens)})"
+        )
+    L, H = stack.config.num_layers, stack.config.block.num_heads
+    T = len(clean_encoded.ids)
+    heads = torch.empty(L, H, dtype=torch.float64)
+    residual = torch.empty(L, T, dtype=torch.float64)
+    with torch.inference_mode():
+        source = run(stack, torch.tensor([clean_encoded.ids]))
+        target = run(stack, torch.tensor([corrupt_encoded.ids]))
+
+        def scored(states: Tensor) -> Tensor:
+            return metric.score(decoder_logits(stack, states[:, -1]), ids_of_metric)
+
+        for layer in range(L):
+            values = source.head_outputs[layer][None]  # (1, H, T, D)
+            for part in batches(H, H * T * T):
+                which = torch.eye(H, dtype=torch.bool)[part, :, None, None]  # row h: head h
+                edit = Edit(heads=which, head_values=values)
+                states = resumed(stack, target, layer, {layer: edit}, which.shape[0])
+                heads[layer, part] = scored(states)
+            for part in batches(T, H * T * T):
+                where = torch.eye(T, dtype=torch.bool)[part]  # row p patches position p
+                edit = Edit(positions=where, residual=source.inputs[layer + 1])
+                states = resumed(stack, target, layer, {layer: edit}, where.shape[0])
+                residual[layer, part] = scored(states)
+        clean_score = float(metric.score(source.logits[-1], ids_of_metric))
+        corrupt_score = float(metric.score(target.logits[-1], ids_of_metric))
+    tokenizer = pretrained.tokenizer
+    return Patched(
+        source=pretrained.source, clean_text=clean, corrupt_text=corrupt,
+        clean_tokens=list(clean_encoded.tokens), corrupt_tokens=list(corrupt_encoded.tokens),
+        metric=metric, clean=clean_score, corrupt=corrupt_score, heads=heads, residual=residual,
+        clean_next=top_tokens(tokenizer, source.logits[-1].double().log_softmax(-1)),
+        corrupt_next=top_tokens(tokenizer, target.logits[-1].double().log_softmax(-1)),
+    )  # fmt: skip

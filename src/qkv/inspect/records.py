@@ -1,0 +1,50 @@
+"""Can a text's attention weights be redone from its layers' records? qkv's one rule.
+
+Three readers redo weights from what a record keeps (q, k, v, the scale, the causal rule, the
+score rules): `attention_vectors` with softmax(q k^T * scale) alone, `Attentions.vectors` with
+the window too, and the `qkv show` page's script with every score rule. Each asks
+`why_not_redone`, naming the score rules it applies, rather than keeping a list of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+# what a layer does to a pair's scaled scalar beyond the article, as a record names it: keys
+# `window` or more tokens away hidden, Gemma 2's soft-cap, a bias such as T5's distances
+SCORE_RULES = ("window", "softcap", "bias")
+
+
+def why_not_redone(
+    records: dict, *, cross: bool = False, applies: Collection[str] = SCORE_RULES
+) -> str | None:
+    """Why the weights of `records` (layer -> `AttentionRecord`) cannot be redone from their
+    q, k, v and scale by a reader that knows the causal rule and the score rules in
+    `applies` (of SCORE_RULES), or None where they can.
+
+    No reader knows a mask (a padded batch) or more than one text. Without `cross` the
+    records must be one text's self-attention; with it, one target's cross-attention over one
+    source, which no causal rule or window hides (a reader would not know where a query sits
+    among the keys).
+
+    >>> why_not_redone({})
+    """
+    unknown = set(applies) - set(SCORE_RULES)
+    assert not unknown, f"score rules are {SCORE_RULES}, not {sorted(unknown)}"
+    for layer, record in sorted(records.items()):
+        s = record.shape
+        if record.mask is not None:
+            return f"layer {layer} masks keys beyond the causal rule and the window"
+        if s.B != 1:
+            return f"layer {layer} holds {s.B} texts, not one"
+        if not cross and s.Tq != s.Tk:
+            return f"layer {layer} is not one text's self-attention"
+        if cross and (record.causal or record.window is not None):
+            return f"layer {layer} hides keys by position, which cross-attention does not"
+        if record.softcap is not None and "softcap" not in applies:
+            return f"layer {layer} caps its scores ({record.softcap:g} tanh(s/{record.softcap:g}))"
+        if record.window is not None and "window" not in applies:
+            return f"layer {layer} hides keys {record.window} or more tokens away (a window)"
+        if record.bias is not None and "bias" not in applies:
+            return f"layer {layer} adds a bias to its scores"
+    return None

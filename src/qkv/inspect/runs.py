@@ -1,0 +1,181 @@
+"""What every intervention shares: one forward pass of a stack kept whole (`Run`), runs
+resumed from one layer with `Edit`s, batched within a memory budget, the change they make, and
+the next tokens a decoder predicts before and after (`hide`, `ablate` and `patch` are built on
+these, in `qkv.inspect.hide`, `qkv.inspect.ablate` and `qkv.inspect.patch`).
+
+A table over every (layer, head) reuses one clean forward: each layer's run resumes from the
+clean residual stream at that layer, the heads of a layer run side by side as one batch, one
+head edited per row, and in a decoder only the positions from the first changed one on are
+computed (the earlier ones never see it; their keys and values come from the clean run's
+cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qkv.attention.inputs import check_indices
+from qkv.models import Decoder, Encoder, self_attention_stack
+from qkv.nn.attention import KVCache
+from qkv.nn.edit import Edits
+
+# the most (rows x heads x queries x keys) mask elements one batched run builds (64 Mi
+# booleans): a long text runs its heads in smaller batches instead of taking more memory
+MASK_BUDGET = 1 << 26
+TOP = 5  # next tokens shown before and after
+
+
+# ---------------------------------------------------------------------------- the model
+
+
+def stack_of(pretrained) -> Encoder | Decoder:
+    """The stack interventions run on: an encoder's or a decoder's, an encoder-decoder's
+    encoder (what `attentions` shows without a target)."""
+    return self_attention_stack(pretrained.model, "an intervention", pretrained.source)
+
+
+@dataclass
+class Run:
+    """One forward pass of a stack over ids (1, T): the residual stream at every block's
+    input (`inputs[l]`, then the last block's output), the final vectors, every layer's head
+    outputs (L, H, T, D) and, in a decoder, its keys and values, as the records keep them."""
+
+    ids: Tensor  # (1, T)
+    inputs: list[Tensor]  # L + 1 tensors (1, T, C)
+    states: Tensor  # (T, C) after the final norm
+    head_outputs: Tensor  # (L, H, T, D)
+    logits: Tensor | None  # (T, vocab), decoders
+    keys: list[Tensor] = field(default_factory=list)  # decoders: L tensors (1, Hkv, T, D)
+    values: list[Tensor] = field(default_factory=list)
+
+
+def run(stack: Encoder | Decoder, ids: Tensor, edits: Edits | None = None) -> Run:
+    out = _forward(stack, ids, edits, layers="all", hidden_states=True)
+    records = [out.records[n] for n in range(len(stack.blocks))]
+    heads = torch.stack([record.out[0] for record in records])
+    if not isinstance(stack, Decoder):
+        return Run(ids, out.hidden_states, out.hidden[0], heads, None)
+    logits = decoder_logits(stack, out.hidden[0])
+    keys, values = [r.k for r in records], [r.v for r in records]
+    return Run(ids, out.hidden_states, out.hidden[0], heads, logits, keys, values)
+
+
+def _forward(stack, ids: Tensor, edits: Edits | None, **kwargs):
+    if isinstance(stack, Decoder):
+        return stack(ids, edits=edits, logits=False, **kwargs)
+    return stack(ids, edits=edits, **kwargs)
+
+
+def decoder_logits(stack: Decoder, hidden: Tensor) -> Tensor:
+    return stack.project(hidden).float()
+
+
+def resumed(stack, clean: Run, layer: int, edits: Edits, rows: int, start: int = 0) -> Tensor:
+    """The final vectors (rows, T, C) of `rows` runs from `layer` on, each starting from the
+    clean residual stream there, with `edits` (batched: row b's edit in row b).
+
+    start (decoders): the first position an edit can change. A decoder's earlier positions
+    never see a later one, so they keep the clean run's vectors, and their keys and values
+    come from the clean run's cache: only positions start.. are computed, and the edits'
+    masks and vectors cover those positions only (hide: (rows, H, T - start, T)).
+    """
+    if start == 0:
+        ids = clean.ids.expand(rows, -1)
+        return _forward(stack, ids, edits, resume=(layer, clean.inputs[layer])).hidden
+    assert isinstance(stack, Decoder), "only a decoder's earlier positions are left as they were"
+    cache = stack.new_cache()
+    for n, (keys, values) in enumerate(zip(clean.keys, clean.values, strict=True)):
+        prefix = (t[:, :, :start].expand(rows, -1, -1, -1) for t in (keys, values))
+        cache.layers[n] = KVCache.holding(*prefix)
+    ids = clean.ids[:, start:].expand(rows, -1)
+    x = clean.inputs[layer][:, start:]
+    after = stack(ids, edits=edits, resume=(layer, x), cache=cache, logits=False).hidden
+    before = clean.states[None, :start].expand(rows, -1, -1)
+    return torch.cat([before, after], dim=1)
+
+
+def batches(count: int, per_row: int) -> Iterator[slice]:
+    """Slices of `count` rows, each batch within MASK_BUDGET elements at `per_row` a row."""
+    size = max(1, min(count, MASK_BUDGET // max(per_row, 1)))
+    for start in range(0, count, size):
+        yield slice(start, min(start + size, count))
+
+
+def changed(before: Tensor, after: Tensor) -> tuple[Tensor, Tensor]:
+    """1 - cosine and Euclidean distance between vectors (…, C), float64."""
+    before, after = before.double(), after.double()
+    return 1 - F.cosine_similarity(before, after, dim=-1), (after - before).norm(dim=-1)
+
+
+def layers_heads(stack, layers, heads, source: str) -> tuple[list[int], list[int]]:
+    """The layers and heads asked for (every one for None), each checked, neither empty."""
+    L, H = stack.config.num_layers, stack.config.block.num_heads
+    layers = check_indices("layer", layers, L, source)
+    heads = check_indices("head", heads, H, source)
+    if not layers or not heads:
+        raise ValueError("no layer or no head asked for; leave layers and heads out for all")
+    return layers, heads
+
+
+# ---------------------------------------------------------------------------- tokens
+
+
+@dataclass
+class Token:
+    token: str
+    id: int
+    logprob: float
+
+
+@dataclass
+class NextTokens:
+    """A decoder's next-token log-probabilities at one position, before and after a change."""
+
+    position: int
+    before: list[Token]  # the top tokens of the clean run
+    after: list[Token]  # the top tokens of the changed run
+    # the clean run's top token: its log-probability after the change minus before
+    top_change: float
+
+    def to_dict(self) -> dict:
+        return {
+            "position": self.position,
+            "before": [vars(t) for t in self.before],
+            "after": [vars(t) for t in self.after],
+            "top_change": self.top_change,
+        }
+
+
+def top_tokens(tokenizer, logprobs: Tensor, k: int = TOP) -> list[Token]:
+    values, ids = logprobs.topk(min(k, logprobs.numel()))
+    return [
+        Token(tokenizer.id_to_token(i) or str(i), i, float(v))
+        for v, i in zip(values.tolist(), ids.tolist(), strict=True)
+    ]
+
+
+def next_tokens(tokenizer, before: Tensor, after: Tensor, position: int) -> NextTokens:
+    """From logits (vocab,) of the clean and the changed run at `position`."""
+    before, after = before.double().log_softmax(-1), after.double().log_softmax(-1)
+    top = int(before.argmax())
+    change = float(after[top] - before[top])
+    return NextTokens(position, top_tokens(tokenizer, before), top_tokens(tokenizer, after), change)
+
+
+def word_span(encoded, word: str, what: str) -> tuple[int, int]:
+    """A word's token span [start, end) ("bank", "bank#2"): a word that occurs twice must
+    say which."""
+    try:
+        return encoded.find(word)
+    except ValueError as error:
+        raise ValueError(f"{what}: {error}") from None
+
+
+def grid_dict(grid: Tensor) -> list[list[float | None]]:
+    """An (L, H) grid as lists, None where it was not computed (NaN)."""
+    return [[None if v != v else float(v) for v in row] for row in grid.tolist()]

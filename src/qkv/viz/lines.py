@@ -1,0 +1,197 @@
+"""Inspection results told in plain text for people: the probe, the interventions (hide,
+ablate, patch, senses without context), the logit lens and the census of heads. What `qkv`'s
+verbs print; the numbers are the results' own (`--json` gives every one)."""
+
+from __future__ import annotations
+
+import torch
+
+from qkv.inspect.ablate import Ablated
+from qkv.inspect.census import SCORES, Census
+from qkv.inspect.hide import Hidden, Senses
+from qkv.inspect.lens import Lens
+from qkv.inspect.patch import Patched
+from qkv.inspect.probe import Probe
+from qkv.inspect.runs import NextTokens, Token
+from qkv.viz.narrate import shown
+
+
+def probe_lines(probe: Probe) -> str:
+    """Per depth: how alike the word's vectors are across sentences, and how far apart the
+    senses are (with labels)."""
+    n = len(probe.sentences)
+    others = ~torch.eye(n, dtype=torch.bool)  # pairs of different sentences
+    lines = [f'"{probe.word}" in {n} sentences; cosine similarity of its vectors:']
+    for depth, name in enumerate(probe.layers):
+        pairs = probe.similarity[depth][others]
+        line = f"  {name:>10}: mean {pairs.mean().item():.3f}, lowest {pairs.min().item():.3f}"
+        if probe.separation is not None:
+            line += (
+                f"; same sense minus different {probe.separation[depth]:+.3f}, "
+                f"sense accuracy {100 * probe.accuracy[depth]:.0f}%"
+            )
+        lines.append(line)
+    if probe.cue_head is not None:
+        layer, head, share = probe.cue_head
+        lines.append(
+            f'In layer {layer}, head {head}, "{probe.word}" attends most to the word that tells '
+            f"its sense in {100 * share:.1f}% of the sentences (the best of every layer and head)."
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- interventions
+
+
+def _next_lines(next: NextTokens | None, what: str) -> list[str]:
+    if next is None:
+        return []
+
+    def listed(tokens: list[Token]) -> str:
+        return ", ".join(f"{t.token!r} {t.logprob:.3g}" for t in tokens)
+
+    return [
+        f"next token after position {next.position} (log-probabilities):",
+        f"  as the model reads it: {listed(next.before)}",
+        f"  {what}: {listed(next.after)}",
+        f"  the first one's log-probability changed by {next.top_change:+.3g}",
+    ]
+
+
+def senses_lines(result: Senses) -> str:
+    counts = ", ".join(f"{result.labels.count(s)} {s}" for s in dict.fromkeys(result.labels))
+    return "\n".join([
+        f"'{result.word}' after the last layer, in {len(result.sentences)} sentences ({counts}):",
+        f"  with its context:         same sense minus different {result.separation:+.3f}, "
+        f"sense accuracy {result.accuracy:.0%}",
+        f"  every other word hidden:  same sense minus different "
+        f"{result.hidden_separation:+.3f}, sense accuracy {result.hidden_accuracy:.0%}",
+        "  (hidden from it in every layer and head: what is left is the word itself, its",
+        "  position and the special tokens)",
+    ])  # fmt: skip
+
+
+def hide_lines(result: Hidden, top: int = 10) -> str:
+    """The heads that carry the key into the query, largest effect first, and the total."""
+    key = result.key if isinstance(result.key, str) else ", ".join(result.key)
+    query = f"'{result.query}'" if result.query is not None else "every word"
+    lines = [
+        f"hiding '{key}' from {query} in {result.source}, in each head alone:",
+        f"the change of the final vector of {query} (1 - cosine, and distance)",
+        "  layer  head   1-cos     distance",
+    ]
+    for layer, head, effect in result.ranked()[:top]:
+        distance = float(result.distance[layer, head])
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:<8.3g}  {distance:.3g}")
+    shown = len(result.layers) * len(result.heads)
+    if shown > top:
+        lines.append(f"  ({shown - top} more heads; --json lists every one)")
+    lines.append(
+        f"hidden in all {shown} heads at once: 1 - cosine {result.total:.3g}, distance "
+        f"{result.total_distance:.3g}"
+    )
+    return "\n".join(lines + _next_lines(result.next, f"with '{key}' hidden"))
+
+
+def ablate_lines(result: Ablated, top: int = 10) -> str:
+    lines = [
+        f"{result.mode}-ablating heads of {result.source}, each alone (mean change of every "
+        "token's final vector, 1 - cosine):",
+        "  layer  head   1-cos",
+    ]
+    for layer, head, effect in result.ranked()[:top]:
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:.3g}")
+    if len(result.heads) > top:
+        lines.append(f"  ({len(result.heads) - top} more heads; --json lists every one)")
+    lines.append(f"all {len(result.heads)} heads ablated at once: 1 - cosine {result.total:.3g}")
+    return "\n".join(lines + _next_lines(result.next, "with them ablated"))
+
+
+def patch_lines(result: Patched, top: int = 10) -> str:
+    restored = result.restored(result.heads)
+    cells = sorted(
+        ((n, h) for n in range(restored.shape[0]) for h in range(restored.shape[1])),
+        key=lambda c: -abs(float(result.heads[c] - result.corrupt)),
+    )
+    lines = [
+        f"metric {result.metric}: clean {result.clean:.4f}, corrupted {result.corrupt:.4f}",
+        "head outputs of the clean run patched into the corrupted one, the largest moves:",
+        "  layer  head   metric     restored",
+    ]
+    for n, h in cells[:top]:
+        lines.append(f"  {n:>5}  {h:>4}   {float(result.heads[n, h]):+.4f}   "
+                     f"{float(restored[n, h]):+.3f}")  # fmt: skip
+    residual = result.restored(result.residual)
+    lines.append("residual stream patched after each layer, restored (rows: layers; "
+                 "columns: positions):")  # fmt: skip
+    tokens = result.clean_tokens
+    lines.append("         " + " ".join(f"{shown(t)[:7]:>7}" for t in tokens))
+    for n in range(residual.shape[0]):
+        lines.append(f"  {n:>5}  " + " ".join(f"{float(v):+7.2f}" for v in residual[n]))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- lens
+
+
+def lens_lines(found: Lens, terms: int = 10) -> str:
+    """The lens as text for people: each depth's top next tokens, then the largest direct
+    contributions to the token's logit, the rest summed, the remainder and the total."""
+    at = f"position {found.position} ({found.tokens[found.position]!r})"
+    lines = [
+        f"{found.source}, {len(found.tokens)} tokens; the next token after {at}",
+        f"logit lens: each depth's stream through the final norm and LM head; {found.token!r} "
+        "followed (rank 0: the top)",
+    ]
+    cells = [[f"{t!r} {p:.3g}" for t, p in zip(tokens, probs, strict=True)]
+             for tokens, probs in zip(found.top_tokens, found.top_probs, strict=True)]  # fmt: skip
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    name_width = max(len(name) for name in found.layers)
+    for depth, name in enumerate(found.layers):
+        row = "  ".join(cell.ljust(w) for cell, w in zip(cells[depth], widths, strict=True))
+        lines.append(f"  {name:<{name_width}}  {row}  | rank {found.rank[depth]}, "
+                     f"log-prob {found.logprob[depth]:.3g}")  # fmt: skip
+    attribution = found.attribution
+    if attribution is None:
+        return "\n".join(lines)
+    ranked = attribution.terms()
+    shown, rest = ranked[:terms], ranked[terms:]
+    lines += ["", f"direct logit attribution of {attribution.token!r} at {at}, "
+              f"logit {attribution.logit:.4f}; the largest terms first:"]  # fmt: skip
+    lines += [f"  {value:+10.4f}  {name}" for name, value in shown]
+    if rest:
+        lines.append(f"  {sum(v for _, v in rest):+10.4f}  the other {len(rest)} terms")
+    lines.append(f"  {attribution.remainder:+10.4f}  the final norm's remainder (its shift and "
+                 "the LM head's bias)")  # fmt: skip
+    lines.append(f"  {attribution.total:10.4f}  total = the logit")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- census
+
+
+_MEANING = {
+    "previous_token": "previous token (weight on key i-1)",
+    "induction": "induction (repeated random tokens: key i-n+1)",
+    "first_token": "first token (weight on key 0: a sink)",
+    "self": "self (weight on key i)",
+    "entropy": "entropy (nats; lowest first: most focused)",
+    "window_use": "window use (distance / farthest key seen)",
+}
+
+
+def census_lines(census: Census, k: int = 5) -> str:
+    """The census for people: the top k heads of each score, then each layer's first-token
+    mass (the mean over its heads) with a bar."""
+    L, H = census.previous_token.shape
+    lines = [f"{census.source}: {L} layers x {H} heads (counted from 0), each score the mean "
+             "over queries i >= 1", "", "top heads, as L(ayer) H(ead) score:"]  # fmt: skip
+    width = max(len(text) for text in _MEANING.values())
+    for name in SCORES:
+        top = census.top(name, k)
+        cells = "   ".join(f"L{layer} H{head} {score:.3f}" for layer, head, score in top)
+        lines.append(f"  {_MEANING[name]:<{width}}  {cells or '(no layer has a window)'}")
+    lines += ["", "first-token mass per layer (attention sinks):"]
+    for layer, mass in enumerate(census.sink_per_layer.tolist()):
+        lines.append(f"  layer {layer:>2}  {mass:.3f}  {'#' * round(mass * 40)}")
+    return "\n".join(lines)

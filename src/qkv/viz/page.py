@@ -1,0 +1,104 @@
+"""The one page builder: the interactive page of a text's attention, from its `Attentions`.
+
+`qkv show`, `qkv.hf`'s `write_page` and the notebook all build the page here, so that each
+gets the same page for the same text: the weights, each token as people read it (`pieces`),
+and, where the records allow (`qkv.inspect.records.why_not_redone`), the q, k, v vectors and
+each layer's score rules that let the page redo a clicked pair.
+
+Example, with a real model::
+
+    seen = qkv.load("minilm").attentions("The bank on the side of the river")
+    write_attention_page("bank.html", seen, title="bank")   # or a report folder
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from qkv.inspect.records import why_not_redone
+from qkv.io.files import write_atomically
+from qkv.viz.page_vectors import page_trace
+from qkv.viz.report import check_new_folder, render_page, report_folder
+
+
+def attention_page(
+    seen,
+    *,
+    title: str,
+    text: str | None = None,
+    extra: dict | None = None,
+    head: tuple[int, int] | None = None,
+    query: int | None = None,
+    bias_is_distance: bool = False,
+    trace: bool = True,
+    max_bytes: int | None = None,
+) -> bytes:
+    """The page (UTF-8 HTML) of `seen`: an `Attentions` (`weights`, `pieces`, `records`,
+    `layers`, `heads`, `causal`, `scale`, `query_tokens`), self-attention over one text or an
+    encoder-decoder's cross-attention (target tokens down, source tokens across).
+
+    The page redoes a clicked pair from the records' q, k, v where `why_not_redone` allows it
+    and the layers share one scale; trace=False leaves the vectors out. bias_is_distance: the
+    layers' score bias is T5's relative positions (the page says so). `extra` (a JSON-able
+    dict shown as a list) is, by default, which of the model's layers and heads the page holds
+    when it is not all of them. max_bytes: where the page with the vectors is larger, it is
+    made without them. title, text, head and query as `render_page` takes them.
+    """
+    cross = seen.query_tokens is not None
+    scale = _one_scale(seen)
+    vectors = scores = None
+    if trace and scale is not None and why_not_redone(seen.records, cross=cross) is None:
+        vectors, scores = page_trace(seen.records, bias_is_distance=bias_is_distance, cross=cross)
+        heads = list(seen.heads)  # the heads shown, of every head a record holds
+        vectors = [array[:, heads] for array in vectors]  # 3 x (L', H', T, D)
+        scores = [s if s.bias is None else dataclasses.replace(s, bias=s.bias[heads])
+                  for s in scores]  # fmt: skip
+    common = dict(
+        title=title, text=text, extra=subset_note(seen) if extra is None else extra, head=head,
+        query=query, causal=seen.causal, query_tokens=seen.query_tokens,
+    )  # fmt: skip
+    page = render_page(seen.weights, seen.pieces, vectors=vectors, scale=scale, scores=scores,
+                       **common)  # fmt: skip
+    if max_bytes is not None and len(page) > max_bytes and vectors is not None:
+        page = render_page(seen.weights, seen.pieces, **common)  # the weights alone, then
+    return page
+
+
+def write_attention_page(out: str | Path, seen, **options) -> Path:
+    """`attention_page(seen, **options)` written as one file where `out` ends in .html or
+    .htm, as a report folder otherwise (index.html beside model_view.png and the first head's
+    PNG, `write_report`'s folder). All or nothing. Returns `out`."""
+    out = Path(out)
+    if out.suffix.lower() in (".html", ".htm"):
+        page = attention_page(seen, **options)
+        write_atomically(out, lambda file: file.write(page))
+        return out
+    check_new_folder(out)
+    page = attention_page(seen, **options)
+    return report_folder(out, page, seen.weights, seen.pieces, head=options.get("head"),
+                         query_tokens=seen.query_tokens)  # fmt: skip
+
+
+def subset_note(seen) -> dict | None:
+    """The page counts the layers and heads it holds from 0: say which of the model's they are
+    when they are not all of them."""
+    H = next(iter(seen.records.values())).shape.H
+    layers, heads = seen.layers, list(seen.heads)
+    if layers == list(range(len(layers))) and heads == list(range(H)):
+        return None
+    return {
+        "layers shown": layers,
+        "heads shown": heads,
+        "counting": "this page counts the layers and heads it holds from 0: its layer i is "
+        "the model's layer 'layers shown'[i], its head j the model's 'heads shown'[j]",
+    }
+
+
+def _one_scale(seen) -> float | None:
+    """The one scale of every layer's dot products; None where they differ, and the page,
+    which takes one, is then written without the vectors."""
+    try:
+        return float(seen.scale)
+    except ValueError:  # the layers differ in scale: the page can only take one
+        return None
