@@ -6,44 +6,38 @@
 torch.Size([1, 2, 5, 8])
 """
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib import import_module
 
 from qkv.attention import attend, explain_choice
-
-try:
-    __version__ = version("qkv")
-except PackageNotFoundError:  # running from a source tree with PYTHONPATH=src
-    __version__ = "0.0.0+source"
+from qkv.inspect import views
+from qkv.version import __version__
 
 __all__ = [
     "Pretrained", "__version__", "ablate", "attend", "explain_choice", "heads", "hide", "lens",
     "load", "patch", "trace",
 ]  # fmt: skip
 
-# interventions: "what if" asked of the model
-_INTERVENTIONS = {"hide": "hide", "ablate": "ablate", "patch": "patch"}
+# The public names past `attend`, each in the module that defines it: a model loaded with its
+# tokenizer, the article's steps for one word pair (trace), the interventions that ask the
+# model "what if" (hide, ablate, patch), the logit lens and the census of heads.
+_DEFINED_IN = {
+    "load": "qkv.pretrained", "Pretrained": "qkv.pretrained", "trace": "qkv.inspect.trace",
+    "hide": "qkv.inspect.hide", "ablate": "qkv.inspect.ablate", "patch": "qkv.inspect.patch",
+    "lens": "qkv.inspect.lens", "heads": "qkv.inspect.census",
+}  # fmt: skip
+
+# How each result of qkv.inspect shows itself (`repr`, and `_repr_html_` in a notebook): the
+# module of qkv.viz that draws each view. inspect sits below viz and cannot name it; this
+# package sits above both (qkv.inspect.views says how the two meet).
+views.DRAWN_BY.update(
+    {name: "qkv.viz.notebook" for name in ("attentions", "generation", "probe", "trace")}
+    | {name: "qkv.viz.notebook_interventions"
+       for name in ("ablated", "census", "hidden", "lens", "patched")}
+)  # fmt: skip
 
 
 def __getattr__(name: str):
-    # `import qkv` needs only torch; loading pretrained models pulls in more, on first use
-    if name in ("load", "Pretrained"):
-        from qkv import pretrained
-
-        return getattr(pretrained, name)
-    if name == "trace":  # the article's steps for one word pair of a real model
-        from qkv.inspect.trace import trace
-
-        return trace
-    if name in _INTERVENTIONS:
-        from importlib import import_module
-
-        return getattr(import_module(f"qkv.inspect.{_INTERVENTIONS[name]}"), name)
-    if name == "lens":  # the logit lens and direct logit attribution (decoders)
-        from qkv.inspect.lens import lens
-
-        return lens
-    if name == "heads":  # the census of heads
-        from qkv.inspect.census import heads
-
-        return heads
+    # `import qkv` needs only torch: a model's loaders and tokenizers load on first use
+    if name in _DEFINED_IN:
+        return getattr(import_module(_DEFINED_IN[name]), name)
     raise AttributeError(f"module 'qkv' has no attribute {name!r}")

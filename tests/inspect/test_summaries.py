@@ -193,10 +193,9 @@ LONG_TEXT = " ".join(["The bank of the river was wide and deep, and we sat on it
 def no_full_weights(monkeypatch, smollm2):
     """`Attentions.weights` (L, H, T, T) is never asked for; `qkv show -m smollm2` reads the
     session's SmolLM2 rather than loading its own."""
-    import qkv
     from qkv.inspect.attentions import Attentions
 
-    monkeypatch.setattr(qkv, "load", lambda name, backend=None: smollm2)
+    monkeypatch.setattr("qkv.pretrained.load", lambda name, backend=None: smollm2)
 
     def refuse(self):
         raise AssertionError("the (L, H, T, T) weights of a long text were computed")

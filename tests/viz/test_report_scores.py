@@ -13,7 +13,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import qkv
 from qkv.cli import app
 from qkv.inspect.records import why_not_redone
 from qkv.models import EncoderConfig
@@ -30,7 +29,7 @@ def page_data(path) -> dict:
 
 def test_qkv_show_gives_the_page_each_layers_window_and_cap(tmp_path, monkeypatch):
     model = tiny(gemma2_like())
-    monkeypatch.setattr(qkv, "load", lambda name, backend=None: model)
+    monkeypatch.setattr("qkv.pretrained.load", lambda name, backend=None: model)
     out = tmp_path / "gemma2.html"
     result = CliRunner().invoke(app, ["show", TEXT, "--model", "tiny", "--out", str(out)])
     assert result.exit_code == 0, result.output

@@ -44,9 +44,9 @@ def _indented(text: str) -> str:
 
 def article_walk(out: Path) -> Iterator[str]:
     """Yield the demo's sections one by one (so a terminal shows each as it is ready)."""
-    from qkv import load
     from qkv.inspect.probe import probe
     from qkv.inspect.trace import trace
+    from qkv.pretrained import load
     from qkv.viz.lines import probe_lines
     from qkv.viz.narrate import contributions, heads_and_layers, narrate, tokens_line
 

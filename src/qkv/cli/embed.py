@@ -18,7 +18,7 @@ def embed(
     backend: Backend = None,
 ) -> None:
     """Sentence vectors; shown as their cosine similarities, or as JSON lines."""
-    from qkv import load
+    from qkv.pretrained import load
 
     with user_errors():
         vectors = load(model, backend=backend).embed(sentences)

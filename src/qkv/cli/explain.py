@@ -29,8 +29,8 @@ def explain(
     backend: Backend = None,
 ) -> None:
     """The article's steps for QUERY getting context from KEY in TEXT, with real numbers."""
-    from qkv import load
     from qkv.inspect.trace import trace
+    from qkv.pretrained import load
     from qkv.viz.narrate import contributions, heads_and_layers, narrate, tokens_line
 
     with user_errors():
@@ -64,9 +64,9 @@ def probe(
     ] = False,
 ) -> None:
     """How context separates the senses of WORD across sentences, layer by layer."""
-    from qkv import load
     from qkv.inspect.probe import probe as run_probe
     from qkv.inspect.sentences_file import read_sentences
+    from qkv.pretrained import load
     from qkv.viz.lines import probe_lines
     from qkv.viz.plots import probe_plot
 

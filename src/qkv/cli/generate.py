@@ -48,7 +48,7 @@ def generate(
     ] = None,
 ) -> None:
     """Continue PROMPT with a pretrained decoder, printing tokens as they come."""
-    from qkv import load
+    from qkv.pretrained import load
 
     with user_errors(attention):
         if not prompt.strip():

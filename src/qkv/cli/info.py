@@ -14,9 +14,9 @@ def version() -> None:
     """Print qkv's version and the torch it runs on."""
     import torch
 
-    import qkv
+    from qkv.version import __version__
 
-    typer.echo(f"qkv {qkv.__version__} (torch {torch.__version__})")
+    typer.echo(f"qkv {__version__} (torch {torch.__version__})")
 
 
 GEMM_NAMES = {"onednn": "oneDNN", "blas": "torch's BLAS"}

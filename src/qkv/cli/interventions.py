@@ -34,9 +34,9 @@ def hide(
     backend: Backend = None,
 ) -> None:
     """Which heads carry KEY into QUERY: hide it in each head alone, then in all at once."""
-    from qkv import load
     from qkv.attention.index_text import parse_indices
     from qkv.inspect.hide import hide as run_hide
+    from qkv.pretrained import load
     from qkv.viz.lines import hide_lines
 
     with user_errors(out):
@@ -73,10 +73,10 @@ def ablate(
     backend: Backend = None,
 ) -> None:
     """What each head does to TEXT: ablate it alone (zero or mean), then all chosen at once."""
-    from qkv import load
     from qkv.attention.index_text import parse_indices
     from qkv.attention.inputs import check_indices
     from qkv.inspect.ablate import ablate as run_ablate
+    from qkv.pretrained import load
     from qkv.viz.lines import ablate_lines
 
     with user_errors(out):
@@ -115,8 +115,8 @@ def patch(
 ) -> None:
     """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
     the next token: which parts of the model carry the difference."""
-    from qkv import load
     from qkv.inspect.patch import patch as run_patch
+    from qkv.pretrained import load
     from qkv.viz.lines import patch_lines
 
     with user_errors(out):

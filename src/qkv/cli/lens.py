@@ -30,8 +30,8 @@ def lens(
 ) -> None:
     """A decoder's next-token prediction after each layer (the logit lens), and each head's
     and MLP's direct contribution to the token's logit."""
-    from qkv import load
     from qkv.inspect.lens import lens as run_lens
+    from qkv.pretrained import load
     from qkv.viz.lines import lens_lines
 
     with user_errors():
@@ -53,8 +53,8 @@ def heads_census(
 ) -> None:
     """A census of the model's heads: previous-token, induction, first-token (sink), self,
     entropy and window use on built-in prompts; the top heads and each layer's sink mass."""
-    from qkv import load
     from qkv.inspect.census import heads
+    from qkv.pretrained import load
     from qkv.viz.lines import census_lines
     from qkv.viz.plots import census_plot
 

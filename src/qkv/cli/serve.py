@@ -28,8 +28,8 @@ def serve(
     quiet: Annotated[bool, typer.Option(help="no request log")] = False,
 ) -> None:
     """The attention explorer: a local web page and its JSON API (/docs), until Ctrl-C."""
-    from qkv import load
     from qkv.io.embedded import EMBEDDED
+    from qkv.pretrained import load
 
     with user_errors():
         try:

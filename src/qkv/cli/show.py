@@ -53,7 +53,7 @@ def show(
     full resolution. With --transformers, MODEL (a folder or hub id) is loaded by transformers
     and run on qkv's attention (qkv.hf), so families qkv does not implement show too.
     """
-    from qkv import load
+    from qkv.pretrained import load
     from qkv.viz.show import LONG, draw_attention
 
     def untraced(why: str) -> None:

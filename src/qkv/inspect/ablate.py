@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -26,6 +26,7 @@ from qkv.inspect.runs import (
     run,
     stack_of,
 )
+from qkv.inspect.views import Shown
 from qkv.models import Decoder
 from qkv.nn.edit import Edit
 
@@ -42,14 +43,16 @@ REFERENCE = (
 )
 
 
-@dataclass
-class Ablated:
+@dataclass(repr=False)
+class Ablated(Shown):
     """Heads ablated: their outputs replaced by zeros or by their mean over reference texts.
 
     `states` has every head asked ablated at once, `clean_states` none. `effect` (L, H) is
     each head ablated alone: the mean over every token of 1 - cosine between its final
     vector with and without (NaN for heads not asked); `total` the same with all at once.
     """
+
+    view: ClassVar[str] = "ablated"  # drawn by qkv.viz.notebook_interventions
 
     source: str
     text: str
@@ -81,17 +84,6 @@ class Ablated:
             "next": None if self.next is None else self.next.to_dict(),
             "next_by_head": None if self.next_by_head is None else grid_dict(self.next_by_head),
         }
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook_interventions import ablated_repr
-
-        return ablated_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook_interventions import ablated_html
-
-        return ablated_html(self)
 
 
 def head_pairs(stack, heads, source: str) -> list[tuple[int, int]]:

@@ -7,23 +7,27 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention.eager import compute_dtype, weights_into
+from qkv.inspect.views import Shown
 from qkv.models import Decoder, Encoder
 from qkv.nn import AttentionRecord
 
 
-@dataclass(eq=False)
-class Attentions:
+@dataclass(eq=False, repr=False)
+class Attentions(Shown):
     """One forward pass over one text, and what the attention of each layer asked computed.
 
     Or an encoder-decoder's cross-attention, from a target text's tokens (the queries) to the
     source text's (the keys). Every number is read from the layers' records (AttentionRecord):
     q, k, v, mask and scale as the model's backend received them.
     """
+
+    view: ClassVar[str] = "attentions"  # drawn by qkv.viz.notebook
 
     records: dict[int, AttentionRecord]  # layer -> what its attention computed
     tokens: list[str]  # the key tokens: the text's, the source's for cross-attention
@@ -106,17 +110,6 @@ class Attentions:
             ks.append(record.k[0].repeat_interleave(group, dim=0))  # query head h reads h // group
             vs.append(record.v[0].repeat_interleave(group, dim=0))
         return torch.stack(qs), torch.stack(ks), torch.stack(vs)
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook import attentions_repr
-
-        return attentions_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import attentions_html
-
-        return attentions_html(self)
 
 
 MADE_MAX_BYTES = 2**31  # the most `attentions(weights=None)` makes in the forward pass

@@ -29,10 +29,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from qkv.inspect.views import Shown
 from qkv.models import Decoder, self_attention_stack
 
 # Short natural sentences: previous-token, sink, self, entropy and window use are read here.
@@ -48,9 +50,11 @@ SCORES = ("previous_token", "induction", "first_token", "self", "entropy", "wind
 FLOW_MAX_TOKENS = 16  # flow is T^2 max-flows over an (L+1) x T graph: 16 tokens take seconds
 
 
-@dataclass
-class Census:
+@dataclass(repr=False)
+class Census(Shown):
     """Per (layer, head) scores (L, H), float64, layers and heads counted from 0."""
+
+    view: ClassVar[str] = "census"  # drawn by qkv.viz.notebook_interventions
 
     source: str
     prompts: list[str]  # the sentences, or "ids 0", "ids 1", ... for token ids given directly
@@ -122,17 +126,6 @@ class Census:
                 for name in SCORES
             },
         }
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook_interventions import census_repr
-
-        return census_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook_interventions import census_html
-
-        return census_html(self)
 
 
 def heads(

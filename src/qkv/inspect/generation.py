@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -17,6 +18,7 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.generate import Sampling, continuations, decode_steps
 from qkv.inspect import summaries
+from qkv.inspect.views import Shown
 from qkv.nn import AttentionRecord
 
 # The most bytes of weights `Pretrained.generate(record=...)` may keep: the prompt's rows
@@ -178,8 +180,8 @@ class GenerationSummaries:
         return GenerationSummaries(*(column[:, :, :rows] for column in kept))
 
 
-@dataclass(eq=False)
-class GenerationAttention:
+@dataclass(eq=False, repr=False)
+class GenerationAttention(Shown):
     """A generation and the attention it ran on, read from the layers' records as it decoded.
 
     The final sequence is the prompt's P tokens, then every token generated up to the end of
@@ -193,6 +195,8 @@ class GenerationAttention:
     one forward pass: it equals, to float rounding, one forward pass over the final sequence
     without its last token, which the model chose but never read.
     """
+
+    view: ClassVar[str] = "generation"  # drawn by qkv.viz.notebook
 
     text: str
     ids: list[int]  # (T,) the final sequence: the prompt's tokens, then the generated ones
@@ -256,16 +260,6 @@ class GenerationAttention:
                 "prompt": self.prompt.tolist(),
                 "rows": [self.row(j).tolist() for j in range(self.generated)]}),
         }  # fmt: skip
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook import generation_repr
-
-        return generation_repr(self)
-
-    def _repr_html_(self) -> str:
-        from qkv.viz.notebook import generation_html
-
-        return generation_html(self)
 
 
 def generate_recorded(

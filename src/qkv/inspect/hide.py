@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +38,13 @@ from qkv.inspect.runs import (
     stack_of,
     word_span,
 )
+from qkv.inspect.views import Shown
 from qkv.models import Decoder
 from qkv.nn.edit import Edit
 
 
-@dataclass
-class Hidden:
+@dataclass(repr=False)
+class Hidden(Shown):
     """What changes when a key word is hidden from a query word (or from every word).
 
     `states` and `clean_states` are every token's final vector (T, C) with the key hidden
@@ -52,6 +54,8 @@ class Hidden:
     not asked. `distance` is the same as a Euclidean distance; `total` and `total_distance`
     the change with the key hidden everywhere asked at once.
     """
+
+    view: ClassVar[str] = "hidden"  # drawn by qkv.viz.notebook_interventions
 
     source: str
     text: str
@@ -98,17 +102,6 @@ class Hidden:
             "next": None if self.next is None else self.next.to_dict(),
             "next_by_head": None if self.next_by_head is None else grid_dict(self.next_by_head),
         }
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook_interventions import hidden_repr
-
-        return hidden_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook_interventions import hidden_html
-
-        return hidden_html(self)
 
 
 def hide_mask(

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from qkv.inspect.views import Shown
 from qkv.models import Decoder, DecoderOutput
 from qkv.nn import RMSNorm
 
@@ -89,13 +91,15 @@ class Attribution:
         }
 
 
-@dataclass
-class Lens:
+@dataclass(repr=False)
+class Lens(Shown):
     """Each depth's next-token prediction at one position, and the attribution of a token.
 
     Depth d is `layers[d]`: depth 0 is the embeddings, depth i + 1 the output of layer i
     (layers count from 0); the last depth is the model's own prediction.
     """
+
+    view: ClassVar[str] = "lens"  # drawn by qkv.viz.notebook_interventions
 
     source: str
     tokens: list[str]  # the text's tokens
@@ -129,17 +133,6 @@ class Lens:
             "logprob": list(self.logprob),
             "attribution": None if self.attribution is None else self.attribution.to_dict(),
         }
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook_interventions import lens_repr
-
-        return lens_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook_interventions import lens_html
-
-        return lens_html(self)
 
 
 def lens(

@@ -9,7 +9,7 @@ of a table resumed from the patched layer and batched (`qkv.inspect.runs`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -24,6 +24,7 @@ from qkv.inspect.runs import (
     stack_of,
     top_tokens,
 )
+from qkv.inspect.views import Shown
 from qkv.models import Decoder
 from qkv.nn.edit import Edit
 
@@ -89,8 +90,8 @@ class Metric:
         return f"p({self.tokens[0]!r})"
 
 
-@dataclass
-class Patched:
+@dataclass(repr=False)
+class Patched(Shown):
     """Activation patching: the clean run's activations copied, one at a time, into the
     corrupted run, and the metric of the corrupted run's next token measured.
 
@@ -99,6 +100,8 @@ class Patched:
     `corrupt` are the metric unpatched; `restored(grid)` is (metric - corrupt) / (clean -
     corrupt): 1 where a patch restores the clean metric, 0 where it changes nothing.
     """
+
+    view: ClassVar[str] = "patched"  # drawn by qkv.viz.notebook_interventions
 
     source: str
     clean_text: str
@@ -141,17 +144,6 @@ class Patched:
             "clean_next": [vars(t) for t in self.clean_next],
             "corrupt_next": [vars(t) for t in self.corrupt_next],
         }
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook_interventions import patched_repr
-
-        return patched_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook_interventions import patched_html
-
-        return patched_html(self)
 
 
 def patch(pretrained, clean: str, corrupt: str, metric) -> Patched:

@@ -22,23 +22,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from qkv.data import bank_corpus
 from qkv.inspect.bank_sentences import LABELS, SENTENCES
+from qkv.inspect.views import Shown
 from qkv.io.words import parse_word
 from qkv.models import Decoder, self_attention_stack
 
 
-@dataclass
-class Probe:
+@dataclass(repr=False)
+class Probe(Shown):
     """The vectors of one word across sentences, at the embeddings and after every layer.
 
     Depth d is `layers[d]`: depth 0 is the embeddings (before any attention), depth i + 1
     the output of layer i (layers count from 0).
     """
+
+    view: ClassVar[str] = "probe"  # drawn by qkv.viz.notebook
 
     word: str  # as asked, e.g. "bank" or "bank#2"
     sentences: list[str]
@@ -79,17 +83,6 @@ class Probe:
             if self.cue_head is None
             else dict(zip(("layer", "head", "share"), self.cue_head, strict=True)),
         }
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook import probe_repr
-
-        return probe_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import probe_html
-
-        return probe_html(self)
 
 
 def probe(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -20,6 +21,7 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
 from qkv.inspect.records import why_not_redone
+from qkv.inspect.views import Shown
 from qkv.models import Decoder, Encoder, EncoderDecoder
 
 
@@ -67,9 +69,11 @@ class Contribution:
     size: float  # the norm of weight * value vector after the output projection
 
 
-@dataclass
-class Trace:
+@dataclass(repr=False)
+class Trace(Shown):
     """Every step of the article for one query word, one key word, one layer and head."""
+
+    view: ClassVar[str] = "trace"  # drawn by qkv.viz.notebook
 
     source: str
     text: str
@@ -126,17 +130,6 @@ class Trace:
             out[name] = value.tolist() if isinstance(value, Tensor) else value
         out["weight"] = self.weight
         return out
-
-    def __repr__(self) -> str:
-        from qkv.viz.notebook import trace_repr
-
-        return trace_repr(self)
-
-    def _repr_html_(self) -> str:
-        """How Jupyter shows it (see qkv.viz.notebook): self-contained, nothing fetched."""
-        from qkv.viz.notebook import trace_html
-
-        return trace_html(self)
 
 
 def trace(

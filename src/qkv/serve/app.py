@@ -27,12 +27,13 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-# the facade's, where qkv's version is read (importlib.metadata, or "+source" in a checkout)
-from qkv import __version__
 from qkv.serve.api import router
 from qkv.serve.held import Served, served_models
 from qkv.serve.limits import BodyLimit, Busy, Limits, NotComputed, TimedOut, TooLarge
 from qkv.serve.schemas import with_limits
+
+# the facade's, where qkv's version is read (importlib.metadata, or "+source" in a checkout)
+from qkv.version import __version__
 
 log = logging.getLogger("qkv.serve")
 STATIC = files("qkv.serve") / "static"

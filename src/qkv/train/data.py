@@ -10,8 +10,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qkv.data import (
+    TokenShards,
+    bank_corpus,
+    bank_vocabulary,
+    seq2seq_corpus,
+    task_symbols,
+    train_tokenizer,
+    word_tokenizer,
+    write_shards,
+)
 from qkv.io.files import write_folder_atomically
 from qkv.io.run_config import RunConfig
+from qkv.io.tokenizer import Tokenizer
 from qkv.train.batches import Examples
 
 TOKENIZER_STYLE = {"gpt2": "gpt", "llama": "gpt", "bert": "bert", "bart": "bart"}
@@ -24,13 +35,9 @@ SENSES = ("river", "money", "untold")
 
 def prepare(config: RunConfig, run: Path, dist):
     """(tokenizer, train data, validation data) for the run; see Batches for their types."""
-    from qkv.io.tokenizer import Tokenizer
-
     data = config.data
     folder = run / "tokenizer"
     if data.kind == "text":
-        from qkv.data import TokenShards, train_tokenizer, write_shards
-
         if dist.main and not (run / "data" / "shards.json").exists():
             tokenizer = train_tokenizer(list(data.paths), kind=data.tokenizer,
                                         vocab_size=data.vocab_size)  # fmt: skip
@@ -62,8 +69,6 @@ def prepare(config: RunConfig, run: Path, dist):
 
 
 def _generated(config: RunConfig):
-    from qkv.data import bank_corpus, bank_vocabulary, seq2seq_corpus, task_symbols, word_tokenizer
-
     data, seed = config.data, config.train.seed
     style = TOKENIZER_STYLE[config.model.arch]
     if data.kind == "bank":
