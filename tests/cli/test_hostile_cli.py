@@ -208,10 +208,10 @@ def test_a_bug_in_qkv_keeps_its_traceback(tmp_path):
     """Not every RuntimeError is the user's: one that is not about memory is a bug in qkv
     and must show where it happened."""
     (tmp_path / "sitecustomize.py").write_text(
-        "import qkv\n"
+        "import qkv.pretrained\n"
         "def load(*args, **kwargs):\n"
         "    raise RuntimeError('a bug in qkv')\n"
-        "qkv.load = load\n"
+        "qkv.pretrained.load = load\n"
     )
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     result = run_qkv("embed", "hi", cwd=tmp_path, env={"PYTHONPATH": path})
