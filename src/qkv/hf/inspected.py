@@ -22,12 +22,11 @@ from transformers import AutoModel, AutoTokenizer
 from qkv.attention.inputs import check_indices
 from qkv.hf.backend import NAME, check, keep
 from qkv.inspect.attentions import Attentions, check_weights_option
-from qkv.inspect.records import why_not_redone as untraceable
 from qkv.inspect.trace import Layout, trace
 from qkv.io.tokenizer import Tokenizer
 from qkv.io.words import Encoded
-from qkv.viz import write_html
-from qkv.viz.page_vectors import page_trace
+from qkv.viz.page import write_attention_page
+from qkv.viz.paths import html_path
 
 # where transformers' attention modules keep their output projection, (C, H * D) as a Linear
 OUTPUT_PROJECTIONS = ("o_proj", "out_proj", "dense", "c_proj")
@@ -159,14 +158,9 @@ class Inspected:
 
     def write_page(self, text: str, path: str | Path, **options) -> Path:
         """The interactive page of `qkv show` for `text`, with a clicked pair's steps redone
-        from the records (`qkv.viz.write_html`); options as write_html takes them."""
-        seen = self.attentions(text)
-        vectors = scores = None
-        if untraceable(seen.records) is None:
-            vectors, scores = page_trace(seen.records)
+        from the records (`qkv.viz.page.write_attention_page`, whose options it takes)."""
         options = {"title": f"{self.source}: {text[:60]}", "text": text, **options}
-        return write_html(path, seen.weights, seen.tokens, vectors=vectors, causal=seen.causal,
-                          scale=seen.scale, scores=scores, **options)  # fmt: skip
+        return write_attention_page(html_path(path), self.attentions(text), **options)
 
 
 def inspect(model: nn.Module, tokenizer, *, source: str | None = None) -> Inspected:

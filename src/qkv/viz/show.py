@@ -19,12 +19,12 @@ from torch import nn
 from qkv import viz
 from qkv.attention.index_text import parse_indices
 from qkv.attention.inputs import check_indices
-from qkv.inspect.records import why_not_redone as untraceable
+from qkv.inspect.records import why_not_redone
 from qkv.inspect.summaries import region as region_of
 from qkv.inspect.summaries import summarize
 from qkv.models import Decoder, Encoder
 from qkv.viz.long import downsampled_grid, downsampled_heatmap, summary_page
-from qkv.viz.page_vectors import page_trace
+from qkv.viz.page import write_attention_page
 
 LONG = 512  # tokens beyond which `show` draws summaries rather than every weight
 
@@ -63,7 +63,6 @@ def draw_attention(
         if value is not None:
             check_indices(what, [value], most, name)
     chosen = (layer or 0, head or 0) if layer is not None or head is not None else None
-    common = {"title": f"{name}: {text[:60]}", "text": text, "head": chosen}
     if out.suffix.lower() == ".png" and (layers or heads):
         viz.model_view(seen.weights, seen.pieces, out,
                        layers=parse_indices(layers, "layers", L, name),
@@ -76,20 +75,19 @@ def draw_attention(
                          title=f"{name}{kind} L{lh[0]} H{lh[1]}",
                          query_tokens=seen.query_tokens)  # fmt: skip
     else:  # a page, which traces a clicked pair from the q, k, v vectors
-        vectors = scores = None
-        why = untraceable(seen.records, cross=cross)  # cross: the decoder's q over the encoder's
-        if why is not None:  # the page would redo the pairs without it: wrong numbers
-            if untraced is not None:
-                untraced(why)
-        elif cross:
-            vectors, scores = page_trace(seen.records, cross=True)
-        elif transformers or isinstance(model, Encoder | Decoder):
-            relative = getattr(model.config, "position", None) == "relative"
-            vectors, scores = page_trace(seen.records, bias_is_distance=relative)
-        write = viz.write_html if out.suffix.lower() in (".html", ".htm") else viz.write_report
-        write(out, seen.weights, seen.pieces, vectors=vectors, causal=seen.causal,
-              scale=seen.scale, scores=scores, query_tokens=seen.query_tokens,
-              **common)  # fmt: skip
+        why = why_not_redone(seen.records, cross=cross)  # cross: the decoder's q over the encoder's
+        if why is not None and untraced is not None:  # the page would redo pairs wrongly
+            untraced(why)
+        relative = getattr(getattr(model, "config", None), "position", None) == "relative"
+        write_attention_page(
+            out,
+            seen,
+            title=f"{name}: {text[:60]}",
+            text=text,
+            head=chosen,
+            bias_is_distance=relative and not cross,
+            trace=cross or transformers or isinstance(model, Encoder | Decoder),
+        )
 
 
 def _draw_long(seen, out: Path, name: str, text: str, layers, heads, layer, head, region):
