@@ -33,9 +33,9 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from qkv.attention import attend, attention_weights, explain_choice, flash
-from qkv.attention.eager import attend_into, compute_dtype, takes_into, weights_into
-from qkv.attention.inputs import allowed_keys, check_indices, with_window
+from qkv.attention import attend, attend_for_record, attention_weights, explain_choice
+from qkv.attention.eager import compute_dtype, takes_into, weights_into
+from qkv.attention.inputs import allowed_keys, check_indices
 from qkv.attention.registry import resolve_backend
 from qkv.hf.refusals import (
     EAGER,
@@ -239,7 +239,9 @@ def attention(
         # output, a block of queries at a time, rather than after a fused kernel's pass
         weights = query.new_empty(query.shape[1:3] + key.shape[2:3],
                                   dtype=compute_dtype(query.dtype))  # fmt: skip
-        out = attend_into(weights, query, key, value, scale=scale)
+        attended = attend_for_record(query, key, value, weights=weights, **variants)
+        assert attended.made is weights  # `_together` asked eager's `takes_into` first
+        out = attended.out
         weights = weights[None].to(query.dtype)
         if record:
             kept.records[layer] = AttentionRecord(query, key, value, out, None, True, scale,
@@ -250,14 +252,10 @@ def attention(
         name = backend
         if name == "auto":  # the record names the backend that ran
             name = explain_choice(query, key, value, **variants).backend
-        lse = None
-        if name == "flash" and softcap is None and bias is None:
-            # the kernel's log-sum-exp turns q and k into any head's weights directly
-            windowed = with_window(mask, window, causal, Tq, key.shape[2], query.device)
-            out, lse = flash.flash_attention(query, key, value, mask=windowed, causal=causal,
-                                             scale=scale)  # fmt: skip
-        else:
-            out = attend(query, key, value, backend=name, **variants)
+        # with the log-sum-exp of a backend that makes one (flash): it turns q and k into any
+        # head's weights directly
+        attended = attend_for_record(query, key, value, backend=name, **variants)
+        out, lse = attended.out, attended.lse
         seen = AttentionRecord(query, key, value, out, mask, causal, scale, name, lse,
                                window=window, softcap=softcap, bias=bias)  # fmt: skip
         weights = _weights(seen, heads).to(query.dtype) if asked else None
@@ -364,9 +362,9 @@ def _collector() -> dict | None:
 
 def _together(query, key, value, asked, heads, backend: str, variants: dict) -> bool:
     """Whether a call's output and every head's weights are made together by eager's
-    arithmetic (`attend_into`): asked for, one causal sequence with no mask, window,
-    soft-cap or bias, on the CPU under "auto" (whose fused kernel would be sdpa's), with no
-    gradient to keep."""
+    arithmetic (`attend_for_record` with `weights=`): asked for, one causal sequence with no
+    mask, window, soft-cap or bias, on the CPU under "auto" (whose fused kernel would be
+    sdpa's), with no gradient to keep."""
     variants = {name: setting for name, setting in variants.items() if name != "scale"}
     return (asked and heads is None and backend == "auto" and query.device.type == "cpu"
             and takes_into(query, key, value, **variants))  # fmt: skip
