@@ -201,8 +201,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     tree = args.tree.resolve()
-    if not (tree / "src" / "qkv" / "cli.py").is_file():
-        parser.error(f"{tree} is not a checkout of qkv (no src/qkv/cli.py)")
+    cli = tree / "src" / "qkv" / "cli"  # a package since issue 33, one module before
+    if not (cli.with_suffix(".py").is_file() or (cli / "__init__.py").is_file()):
+        parser.error(f"{tree} is not a checkout of qkv (no src/qkv/cli)")
     if args.runs < 1 or args.requests < 2 or args.in_flight < 1:
         parser.error("--runs, --in-flight need at least 1, --requests at least 2")
 

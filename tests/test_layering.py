@@ -9,6 +9,8 @@ alike; only the ones under `if TYPE_CHECKING:` (names for annotations, never run
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import pytest
 import qkv
 
 SRC = Path(qkv.__file__).parent
+DESIGN = SRC.parents[1] / "docs" / "design.md"
 
 # Bottom to top. A package may import its own modules and those of the floors below it; two
 # packages on one floor do not import each other. docs/design.md draws the same list.
@@ -198,6 +201,39 @@ def test_no_file_is_longer_than_one_sitting():
     lines = {str(path.relative_to(SRC)): len(path.read_text().splitlines()) for path in files(SRC)}
     long = {name: n for name, n in lines.items() if n > LONGEST}
     assert long == {}
+
+
+def test_the_design_document_draws_these_floors():
+    """docs/design.md's table of floors is FLOORS, row by row."""
+    rows = re.findall(r"^\| (\d+) \| ([^|]*) \|", DESIGN.read_text(), re.M)
+    drawn = [
+        tuple(sorted(name.strip("/").removesuffix(".py").replace("qkv/__init__", "")
+                     for name in re.findall(r"`([^`]+)`", names)))
+        for _, names in rows
+    ]  # fmt: skip
+    assert [int(number) for number, _ in rows] == list(range(len(FLOORS)))
+    assert drawn == [tuple(sorted(names)) for names in FLOORS]
+
+
+def test_what_the_design_document_names_is_there():
+    """Every file and every module's name docs/design.md points to exists."""
+    text = DESIGN.read_text()
+    missing = []
+    for path in re.findall(r"`((?:src/qkv/|tests/)?[\w/]+\.py)`", text):
+        if "/" not in path:  # a file named in its package's row, e.g. `stacks.py` in models
+            found = any(SRC.rglob(path))
+        else:
+            root = SRC.parents[1] if path.startswith(("src/", "tests/")) else SRC
+            root = SRC.parent if path.startswith("qkv/") else root
+            found = (root / path).is_file()
+        if not found:
+            missing.append(path)
+    for module, name in re.findall(r"`(\w+(?:/\w+)*)\.(\w+)`", text):
+        if name == "py" or not (SRC / f"{module}.py").is_file():
+            continue  # a file, checked above, or a name that is not a module's
+        if not hasattr(importlib.import_module("qkv." + module.replace("/", ".")), name):
+            missing.append(f"{module}.{name}")
+    assert missing == []
 
 
 @pytest.fixture

@@ -59,7 +59,7 @@ STYLE = """<style>
 
 
 def attentions_html(seen) -> str:
-    """The interactive page of `seen` (a `qkv.pretrained.Attentions`) in an iframe of its own:
+    """The interactive page of `seen` (a `qkv.inspect.attentions.Attentions`) in an iframe of its own:
     layer and head selectors, heatmap, head view, a query's row and, where the records allow
     (`qkv.inspect.records.why_not_redone`), a clicked pair's steps; cross-attention's page has the
     target's tokens down and the source's across. A page too large for a notebook output
@@ -272,7 +272,7 @@ def probe_repr(found) -> str:
 
 
 def generation_html(seen) -> str:
-    """The page of `qkv generate --attention` (a `qkv.generate.GenerationAttention`) in an
+    """The page of `qkv generate --attention` (a `qkv.inspect.generation.GenerationAttention`) in an
     iframe of its own: click a generated token to see the row that chose it."""
     if seen.summaries is not None:
         return _generation_summaries_html(seen)
