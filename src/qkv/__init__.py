@@ -8,8 +8,8 @@ torch.Size([1, 2, 5, 8])
 
 from importlib import import_module
 
+from qkv import views
 from qkv.attention import attend, explain_choice
-from qkv.inspect import views
 from qkv.version import __version__
 
 __all__ = [
@@ -28,7 +28,7 @@ _DEFINED_IN = {
 
 # How each result of qkv.inspect shows itself (`repr`, and `_repr_html_` in a notebook): the
 # module of qkv.viz that draws each view. inspect sits below viz and cannot name it; this
-# package sits above both (qkv.inspect.views says how the two meet).
+# package sits above both (qkv.views says how the two meet).
 views.DRAWN_BY.update(
     {name: "qkv.viz.notebook" for name in ("attentions", "generation", "probe", "trace")}
     | {name: "qkv.viz.notebook_interventions"

@@ -26,9 +26,9 @@ from qkv.inspect.runs import (
     run,
     stack_of,
 )
-from qkv.inspect.views import Shown
 from qkv.models import Decoder
 from qkv.nn.edit import Edit
+from qkv.views import Shown
 
 # texts whose mean head outputs mean-ablation puts in a head's place, by default
 REFERENCE = (

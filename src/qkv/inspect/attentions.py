@@ -13,9 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.eager import compute_dtype, weights_into
-from qkv.inspect.views import Shown
 from qkv.models import Decoder, Encoder
 from qkv.nn import AttentionRecord
+from qkv.views import Shown
 
 
 @dataclass(eq=False, repr=False)

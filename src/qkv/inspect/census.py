@@ -34,8 +34,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from qkv.inspect.views import Shown
 from qkv.models import Decoder, self_attention_stack
+from qkv.views import Shown
 
 # Short natural sentences: previous-token, sink, self, entropy and window use are read here.
 PROMPTS = (

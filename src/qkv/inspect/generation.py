@@ -18,8 +18,8 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.generate import Sampling, continuations, decode_steps
 from qkv.inspect import summaries
-from qkv.inspect.views import Shown
 from qkv.nn import AttentionRecord
+from qkv.views import Shown
 
 # The most bytes of weights `Pretrained.generate(record=...)` may keep: the prompt's rows
 # (L', H', P, P) and one row (L', H', Tk) per generated token, counted for max_new_tokens

@@ -38,9 +38,9 @@ from qkv.inspect.runs import (
     stack_of,
     word_span,
 )
-from qkv.inspect.views import Shown
 from qkv.models import Decoder
 from qkv.nn.edit import Edit
+from qkv.views import Shown
 
 
 @dataclass(repr=False)

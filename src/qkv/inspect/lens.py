@@ -28,9 +28,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from qkv.inspect.views import Shown
 from qkv.models import Decoder, DecoderOutput
 from qkv.nn import RMSNorm
+from qkv.views import Shown
 
 
 @dataclass

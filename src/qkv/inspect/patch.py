@@ -24,9 +24,9 @@ from qkv.inspect.runs import (
     stack_of,
     top_tokens,
 )
-from qkv.inspect.views import Shown
 from qkv.models import Decoder
 from qkv.nn.edit import Edit
+from qkv.views import Shown
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from torch import Tensor
 
 from qkv.data import bank_corpus
 from qkv.inspect.bank_sentences import LABELS, SENTENCES
-from qkv.inspect.views import Shown
 from qkv.io.words import parse_word
 from qkv.models import Decoder, self_attention_stack
+from qkv.views import Shown
 
 
 @dataclass(repr=False)

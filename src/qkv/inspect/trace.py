@@ -21,8 +21,8 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
 from qkv.inspect.records import why_not_redone
-from qkv.inspect.views import Shown
 from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.views import Shown
 
 
 @dataclass(frozen=True)

@@ -59,11 +59,11 @@ STYLE = """<style>
 
 
 def attentions_html(seen) -> str:
-    """The interactive page of `seen` (a `qkv.inspect.attentions.Attentions`) in an iframe of its own:
-    layer and head selectors, heatmap, head view, a query's row and, where the records allow
-    (`qkv.inspect.records.why_not_redone`), a clicked pair's steps; cross-attention's page has the
-    target's tokens down and the source's across. A page too large for a notebook output
-    shows the strongest head as a PNG (cross-attention: as a table)."""
+    """The interactive page of `seen` (a `qkv.inspect.attentions.Attentions`) in an iframe of
+    its own: layer and head selectors, heatmap, head view, a query's row and, where the records
+    allow (`qkv.inspect.records.why_not_redone`), a clicked pair's steps; cross-attention's page
+    has the target's tokens down and the source's across. A page too large for a notebook
+    output shows the strongest head as a PNG (cross-attention: as a table)."""
     weights = seen.weights  # (L', H', Tq, Tk)
     if seen.query_tokens is not None:
         return _cross_html(seen, weights)

@@ -1,7 +1,8 @@
 """How a result shows itself: its short `repr`, and its `_repr_html_` in a notebook.
 
 Inspection returns data and `viz` draws it; `viz` sits above `inspect` and reads its results, so
-a result cannot import the code that draws it. Each result names its view instead (`view =
+a result cannot import the code that draws it. This module, on the bottom floor, is where the two
+meet. Each result names its view instead (`view =
 "trace"`), and the package above both, `qkv`'s own `__init__`, says which module of `viz` holds
 the views: that module's `trace_repr(result)` and `trace_html(result)` draw a `Trace`. The module
 is imported on a result's first display, so reading records never loads the page's assets.
