@@ -34,7 +34,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from qkv.attention import attend, attend_for_record, attention_weights, explain_choice
-from qkv.attention.eager import compute_dtype, takes_into, weights_into
+from qkv.attention.eager import compute_dtype, takes_into
 from qkv.attention.inputs import allowed_keys, check_indices
 from qkv.attention.registry import resolve_backend
 from qkv.hf.refusals import (
@@ -371,15 +371,11 @@ def _together(query, key, value, asked, heads, backend: str, variants: dict) -> 
 
 
 def _weights(record: AttentionRecord, heads: list[int] | None) -> Tensor:
-    """record.weights(heads), (B, H', Tq, Tk); a plain causal text's every head computed in
-    place (`weights_into`: one (H, T, T) tensor, no copy beside it)."""
-    s = record.shape
-    plain = (record.lse is None and record.mask is None and record.window is None
-             and record.softcap is None and record.bias is None)  # fmt: skip
-    every = heads is None or heads == list(range(s.H))
-    if plain and every and s.B == 1 and not (torch.is_grad_enabled() and record.q.requires_grad):
-        out = record.q.new_empty(s.H, s.Tq, s.Tk, dtype=compute_dtype(record.q.dtype))
-        return weights_into(out, record.q, record.k, causal=record.causal, scale=record.scale)[None]
+    """record.weights(heads), (B, H', Tq, Tk); one text's every head computed in place where
+    the record is plain (`AttentionRecord.weights_in`: one (H, T, T) tensor, no copy beside
+    it)."""
+    if record.shape.B == 1 and heads in (None, list(range(record.shape.H))):
+        return record.weights_in()[None]
     return record.weights(heads)
 
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from qkv.attention.eager import compute_dtype, weights_into
+from qkv.attention.eager import compute_dtype
 from qkv.models import Decoder, Encoder
 from qkv.nn import AttentionRecord
 from qkv.views import Shown
@@ -61,11 +61,8 @@ class Attentions(Shown):
                 s = record.shape
                 out = record.q.new_empty(len(self.layers), len(self.heads), s.Tq, s.Tk,
                                          dtype=compute_dtype(record.q.dtype))  # fmt: skip
-            plain = (record.lse is None and record.mask is None and record.window is None
-                     and record.softcap is None and record.bias is None)  # fmt: skip
-            if plain and record.q.shape[0] == 1 and self.heads == list(range(record.shape.H)):
-                weights_into(out[i], record.q, record.k, causal=record.causal,
-                             scale=record.scale)  # fmt: skip
+            if record.shape.B == 1 and self.heads == list(range(record.shape.H)):
+                record.weights_in(out[i])  # in place where the record is plain
             else:
                 out[i] = record.weights(self.heads)[0]  # (H', Tq, Tk)
         return out

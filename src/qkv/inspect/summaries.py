@@ -89,7 +89,7 @@ def summarize(
         heads = getattr(attentions, "heads", None)
     layers = sorted(records)
     first = records[layers[0]].shape
-    heads = check_indices("head", range(first.H) if heads is None else heads, first.H, "the model")
+    heads = check_indices("head", heads, first.H, "the model")
     for name, value in (("top_k", top_k), ("bins", bins), ("chunk", chunk)):
         if type(value) is not int or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")

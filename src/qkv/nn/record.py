@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from qkv.attention import attention_weights, loop
+from qkv.attention.eager import compute_dtype, weights_into
 from qkv.attention.flash.weights import weights_from_lse
 from qkv.attention.inputs import (
     Shape,
@@ -91,7 +92,7 @@ class AttentionRecord:
         float32 (float64 for float64 inputs): what the `eager` backend computes, whichever
         backend ran. Rows sum to 1, or to 0 for a query that saw no key."""
         s = self.shape
-        chosen = check_indices("head", range(s.H) if heads is None else heads, s.H, "this layer")
+        chosen = check_indices("head", heads, s.H, "this layer")
         if self.made is not None:  # made by eager's arithmetic with the output
             return self.made[None] if heads is None else self.made[chosen][None]
         mask = with_window(self.mask, self.window, self.causal, s.Tq, s.Tk, self.q.device)
@@ -103,6 +104,21 @@ class AttentionRecord:
         return attention_weights(
             q, k, mask=mask, causal=self.causal, scale=self.scale, softcap=self.softcap, bias=bias
         )
+
+    def weights_in(self, out: Tensor | None = None) -> Tensor:
+        """Every head's weights of one text, (H, Tq, Tk) in the compute dtype, as `weights()[0]`
+        gives them, written into `out` where it is given. A plain record (no log-sum-exp, mask,
+        window, soft-cap or bias, no gradient to keep) has them computed in place, by eager's
+        arithmetic, with no second copy beside them; any other is computed, then copied."""
+        s = self.shape
+        if out is None:
+            out = self.q.new_empty(s.H, s.Tq, s.Tk, dtype=compute_dtype(self.q.dtype))
+        plain = (self.lse is None and self.mask is None and self.window is None
+                 and self.softcap is None and self.bias is None and self.made is None)  # fmt: skip
+        if plain and s.B == 1 and not (torch.is_grad_enabled() and self.q.requires_grad):
+            return weights_into(out, self.q, self.k, causal=self.causal, scale=self.scale)
+        out.copy_(self.weights()[0])
+        return out
 
     def steps(self, head: int, query: int, batch: int = 0) -> loop.QuerySteps:
         """The article's steps for one query of one head, by the `loop` backend (float64):

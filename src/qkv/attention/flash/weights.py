@@ -42,7 +42,7 @@ def attention_weights_from_lse(
         raise ValueError(
             f"lse must be (B, H, Tq) = {(shape.B, shape.H, shape.Tq)}, got {tuple(lse.shape)}"
         )
-    chosen = check_indices("head", range(shape.H) if heads is None else heads, shape.H, "q")
+    chosen = check_indices("head", heads, shape.H, "q")
     q, k, mask, lse = select_heads(chosen, q, k, mask, lse)  # (B, n, …) each
     return weights_from_lse(q, k, lse, mask=mask, causal=causal, scale=scale)
 
