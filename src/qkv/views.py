@@ -2,10 +2,10 @@
 
 Inspection returns data and `viz` draws it; `viz` sits above `inspect` and reads its results, so
 a result cannot import the code that draws it. This module, on the bottom floor, is where the two
-meet. Each result names its view instead (`view =
-"trace"`), and the package above both, `qkv`'s own `__init__`, says which module of `viz` holds
-the views: that module's `trace_repr(result)` and `trace_html(result)` draw a `Trace`. The module
-is imported on a result's first display, so reading records never loads the page's assets.
+meet: each result names its view (`view = "trace"`), and the package above both, `qkv`'s own
+`__init__`, says which module of `viz` holds the views: that module's `trace_repr(result)` and
+`trace_html(result)` draw a `Trace`. The module is imported on a result's first display, so
+reading records never loads the page's assets.
 
 Jupyter (JupyterLab, classic Notebook, VS Code) shows an object by calling its `_repr_html_`.
 """

@@ -18,7 +18,6 @@ import json
 import threading
 import time
 import weakref
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -106,17 +105,10 @@ def attention(
 
 
 def words(encoded) -> list[dict]:
-    """Each word of the text with its name for a trace and its tokens [start, end): a word
-    that occurs more than once is "bank#1", "bank#2", as a trace must be asked for it."""
-    found = encoded.words()
-    counts = Counter(w.text.casefold() for w in found)
-    return [
-        {
-            "word": f"{w.text}#{w.occurrence}" if counts[w.text.casefold()] > 1 else w.text,
-            "tokens": list(w.token_span),
-        }
-        for w in found
-    ]
+    """Each word of the text with its name for a trace (`Word.name`: "bank#1", "bank#2" for a
+    word that occurs more than once, as a trace must be asked for it) and its tokens [start,
+    end)."""
+    return [{"word": w.name, "tokens": list(w.token_span)} for w in encoded.words()]
 
 
 def trace_pair(
