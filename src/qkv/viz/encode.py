@@ -1,5 +1,5 @@
 """How pages embed numbers and data: matrices packed (float32, zlib, base64), data as JSON
-that tensors, arrays, paths and dataclasses can join, and the version of qkv that wrote them."""
+that tensors, arrays, paths and dataclasses can join."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import base64
 import dataclasses
 import json
 import zlib
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +35,3 @@ def plain(value):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
-
-
-def qkv_version() -> str:
-    """The version of qkv a page names; "0.0.0+source" from a source tree (as `qkv.__version__`,
-    read here rather than from the facade above viz)."""
-    try:
-        return version("qkv")
-    except PackageNotFoundError:  # running from a source tree with PYTHONPATH=src
-        return "0.0.0+source"

@@ -30,8 +30,9 @@ from pathlib import Path
 import numpy as np
 
 from qkv.io.files import write_atomically
+from qkv.version import __version__
 from qkv.viz import escape
-from qkv.viz.encode import page_json, qkv_version
+from qkv.viz.encode import page_json
 from qkv.viz.paths import html_path
 
 ENCODING = (
@@ -99,7 +100,7 @@ def render_generation_page(seen, *, title: str, head: tuple[int, int] | None = N
         for i, piece in enumerate(seen.pieces)
     )  # fmt: skip
     slots = {
-        "version": qkv_version(),
+        "version": __version__,
         "title": escape.text(title),
         "layer_options": _options(seen.layers, layer, "the first layer"),
         "head_options": _options(seen.heads, chosen, "the first head"),

@@ -63,8 +63,9 @@ import numpy as np
 
 from qkv.attention.inputs import check_indices
 from qkv.io.files import write_atomically, write_folder_atomically
+from qkv.version import __version__
 from qkv.viz import escape
-from qkv.viz.encode import pack, page_json, qkv_version
+from qkv.viz.encode import pack, page_json
 from qkv.viz.heatmap import check_cross_weights, check_weights, head_heatmap, model_view
 from qkv.viz.page_vectors import (
     VECTORS_MAX_BYTES,
@@ -316,7 +317,7 @@ def render_page(
         "extra": extra,
     }
     slots = {
-        "version": qkv_version(),
+        "version": __version__,
         "title": escape.text(title),
         "text": escape.text(text or " ".join(tokens)),
         "layer_options": _options(L, int(layer), first="the first layer"),
