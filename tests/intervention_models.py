@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from qkv.inspect.runs import stack_of
@@ -46,3 +47,13 @@ def assert_unchanged(pretrained, before):
     assert params.keys() == before[0].keys()
     assert all(torch.equal(params[k], before[0][k]) for k in params)
     assert torch.equal(states, before[1])
+
+
+def assert_refused_and_unchanged(call, message: str) -> None:
+    """`call(model)` on a Llama-like model raises one ValueError matching `message` and leaves
+    the model's parameters and outputs as they were."""
+    pretrained = llama_like()
+    before = snapshot(pretrained)
+    with pytest.raises(ValueError, match=message):
+        call(pretrained)
+    assert_unchanged(pretrained, before)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from intervention_models import (
+    assert_refused_and_unchanged,
     assert_unchanged,
     encoder_like,
     gemma2_like_pretrained,
@@ -64,11 +65,7 @@ def test_mean_ablation_puts_the_heads_mean_output_over_the_reference_in_its_plac
     ],
 )
 def test_bad_input_is_one_clear_error(call, message):
-    pretrained = llama_like()
-    before = snapshot(pretrained)
-    with pytest.raises(ValueError, match=message):
-        call(pretrained)
-    assert_unchanged(pretrained, before)
+    assert_refused_and_unchanged(call, message)
 
 
 @pytest.mark.parametrize("make", [llama_like, encoder_like, gemma2_like_pretrained])

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from intervention_models import (
+    assert_refused_and_unchanged,
     assert_unchanged,
     encoder_like,
     gemma2_like_pretrained,
@@ -118,11 +119,7 @@ def test_hide_asks_only_the_layers_and_heads_given():
     ],
 )
 def test_bad_input_is_one_clear_error(call, message):
-    pretrained = llama_like()
-    before = snapshot(pretrained)
-    with pytest.raises(ValueError, match=message):
-        call(pretrained)
-    assert_unchanged(pretrained, before)
+    assert_refused_and_unchanged(call, message)
 
 
 @pytest.mark.parametrize("make", [llama_like, encoder_like, gemma2_like_pretrained])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from intervention_models import (
+    assert_refused_and_unchanged,
     assert_unchanged,
     encoder_like,
     gemma2_like_pretrained,
@@ -72,11 +73,7 @@ def test_the_metric_scores_the_next_token():
     ],
 )
 def test_bad_input_is_one_clear_error(call, message):
-    pretrained = llama_like()
-    before = snapshot(pretrained)
-    with pytest.raises(ValueError, match=message):
-        call(pretrained)
-    assert_unchanged(pretrained, before)
+    assert_refused_and_unchanged(call, message)
 
 
 def test_patch_needs_a_decoder():
