@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from qkv.io.tokenizer import Tokenizer
+
+class Decodes(Protocol):
+    """What a stream needs of a tokenizer (`qkv.io.tokenizer.Tokenizer` is one)."""
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
 
 
 class TextStream:
@@ -27,7 +30,7 @@ class TextStream:
     ['hi', ' there']
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decodes, *, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
