@@ -80,7 +80,7 @@ def test_a_backend_that_cannot_compute_a_variant_is_refused_by_name_and_auto_pas
                        "compute a score softcap"):  # fmt: skip
         attend(q, k, v, softcap=30.0, backend="sdpa")
     with pytest.raises(ValueError, match="'flash' cannot run these inputs: it does not compute "
-                       "a score bias or a softcap"):  # fmt: skip
+                       "a score bias or a score softcap"):  # fmt: skip
         attend(q, k, v, softcap=30.0, bias=torch.zeros(4, 4), backend="flash")
     choice = explain_choice(q, k, v, softcap=30.0)
     assert choice.backend == "eager"

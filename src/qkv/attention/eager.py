@@ -13,7 +13,7 @@ from typing import Unpack
 import torch
 from torch import Tensor
 
-from qkv.attention.inputs import Options, Shape, allowed_keys, capped, check_call
+from qkv.attention.inputs import NONE, Options, Shape, Variants, allowed_keys, capped, check_call
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -21,34 +21,52 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def weights_from_scores(scores: Tensor, allowed: Tensor | None) -> Tensor:
+def weights_from_scores(
+    scores: Tensor, allowed: Tensor | None, sinks: Tensor | None = None
+) -> Tensor:
     """Softmax over keys, with hidden keys at exactly 0 and fully hidden rows all 0.
 
     A hidden key gets the most negative finite score rather than -inf, so its exp() is
     exactly 0 beside any visible key, and a row with every key hidden softmaxes to a
     finite uniform row (no NaN reaches the gradient), which is then set to zeros.
+    sinks (H,): one more score per head in every row's softmax (gpt-oss), whose weight is
+    dropped after it: the row then sums to less than 1.
     """
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    if sinks is not None:
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+    weights = scores.softmax(dim=-1)
     if allowed is None:
-        return scores.softmax(dim=-1)
-    weights = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min).softmax(dim=-1)
+        return weights
     blind = ~allowed.any(dim=-1, keepdim=True)  # (…, Tq, 1): queries that see no key
     return weights.masked_fill(blind, 0.0) if blind.any() else weights
 
 
-def _weights(
-    q: Tensor, k: Tensor, mask, causal, scale: float, shape: Shape, softcap=None, bias=None
-) -> Tensor:
+def scores_of(q: Tensor, k: Tensor, scale: float, shape: Shape, variants: Variants = NONE):
+    """Every query's scores over every key (B, H, Tq, Tk) in the compute dtype: the scaled
+    dot products, times each query's temperature, soft-capped, plus the bias."""
     B, H, Hkv, Tq, Tk, D = shape.B, shape.H, shape.Hkv, shape.Tq, shape.Tk, shape.D
     dtype = compute_dtype(q.dtype)
+    q = q.to(dtype) * scale
+    if variants.query_scale is not None:  # (B?, Tq): a temperature per query
+        q = q * variants.query_scale.to(dtype).expand(B, Tq)[:, None, :, None]
     # Query head h reads key head h // group: view the queries as (B, Hkv, group, Tq, D)
     # so each key head is multiplied once, without copying it group times.
-    q = (q.to(dtype) * scale).reshape(B, Hkv, shape.group, Tq, D)
+    q = q.reshape(B, Hkv, shape.group, Tq, D)
     k = k.to(dtype).unsqueeze(2)  # (B, Hkv, 1, Tk, D)
     scores = (q @ k.transpose(-1, -2)).reshape(B, H, Tq, Tk)  # every query . every key
-    scores = capped(scores, softcap)
-    if bias is not None:
-        scores = scores + bias.to(dtype)
-    return weights_from_scores(scores, allowed_keys(mask, causal, Tq, Tk, q.device))
+    scores = capped(scores, variants.softcap)
+    if variants.bias is not None:
+        scores = scores + variants.bias.to(dtype)
+    return scores
+
+
+def _weights(q: Tensor, k: Tensor, mask, causal, scale: float, shape: Shape,
+             variants: Variants = NONE) -> Tensor:  # fmt: skip
+    allowed = allowed_keys(mask, causal, shape.Tq, shape.Tk, q.device)
+    return weights_from_scores(scores_of(q, k, scale, shape, variants), allowed, variants.sinks)
 
 
 def weights_into(out: Tensor, q: Tensor, k: Tensor, *, causal: bool, scale: float) -> Tensor:
@@ -86,12 +104,12 @@ def weights_into(out: Tensor, q: Tensor, k: Tensor, *, causal: bool, scale: floa
 CACHED_BLOCK = 2**20  # bytes of one block's scores: well inside a core's share of the cache
 
 
-def takes_into(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal=False, window=None,
-               softcap=None, bias=None) -> bool:  # fmt: skip
+def takes_into(q: Tensor, k: Tensor, v: Tensor, *, mask=None, causal=False, **others) -> bool:
     """Whether `attend_into` computes what `attend` would for this call: one causal sequence
-    of plain scores (no mask, window, soft-cap or bias), at least as many keys as queries,
-    values of the keys' shape, and no gradient to keep (its softmax is taken in place)."""
-    plain = causal and mask is None and window is None and softcap is None and bias is None
+    of plain scores (no mask, window, chunk, soft-cap, bias, sink or temperature), at least as
+    many keys as queries, values of the keys' shape, and no gradient to keep (its softmax is
+    taken in place). others: the other options of `attend`, all None to be plain."""
+    plain = causal and mask is None and all(value is None for value in others.values())
     return (plain and q.shape[0] == 1 and k.shape[2] >= q.shape[2] and v.shape == k.shape
             and not (torch.is_grad_enabled() and q.requires_grad))  # fmt: skip
 
@@ -117,15 +135,15 @@ def attend_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, scale: floa
 
 
 def forward_into(weights: Tensor, q: Tensor, k: Tensor, v: Tensor, *, scale: float, mask=None,
-                 causal=False, window=None, softcap=None, bias=None) -> Tensor | None:  # fmt: skip
+                 causal=False, **others) -> Tensor | None:  # fmt: skip
     """Registry entry for the weights made with the output: `attend_into`'s output where it
     computes exactly what `attend` would for this call (`takes_into`) and `weights` is the
-    tensor it writes (H, Tq, Tk, contiguous, the compute dtype, on q's device); else None."""
+    tensor it writes (H, Tq, Tk, contiguous, the compute dtype, on q's device); else None.
+    others: the other options of `attend` (window, chunk, softcap, ...)."""
     fits = (weights.shape == q.shape[1:3] + k.shape[2:3] and weights.is_contiguous()
             and weights.dtype == compute_dtype(q.dtype)
             and weights.device == q.device)  # fmt: skip
-    plain = takes_into(q, k, v, mask=mask, causal=causal, window=window, softcap=softcap,
-                       bias=bias)  # fmt: skip
+    plain = takes_into(q, k, v, mask=mask, causal=causal, **others)
     return attend_into(weights, q, k, v, scale=scale) if fits and plain else None
 
 
@@ -174,20 +192,20 @@ def forward(
     causal: bool,
     scale: float,
     shape: Shape,
-    softcap: float | None = None,
-    bias: Tensor | None = None,
+    **variants,
 ) -> Tensor:
-    """Backend entry for the registry: inputs already checked (a window already in mask)."""
-    return _forward(q, k, v, mask, causal, scale, shape, softcap, bias)[0]
+    """Backend entry for the registry: inputs already checked (a window and chunks already in
+    mask); variants: softcap, bias, sinks, query_scale, as `Variants` holds them."""
+    return _forward(q, k, v, mask, causal, scale, shape, Variants(**variants))[0]
 
 
 def _forward(
-    q, k, v, mask, causal, scale, shape: Shape, softcap=None, bias=None
+    q, k, v, mask, causal, scale, shape: Shape, variants: Variants = NONE
 ) -> tuple[Tensor, Tensor]:
-    weights = _weights(q, k, mask, causal, scale, shape, softcap, bias)  # (B, H, Tq, Tk)
+    weights = _weights(q, k, mask, causal, scale, shape, variants)  # (B, H, Tq, Tk)
     grouped = weights.reshape(shape.B, shape.Hkv, shape.group, shape.Tq, shape.Tk)
-    v = v.to(weights.dtype).unsqueeze(2)  # (B, Hkv, 1, Tk, D)
-    out = (grouped @ v).reshape(shape.B, shape.H, shape.Tq, shape.D)  # weighted sum of values
+    v = v.to(weights.dtype).unsqueeze(2)  # (B, Hkv, 1, Tk, Dv)
+    out = (grouped @ v).reshape(shape.B, shape.H, shape.Tq, shape.value_size)  # weighted sum
     return out.to(q.dtype), weights
 
 
@@ -201,8 +219,7 @@ def attend(
     for a query that may see no key.
     """
     call = check_call(q, k, v, **options)
-    softcap, bias = call.variants.softcap, call.variants.bias
-    out, weights = _forward(q, k, v, call.mask, call.causal, call.scale, call.shape, softcap, bias)
+    out, weights = _forward(q, k, v, call.mask, call.causal, call.scale, call.shape, call.variants)
     return (out, weights) if return_weights else out
 
 
@@ -214,13 +231,18 @@ def attention_weights(
     causal: bool = False,
     scale: float | None = None,
     window: int | None = None,
+    chunk: int | None = None,
+    chunk_start: Tensor | None = None,
     softcap: float | None = None,
     bias: Tensor | None = None,
+    sinks: Tensor | None = None,
+    query_scale: Tensor | None = None,
 ) -> Tensor:
     """The normalized attention weights (B, H, Tq, Tk) of queries q over keys k.
 
     These are the weights `eager` uses, so any backend's layer can recompute them from its
-    q and k and report exactly what `eager` would. window, softcap, bias: as in `qkv.attend`.
+    q and k and report exactly what `eager` would. window, chunk, chunk_start, softcap, bias,
+    sinks, query_scale: as in `qkv.attend` (with sinks, a row sums to 1 less the sink's share).
 
     >>> q = k = torch.eye(2).view(1, 1, 2, 2)
     >>> attention_weights(q, k, causal=True).squeeze()
@@ -228,6 +250,7 @@ def attention_weights(
             [0.3302, 0.6698]])
     """
     call = check_call(
-        q, k, k, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
-    )
-    return _weights(q, k, call.mask, causal, call.scale, call.shape, call.variants.softcap, bias)
+        q, k, k, mask=mask, causal=causal, scale=scale, window=window, chunk=chunk,
+        chunk_start=chunk_start, softcap=softcap, bias=bias, sinks=sinks, query_scale=query_scale,
+    )  # fmt: skip
+    return _weights(q, k, call.mask, causal, call.scale, call.shape, call.variants)

@@ -2,9 +2,9 @@
 
 `check_inputs` turns a wrong call into a `ValueError` that names the fault and what is
 allowed, so backends can trust their inputs. `allowed_keys` combines a boolean mask, the
-causal rule and a sliding window into one (…, Tq, Tk) tensor, True where a query may attend
-to a key. `check_variants` checks what a model may change in the scores themselves: a
-soft-cap and an additive bias (`Variants`).
+causal rule, a sliding window and chunks into one (…, Tq, Tk) tensor, True where a query may
+attend to a key. `check_variants` checks what a model may change in the scores themselves
+(`Variants`): a soft-cap, an additive bias, a learned sink per head, a temperature per query.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class Shape:
-    """The sizes of one attention call: q (B, H, Tq, D), k and v (B, Hkv, Tk, D)."""
+    """The sizes of one attention call: q (B, H, Tq, D), k (B, Hkv, Tk, D), v (B, Hkv, Tk, Dv).
+    Dv, the value head size, is D's unless a model makes values of another size (DeepSeek's
+    latent attention); None means D."""
 
     B: int
     H: int
@@ -30,6 +32,12 @@ class Shape:
     Tq: int
     Tk: int
     D: int
+    Dv: int | None = None
+
+    @property
+    def value_size(self) -> int:
+        """The head size of the values, and so of the output: Dv, or D."""
+        return self.D if self.Dv is None else self.Dv
 
     @property
     def group(self) -> int:
@@ -61,19 +69,21 @@ def check_inputs(
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     B, H, Tq, D = q.shape
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k and v must have the same shape (B, Hkv, Tk, D), got {tuple(k.shape)} "
-            f"and {tuple(v.shape)}"
+            f"k and v must have the same shape in (B, Hkv, Tk), one value per key; got "
+            f"{tuple(k.shape)} and {tuple(v.shape)}"
         )
     Bk, Hkv, Tk, Dk = k.shape
+    Dv = v.shape[3]
     if Bk != B:
         raise ValueError(f"q has batch size {B} but k and v have {Bk}; they must match")
     if Dk != D:
         raise ValueError(f"q has head size D={D} but k and v have D={Dk}; they must match")
-    if min(B, H, Hkv, Tq, Tk, D) == 0:
+    if min(B, H, Hkv, Tq, Tk, D, Dv) == 0:
         raise ValueError(
-            f"every size must be at least 1, got B={B}, H={H}, Hkv={Hkv}, Tq={Tq}, Tk={Tk}, D={D}"
+            f"every size must be at least 1, got B={B}, H={H}, Hkv={Hkv}, Tq={Tq}, Tk={Tk}, "
+            f"D={D}, Dv={Dv}"
         )
     if H % Hkv != 0:
         raise ValueError(
@@ -100,7 +110,7 @@ def check_inputs(
         scale = 1.0 / math.sqrt(D)
     elif not (isinstance(scale, int | float) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number or None, got {scale!r}")
-    return Shape(B, H, Hkv, Tq, Tk, D), float(scale)
+    return Shape(B, H, Hkv, Tq, Tk, D, None if Dv == D else Dv), float(scale)
 
 
 def causal_mask(Tq: int, Tk: int, device: torch.device | str | None = None) -> Tensor:
@@ -137,18 +147,33 @@ def window_mask(Tq: int, Tk: int, window: int, causal: bool, device=None) -> Ten
 
 @dataclass(frozen=True)
 class Variants:
-    """What a model changes in the scores: score = softcap * tanh(scale * q.k / softcap)
-    (Gemma 2's soft-cap; no cap when None), plus `bias` (B?, H?, Tq, Tk), a float added to
-    every score before the softmax (T5's relative positions; None for none)."""
+    """What a model changes in the scores of one query i over a key j:
+
+        score_ij = softcap * tanh(query_scale_i * scale * q_i.k_j / softcap) + bias_ij
+
+    `query_scale` (B?, Tq), a temperature on each query's scores (Llama 4's layers without
+    positions, Ministral 3: it grows with the query's position); `softcap`, Gemma 2's cap;
+    `bias` (B?, H?, Tq, Tk), a float added to every score (T5's relative positions); and
+    `sinks` (H,), one learned score per head that joins every query's softmax with no value
+    behind it (gpt-oss): it takes part of the weight, and the words share the rest. None: not
+    used."""
 
     softcap: float | None = None
     bias: Tensor | None = None
+    sinks: Tensor | None = None
+    query_scale: Tensor | None = None
 
     @property
     def names(self) -> frozenset[str]:
-        """Which variants are in use: a subset of {"softcap", "bias"}."""
-        used = {"softcap": self.softcap is not None, "bias": self.bias is not None}
-        return frozenset(name for name, on in used.items() if on)
+        """Which variants are in use: a subset of {"softcap", "bias", "sinks", "query_scale"}."""
+        return frozenset(name for name in VARIANT_NAMES if getattr(self, name) is not None)
+
+    def given(self) -> dict:
+        """The variants in use, as keyword arguments of a backend's forward."""
+        return {name: getattr(self, name) for name in self.names}
+
+
+VARIANT_NAMES = ("softcap", "bias", "sinks", "query_scale")
 
 
 NONE = Variants()
@@ -162,8 +187,45 @@ def check_window(window: int | None) -> int | None:
     return window
 
 
-def check_variants(shape: Shape, q: Tensor, softcap, bias) -> Variants:
-    """Validate a soft-cap and a score bias for a call of `shape`."""
+def check_chunk(chunk: int | None, chunk_start: Tensor | None, shape: Shape, q: Tensor):
+    """Validate chunked attention's size and each row's first key."""
+    if chunk is None:
+        if chunk_start is not None:
+            raise ValueError("chunk_start says where each row's chunks begin: pass chunk too")
+        return None
+    if type(chunk) is not int or chunk < 1:
+        raise ValueError(f"chunk must be a whole number of tokens >= 1 or None, got {chunk!r}")
+    if chunk_start is not None:
+        if not isinstance(chunk_start, Tensor) or chunk_start.dtype != torch.long:
+            kind = chunk_start.dtype if isinstance(chunk_start, Tensor) else type(chunk_start)
+            raise ValueError(f"chunk_start must be a long tensor (B,), got {kind}")
+        if chunk_start.shape != (shape.B,) or chunk_start.device != q.device:
+            got = f"{tuple(chunk_start.shape)} on {chunk_start.device}"
+            raise ValueError(f"chunk_start must be ({shape.B},) on {q.device}: each row's first "
+                             f"key, got {got}")  # fmt: skip
+    return chunk
+
+
+def _float_tensor(name: str, t, q: Tensor, target: tuple[int, ...], what: str) -> None:
+    if not isinstance(t, Tensor) or not t.is_floating_point():
+        kind = t.dtype if isinstance(t, Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a float tensor ({what}), got {kind}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    try:
+        broadcast = torch.broadcast_shapes(t.shape, target)
+    except RuntimeError:
+        broadcast = None
+    if t.dim() > len(target) or broadcast != torch.Size(target):
+        raise ValueError(f"{name} of shape {tuple(t.shape)} does not broadcast to {target}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} holds a value that is not finite")
+
+
+def check_variants(
+    shape: Shape, q: Tensor, softcap, bias, sinks=None, query_scale=None
+) -> Variants:
+    """Validate a soft-cap, a score bias, sinks and query scales for a call of `shape`."""
     if softcap is not None and not (
         isinstance(softcap, int | float) and math.isfinite(softcap) and softcap > 0
     ):
@@ -183,20 +245,33 @@ def check_variants(shape: Shape, q: Tensor, softcap, bias) -> Variants:
             raise ValueError(
                 f"bias of shape {tuple(bias.shape)} does not broadcast to (B, H, Tq, Tk) = {target}"
             )
-    return Variants(None if softcap is None else float(softcap), bias)
+    if sinks is not None:
+        _float_tensor("sinks", sinks, q, (shape.H,), "one learned score per query head")
+        if sinks.dim() != 1:
+            raise ValueError(f"sinks must be ({shape.H},): one score per query head")
+    if query_scale is not None:
+        _float_tensor("query_scale", query_scale, q, (shape.B, shape.Tq), "one per query")
+        if not bool((query_scale > 0).all()):
+            raise ValueError("query_scale must be > 0: a temperature on each query's scores")
+    return Variants(None if softcap is None else float(softcap), bias, sinks, query_scale)
 
 
 class Options(TypedDict, total=False):
     """The keywords of one attention call beside q, k and v, as `qkv.attend` takes them: mask,
-    causal, scale, window, softcap, bias. A backend's own entry (`loop.steps`, `eager.attend`)
-    takes them as `**options` and hands them to `check_call`."""
+    causal, scale, window, chunk, chunk_start, softcap, bias, sinks, query_scale. A backend's
+    own entry (`loop.steps`, `eager.attend`) takes them as `**options` and hands them to
+    `check_call`."""
 
     mask: Tensor | None
     causal: bool
     scale: float | None
     window: int | None
+    chunk: int | None
+    chunk_start: Tensor | None
     softcap: float | None
     bias: Tensor | None
+    sinks: Tensor | None
+    query_scale: Tensor | None
 
 
 @dataclass(frozen=True)
@@ -212,8 +287,9 @@ class Call:
 
 
 def check_call(q: Tensor, k: Tensor, v: Tensor, **options: Unpack[Options]) -> Call:
-    """The one prologue of every entry to attention: `check_inputs`, `check_variants` and
-    `check_window`, then the window folded into the mask (a window is a mask).
+    """The one prologue of every entry to attention: `check_inputs`, `check_variants`,
+    `check_window` and `check_chunk`, then the window and the chunks folded into the mask (each
+    is a mask).
 
     >>> q = k = v = torch.zeros(1, 2, 3, 4)
     >>> call = check_call(q, k, v, causal=True, window=1)
@@ -226,9 +302,14 @@ def check_call(q: Tensor, k: Tensor, v: Tensor, **options: Unpack[Options]) -> C
                         f"{', '.join(Options.__annotations__)}")  # fmt: skip
     mask, causal = options.get("mask"), options.get("causal", False)
     shape, scale = check_inputs(q, k, v, mask, options.get("scale"))
-    variants = check_variants(shape, q, options.get("softcap"), options.get("bias"))
+    variants = check_variants(shape, q, options.get("softcap"), options.get("bias"),
+                              options.get("sinks"), options.get("query_scale"))  # fmt: skip
     window = check_window(options.get("window"))
-    return Call(shape, scale, with_window(mask, window, causal, shape.Tq, shape.Tk, q.device),
+    chunk, start = check_chunk(options.get("chunk"), options.get("chunk_start"), shape, q), None
+    if chunk is not None:
+        start = options.get("chunk_start")
+    mask = with_window(mask, window, causal, shape.Tq, shape.Tk, q.device)
+    return Call(shape, scale, with_chunks(mask, chunk, start, shape.Tq, shape.Tk, q.device),
                 causal, variants)  # fmt: skip
 
 
@@ -311,11 +392,19 @@ def heads_of(t: Tensor | None, index: Tensor) -> Tensor | None:
 
 
 def allowed_keys(
-    mask: Tensor | None, causal: bool, Tq: int, Tk: int, device, window: int | None = None
+    mask: Tensor | None,
+    causal: bool,
+    Tq: int,
+    Tk: int,
+    device,
+    window: int | None = None,
+    chunk: int | None = None,
+    chunk_start: Tensor | None = None,
 ) -> Tensor | None:
-    """The mask, the causal rule and the window combined, broadcastable to (B, H, Tq, Tk);
-    None if there is none of them."""
+    """The mask, the causal rule, the window and the chunks combined, broadcastable to
+    (B, H, Tq, Tk); None if there is none of them."""
     mask = with_window(mask, window, causal, Tq, Tk, device)
+    mask = with_chunks(mask, chunk, chunk_start, Tq, Tk, device)
     if not causal:
         return mask
     tri = causal_mask(Tq, Tk, device)  # (Tq, Tk)
@@ -331,3 +420,32 @@ def with_window(
         return mask
     near = window_mask(Tq, Tk, window, causal, device)
     return near if mask is None else mask & near
+
+
+def chunk_mask(Tq: int, Tk: int, chunk: int, start: Tensor | None = None, device=None) -> Tensor:
+    """(B or 1, 1, Tq, Tk) boolean: True where key j is in query i's chunk of `chunk` positions
+    (Llama 4's local layers). Queries are aligned to the end of the keys; a row's positions
+    count from its key `start[b]` (its first real token, past left padding; 0 if None), so a
+    left-padded row is cut into the same chunks as the row alone, as transformers cuts it.
+
+    >>> chunk_mask(4, 4, 2)[0, 0].int().tolist()
+    [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+    >>> chunk_mask(1, 5, 2, torch.tensor([1]))[0, 0].int().tolist()  # key 0 is padding
+    [[0, 0, 0, 1, 1]]
+    """
+    keys = torch.arange(Tk, device=device)
+    queries = torch.arange(Tq, device=device) + (Tk - Tq)
+    first = torch.zeros(1, dtype=torch.long, device=device) if start is None else start
+    first = first.to(device)[:, None, None]  # (B, 1, 1)
+    same = (queries[None, :, None] - first) // chunk == (keys[None, None, :] - first) // chunk
+    return same[:, None]  # (B, 1, Tq, Tk)
+
+
+def with_chunks(
+    mask: Tensor | None, chunk: int | None, start: Tensor | None, Tq: int, Tk: int, device
+) -> Tensor | None:
+    """The mask with keys outside each query's chunk hidden too (the mask itself if no chunk)."""
+    if chunk is None:
+        return mask
+    inside = chunk_mask(Tq, Tk, chunk, start, device)
+    return inside if mask is None else mask & inside

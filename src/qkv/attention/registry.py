@@ -8,10 +8,12 @@ slowest and takes the first whose `supports` and `prefer` have no objection;
 before any backend sees it.
 
 What a backend offers beside its output, declared in its entry:
-- `variants`: the score variants its forward computes. A sliding window reaches every
-  backend folded into the mask (it is one). A soft-cap and a score bias change the scores
-  themselves: a backend lists those its forward takes (as `softcap=`, `bias=`), and is never
-  handed, or chosen for, one it does not; named for one, it is refused by name.
+- `variants`: the score variants its forward computes. A sliding window and chunks reach every
+  backend folded into the mask (each is one). A soft-cap, a score bias, a sink and a query's
+  temperature change the scores themselves: a backend lists those its forward takes (as
+  `softcap=`, `bias=`, `sinks=`, `query_scale=`), and is never handed, or chosen for, one it
+  does not; named for one, it is refused by name. A value head size other than the keys'
+  (latent attention) is asked of `supports`, through `Shape.Dv`.
 - `forward_lse`: the same call returning (out, lse), the log-sum-exp of every query's scores,
   from which a record recomputes any head's weights (`flash`).
 - `weights_into`: the output made together with every head's weights, written into a tensor
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from qkv.attention import eager, loop, sdpa
 from qkv.attention.flash import backend as flash
-from qkv.attention.inputs import NONE, Call, Options, Shape, Variants, check_call
+from qkv.attention.inputs import NONE, VARIANT_NAMES, Call, Options, Shape, Variants, check_call
 
 Forward = Callable[..., Tensor]
 # (q, k, v, *, mask, causal, scale, shape) -> (out, lse (B, H, Tq) float32)
@@ -53,7 +55,7 @@ class Backend:
     supports: Supports = _always  # can it run these inputs at all (asked by every call)
     prefer: Supports = _always  # asked by `auto` only: should it be chosen for them
     auto: bool = True  # False keeps a backend out of `auto` (the slow oracle)
-    variants: frozenset[str] = frozenset()  # of "softcap", "bias": what forward computes
+    variants: frozenset[str] = frozenset()  # of VARIANT_NAMES: what forward computes
     forward_lse: ForwardLse | None = None  # offers the log-sum-exp beside the output
     weights_into: WeightsInto | None = None  # offers the weights made with the output
 
@@ -69,7 +71,11 @@ class Backend:
         missing = sorted(variants.names - self.variants)
         if not missing:
             return None
-        return f"it does not compute a score {' or a '.join(missing)}"
+        return f"it does not compute {' or '.join(VARIANT_WORDS[name] for name in missing)}"
+
+
+VARIANT_WORDS = {"softcap": "a score softcap", "bias": "a score bias",
+                 "sinks": "a learned sink", "query_scale": "a temperature per query"}  # fmt: skip
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -90,19 +96,19 @@ register_backend(
 register_backend(
     Backend(
         "sdpa", sdpa.forward, 10, "torch's fused scaled_dot_product_attention",
-        variants=frozenset({"bias"}),
+        variants=frozenset({"bias", "sinks", "query_scale"}),
     )
 )  # fmt: skip
 register_backend(
     Backend(
         "eager", eager.forward, 50, "matmul, softmax, matmul; can return weights",
-        variants=frozenset({"softcap", "bias"}), weights_into=eager.forward_into,
+        variants=frozenset(VARIANT_NAMES), weights_into=eager.forward_into,
     )
 )  # fmt: skip
 register_backend(
     Backend(
         "loop", loop.forward, 100, "the article, one pair at a time, float64", auto=False,
-        variants=frozenset({"softcap", "bias"}),
+        variants=frozenset(VARIANT_NAMES),
     )
 )  # fmt: skip
 
@@ -155,8 +161,12 @@ def explain_choice(
     causal: bool = False,
     scale: float | None = None,
     window: int | None = None,
+    chunk: int | None = None,
+    chunk_start: Tensor | None = None,
     softcap: float | None = None,
     bias: Tensor | None = None,
+    sinks: Tensor | None = None,
+    query_scale: Tensor | None = None,
 ) -> Choice:
     """The backend `attend(..., backend="auto")` would use for these inputs, and why.
 
@@ -166,8 +176,9 @@ def explain_choice(
     'sdpa'
     """
     call = check_call(
-        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
-    )
+        q, k, v, mask=mask, causal=causal, scale=scale, window=window, chunk=chunk,
+        chunk_start=chunk_start, softcap=softcap, bias=bias, sinks=sinks, query_scale=query_scale,
+    )  # fmt: skip
     return _choose(q, call.mask, causal, call.shape, call.variants)
 
 
@@ -189,23 +200,35 @@ def attend(
     causal: bool = False,
     scale: float | None = None,
     window: int | None = None,
+    chunk: int | None = None,
+    chunk_start: Tensor | None = None,
     softcap: float | None = None,
     bias: Tensor | None = None,
+    sinks: Tensor | None = None,
+    query_scale: Tensor | None = None,
     backend: str = "auto",
 ) -> Tensor:
     """Every query attends to every key it may see; returns the contextualized vectors.
 
-    q: (B, H, Tq, D); k, v: (B, Hkv, Tk, D) with H a multiple of Hkv (query head h uses
-    key/value head h // (H // Hkv)); returns (B, H, Tq, D) in q's dtype.
+    q: (B, H, Tq, D); k: (B, Hkv, Tk, D), v: (B, Hkv, Tk, Dv) with H a multiple of Hkv (query
+    head h uses key/value head h // (H // Hkv)); returns (B, H, Tq, Dv) in q's dtype. Dv is
+    usually D; latent attention (DeepSeek) makes values of another size.
     mask: boolean, True where a query may attend to a key, broadcastable to
     (B, H, Tq, Tk); a key-padding mask is (B, 1, 1, Tk). causal: query i sees keys
     j <= i + Tk - Tq (aligned to the end of the keys, as in cached decoding); combines
     with mask. scale: defaults to 1/sqrt(D). A query that may see no key gets zeros.
     window: a key `window` or more positions from its query is hidden (looking back only
     when causal, both ways otherwise): Mistral's and Gemma's sliding windows.
+    chunk: a query sees only the keys in its own chunk of `chunk` positions (Llama 4's local
+    layers); chunk_start (B,) long: each row's first key, where its chunks begin (past left
+    padding; 0 by default).
+    query_scale: (B?, Tq), each query's scaled scores times this temperature (Llama 4's layers
+    without positions, Ministral 3).
     softcap: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
     bias: a float tensor broadcastable to (B, H, Tq, Tk), added to each score after the scale
     and the cap (T5's relative position buckets, ALiBi).
+    sinks: (H,), one learned score per query head, one more entry in every query's softmax
+    with no value behind it (gpt-oss): it takes its share of the weight, the keys the rest.
     backend: one of `backend_names()`; "auto" takes the fastest that supports the inputs;
     a named backend that cannot compute a variant is refused by name, never run without it.
 
@@ -216,8 +239,9 @@ def attend(
     """
     chosen = resolve_backend(backend)
     call = check_call(
-        q, k, v, mask=mask, causal=causal, scale=scale, window=window, softcap=softcap, bias=bias
-    )
+        q, k, v, mask=mask, causal=causal, scale=scale, window=window, chunk=chunk,
+        chunk_start=chunk_start, softcap=softcap, bias=bias, sinks=sinks, query_scale=query_scale,
+    )  # fmt: skip
     return _run(_runnable(chosen, q, call), q, k, v, call)
 
 
@@ -232,17 +256,17 @@ def _runnable(chosen: Backend | None, q: Tensor, call: Call) -> Backend:
 
 
 def _run(chosen: Backend, q: Tensor, k: Tensor, v: Tensor, call: Call) -> Tensor:
-    extra = {name: getattr(call.variants, name) for name in call.variants.names}
     return chosen.forward(
-        q, k, v, mask=call.mask, causal=call.causal, scale=call.scale, shape=call.shape, **extra
-    )
+        q, k, v, mask=call.mask, causal=call.causal, scale=call.scale, shape=call.shape,
+        **call.variants.given(),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Attended:
     """What `attend_for_record` returns: the output, and what the backend offered beside it."""
 
-    out: Tensor  # (B, H, Tq, D), as `attend` returns it
+    out: Tensor  # (B, H, Tq, Dv), as `attend` returns it
     lse: Tensor | None = None  # (B, H, Tq) float32, from a backend that offers it
     made: Tensor | None = None  # (H, Tq, Tk): the weights, made with the output
 
@@ -259,7 +283,8 @@ def attend_for_record(
     """`attend`, and what a record of the call needs beside its output: the log-sum-exp
     where the backend offers it, or every head's weights made with the output.
 
-    Arguments and options (mask, causal, scale, window, softcap, bias) as in `attend`.
+    Arguments and options (mask, causal, scale, window, chunk, chunk_start, softcap, bias,
+    sinks, query_scale) as in `attend`.
     weights: a tensor (H, Tq, Tk) of the compute dtype (float32, float64 for float64 inputs)
     to make the weights of one sequence in, with the output in one pass, where a backend that
     offers it (`eager`, for "auto" or "eager") computes exactly what `attend` would

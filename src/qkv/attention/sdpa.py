@@ -3,12 +3,15 @@
 Two things torch does not promise are made true here: causal attention with fewer
 queries than keys is aligned to the end of the keys (torch aligns it to the start), and
 a query whose keys are all hidden gets zeros, forward and backward, on every torch
-version and device. A score bias (T5's relative positions) goes in as a float mask; a
-soft-cap torch's function cannot apply, so the registry does not send one here.
+version and device. A score bias (T5's relative positions) goes in as a float mask; a query's
+temperature (Llama 4) multiplies its query vector, which multiplies its scores; a learned sink
+(gpt-oss) is one more key column, a key of zeros whose score is the sink and whose value is
+zeros. A soft-cap torch's function cannot apply, so the registry does not send one here.
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -25,9 +28,16 @@ def forward(
     scale: float,
     shape: Shape,
     bias: Tensor | None = None,
+    sinks: Tensor | None = None,
+    query_scale: Tensor | None = None,
 ) -> Tensor:
-    """Backend entry for the registry: inputs already checked (a window already in mask)."""
+    """Backend entry for the registry: inputs already checked (a window and chunks already in
+    mask)."""
     gqa = shape.Hkv != shape.H
+    if query_scale is not None:  # (B?, Tq): each query's scores times its temperature
+        q = q * query_scale.to(q.dtype).expand(shape.B, shape.Tq)[:, None, :, None]
+    if sinks is not None:
+        return _with_sinks(q, k, v, mask, causal, scale, shape, bias, sinks)
     if bias is not None:
         return _with_bias(q, k, v, mask, causal, scale, shape, bias)
     if mask is None and (not causal or shape.Tq == shape.Tk):
@@ -45,6 +55,24 @@ def forward(
     allowed = allowed | ~sees_some_key
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
     return out.masked_fill(~sees_some_key, 0.0)
+
+
+def _with_sinks(q, k, v, mask, causal, scale, shape: Shape, bias, sinks: Tensor) -> Tensor:
+    """One more key per head: zeros, so its score is the bias given it, the sink, and its
+    value zeros, so it takes weight and adds nothing. A query seeing no word sees the sink."""
+    B, Hkv, Tk = shape.B, shape.Hkv, shape.Tk
+    k = torch.cat([k, k.new_zeros(B, Hkv, 1, k.shape[-1])], dim=2)
+    v = torch.cat([v, v.new_zeros(B, Hkv, 1, v.shape[-1])], dim=2)
+    scores = q.new_zeros(B, shape.H, shape.Tq, Tk) if bias is None else bias.to(q.dtype)
+    scores = scores.expand(B, shape.H, shape.Tq, Tk)
+    allowed = allowed_keys(mask, causal, shape.Tq, Tk, q.device)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    column = sinks.to(q.dtype).view(1, -1, 1, 1).expand(B, shape.H, shape.Tq, 1)
+    scores = torch.cat([scores, column], dim=-1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=scores, scale=scale, enable_gqa=shape.Hkv != shape.H
+    )
 
 
 def _with_bias(q, k, v, mask, causal, scale, shape: Shape, bias: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ from qkv.attention import attend_for_record, backend_names
 from qkv.nn.edit import Edit
 from qkv.nn.linear import linear, project
 from qkv.nn.norms import NormKind, make_norm
-from qkv.nn.position import RotaryEmbedding, Rotation, positions_for
+from qkv.nn.position import RotaryEmbedding, Rotation, Temperature, positions_for
 from qkv.nn.record import AttentionRecord
 
 
@@ -73,9 +73,13 @@ class MultiHeadAttention(nn.Module):
 
     What some model families change, each optional: `scale` on every dot product (1/sqrt(D)
     by default; Gemma 2 uses 1/sqrt(query_pre_attn_scalar), T5 uses 1); `softcap` on every
-    score; `window`, a key this many positions away or more is hidden; `qk_norm`, a norm
-    on the queries and keys before rotary positions, "head" for one per head (Qwen3,
-    Gemma 3) or "full" over all heads at once (OLMo 2), of kind `norm` with `norm_eps`.
+    score; `window`, a key this many positions away or more is hidden; `chunk`, a query sees
+    only the keys of its own chunk of positions (Llama 4); `sinks`, one learned score per head
+    in every query's softmax (gpt-oss); `temperature`, each query's scores times a factor of
+    its position (Llama 4, Ministral 3); `qk_norm`, a norm on the queries and keys before
+    rotary positions, "head" for one per head (Qwen3, Gemma 3) or "full" over all heads at
+    once (OLMo 2), of kind `norm` with `norm_eps`, or "l2" after rotary positions, with no
+    weight (Llama 4).
 
     >>> mha = MultiHeadAttention(width=16, num_heads=4)
     >>> out, record = mha(torch.randn(2, 5, 16), record=True)
@@ -102,6 +106,9 @@ class MultiHeadAttention(nn.Module):
         qk_norm: str | None = None,
         norm: NormKind = "rmsnorm",
         norm_eps: float = 1e-6,
+        chunk: int | None = None,
+        sinks: bool = False,
+        temperature: Temperature | None = None,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -122,17 +129,26 @@ class MultiHeadAttention(nn.Module):
             raise ValueError("fused_qkv needs the context to be as wide as x")
         if rotary is not None and rotary.head_dim != head_dim:
             raise ValueError(f"rotary head size {rotary.head_dim} != head size {head_dim}")
-        if qk_norm not in (None, "head", "full"):
-            raise ValueError(f"qk_norm must be None, 'head' or 'full', got {qk_norm!r}")
+        if qk_norm not in (None, "head", "full", "l2"):
+            raise ValueError(f"qk_norm must be None, 'head', 'full' or 'l2', got {qk_norm!r}")
+        if chunk is not None and (type(chunk) is not int or chunk < 1):
+            raise ValueError(f"chunk must be a whole number of tokens >= 1 or None, got {chunk!r}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.backend = backend
         self.rotary = rotary
         # the article's side note: divide by sqrt(D), unless the model says otherwise
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-        self.softcap, self.window = softcap, window
+        self.softcap, self.window, self.chunk, self.temperature = (
+            softcap,
+            window,
+            chunk,
+            temperature,
+        )
+        # gpt-oss: one learned score per head, one more entry in every query's softmax
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qk_norm = qk_norm
-        if qk_norm is not None:
+        self.qk_norm, self.norm_eps = qk_norm, norm_eps
+        if qk_norm in ("head", "full"):
             q_width, k_width = (head_dim, head_dim) if qk_norm == "head" else (q_size, kv_size)
             self.q_norm = make_norm(norm, q_width, norm_eps)
             self.k_norm = make_norm(norm, k_width, norm_eps)
@@ -229,13 +245,16 @@ class MultiHeadAttention(nn.Module):
                 q, k, v = project(self.q, x), project(self.k, x), project(self.v, x)
             q, k = self._normed(q, k)  # (B, H, T, D), (B, Hkv, T, D)
             v = self.split_heads(v, self.num_kv_heads)
+            turned_here = self.rotary is not None and rotation is None
+            if positions is None and (self.temperature is not None or turned_here):
+                positions = positions_for(T, cache.length if cache else 0, x.device)
             if self.rotary is not None:
                 if rotation is None:
-                    if positions is None:
-                        positions = positions_for(T, cache.length if cache else 0, x.device)
                     rotation = self.rotary.rotation(positions, q.dtype)
                 q_plain, k_plain = q, k
                 q, k = rotation.apply(q), rotation.apply(k)
+            if self.qk_norm == "l2":  # Llama 4: after the rotation, with no weight
+                q, k = l2_norm(q, self.norm_eps), l2_norm(k, self.norm_eps)
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, Hkv, Tk, D), earlier tokens first
         else:  # cross-attention: queries from x, keys and values from the context
@@ -253,21 +272,42 @@ class MultiHeadAttention(nn.Module):
             mask = padding if mask is None else mask & padding
         if edit is not None:
             mask = edit.mask(mask)
-        # a window applies to self-attention only (cross-attention reads the whole context)
+        # a window and chunks apply to self-attention only (cross-attention reads the context)
         window = self.window if context is None else None
+        chunk = self.chunk if context is None else None
+        start = None  # where each row's chunks begin: its first real key, past left padding
+        if chunk is not None and key_padding_mask is not None:
+            start = (key_padding_mask.to(torch.long).cumsum(-1) == 0).sum(-1)
+        query_scale = None
+        if self.temperature is not None and context is None:
+            query_scale = self.temperature.of(positions).to(q.dtype).reshape(-1, T)
         attended = attend_for_record(
-            q, k, v, mask=mask, causal=causal, scale=self.scale, window=window,
-            softcap=self.softcap, bias=bias, backend=self.backend, weights=weights_into,
+            q, k, v, mask=mask, causal=causal, scale=self.scale, window=window, chunk=chunk,
+            chunk_start=start, softcap=self.softcap, bias=bias, sinks=self.sinks,
+            query_scale=query_scale, backend=self.backend, weights=weights_into,
         )  # fmt: skip
         out = attended.out
         kept = None  # (B, H, T, D) out, and the rest, as attend saw them
         if record:
             kept = AttentionRecord(
                 q, k, v, out, mask, causal, self.scale, self.backend, attended.lse, q_plain,
-                k_plain, window, self.softcap, bias, attended.made,
+                k_plain, window, self.softcap, bias, attended.made, _detached(self.sinks),
+                chunk, start, query_scale,
             )  # fmt: skip
         if edit is not None:
             out = edit.head_outputs(out)
         concatenated = out.transpose(1, 2).reshape(B, T, -1)  # heads side by side (B, T, H*D)
         out = project(self.out, concatenated)  # (B, T, C)
         return out, kept
+
+
+def l2_norm(x: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, computed in float32, with no weight
+    (Llama 4's QK-norm)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def _detached(t: Tensor | None) -> Tensor | None:
+    """A parameter as a record keeps it: its values, not its gradient's graph."""
+    return None if t is None else t.detach()

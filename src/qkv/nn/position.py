@@ -9,6 +9,8 @@ product depends on how far apart the two words are.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -92,6 +94,37 @@ def rotate_half(x: Tensor) -> Tensor:
     """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+
+
+@dataclass(frozen=True)
+class Temperature:
+    """A query's scores multiplied by a temperature that grows with its position, so that far
+    into a long text a query's weights do not flatten out over the many keys it sees:
+
+        temperature(p) = 1 + strength * log(1 + floor((p + shift) / every))
+
+    Llama 4's layers without rotary positions: strength attn_scale, every floor_scale, shift 1.
+    Ministral 3's every layer: strength llama_4_scaling_beta, every the trained context
+    (original_max_position_embeddings), shift 0. It is 1 for every position below every - shift.
+
+    >>> Temperature(0.1, 4).of(torch.tensor([0, 3, 4, 12])).tolist()  # doctest: +ELLIPSIS
+    [1.0, 1.0, 1.069..., 1.138...]
+    """
+
+    strength: float
+    every: float
+    shift: float = 0.0
+
+    def __post_init__(self):
+        if not (math.isfinite(self.strength) and math.isfinite(self.shift)):
+            raise ValueError(f"a temperature's strength and shift must be finite, got {self}")
+        if not (math.isfinite(self.every) and self.every > 0):
+            raise ValueError(f"a temperature's every must be > 0, got {self.every!r}")
+
+    def of(self, positions: Tensor) -> Tensor:
+        """The temperature of each position, float32, positions' shape."""
+        steps = torch.floor((positions.float() + self.shift) / self.every)
+        return 1.0 + self.strength * torch.log1p(steps)
 
 
 class Rotation(NamedTuple):

@@ -35,6 +35,7 @@ from qkv.attention.inputs import (
     check_indices,
     heads_of,
     select_heads,
+    with_chunks,
     with_window,
 )
 
@@ -49,8 +50,10 @@ class AttentionRecord:
     the log-sum-exp of each query's scaled scores, from a backend that returns it.
     q_before_rotary (B, H, Tq, D) and k_before_rotary (B, Hkv, Tq, D): in a layer with rotary
     positions, this call's queries and keys before they were turned (k: the new tokens only).
-    window, softcap, bias: the score variants of the layer, as `attend` takes them (a sliding
-    window, Gemma 2's soft-cap, a bias added to the scores such as T5's relative positions).
+    window, softcap, bias, chunk, chunk_start, sinks, query_scale: the layer's variants, as
+    `attend` takes them (a sliding window, Gemma 2's soft-cap, a bias added to the scores such
+    as T5's relative positions, Llama 4's chunks and temperatures, gpt-oss's sinks). v and out
+    are Dv wide where the layer's values differ in size from its keys (latent attention).
     made (H, Tq, Tk): every head's weights, where the layer was asked to make them with its
     output (one sequence, `MultiHeadAttention`'s record=tensor); `weights` then reads them.
     """
@@ -70,19 +73,46 @@ class AttentionRecord:
     softcap: float | None = None
     bias: Tensor | None = None
     made: Tensor | None = None
+    sinks: Tensor | None = None
+    chunk: int | None = None
+    chunk_start: Tensor | None = None
+    query_scale: Tensor | None = None
 
     @property
     def shape(self) -> Shape:
-        (B, H, Tq, D), (Hkv, Tk) = self.q.shape, self.k.shape[1:3]
-        return Shape(B, H, Hkv, Tq, Tk, D)
+        (B, H, Tq, D), (Hkv, Tk), Dv = self.q.shape, self.k.shape[1:3], self.v.shape[3]
+        return Shape(B, H, Hkv, Tq, Tk, D, None if Dv == D else Dv)
+
+    @property
+    def plain(self) -> bool:
+        """Whether the scores are plain scaled dot products under the causal rule or none: no
+        mask, window, chunk, soft-cap, bias, sink or temperature, no lse and no made weights."""
+        return all(
+            getattr(self, name) is None
+            for name in (
+                "lse",
+                "mask",
+                "window",
+                "softcap",
+                "bias",
+                "made",
+                "sinks",
+                "chunk",
+                "query_scale",
+            )
+        )
+
+    def _variants(self) -> dict:
+        return {"softcap": self.softcap, "sinks": self.sinks, "query_scale": self.query_scale}
 
     @property
     def allowed(self) -> Tensor:
         """(B or 1, H or 1, Tq, Tk) boolean: True where a query saw a key, the mask, the
-        causal rule (aligned to the end of the keys, as in cached decoding) and the window
-        combined."""
+        causal rule (aligned to the end of the keys, as in cached decoding), the window and
+        the chunks combined."""
         s = self.shape
-        allowed = allowed_keys(self.mask, self.causal, s.Tq, s.Tk, self.q.device, self.window)
+        allowed = allowed_keys(self.mask, self.causal, s.Tq, s.Tk, self.q.device, self.window,
+                               self.chunk, self.chunk_start)  # fmt: skip
         if allowed is None:
             return torch.ones(1, 1, s.Tq, s.Tk, dtype=torch.bool, device=self.q.device)
         return allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
@@ -90,20 +120,32 @@ class AttentionRecord:
     def weights(self, heads: Sequence[int] | None = None) -> Tensor:
         """The attention weights (B, len(heads), Tq, Tk) of query heads `heads` (all if None),
         float32 (float64 for float64 inputs): what the `eager` backend computes, whichever
-        backend ran. Rows sum to 1, or to 0 for a query that saw no key."""
+        backend ran. Rows sum to 1, or to 0 for a query that saw no key, or to 1 less the
+        sink's share in a layer with learned sinks (`sink_weights`)."""
         s = self.shape
         chosen = check_indices("head", heads, s.H, "this layer")
         if self.made is not None:  # made by eager's arithmetic with the output
             return self.made[None] if heads is None else self.made[chosen][None]
         mask = with_window(self.mask, self.window, self.causal, s.Tq, s.Tk, self.q.device)
+        mask = with_chunks(mask, self.chunk, self.chunk_start, s.Tq, s.Tk, self.q.device)
         if self.lse is not None:  # a fused kernel's lse: one product and an exp per weight
             q, k, mask, lse = select_heads(chosen, self.q, self.k, mask, self.lse)
             return weights_from_lse(q, k, lse, mask=mask, causal=self.causal, scale=self.scale)
+        index = torch.tensor(chosen, device=self.q.device)
         q, k, mask = select_heads(chosen, self.q, self.k, mask)
-        bias = heads_of(self.bias, torch.tensor(chosen, device=self.q.device))
-        return attention_weights(
-            q, k, mask=mask, causal=self.causal, scale=self.scale, softcap=self.softcap, bias=bias
-        )
+        variants = self._variants()
+        if self.sinks is not None:
+            variants["sinks"] = self.sinks.index_select(0, index)
+        return attention_weights(q, k, mask=mask, causal=self.causal, scale=self.scale,
+                                 bias=heads_of(self.bias, index), **variants)  # fmt: skip
+
+    def sink_weights(self, heads: Sequence[int] | None = None) -> Tensor:
+        """(B, len(heads), Tq): the weight each head's learned sink took from each query (what
+        the words' weights fall short of 1); zeros in a layer without sinks."""
+        weights = self.weights(heads)
+        if self.sinks is None:
+            return weights.new_zeros(weights.shape[:3])
+        return (1.0 - weights.sum(dim=-1)).clamp(min=0.0)
 
     def weights_in(self, out: Tensor | None = None) -> Tensor:
         """Every head's weights of one text, (H, Tq, Tk) in the compute dtype, as `weights()[0]`
@@ -113,9 +155,7 @@ class AttentionRecord:
         s = self.shape
         if out is None:
             out = self.q.new_empty(s.H, s.Tq, s.Tk, dtype=compute_dtype(self.q.dtype))
-        plain = (self.lse is None and self.mask is None and self.window is None
-                 and self.softcap is None and self.bias is None and self.made is None)  # fmt: skip
-        if plain and s.B == 1 and not (torch.is_grad_enabled() and self.q.requires_grad):
+        if self.plain and s.B == 1 and not (torch.is_grad_enabled() and self.q.requires_grad):
             return weights_into(out, self.q, self.k, causal=self.causal, scale=self.scale)
         out.copy_(self.weights()[0])
         return out
@@ -132,10 +172,15 @@ class AttentionRecord:
         kv_head = head // s.group  # grouped-query attention: heads share keys and values
         k, v = self.k[batch, kv_head].double(), self.v[batch, kv_head].double()  # (Tk, D)
         query_vector = self.q[batch, head, query].double()  # (D,)
-        bias = None
+        bias = sink = temperature = None
         if self.bias is not None:
             bias = self.bias.double().expand(s.B, s.H, s.Tq, s.Tk)[batch, head, query]
-        contextualized, pairs = loop.contextualize(
-            query_vector, k, v, allowed, self.scale, self.softcap, bias
+        if self.sinks is not None:
+            sink = self.sinks[head].double()
+        if self.query_scale is not None:
+            temperature = self.query_scale.double().expand(s.B, s.Tq)[batch, query]
+        contextualized, pairs, sink_weight = loop.contextualize(
+            query_vector, k, v, allowed, self.scale, self.softcap, bias, sink, temperature
         )
-        return loop.QuerySteps(batch, head, query, query_vector, pairs, contextualized)
+        return loop.QuerySteps(batch, head, query, query_vector, pairs, contextualized,
+                               sink_weight)  # fmt: skip

@@ -35,6 +35,9 @@ MEASURED_FASTER: tuple[Measured, ...] = ()
 
 def supports(q: Tensor, mask: Tensor | None, causal: bool, shape: Shape) -> str | None:
     """Registry hook: None when `attend(..., backend="flash")` can run these inputs."""
+    if shape.Dv is not None:
+        return (f"its kernel takes values of the keys' head size (here D={shape.D}, "
+                f"Dv={shape.Dv})")  # fmt: skip
     return unsupported(q, shape.D)
 
 
