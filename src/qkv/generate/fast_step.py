@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.models.decoder import Decoder, DecoderCache
+from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.mlps import MLP, GatedMLP
 from qkv.nn.norms import RMSNorm
 from qkv.nn.position import Rotation
@@ -45,8 +46,18 @@ def fast_step_refusal(model: Decoder, device: torch.device) -> str | None:
         attn = block.attn
         if block.position == "post":
             return f"block {i} normalizes after its residual sums (post-norm)"
+        if not isinstance(attn, MultiHeadAttention):
+            return f"block {i} attends through {type(attn).__name__}, not MultiHeadAttention"
         if attn.softcap is not None:
             return f"block {i} soft-caps its scores (torch's fused attention cannot)"
+        late = {"learned sinks": attn.sinks is not None, "chunks": attn.chunk is not None,
+                "a temperature per query": attn.temperature is not None,
+                "an L2 QK-norm after rotary": attn.qk_norm == "l2"}  # fmt: skip
+        for name, used in late.items():
+            if used:
+                return f"block {i} has {name}, which its plain step does not compute"
+        if not isinstance(block.mlp, MLP | GatedMLP):
+            return f"block {i}'s MLP is a {type(block.mlp).__name__} (experts), not a plain one"
         if attn.backend not in ("auto", "sdpa"):
             return f"block {i} attends with the {attn.backend!r} backend, as asked"
     return None

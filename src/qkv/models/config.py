@@ -21,7 +21,7 @@ from qkv.nn.position import SinusoidLayout
 from qkv.nn.relative import RelativePositionBias
 from qkv.nn.rope import RopeScaling
 
-LayerType = Literal["full", "sliding"]
+LayerType = Literal["full", "sliding", "chunked"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +37,8 @@ class StackConfig:
     rope_base: float = 10000.0  # rotary only: the base of the rotation frequencies
     rope_dims: int | None = None  # rotary only: how many of a head's dimensions turn; None: all
     rope_scaling: RopeScaling | None = None  # rotary only: Llama 3's, YaRN, LongRoPE, ...
-    # per layer, "full" or "sliding" (the block's window applies to sliding layers only);
-    # None: every layer is the block as configured
+    # per layer, "full", "sliding" or "chunked" (the block's window applies to sliding layers
+    # only, its chunk to chunked layers only); None: every layer is the block as configured
     layer_types: tuple[LayerType, ...] | None = None
     local_rope_base: float | None = None  # sliding layers' own rotary base, unscaled (Gemma 3)
     # per layer, whether its queries and keys turn (SmolLM3 leaves every 4th layer without
@@ -70,11 +70,13 @@ class StackConfig:
                 raise ValueError(
                     f"layer_types names {len(self.layer_types)} layers, the model has {layers}"
                 )
-            odd = sorted(set(self.layer_types) - {"full", "sliding"})
+            odd = sorted(set(self.layer_types) - {"full", "sliding", "chunked"})
             if odd:
-                raise ValueError(f"layer types are 'full' or 'sliding', got {odd}")
+                raise ValueError(f"layer types are 'full', 'sliding' or 'chunked', got {odd}")
             if "sliding" in self.layer_types and self.block.window is None:
                 raise ValueError("sliding layers need the block's window (block.window)")
+            if "chunked" in self.layer_types and self.block.chunk is None:
+                raise ValueError("chunked layers need the block's chunk (block.chunk)")
         if (self.local_rope_base is not None or self.rope_dims is not None
                 or self.rope_scaling is not None) and self.position != "rotary":  # fmt: skip
             raise ValueError("rope_dims, rope_scaling and local_rope_base need rotary positions")
@@ -131,17 +133,36 @@ class StackConfig:
         return RotaryEmbedding(self.block.head_size, self.local_rope_base, dims=self.rope_dims)
 
     def layer_type(self, layer: int) -> LayerType:
-        """ "sliding" where the layer's keys are windowed, else "full"."""
+        """ "sliding" where the layer's keys are windowed, "chunked" where they are cut into
+        chunks, else "full"."""
         if self.layer_types is None:
+            if self.block.chunk is not None:
+                return "chunked"
             return "full" if self.block.window is None else "sliding"
         return self.layer_types[layer]
 
+    def turns(self, layer: int) -> bool:
+        """Whether the layer turns its queries and keys by rotary positions."""
+        return self.position == "rotary" and (
+            self.rope_layers is None or self.rope_layers[layer]
+        )
+
     def block_for(self, layer: int) -> BlockConfig:
-        """The block config of one layer: a full layer of a model with sliding layers has
-        no window."""
-        if self.block.window is not None and self.layer_type(layer) == "full":
-            return replace(self.block, window=None)
-        return self.block
+        """The block config of one layer: a full layer of a model with sliding or chunked
+        layers has no window and no chunk; a layer without rotary positions has no L2 QK-norm
+        (which follows the rotation) and, where the temperature is for such layers only,
+        a layer with them has none."""
+        block, kind, turns = self.block, self.layer_type(layer), self.turns(layer)
+        changes: dict = {}
+        if block.window is not None and kind != "sliding":
+            changes["window"] = None
+        if block.chunk is not None and kind != "chunked":
+            changes["chunk"] = None
+        if block.qk_norm == "l2" and not turns:
+            changes["qk_norm"] = None
+        if block.temperature is not None and block.temperature_where == "nope" and turns:
+            changes["temperature"] = None
+        return replace(block, **changes) if changes else block
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -160,6 +160,7 @@ class Decoder(nn.Module):
                 key_padding_mask=padding,
                 context_mask=context_padding,
                 rotation=self.rotary.rotation_for(rotations, layer),
+                positions=positions,
                 cache=cache.layers[layer] if cache is not None else None,
                 cross_cache=cache.cross[layer] if cache is not None and cache.cross else None,
                 bias=bias,

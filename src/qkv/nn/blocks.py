@@ -19,7 +19,7 @@ from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.edit import Edit
 from qkv.nn.mlps import GATED, MLP, Activation, GatedMLP
 from qkv.nn.norms import NormKind, make_norm
-from qkv.nn.position import RotaryEmbedding, Rotation
+from qkv.nn.position import RotaryEmbedding, Rotation, Temperature
 from qkv.nn.record import AttentionRecord
 
 
@@ -50,7 +50,15 @@ class BlockConfig:
     attn_scale: float | None = None  # on every dot product; None: 1/sqrt(head size)
     softcap: float | None = None  # scores capped to softcap * tanh(score / softcap)
     window: int | None = None  # keys this many positions away or more are hidden
-    qk_norm: Literal["head", "full"] | None = None  # a norm on queries and keys (Qwen3, OLMo 2)
+    # a norm on queries and keys: per head or over all heads before rotary (Qwen3, OLMo 2), or
+    # "l2", weightless after rotary, on layers with rotary positions (Llama 4)
+    qk_norm: Literal["head", "full", "l2"] | None = None
+    chunk: int | None = None  # a query sees only its own chunk of this many positions (Llama 4)
+    sinks: bool = False  # one learned score per head in every query's softmax (gpt-oss)
+    # each query's scores times a temperature of its position (Ministral 3), on every layer or,
+    # with temperature_where="nope", only on layers without rotary positions (Llama 4)
+    temperature: Temperature | None = None
+    temperature_where: Literal["all", "nope"] = "all"
     dropout: float = 0.0  # on each sub-layer's output, before the residual sum
     backend: str = "auto"  # the `attend` backend
 
@@ -73,8 +81,13 @@ class BlockConfig:
             raise ValueError("a parallel block normalizes before its sub-layers only (pre)")
         if self.fused_mlp and self.mlp not in GATED:
             raise ValueError(f"fused_mlp needs a gated mlp ({', '.join(GATED)}), got {self.mlp!r}")
-        if self.window is not None and (type(self.window) is not int or self.window < 1):
-            raise ValueError(f"window must be a whole number >= 1 or None, got {self.window!r}")
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be a whole number >= 1 or None, got {value!r}")
+        if self.temperature_where not in ("all", "nope"):
+            raise ValueError(f"temperature_where must be 'all' or 'nope', got "
+                             f"{self.temperature_where!r}")  # fmt: skip
         for name in ("attn_scale", "softcap"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -107,6 +120,9 @@ class BlockConfig:
             qk_norm=self.qk_norm,
             norm=self.norm,
             norm_eps=self.norm_eps,
+            chunk=None if cross else self.chunk,
+            sinks=self.sinks and not cross,
+            temperature=None if cross else self.temperature,
         )
 
     def feed_forward(self) -> nn.Module:
@@ -220,6 +236,7 @@ class DecoderBlock(_Block):
         key_padding_mask: Tensor | None = None,
         context_mask: Tensor | None = None,
         rotation: Rotation | None = None,
+        positions: Tensor | None = None,
         cache: KVCache | None = None,
         cross_cache: KVCache | None = None,
         bias: Tensor | None = None,
@@ -239,8 +256,9 @@ class DecoderBlock(_Block):
         """
         h = self.sublayer_input(x, self.attn_norm)
         attended, kept = self.attn(
-            h, key_padding_mask=key_padding_mask, causal=True, rotation=rotation, cache=cache,
-            bias=bias, edit=edit, record=record, weights_into=weights_into,
+            h, key_padding_mask=key_padding_mask, causal=True, rotation=rotation,
+            positions=positions, cache=cache, bias=bias, edit=edit, record=record,
+            weights_into=weights_into,
         )  # fmt: skip
         if self.parallel:
             return _edited(self.feed_forward(x, attended), edit), kept, None
