@@ -261,32 +261,37 @@ def test_one_keep_at_a_time(built):
         pass
 
 
-def test_attention_sinks_and_position_biases_are_refused_at_load_and_at_call(tmp_path):
-    """gpt-oss's sinks and T5's position bias, refused when the model is made or switched to
-    "qkv" (read from their modeling code), and by any call that passes them (the backstop)."""
+def test_gpt_oss_sinks_are_computed_and_position_biases_refused_at_load_and_at_call(tmp_path):
+    """gpt-oss's sinks (s_aux) are one more score in qkv's softmax: outputs and weights equal
+    eager's, the weights of a query summing to 1 less its sink's share. T5's position bias is
+    refused when the model is made (read from its modeling code) and by any call that passes
+    one (the backstop)."""
     torch.manual_seed(0)
-    oss = hf.GptOssForCausalLM(hf.GptOssConfig(
-        vocab_size=99, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+    config = hf.GptOssConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-        num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64)).eval()  # fmt: skip
-    oss.save_pretrained(tmp_path / "oss")
-    sinks = r"GptOssForCausalLM's attention is passed attention sinks \(s_aux"
-    with pytest.raises(ValueError, match=sinks):
-        hf.GptOssForCausalLM.from_pretrained(tmp_path / "oss", attn_implementation="qkv")
-    with pytest.raises(ValueError, match=sinks):
-        oss.set_attn_implementation("qkv")
-    assert oss.config._attn_implementation == "eager"  # the refused switch changed nothing
-    with pytest.raises(ValueError, match="runs attn_implementation='eager'"):
-        qkv.hf.check(oss)
+        num_experts_per_tok=1, sliding_window=4, max_position_embeddings=64)  # fmt: skip
+    eager = hf.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in eager.model.layers:
+            layer.self_attn.sinks.copy_(torch.randn(4) * 2)
+    eager.save_pretrained(tmp_path / "oss")
+    ours = hf.GptOssForCausalLM.from_pretrained(tmp_path / "oss", attn_implementation="qkv")
+    ids = torch.randint(0, 99, (1, 9))
+    with torch.no_grad():
+        want = eager(ids, output_attentions=True)
+        got = ours.eval()(ids, output_attentions=True)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=0)
+    for mine, theirs in zip(got.attentions, want.attentions, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=0)
+        assert bool((mine.sum(-1) < 0.999).all())  # every query gave its sink a share
     t5 = hf.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=1, num_heads=4)
     with pytest.raises(ValueError, match="T5Model's attention is passed a position bias added"):
         hf.T5Model._from_config(t5, attn_implementation="qkv")
-    module = oss.model.layers[0].self_attn
+    module = eager.model.layers[0].self_attn
     q = k = v = torch.zeros(1, 4, 3, 8)
-    with pytest.raises(
-        ValueError, match=r"GptOssAttention's attention call passes attention sinks"
-    ):
-        qkv.hf.attention(module, q, k, v, None, s_aux=module.sinks)
+    with pytest.raises(ValueError, match=r"GptOssAttention's attention call passes a position"):
+        qkv.hf.attention(module, q, k, v, None, position_bias=torch.zeros(1, 4, 3, 3))
 
 
 def test_check_and_register_refuse_by_name(built):

@@ -209,7 +209,6 @@ def test_every_model_type_is_exact_on_qkv_or_refused_at_load(outcomes):
     ("bloom", "in its own code (ALiBi position biases among them)"),
     ("mpt", "in its own code (ALiBi position biases among them)"),
     ("falcon", "in its own code"),
-    ("gpt_oss", "attention sinks"),
     ("t5", "a position bias added to the scores"),
     ("deepseek_v32", "sparse attention over chosen keys"),
     ("splinter", "eager attention only"),
@@ -222,7 +221,7 @@ def test_the_families_qkv_would_get_wrong_are_refused_with_the_reason(outcomes, 
 
 @pytest.mark.parametrize("model_type", [
     "llama", "gpt2", "gpt_bigcode", "opt", "gemma2", "mistral", "qwen3_moe", "bert", "bart",
-    "layoutlm", "whisper", "deepseek_v3", "mixtral", "llama4_text",
+    "layoutlm", "whisper", "deepseek_v3", "mixtral", "llama4_text", "gpt_oss",
 ])  # fmt: skip
 def test_the_families_qkv_computes_are_exact(outcomes, model_type):
     assert outcomes[model_type].kind == "exact", outcomes[model_type]

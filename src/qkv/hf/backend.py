@@ -43,6 +43,7 @@ from qkv.hf.refusals import (
     class_refusal,
     guard_loading,
     refuse_arguments,
+    sinks_as_qkv,
 )
 from qkv.nn.record import AttentionRecord
 
@@ -97,6 +98,8 @@ def check(model: nn.Module) -> None:
         )
     for name, module in model.named_modules():
         for attribute, what in MODULE_REFUSALS.items():
+            if attribute == "sinks" and sinks_as_qkv(module):
+                continue
             if getattr(module, attribute, None) is not None:
                 raise ValueError(
                     f"{name} ({type(module).__name__}) uses {what}, which qkv's attention does "
@@ -201,10 +204,10 @@ def attention(
     refuse_arguments(module, kwargs)
     Tq, D = query.shape[2:]
     Tk = key.shape[2]
-    if value.shape != key.shape:
+    if value.shape[:3] != key.shape[:3]:
         raise ValueError(
             f"{type(module).__name__} has value vectors of shape {tuple(value.shape)} beside "
-            f"keys of {tuple(key.shape)}; qkv's attention needs them the same size"
+            f"keys of {tuple(key.shape)}; qkv's attention needs one value per key"
         )
     is_causal = kwargs.get("is_causal")
     is_causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
@@ -215,6 +218,7 @@ def attention(
         # a static cache's empty slots after the queries: sdpa drops them too
         key, value = key[:, :, :Tq], value[:, :, :Tq]
     softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")  # gpt-oss: one learned score per head, in every softmax
     scale = 1.0 / math.sqrt(D) if scaling is None else float(scaling)
     asked = _asked(module, kwargs)
     kept = getattr(module, KEEP, None)
@@ -225,7 +229,7 @@ def attention(
             asked = False
         heads, record = kept.heads, kept.record and layer in kept.layers
     variants = dict(mask=mask, causal=causal, scale=scale, window=window, softcap=softcap,
-                    bias=bias)  # fmt: skip
+                    bias=bias, sinks=sinks)  # fmt: skip
     if dropout and module.training:
         if record:
             raise ValueError(
@@ -257,7 +261,8 @@ def attention(
         attended = attend_for_record(query, key, value, backend=name, **variants)
         out, lse = attended.out, attended.lse
         seen = AttentionRecord(query, key, value, out, mask, causal, scale, name, lse,
-                               window=window, softcap=softcap, bias=bias)  # fmt: skip
+                               window=window, softcap=softcap, bias=bias,
+                               sinks=None if sinks is None else sinks.detach())  # fmt: skip
         weights = _weights(seen, heads).to(query.dtype) if asked else None
         if record:
             kept.records[layer] = seen

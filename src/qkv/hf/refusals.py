@@ -34,7 +34,8 @@ from transformers import PreTrainedModel
 
 # keyword arguments that change the scores in a way qkv does not compute
 REFUSED = {
-    "s_aux": "attention sinks (s_aux, a learned logit beside the keys)",
+    "s_aux": "attention sinks (s_aux) computed otherwise than gpt-oss's, one more logit in the "
+    "softmax whose weight is dropped",
     "sinks": "attention sinks (a learned logit beside the keys)",
     "position_bias": "a position bias added to the scores (T5's relative positions)",
     "indices": "sparse attention over chosen keys (indices)",
@@ -43,6 +44,11 @@ REFUSED = {
 }
 # keyword arguments `attention` reads
 HANDLED = frozenset({"sliding_window", "softcap", "is_causal", "output_attentions"})
+# (modeling module, attention class) whose eager attention puts its sinks (s_aux) in the
+# softmax as qkv's `sinks` does, reporting the words' weights without the sink's: gpt-oss.
+# Another family's sinks (Granite's scale the output after the softmax, DeepSeek-V4's come
+# with compressed keys in the mask) are refused by name.
+SINKS_AS_QKV = {"transformers.models.gpt_oss.modeling_gpt_oss": "GptOssAttention"}
 # keyword arguments that leave the scores as the mask transformers built says (sdpa ignores
 # them too: packed sequences are in that mask, built from position_ids)
 HARMLESS = frozenset({
@@ -82,10 +88,15 @@ def argument_refusal(name: str) -> str | None:
     )
 
 
+def sinks_as_qkv(module: nn.Module) -> bool:
+    """Whether `module` is an attention whose sinks qkv computes exactly (gpt-oss's)."""
+    return SINKS_AS_QKV.get(type(module).__module__) == type(module).__name__
+
+
 def refuse_arguments(module: nn.Module, kwargs: dict) -> None:
     """A call's keyword arguments, refused by name where qkv would not compute them."""
     for name, value in kwargs.items():
-        if value is None or value is False:
+        if value is None or value is False or (name == "s_aux" and sinks_as_qkv(module)):
             continue
         wrong = argument_refusal(name)
         if wrong is not None:
@@ -104,16 +115,18 @@ def class_refusal(cls: type) -> str | None:
             "AttentionInterface, so qkv's attention would not run in it"
         )
     passed, by_name = _read(cls.__module__)
+    ours = {"s_aux"} if cls.__module__ in SINKS_AS_QKV else set()  # gpt-oss's: computed
     if by_name:
         return (
             f"{name}'s modeling code chooses attention classes by the implementation's name "
             "(config._attn_implementation), among which qkv is not"
         )
-    for argument in sorted(passed):
+    for argument in sorted(passed - ours):
         wrong = argument_refusal(argument)
         if wrong is not None:
             return f"{name}'s attention is passed {wrong}"
-    if getattr(cls, "_supports_sdpa", True) is False and "softcap" not in passed:
+    # sdpa lacks Gemma 2's soft-cap and gpt-oss's sinks, which qkv's attention takes
+    if getattr(cls, "_supports_sdpa", True) is False and not ({"softcap"} | ours) & passed:
         return (
             f"transformers runs {name} on eager attention only (_supports_sdpa = False): its "
             "attention needs more than the mask transformers builds for sdpa and for qkv"
