@@ -4,6 +4,7 @@ from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.blocks import BlockConfig, DecoderBlock, EncoderBlock
 from qkv.nn.edit import Edit, Edits
 from qkv.nn.embeddings import Embeddings
+from qkv.nn.experts import ExpertRecord, MoE, Routing
 from qkv.nn.mlps import MLP, SwiGLU
 from qkv.nn.norms import RMSNorm, make_norm
 from qkv.nn.position import (
@@ -24,12 +25,15 @@ __all__ = [
     "Edits",
     "Embeddings",
     "EncoderBlock",
+    "ExpertRecord",
     "KVCache",
     "LearnedPositions",
+    "MoE",
     "MultiHeadAttention",
     "RMSNorm",
     "RotaryEmbedding",
     "Rotation",
+    "Routing",
     "SinusoidalPositions",
     "SwiGLU",
     "make_norm",
