@@ -4,6 +4,7 @@ from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.blocks import BlockConfig, DecoderBlock, EncoderBlock
 from qkv.nn.edit import Edit, Edits
 from qkv.nn.embeddings import Embeddings
+from qkv.nn.latent import LatentAttention, LatentCache, LatentConfig
 from qkv.nn.mlps import MLP, SwiGLU
 from qkv.nn.norms import RMSNorm, make_norm
 from qkv.nn.position import (
@@ -25,6 +26,9 @@ __all__ = [
     "Embeddings",
     "EncoderBlock",
     "KVCache",
+    "LatentAttention",
+    "LatentCache",
+    "LatentConfig",
     "LearnedPositions",
     "MultiHeadAttention",
     "RMSNorm",
