@@ -5,6 +5,7 @@ from qkv.nn.blocks import BlockConfig, DecoderBlock, EncoderBlock
 from qkv.nn.edit import Edit, Edits
 from qkv.nn.embeddings import Embeddings
 from qkv.nn.experts import ExpertRecord, MoE, Routing
+from qkv.nn.latent import LatentAttention, LatentCache, LatentConfig
 from qkv.nn.mlps import MLP, SwiGLU
 from qkv.nn.norms import RMSNorm, make_norm
 from qkv.nn.position import (
@@ -27,6 +28,9 @@ __all__ = [
     "EncoderBlock",
     "ExpertRecord",
     "KVCache",
+    "LatentAttention",
+    "LatentCache",
+    "LatentConfig",
     "LearnedPositions",
     "MoE",
     "MultiHeadAttention",
