@@ -80,7 +80,7 @@ def test_decoder_block_matches_transformer_decoder_layer(norm_position):
     want = theirs(
         x, memory, tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=~memory_real
     )
-    got, kept, kept_cross = ours(x, memory, context_mask=memory_real, record_cross=True)
+    got, kept, kept_cross, _ = ours(x, memory, context_mask=memory_real, record_cross=True)
     torch.testing.assert_close(got, want)
     cross = kept_cross.weights([0, 2])
     assert kept is None, "only the cross-attention's record was asked for"
@@ -94,7 +94,7 @@ def test_decoder_block_cache_matches_full_forward_with_rotary_gqa_swiglu():
     )
     block = DecoderBlock(cfg, RotaryEmbedding(C // H), cross_attention=True).double()
     x, memory = torch.randn(2, 6, C).double(), torch.randn(2, 4, C).double()
-    full, _, _ = block(x, memory)
+    full, _, _, _ = block(x, memory)
     cache, cross_cache = KVCache(), KVCache()
     steps = [
         block(x[:, t : t + 1], memory, cache=cache, cross_cache=cross_cache)[0] for t in range(6)

@@ -44,6 +44,11 @@ class StackConfig:
     # per layer, whether its queries and keys turn (SmolLM3 leaves every 4th layer without
     # positions); None: every layer turns them
     rope_layers: tuple[bool, ...] | None = None
+    # per layer, whether its MLP is the block's mixture of experts (block.experts); the others
+    # are dense, of hidden size dense_mlp_hidden (DeepSeek-V3's first layers, Llama 4's
+    # interleaving, Qwen3-MoE's mlp_only_layers); None: every layer as the block says
+    moe_layers: tuple[bool, ...] | None = None
+    dense_mlp_hidden: int | None = None  # the dense layers' MLP size; None: block.mlp_hidden
     type_vocab_size: int = 0  # BERT's segment embeddings; 0 for none
     embed_norm: bool = False  # BERT normalizes the summed embeddings
     embed_scale: bool = False  # the original transformer scales token vectors by sqrt(C)
@@ -80,6 +85,14 @@ class StackConfig:
         if (self.local_rope_base is not None or self.rope_dims is not None
                 or self.rope_scaling is not None) and self.position != "rotary":  # fmt: skip
             raise ValueError("rope_dims, rope_scaling and local_rope_base need rotary positions")
+        if self.moe_layers is not None:
+            layers = getattr(self, "num_layers", None)
+            if self.block.experts is None:
+                raise ValueError("moe_layers needs the block's experts (block.experts)")
+            if layers is not None and len(self.moe_layers) != layers:
+                raise ValueError(
+                    f"moe_layers names {len(self.moe_layers)} layers, the model has {layers}"
+                )
         if self.rope_layers is not None:
             if self.position != "rotary":
                 raise ValueError("rope_layers needs rotary positions")
@@ -123,7 +136,7 @@ class StackConfig:
         if self.position != "rotary":
             return None
         return RotaryEmbedding(
-            self.block.head_size, self.rope_base, dims=self.rope_dims, scaling=self.rope_scaling
+            self.block.rotary_size, self.rope_base, dims=self.rope_dims, scaling=self.rope_scaling
         )
 
     def local_rotary(self) -> RotaryEmbedding | None:
@@ -143,9 +156,7 @@ class StackConfig:
 
     def turns(self, layer: int) -> bool:
         """Whether the layer turns its queries and keys by rotary positions."""
-        return self.position == "rotary" and (
-            self.rope_layers is None or self.rope_layers[layer]
-        )
+        return self.position == "rotary" and (self.rope_layers is None or self.rope_layers[layer])
 
     def block_for(self, layer: int) -> BlockConfig:
         """The block config of one layer: a full layer of a model with sliding or chunked
@@ -162,6 +173,9 @@ class StackConfig:
             changes["qk_norm"] = None
         if block.temperature is not None and block.temperature_where == "nope" and turns:
             changes["temperature"] = None
+        if self.moe_layers is not None and not self.moe_layers[layer]:  # a dense layer
+            changes["experts"] = None
+            changes["mlp_hidden"] = self.dense_mlp_hidden or block.mlp_hidden
         return replace(block, **changes) if changes else block
 
 

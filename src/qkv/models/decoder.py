@@ -17,7 +17,14 @@ from qkv.models.config import (
     mask_positions,
     recorded_layers,
 )
-from qkv.nn import AttentionRecord, DecoderBlock, KVCache
+from qkv.nn import (
+    AttentionRecord,
+    DecoderBlock,
+    ExpertRecord,
+    KVCache,
+    LatentAttention,
+    LatentCache,
+)
 from qkv.nn.edit import Edits, check_edits
 from qkv.nn.linear import project
 from qkv.nn.position import positions_for
@@ -31,13 +38,17 @@ class DecoderOutput:
     cross_records: dict[int, AttentionRecord] = field(default_factory=dict)  # cross-attention
     # with hidden_states=True: the embeddings, then each block's output, (B, T, C) each
     hidden_states: list[Tensor] = field(default_factory=list)
+    # the recorded layers' mixtures of experts: which experts each token went to, and why
+    experts: dict[int, ExpertRecord] = field(default_factory=dict)
 
 
 class DecoderCache:
-    """Every layer's KV cache: self-attention's grows a token at a time, cross's is fixed."""
+    """Every layer's KV cache: self-attention's grows a token at a time, cross's is fixed. A
+    layer of latent attention (`latent`) caches its compressed vectors instead (LatentCache)."""
 
-    def __init__(self, num_layers: int, cross_attention: bool = False):
-        self.layers = [KVCache() for _ in range(num_layers)]
+    def __init__(self, num_layers: int, cross_attention: bool = False,
+                 latent: frozenset[int] = frozenset()):  # fmt: skip
+        self.layers = [LatentCache() if i in latent else KVCache() for i in range(num_layers)]
         self.cross = [KVCache() for _ in range(num_layers)] if cross_attention else None
 
     @property
@@ -84,7 +95,10 @@ class Decoder(nn.Module):
         return cap_logits(project(self.lm_head, hidden), self.config.logit_softcap)
 
     def new_cache(self) -> DecoderCache:
-        return DecoderCache(self.config.num_layers, self.config.cross_attention)
+        latent = frozenset(
+            i for i, b in enumerate(self.blocks) if isinstance(b.attn, LatentAttention)
+        )
+        return DecoderCache(self.config.num_layers, self.config.cross_attention, latent)
 
     def forward(
         self,
@@ -154,7 +168,7 @@ class Decoder(nn.Module):
                              "recorded")  # fmt: skip
         out = DecoderOutput(None, x, hidden_states=[x] if hidden_states else [])
         for layer in range(first, cfg.num_layers):
-            x, kept, kept_cross = self.blocks[layer](
+            x, kept, kept_cross, experts = self.blocks[layer](
                 x,
                 context,
                 key_padding_mask=padding,
@@ -173,6 +187,8 @@ class Decoder(nn.Module):
                 out.records[layer] = kept
             if kept_cross is not None:
                 out.cross_records[layer] = kept_cross
+            if experts is not None:
+                out.experts[layer] = experts
             if hidden_states:
                 out.hidden_states.append(x)
         out.hidden = x if self.norm is None else self.norm(x)

@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.edit import Edit
+from qkv.nn.experts import ExpertRecord, Experts, MoE
+from qkv.nn.latent import LatentAttention, LatentConfig
 from qkv.nn.mlps import GATED, MLP, Activation, GatedMLP
 from qkv.nn.norms import NormKind, make_norm
 from qkv.nn.position import RotaryEmbedding, Rotation, Temperature
@@ -59,6 +61,11 @@ class BlockConfig:
     # with temperature_where="nope", only on layers without rotary positions (Llama 4)
     temperature: Temperature | None = None
     temperature_where: Literal["all", "nope"] = "all"
+    # the MLP is a mixture of experts (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3, Llama 4)
+    experts: Experts | None = None
+    # the attention is DeepSeek's multi-head latent attention (keys and values made from one
+    # compressed vector per token), not MultiHeadAttention; its sizes are the LatentConfig's
+    latent: LatentConfig | None = None
     dropout: float = 0.0  # on each sub-layer's output, before the residual sum
     backend: str = "auto"  # the `attend` backend
 
@@ -103,7 +110,17 @@ class BlockConfig:
     def head_size(self) -> int:
         return self.head_dim or self.width // self.num_heads
 
-    def attention(self, rotary: RotaryEmbedding | None = None, cross=False) -> MultiHeadAttention:
+    @property
+    def rotary_size(self) -> int:
+        """How many dimensions of a head its rotary embedding turns (latent attention's rope
+        slice; else the head size, of which a stack's rope_dims may turn a part)."""
+        return self.head_size if self.latent is None else self.latent.qk_rope_head_dim
+
+    def attention(self, rotary: RotaryEmbedding | None = None, cross=False) -> nn.Module:
+        if self.latent is not None:
+            if cross or rotary is None:
+                raise ValueError("latent attention is self-attention with rotary positions")
+            return LatentAttention(self.latent, rotary, backend=self.backend)
         return MultiHeadAttention(
             self.width,
             self.num_heads,
@@ -126,6 +143,8 @@ class BlockConfig:
         )
 
     def feed_forward(self) -> nn.Module:
+        if self.experts is not None:
+            return self.experts.module(self.width)
         hidden = self.mlp_hidden or 4 * self.width
         if self.mlp in GATED:
             return GatedMLP(self.width, hidden, GATED[self.mlp], self.bias, self.fused_mlp)
@@ -165,11 +184,24 @@ class _Block(nn.Module):
     def feed_forward(self, x: Tensor, attended: Tensor | None = None) -> Tensor:
         """The MLP's part of the block. A parallel block passes its input x and attention's
         output `attended`, not yet added: both sub-layers read x and add to it."""
+        return self.feed_forward_recorded(x, attended)[0]
+
+    def feed_forward_recorded(
+        self, x: Tensor, attended: Tensor | None = None, record: bool = False
+    ) -> tuple[Tensor, ExpertRecord | None]:
+        """`feed_forward`, and the experts' record where the MLP is a mixture of experts and
+        `record` asks for it (None otherwise)."""
         if self.parallel:
-            mlp = self.mlp(self.mlp_norm(x))
-            return x + self.dropout(attended) + self.dropout(mlp)
+            mlp, kept = self._mlp(self.mlp_norm(x), record)
+            return x + self.dropout(attended) + self.dropout(mlp), kept
         h = self.sublayer_input(x, self.mlp_norm)
-        return self.residual(x, self.mlp(h), self.mlp_norm, self.mlp_out_norm)
+        mlp, kept = self._mlp(h, record)
+        return self.residual(x, mlp, self.mlp_norm, self.mlp_out_norm), kept
+
+    def _mlp(self, h: Tensor, record: bool) -> tuple[Tensor, ExpertRecord | None]:
+        if isinstance(self.mlp, MoE):
+            return self.mlp(h, record=record)
+        return self.mlp(h), None
 
 
 class EncoderBlock(_Block):
@@ -245,8 +277,9 @@ class DecoderBlock(_Block):
         record: bool = False,
         weights_into: Tensor | None = None,
         record_cross: bool = False,
-    ) -> tuple[Tensor, AttentionRecord | None, AttentionRecord | None]:
-        """x (B, T, C) -> (B, T, C), the self- and the cross-attention's records if asked.
+    ) -> tuple[Tensor, AttentionRecord | None, AttentionRecord | None, ExpertRecord | None]:
+        """x (B, T, C) -> (B, T, C), the self- and the cross-attention's records if asked, and
+        the experts' record where the MLP is a mixture of experts and `record` asks.
 
         key_padding_mask: (B, Tk), True for the decoder's real tokens (cached ones too).
         context: the encoder's output (B, S, C), with context_mask (B, S) True for real
@@ -261,7 +294,8 @@ class DecoderBlock(_Block):
             weights_into=weights_into,
         )  # fmt: skip
         if self.parallel:
-            return _edited(self.feed_forward(x, attended), edit), kept, None
+            x, experts = self.feed_forward_recorded(x, attended, record)
+            return _edited(x, edit), kept, None, experts
         x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
         kept_cross = None
         if self.cross_attn is not None:
@@ -273,7 +307,8 @@ class DecoderBlock(_Block):
                 record=record_cross,
             )  # fmt: skip
             x = self.residual(x, attended, self.cross_norm, self.cross_out_norm)
-        return _edited(self.feed_forward(x), edit), kept, kept_cross
+        x, experts = self.feed_forward_recorded(x, record=record)
+        return _edited(x, edit), kept, kept_cross, experts
 
 
 def _edited(x: Tensor, edit: Edit | None) -> Tensor:

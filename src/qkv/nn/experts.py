@@ -62,6 +62,25 @@ from qkv.nn.routing import Router, Routing
 ExpertActivation = Literal["gelu", "gelu_tanh", "relu", "silu", "clamped_swiglu"]
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A block's mixture of experts, as a config says it (`BlockConfig.experts`): the routing,
+    each expert's hidden size, its activation ("clamped_swiglu": gpt-oss's), whether experts
+    have biases, a shared expert's hidden size (None: none), and gpt-oss's clamp."""
+
+    routing: Routing
+    hidden: int
+    activation: ExpertActivation = "silu"
+    bias: bool = False
+    shared_hidden: int | None = None
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def module(self, width: int) -> MoE:
+        return MoE(width, self.hidden, self.routing, self.activation, self.bias,
+                   self.shared_hidden, self.limit, self.alpha)  # fmt: skip
+
+
 @dataclass(frozen=True, eq=False)
 class ExpertRecord:
     """Where one MoE layer sent each token, exactly as its forward pass did it.
