@@ -109,7 +109,14 @@ def weight_count(config) -> int:
     block = config.block
     C, H, Hkv, D = block.width, block.num_heads, block.kv_heads, block.head_size
     mlp = (3 if block.mlp == "swiglu" else 2) * C * (block.mlp_hidden or 4 * C)
+    if block.experts is not None:  # every expert is stored: E gated MLPs
+        experts = block.experts.routing.num_experts * 3 * C * block.experts.hidden
+        dense = 3 * C * (config.dense_mlp_hidden or block.mlp_hidden or 0)
+        mlp = min(experts, dense) if config.moe_layers is not None else experts
     attention = 2 * C * H * D + 2 * C * Hkv * D  # q and out; k and v
+    if block.latent is not None:  # at least the output projection and the compressed keys
+        latent = block.latent
+        attention = latent.num_heads * latent.v_head_dim * C + C * latent.kv_lora_rank
     layers = sum(getattr(config, n, 0) for n in ("num_layers", "encoder_layers", "decoder_layers"))
     positions = config.max_positions * C if config.position == "learned" else 0
     return config.vocab_size * C + positions + layers * (attention + mlp)
