@@ -19,9 +19,11 @@ from qkv.io.families import (
     gpt2,
     llama,
     marian,
+    ministral,
     modernbert,
     neox,
     olmo2,
+    olmo3,
     phi3,
     qwen,
     roberta,
@@ -35,6 +37,8 @@ FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.F
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
+FAMILIES += [olmo3.FAMILY]
+FAMILIES += [ministral.MINISTRAL, ministral.MINISTRAL3]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
