@@ -78,6 +78,12 @@ def _tiny_olmo3_ministral(name: str) -> dict:
     return TINY[name][1].to_dict()
 
 
+def _tiny_moe(name: str) -> dict:
+    from test_family_moe import TINY
+
+    return TINY[name][1].to_dict()
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -108,6 +114,8 @@ ROUND_TRIPS = {
         name: [FAMILY[name].config(_tiny_olmo3_ministral(name))]
         for name in ("olmo3", "ministral", "ministral3")
     },
+    # more of each in tests/io/test_family_moe.py
+    **{name: [FAMILY[name].config(_tiny_moe(name))] for name in ("mixtral", "qwen3_moe")},
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

@@ -21,6 +21,7 @@ from qkv.io.families import (
     marian,
     ministral,
     modernbert,
+    moe,
     neox,
     olmo2,
     olmo3,
@@ -39,6 +40,7 @@ FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
 FAMILIES += [olmo3.FAMILY]
 FAMILIES += [ministral.MINISTRAL, ministral.MINISTRAL3]
+FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
