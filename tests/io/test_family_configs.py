@@ -97,6 +97,7 @@ ROUND_TRIPS = {
     "qwen3": [replace(LLAMA, block=replace(LLAMA.block, qk_norm="head"))],
     # the Gemma families' configs, as transformers' own tiny ones read
     **{name: [FAMILY[name].config(_tiny_gemma(name))] for name in ("gemma", "gemma2", "gemma3")},
+    "llama4": [FAMILY["llama4"].config({"model_type": "llama4_text"})],  # more in its own file
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

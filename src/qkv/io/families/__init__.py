@@ -18,6 +18,7 @@ from qkv.io.families import (
     gemma,
     gpt2,
     llama,
+    llama4,
     marian,
     modernbert,
     neox,
@@ -35,6 +36,7 @@ FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.F
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
+FAMILIES += [llama4.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
