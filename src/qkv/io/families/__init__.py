@@ -18,6 +18,7 @@ from qkv.io.families import (
     gemma,
     gpt2,
     llama,
+    llama4,
     marian,
     ministral,
     modernbert,
@@ -41,6 +42,7 @@ FAMILIES += [marian.FAMILY, t5.FAMILY]
 FAMILIES += [olmo3.FAMILY]
 FAMILIES += [ministral.MINISTRAL, ministral.MINISTRAL3]
 FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
+FAMILIES += [llama4.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
