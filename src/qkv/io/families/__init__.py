@@ -17,6 +17,7 @@ from qkv.io.families import (
     distilbert,
     gemma,
     gpt2,
+    gpt_oss,
     llama,
     marian,
     modernbert,
@@ -35,6 +36,7 @@ FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.F
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
+FAMILIES += [gpt_oss.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
