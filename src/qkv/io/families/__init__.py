@@ -17,6 +17,7 @@ from qkv.io.families import (
     distilbert,
     gemma,
     gpt2,
+    gpt_oss,
     llama,
     llama4,
     marian,
@@ -43,6 +44,7 @@ FAMILIES += [olmo3.FAMILY]
 FAMILIES += [ministral.MINISTRAL, ministral.MINISTRAL3]
 FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
 FAMILIES += [llama4.FAMILY]
+FAMILIES += [gpt_oss.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
