@@ -53,11 +53,13 @@ def _layer_types(hf: Mapping, layers: int) -> tuple[str, ...]:
     if given is None:
         given = [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
     if not isinstance(given, list) or len(given) != layers:
-        raise ConfigValueError("layer_types", f"must list the {layers} layers' types, got {given!r}")
+        raise ConfigValueError(
+            "layer_types", f"must list the {layers} layers' types, got {given!r}"
+        )
     odd = sorted({str(t) for t in given} - set(LAYER_TYPES))
     if odd:
         raise ConfigValueError("layer_types", f"holds {odd}; supported: {', '.join(LAYER_TYPES)}")
-    return tuple(LAYER_TYPES[t] for t in given[:-1]) + ("full",)
+    return (*(LAYER_TYPES[t] for t in given[:-1]), "full")
 
 
 def _full_layers(hf: Mapping, types: tuple[str, ...], k_eq_v: bool) -> tuple[int | None, ...]:
@@ -74,11 +76,15 @@ def _full_layers(hf: Mapping, types: tuple[str, ...], k_eq_v: bool) -> tuple[int
         if not (isinstance(key, str) and key.isdigit() and int(key) < len(types)):
             raise ConfigValueError("per_layer_config", f"names a layer {key!r} the model lacks")
         if not isinstance(value, Mapping) or not set(value) <= {"head_dim", "num_key_value_heads"}:
-            raise ValueError(f"{NAME} checkpoints with per_layer_config {key}: {value!r} are not "
-                             "supported: qkv reads head_dim and num_key_value_heads only")  # fmt: skip
+            raise ValueError(
+                f"{NAME} checkpoints with per_layer_config {key}: {value!r} are not supported: "
+                "qkv reads head_dim and num_key_value_heads only"
+            )
         settings[int(key)] = dict(value)
     for kind in set(types):
-        seen = {tuple(sorted(settings.get(i, {}).items())) for i, t in enumerate(types) if t == kind}
+        seen = {
+            tuple(sorted(settings.get(i, {}).items())) for i, t in enumerate(types) if t == kind
+        }
         if len(seen) > 1 or (kind == "sliding" and seen != {()}):
             raise ValueError(f"{NAME} checkpoints whose per_layer_config differs between layers "
                              f"of one type or sets sliding layers are not supported")  # fmt: skip
@@ -86,7 +92,24 @@ def _full_layers(hf: Mapping, types: tuple[str, ...], k_eq_v: bool) -> tuple[int
     return whole(full, "head_dim", None), whole(full, "num_key_value_heads", None)
 
 
+# rotary keys of other families and of older files, which transformers' Gemma 4 never reads
+OTHER_ROPE_KEYS = (
+    "rope_theta",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "rope_local_base_freq",
+    "rotary_emb_base",
+    "rotary_pct",
+    "global_rope_theta",
+    "local_rope_theta",
+)
+
+
 def _rope(hf: Mapping, types: tuple[str, ...]) -> dict:
+    for key in OTHER_ROPE_KEYS:
+        if hf.get(key) is not None:
+            raise ValueError(f"{NAME} checkpoints with {key} are not supported: Gemma 4 reads "
+                             "its rotary settings from rope_parameters only")  # fmt: skip
     given = hf.get("rope_parameters") or ROPE_DEFAULT
     if not isinstance(given, Mapping):
         raise ConfigValueError("rope_parameters", f"must be nested by layer type, got {given!r}")
@@ -111,7 +134,9 @@ def _rope(hf: Mapping, types: tuple[str, ...]) -> dict:
 
 
 def _experts(hf: Mapping, eps: float) -> Experts | None:
-    if not flag(hf, "enable_moe_block", False):
+    # looked at always; without the block the sizes mean nothing, as to transformers
+    sizes = [hf.get(k) for k in ("num_experts", "top_k_experts", "moe_intermediate_size")]
+    if not flag(hf, "enable_moe_block", False) or not sizes:
         return None
     routing = Routing(whole(hf, "num_experts"), whole(hf, "top_k_experts"), input_norm=True,
                       norm_eps=eps, expert_scale=True)  # fmt: skip
@@ -128,8 +153,10 @@ def config(hf: dict) -> Gemma4Config:
     require(hf, NAME, attention_bias=(False,), use_bidirectional_attention=(None, "vision"))
     act = hf.get("hidden_activation", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_new"):
-        raise ConfigValueError("hidden_activation", f"{act!r} is not supported: qkv computes "
-                               "gelu_pytorch_tanh (the MLP's, the experts' and the gate's)")  # fmt: skip
+        raise ConfigValueError(
+            "hidden_activation",
+            f"{act!r} is not supported: qkv computes gelu_pytorch_tanh (MLP, experts, gate)",
+        )
     width, heads = _given(hf, "hidden_size"), _given(hf, "num_attention_heads")
     kv_heads, num_layers = _given(hf, "num_key_value_heads"), _given(hf, "num_hidden_layers")
     divides(hf, "num_key_value_heads", "num_attention_heads", kv_heads, heads)
@@ -229,8 +256,10 @@ def hf_config(cfg: Gemma4Config) -> dict:
         "max_position_embeddings": cfg.max_positions,
         "rms_norm_eps": block.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": cfg.local_rope_base},
-                            FULL: full_rope},
+        "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": cfg.local_rope_base},
+            FULL: full_rope,
+        },
         "attention_bias": False,
         "sliding_window": block.window,
         "layer_types": [f"{cfg.layer_type(i)}_attention" for i in range(cfg.num_layers)],
@@ -309,7 +338,9 @@ def weights(cfg: Gemma4Config) -> list[Weight]:
     out = decoder_weights(GLOBAL + (PER_LAYER_GLOBAL if cfg.per_layer_input else []), cfg)
     for i in range(cfg.num_layers):
         layer = cfg.layer(i)
-        templates = LAYER + (MOE if layer.experts else []) + (PER_LAYER if cfg.per_layer_input else [])
+        templates = (
+            LAYER + (MOE if layer.experts else []) + (PER_LAYER if cfg.per_layer_input else [])
+        )
         if not layer.shares_keys:
             templates += KEYS + ([] if layer.values_from_keys else VALUES)
         out += _layer(templates, i)
