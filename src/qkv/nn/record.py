@@ -77,6 +77,9 @@ class AttentionRecord:
     chunk: int | None = None
     chunk_start: Tensor | None = None
     query_scale: Tensor | None = None
+    # the layer whose keys and values these are, where this layer has none of its own and
+    # attends over an earlier layer's (Gemma 4's shared keys); None: the layer's own
+    shared_from: int | None = None
 
     @property
     def shape(self) -> Shape:

@@ -16,6 +16,7 @@ from qkv.io.families import (
     bert,
     distilbert,
     gemma,
+    gemma4,
     gpt2,
     gpt_oss,
     llama,
@@ -38,7 +39,7 @@ FAMILIES = [bert.FAMILY, gpt2.FAMILY, llama.FAMILY, bart.FAMILY]
 FAMILIES += [llama.MISTRAL, llama.SMOLLM3, qwen.QWEN2, qwen.QWEN3]
 FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.FAMILY]
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
-FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
+FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3, gemma4.FAMILY]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
 FAMILIES += [olmo3.FAMILY]
 FAMILIES += [ministral.MINISTRAL, ministral.MINISTRAL3]
