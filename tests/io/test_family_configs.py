@@ -84,6 +84,12 @@ def _tiny_moe(name: str) -> dict:
     return TINY[name][1].to_dict()
 
 
+def _tiny_gemma4(name: str) -> dict:
+    from test_family_gemma4 import TINY
+
+    return TINY[name].to_dict()
+
+
 def _tiny_gpt_oss(name: str) -> dict:
     from test_family_gpt_oss import CASES
 
@@ -125,6 +131,8 @@ ROUND_TRIPS = {
     "llama4": [FAMILY["llama4"].config({"model_type": "llama4_text"})],  # more in its own file
     # gpt-oss's, as its tiny models read (more in tests/io/test_family_gpt_oss.py)
     "gpt_oss": [FAMILY["gpt_oss"].config(_tiny_gpt_oss(name)) for name in ("oss", "oss-other")],
+    # Gemma 4's, as its tiny models read (more in tests/io/test_family_gemma4.py)
+    "gemma4": [FAMILY["gemma4"].config(_tiny_gemma4(name)) for name in ("plain", "all")],
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [
