@@ -32,6 +32,9 @@ def test_a_gemma2_like_decoder():
         norm="pre-norm RMSNorm (1 + w) + on sub-layer outputs",
         window="the last 4096 tokens in 2 of 4 layers",
         scores="q.k / sqrt(144) (not sqrt(128)), capped 50 tanh(s/50), logits capped 30 tanh(x/30)",
+        attention="softmax(q.k) over the words",
+        mlp="dense",
+        cache_bytes_per_token=4 * 2 * 2 * 128 * 2,  # layers x (k, v) x heads x D x bfloat16
     )
     assert layer_anatomy(cfg, 0).window == 4096 and layer_anatomy(cfg, 1).window is None
 
@@ -84,7 +87,8 @@ def test_every_model_type_of_every_family_is_listed_and_described():
         assert model.anatomy is not None, f"{model.model_type}: {model.problem}"
     gpt2 = next(m for m in found if m.model_type == "gpt2")
     assert gpt2.anatomy == Anatomy("decoder", "learned (1024 positions)", "pre-norm LayerNorm",
-                                   "none", "q.k / sqrt(64)")  # fmt: skip
+                                   "none", "q.k / sqrt(64)", "softmax(q.k) over the words",
+                                   "dense", 12 * 2 * 12 * 64 * 2)  # fmt: skip
     bert = next(m for m in found if m.model_type == "bert")
     assert bert.anatomy.shape == "encoder" and bert.anatomy.norm.startswith("post-norm")
     llama = next(m for m in found if m.model_type == "llama")
@@ -158,3 +162,35 @@ def test_a_relative_position_bias_is_found_by_its_position():
     )
     assert layer_anatomy(pair).relative_bias  # the decoder's self-attention has it
     assert not layer_anatomy(pair, cross=True).relative_bias  # T5's cross-attention has none
+
+
+def test_the_late_2026_departures_in_words_and_the_latent_caches_bytes():
+    from qkv.nn.experts import Experts
+    from qkv.nn.latent import LatentConfig
+    from qkv.nn.position import Temperature
+    from qkv.nn.routing import Routing
+
+    moe = Experts(Routing(8, 2, score="sigmoid", groups=4, groups_chosen=2), hidden=16,
+                  shared_hidden=32)  # fmt: skip
+    cfg = decoder(position="rotary", layer_types=("chunked", "full") * 2,
+                  rope_layers=(True, False) * 2, moe_layers=(False, True, True, True),
+                  dense_mlp_hidden=64,
+                  block={"chunk": 8192, "sinks": True, "experts": moe,
+                         "temperature": Temperature(0.1, 8192.0, 1.0),
+                         "temperature_where": "nope"})  # fmt: skip
+    a = anatomy(cfg)
+    assert a.attention == (
+        "a learned sink per head takes part of each query's weight; chunks of 8192 tokens in 2 "
+        "of 4 layers; 2 of 4 layers without positions; a temperature growing with the position "
+        "on layers without positions"
+    )
+    assert a.mlp == "8 experts, top 2 by sigmoid within 2 of 4 groups, + 1 shared in 3 of 4 layers"
+    assert layer_anatomy(cfg, 0).chunk == 8192 and layer_anatomy(cfg, 1).chunk is None
+    assert layer_anatomy(cfg, 0).temperature is None
+    assert layer_anatomy(cfg, 1).temperature == {"strength": 0.1, "every": 8192.0, "shift": 1.0}
+    assert layer_anatomy(cfg, 0).experts is None and layer_anatomy(cfg, 1).experts is not None
+    latent = LatentConfig(256, 2, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                          v_head_dim=128)  # fmt: skip
+    mla = anatomy(decoder(position="rotary", block={"latent": latent}))
+    assert mla.cache_bytes_per_token == 4 * (512 + 64) * 2  # the compressed vectors alone
+    assert mla.attention.startswith("latent keys and values (one 512-number vector per token")

@@ -72,10 +72,22 @@ def _tiny_gemma(name: str) -> dict:
     return TINY[name][1].to_dict()
 
 
+def _tiny_olmo3_ministral(name: str) -> dict:
+    from test_family_olmo3_ministral3 import TINY
+
+    return TINY[name][1].to_dict()
+
+
 def _tiny_moe(name: str) -> dict:
     from test_family_moe import TINY
 
     return TINY[name][1].to_dict()
+
+
+def _tiny_gpt_oss(name: str) -> dict:
+    from test_family_gpt_oss import CASES
+
+    return CASES[name].to_dict()
 
 
 ROUND_TRIPS = {
@@ -103,8 +115,16 @@ ROUND_TRIPS = {
     "qwen3": [replace(LLAMA, block=replace(LLAMA.block, qk_norm="head"))],
     # the Gemma families' configs, as transformers' own tiny ones read
     **{name: [FAMILY[name].config(_tiny_gemma(name))] for name in ("gemma", "gemma2", "gemma3")},
+    # OLMo 3 and the Ministrals, as transformers' own tiny configs read
+    **{
+        name: [FAMILY[name].config(_tiny_olmo3_ministral(name))]
+        for name in ("olmo3", "ministral", "ministral3")
+    },
     # more of each in tests/io/test_family_moe.py
     **{name: [FAMILY[name].config(_tiny_moe(name))] for name in ("mixtral", "qwen3_moe")},
+    "llama4": [FAMILY["llama4"].config({"model_type": "llama4_text"})],  # more in its own file
+    # gpt-oss's, as its tiny models read (more in tests/io/test_family_gpt_oss.py)
+    "gpt_oss": [FAMILY["gpt_oss"].config(_tiny_gpt_oss(name)) for name in ("oss", "oss-other")],
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

@@ -94,7 +94,8 @@ def models(
 ) -> None:
     """List the architectures qkv reads, and how each departs from the article's attention.
 
-    Each row is what qkv computes for transformers' default config of that model type."""
+    Each row is what qkv computes for transformers' default config of that model type; the
+    cache is what decoding keeps per token over every layer, in 16-bit numbers (bfloat16)."""
     from dataclasses import asdict
 
     from qkv.inspect.anatomy import family_models
@@ -104,13 +105,26 @@ def models(
         for model in found:
             typer.echo(json.dumps(asdict(model)))
         return
-    header = ("model type", "family", "shape", "positions", "norms", "window", "scores")
+    header = ("model type", "family", "shape", "positions", "norms", "window", "scores",
+              "attention", "MLP", "cache/token")  # fmt: skip
     rows = [header] + [
         (m.model_type, m.family, *(
             (m.anatomy.shape, m.anatomy.position, m.anatomy.norm, m.anatomy.window,
-             m.anatomy.scores) if m.anatomy else ("?", f"({m.problem})", "", "", "")))
+             m.anatomy.scores, m.anatomy.attention, m.anatomy.mlp,
+             _size(m.anatomy.cache_bytes_per_token))
+            if m.anatomy else ("?", f"({m.problem})", "", "", "", "", "", "")))
         for m in found
     ]  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in a few characters: "-" for none, else B, KiB or MiB."""
+    if nbytes == 0:
+        return "-"
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes} B"

@@ -20,7 +20,7 @@ describes each family by what it computes for transformers' default config).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from qkv.io.families import FAMILIES
 from qkv.models import DecoderConfig, EncoderDecoderConfig
@@ -52,6 +52,13 @@ class LayerAnatomy:
     sublayer_norm: bool
     parallel: bool
     logit_softcap: float | None
+    chunk: int | None = None  # a query sees only the keys of its chunk of this many tokens
+    sinks: bool = False  # one learned score per head in every query's softmax
+    # each query's scores times 1 + strength * log(1 + floor((position + shift) / every))
+    temperature: dict | None = None
+    latent_rank: int | None = None  # latent attention: the compressed vector's size
+    value_dim: int | None = None  # the value head size, where it differs from head_dim
+    experts: str | None = None  # the MLP's mixture of experts, in words; None: a plain MLP
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,11 @@ class Anatomy:
     norm: str
     window: str
     scores: str
+    attention: str = "softmax(q.k) over the words"  # how a query's weights are made, in words
+    mlp: str = "dense"  # a plain MLP, or its mixture of experts in words
+    # what the KV cache holds per token over every layer, in 16-bit numbers (bfloat16): keys
+    # and values, or a latent layer's compressed vectors
+    cache_bytes_per_token: int = 0
 
 
 def _divisor(scale: float, head_dim: int) -> float | None:
@@ -111,7 +123,26 @@ def layer_anatomy(config, layer: int = 0, *, cross: bool = False) -> LayerAnatom
         sublayer_norm=block.sublayer_norm,
         parallel=block.parallel,
         logit_softcap=getattr(config, "logit_softcap", None),
+        chunk=None if cross else block.chunk,
+        sinks=block.sinks and not cross,
+        temperature=None if cross or block.temperature is None else asdict(block.temperature),
+        latent_rank=None if block.latent is None else block.latent.kv_lora_rank,
+        value_dim=None if block.latent is None else block.latent.v_head_dim,
+        experts=None if block.experts is None else experts_words(block.experts),
     )
+
+
+def experts_words(experts) -> str:
+    """A mixture of experts in a few words: "8 experts, top 2 by softmax, + 1 shared"."""
+    r = experts.routing
+    words = f"{r.num_experts} experts, top {r.top_k} by {r.score}"
+    if r.groups > 1:
+        words += f" within {r.groups_chosen} of {r.groups} groups"
+    if r.scale_input:
+        words += " (scaling the expert's input)"
+    if experts.shared_hidden is not None:
+        words += ", + 1 shared"
+    return words
 
 
 def anatomy(config) -> Anatomy:
@@ -122,7 +153,62 @@ def anatomy(config) -> Anatomy:
         "encoder")  # fmt: skip
     first = layer_anatomy(stack, 0)
     return Anatomy(shape, _positions(stack, first), _norms(stack, first),
-                   _window(stack, first), _scores(first))  # fmt: skip
+                   _window(stack, first), _scores(first), _attention(stack), _mlp(stack),
+                   cache_bytes_per_token(config))  # fmt: skip
+
+
+def _layers(config) -> int:
+    return getattr(config, "num_layers", None) or config.decoder_layers
+
+
+def _attention(config) -> str:
+    """How the model's queries weigh their keys, beyond softmax(q.k): sinks, chunks,
+    temperatures, latent keys and values."""
+    parts, L = [], _layers(config)
+    block = config.block
+    if block.latent is not None:
+        c = block.latent
+        parts.append(f"latent keys and values (one {c.kv_lora_rank}-number vector per token, "
+                     f"{c.qk_rope_head_dim} rotary)")  # fmt: skip
+    if block.sinks:
+        parts.append("a learned sink per head takes part of each query's weight")
+    if block.chunk is not None:
+        chunked = sum(config.layer_type(i) == "chunked" for i in range(L))
+        parts.append(f"chunks of {block.chunk} tokens in {chunked} of {L} layers")
+    if config.position == "rotary" and config.rope_layers is not None:
+        nope = sum(not turns for turns in config.rope_layers)
+        parts.append(f"{nope} of {L} layers without positions")
+    if block.temperature is not None:
+        where = "on layers without positions" if block.temperature_where == "nope" else ""
+        parts.append(f"a temperature growing with the position {where}".rstrip())
+    return "; ".join(parts) or "softmax(q.k) over the words"
+
+
+def _mlp(config) -> str:
+    block = config.block
+    if block.experts is None:
+        return "dense"
+    words = experts_words(block.experts)
+    if config.moe_layers is not None:
+        words += f" in {sum(config.moe_layers)} of {len(config.moe_layers)} layers"
+    return words
+
+
+def cache_bytes_per_token(config, element_size: int = 2) -> int:
+    """Bytes the decoder's self-attention cache holds per token over every layer, at
+    `element_size` bytes a number (2: bfloat16): each layer's keys and values, or a latent
+    layer's compressed vector and rotary key (DeepSeek-V3: 576 numbers where its 128 heads'
+    keys and values would be 40,960). Encoders cache nothing: 0."""
+    if isinstance(config, EncoderDecoderConfig):
+        config = config.decoder()
+    if not isinstance(config, DecoderConfig):
+        return 0
+    block = config.block
+    if block.latent is not None:
+        per_layer = block.latent.kv_lora_rank + block.latent.qk_rope_head_dim
+    else:
+        per_layer = 2 * block.kv_heads * block.head_size
+    return config.num_layers * per_layer * element_size
 
 
 def _positions(config, a: LayerAnatomy) -> str:
@@ -178,7 +264,8 @@ def _scores(a: LayerAnatomy) -> str:
     else:
         parts = [f"q.k / sqrt({a.scale_divisor:g}) (not sqrt({a.head_dim}))"]
     if a.qk_norm:
-        parts.append(f"QK-norm ({'per head' if a.qk_norm == 'head' else 'all heads'})")
+        over = {"head": "per head", "full": "all heads", "l2": "L2, after rotary"}[a.qk_norm]
+        parts.append(f"QK-norm ({over})")
     if a.softcap is not None:
         parts.append(f"capped {a.softcap:g} tanh(s/{a.softcap:g})")
     if a.relative_bias:

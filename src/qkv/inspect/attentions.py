@@ -6,15 +6,16 @@ that makes it.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from qkv.attention.eager import compute_dtype
+from qkv.inspect.records import SCORE_RULES, why_not_redone
 from qkv.models import Decoder, Encoder
-from qkv.nn import AttentionRecord
+from qkv.nn import AttentionRecord, ExpertRecord
 from qkv.views import Shown
 
 
@@ -35,6 +36,9 @@ class Attentions(Shown):
     heads: list[int]  # the query heads `weights` shows, counted from 0
     query_tokens: list[str] | None = None  # cross-attention: the decoder's, start token first
     made: Tensor | None = None  # (L', H, Tq, Tk): the weights the forward pass made, if any
+    # layer -> its mixture of experts' record (which experts each token went to), for the
+    # recorded layers whose MLP is one
+    experts: dict[int, ExpertRecord] = field(default_factory=dict)
 
     @property
     def layers(self) -> list[int]:
@@ -99,6 +103,10 @@ class Attentions(Shown):
                 f"layer {beyond[0]} caps its scores or adds a bias to them, so q, k and v alone "
                 "do not redo its pairs; use records[layer].steps(head, query)"
             )
+        late = why_not_redone({n: self.records[n] for n in self.layers}, applies=SCORE_RULES)
+        if late is not None:
+            raise ValueError(f"{late}, so q, k and v alone do not redo its pairs; use "
+                             "records[layer].steps(head, query)")  # fmt: skip
         qs, ks, vs = [], [], []
         for layer in self.layers:
             record = self.records[layer]
@@ -145,7 +153,9 @@ def self_attentions(stack: Encoder | Decoder, encoded, layers: list[int], heads:
     made = made_for(stack, weights, len(layers), heads, ids.shape[1])
     with torch.inference_mode():
         if made is not None:
-            records = stack(ids, layers=layers, logits=False, weights=made).records
+            out = stack(ids, layers=layers, logits=False, weights=made)
         else:
-            records = stack(ids, layers=layers, logits=False).records
-    return Attentions(records, list(encoded.tokens), encoded, heads, made=made)
+            out = stack(ids, layers=layers, logits=False)
+    experts = getattr(out, "experts", {})  # a decoder's mixtures of experts
+    return Attentions(out.records, list(encoded.tokens), encoded, heads, made=made,
+                      experts=experts)  # fmt: skip

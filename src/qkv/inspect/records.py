@@ -47,4 +47,19 @@ def why_not_redone(
             return f"layer {layer} hides keys {record.window} or more tokens away (a window)"
         if record.bias is not None and "bias" not in applies:
             return f"layer {layer} adds a bias to its scores"
+        beyond = _late_rule(record)
+        if beyond is not None:
+            return f"layer {layer} {beyond}"
+    return None
+
+
+def _late_rule(record) -> str | None:
+    """What a record's layer does that no reader of q, k, v redoes: a learned sink, chunks,
+    a temperature per query (each is in the record's own `weights()` and `steps()`)."""
+    if getattr(record, "sinks", None) is not None:
+        return "gives part of each query's weight to a learned sink"
+    if getattr(record, "chunk", None) is not None:
+        return f"hides keys outside each query's chunk of {record.chunk} tokens"
+    if getattr(record, "query_scale", None) is not None:
+        return "multiplies each query's scores by a temperature of its position"
     return None

@@ -89,9 +89,13 @@ def resumed(stack, clean: Run, layer: int, edits: Edits, rows: int, start: int =
         return _forward(stack, ids, edits, resume=(layer, clean.inputs[layer])).hidden
     assert isinstance(stack, Decoder), "only a decoder's earlier positions are left as they were"
     cache = stack.new_cache()
-    for n, (keys, values) in enumerate(zip(clean.keys, clean.values, strict=True)):
-        prefix = (t[:, :, :start].expand(rows, -1, -1, -1) for t in (keys, values))
-        cache.layers[n] = KVCache.holding(*prefix)
+    if all(type(c) is KVCache for c in cache.layers):
+        for n, (keys, values) in enumerate(zip(clean.keys, clean.values, strict=True)):
+            prefix = (t[:, :, :start].expand(rows, -1, -1, -1) for t in (keys, values))
+            cache.layers[n] = KVCache.holding(*prefix)
+    else:  # a latent layer (DeepSeek's) caches compressed vectors, which no record keeps: the
+        # clean prefix is run again into the cache (its tokens never see later ones)
+        stack(clean.ids[:, :start].expand(rows, -1), cache=cache, logits=False)
     ids = clean.ids[:, start:].expand(rows, -1)
     x = clean.inputs[layer][:, start:]
     after = stack(ids, edits=edits, resume=(layer, x), cache=cache, logits=False).hidden

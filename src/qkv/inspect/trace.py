@@ -93,7 +93,7 @@ class Trace(Shown):
     causal: bool  # a decoder: each word sees only itself and the words before it
     chosen: str  # why this layer and head ("asked", or the one where query attends most to key)
     query_vector: Tensor  # (D,) step 1
-    key_vector: Tensor  # (D,) step 2
+    key_vector: Tensor  # (D,) step 2 (D: the query and key head size, head_dim)
     attention_scalar: float  # step 3: query . key
     scale: float  # the factor on every dot product: 1/sqrt(D), the article's side note
     scaled_scalar: float  # the side note: times the scale
@@ -101,10 +101,10 @@ class Trace(Shown):
     # where it has them (Gemma 2's cap, T5's distance bias); else the scaled scalar itself
     score: float
     weights: Tensor  # (T,) step 4: softmax over every key word (zeros where masked)
-    value_vector: Tensor  # (D,) step 5: the key word's value vector
-    scaled_value_vector: Tensor  # (D,) step 6: weight * value vector
-    contextualized: Tensor  # (D,) step 7: the sum over every key word
-    model_output: Tensor  # (D,) this head's slice of the model's own attention output
+    value_vector: Tensor  # (Dv,) step 5: the key word's value vector (Dv: usually D)
+    scaled_value_vector: Tensor  # (Dv,) step 6: weight * value vector
+    contextualized: Tensor  # (Dv,) step 7: the sum over every key word
+    model_output: Tensor  # (Dv,) this head's slice of the model's own attention output
     masked: bool  # the layer's mask (causal, padding) hides the key word from the query word
     contributions: list[Contribution] = field(default_factory=list)
     query_unrotated: Tensor | None = None  # rotary models: q and k before rotation
@@ -117,6 +117,15 @@ class Trace(Shown):
     outside_window: bool = False  # the key word is hidden because it is outside the window
     # how this layer departs from the article's plain attention (see qkv.inspect.anatomy)
     anatomy: LayerAnatomy | None = None
+    temperature: float | None = None  # the query's temperature on its scores (see score)
+    sink: float | None = None  # this head's learned sink: one more score in the softmax
+    sink_weight: float | None = None  # the share of the query's weight the sink took
+    chunk: int | None = None  # the layer's chunks: a query sees only its own chunk's keys
+    query_chunk: int | None = None  # which chunk the query word is in, counted from 0
+    key_chunk: int | None = None
+    # the query token's mixture of experts in this layer, in words ("went to experts 3 and 7
+    # (62% / 38%)"); None where the layer's MLP is a plain one
+    experts: str | None = None
 
     @property
     def weight(self) -> float:
@@ -192,7 +201,7 @@ def trace(
     record = seen.records[layer]
     kv_head = head // record.shape.group
     steps = record.steps(head, query_index)  # the loop backend, on the layer's own q, k, v
-    D = record.shape.D
+    D = record.shape.value_size  # each head's output: its values' size
     with torch.inference_mode():
         # what each key word added, after the output projection's columns for this head
         w_out = layout.out_weight(layer)[:, head * D : (head + 1) * D].double()  # (C, D)
@@ -209,11 +218,14 @@ def trace(
         bias = float(every[0, head, query_index, key_index])
     distance = query_index - key_index if record.causal else abs(query_index - key_index)
     outside = record.window is not None and distance >= record.window
+    late = _late_steps(record, head, query_index, key_index, steps)
+    found = getattr(seen, "experts", {}).get(layer)
+    late["experts"] = None if found is None else found.describe(0, query_index)
     return Trace(
         source=pretrained.source, text=text, tokens=list(source.tokens), query=query,
         key=key, query_index=query_index, key_index=key_index, layer=layer, head=head,
         kv_head=kv_head, num_layers=L, num_heads=H, num_kv_heads=record.shape.Hkv,
-        head_dim=D, width=layout.width, causal=record.causal, chosen=chosen,
+        head_dim=record.shape.D, width=layout.width, causal=record.causal, chosen=chosen,
         query_vector=steps.query_vector, key_vector=pair.key_vector,
         attention_scalar=float(pair.attention_scalar), scale=record.scale,
         scaled_scalar=float(pair.scaled_scalar), score=float(pair.score),
@@ -227,8 +239,26 @@ def trace(
         key_unrotated=record.k_before_rotary[0, kv_head, key_index].double() if rotated else None,
         target=target, query_tokens=query_tokens,
         softcap=record.softcap, bias=bias, window=record.window, outside_window=outside,
-        anatomy=layout.anatomy(layer),
+        anatomy=layout.anatomy(layer), **late,
     )  # fmt: skip
+
+
+def _late_steps(record, head: int, query: int, key: int, steps) -> dict:
+    """What a late-2026 layer adds to one pair's steps: the query's temperature, the head's
+    sink and the share it took, and the chunks of the query and key words."""
+    found: dict = {"chunk": record.chunk}
+    if record.query_scale is not None:
+        scales = record.query_scale.expand(record.shape.B, record.shape.Tq)
+        found["temperature"] = float(scales[0, query])
+    if record.sinks is not None:
+        found["sink"] = float(record.sinks[head])
+        found["sink_weight"] = float(steps.sink_weight)
+    if record.chunk is not None:
+        start = 0 if record.chunk_start is None else int(record.chunk_start[0])
+        shift = record.shape.Tk - record.shape.Tq  # queries sit at the end of the keys
+        found["query_chunk"] = (query + shift - start) // record.chunk
+        found["key_chunk"] = (key - start) // record.chunk
+    return found
 
 
 def attention_vectors(pretrained, text: str) -> tuple[Tensor, Tensor, Tensor]:

@@ -162,6 +162,11 @@ class MultiHeadAttention(nn.Module):
             self.v = nn.Linear(context_width, kv_size, bias=bias)
         self.out = nn.Linear(q_size, width, bias=bias if out_bias is None else out_bias)
 
+    @property
+    def value_size(self) -> int:
+        """The size of each head's output (its values'): the head size."""
+        return self.head_dim
+
     def _normed(self, q: Tensor, k: Tensor | None) -> tuple[Tensor, Tensor | None]:
         """Queries (B, T, H*D) and keys (B, S, Hkv*D) or None -> (B, H, T, D) and
         (B, Hkv, S, D), each normalized where the model has a QK-norm."""

@@ -200,6 +200,15 @@ class LatentAttention(nn.Module):
         self.kv_b = nn.Linear(cfg.kv_lora_rank, kv_b_rows, bias=False)
         self.out = nn.Linear(H * cfg.v_head_dim, cfg.width, bias=cfg.bias)
 
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    @property
+    def value_size(self) -> int:
+        """The size of each head's output, where an edit replaces it: its values', v_head_dim."""
+        return self.config.v_head_dim
+
     def queries(self, x: Tensor) -> Tensor:
         """Every head's query (B, H, T, nope + rope), before rotary positions."""
         cfg, (B, T, _) = self.config, x.shape

@@ -85,15 +85,23 @@ def narrate(trace: Trace) -> str:
     lines += _hidden_lines(t)
     pairs = zip(t.tokens, t.weights.tolist(), strict=True)
     row = "  ".join(f"{shown(tok)} {percent(w)}" for tok, w in pairs)
-    scores = "'s score" if t.softcap is not None or t.bias is not None else ""
+    changed = t.softcap is not None or t.bias is not None or t.temperature is not None
+    scores = "'s score" if changed else ""
     # in cross-attention the keys are the source's tokens: the query word is not among them
     among = f"{q} itself included" if t.query_tokens is None else "the source's tokens"
+    if t.sink_weight is None:
+        lines.append(f"4. Softmax over every key word{scores} ({among}), so the "
+                     f"{len(t.tokens)} weights sum to 100%:")  # fmt: skip
+    else:
+        lines.append(f"4. Softmax over every key word{scores} ({among}) and this head's learned "
+                     f"sink ({t.sink:+.4f}),")  # fmt: skip
+        lines.append(f"   one more score with no value behind it: the sink took "
+                     f"{percent(t.sink_weight)} of {q}'s attention; the words share the other "
+                     f"{percent(1 - t.sink_weight)}:")  # fmt: skip
     lines += [
-        f"4. Softmax over every key word{scores} ({among}), so the {len(t.tokens)} "
-        "weights sum to 100%:",
         f"     {row}",
         f"   {k} gets {percent(t.weight)}.",
-        f"5. Value vector: {k}'s vector times the value matrix:",
+        f"5. Value vector: {k}'s vector times the value matrix{_value_words(t)}:",
         f"     {vector(t.value_vector)}",
         f"6. Scaled value vector: the value vector times {percent(t.weight)}:",
         f"     {vector(t.scaled_value_vector)}",
@@ -104,7 +112,19 @@ def narrate(trace: Trace) -> str:
         f"   ({roundoff((t.contextualized - t.model_output).abs().max().item())}: "
         "the walk-through is the model's computation).",
     ]
+    if t.experts is not None:
+        lines.append(f"   After attention, {q}'s MLP in this layer is a mixture of experts: it "
+                     f"{t.experts}.")  # fmt: skip
     return "\n".join(lines)
+
+
+def _value_words(t: Trace) -> str:
+    a = t.anatomy
+    if a is None or a.latent_rank is None:
+        return ""
+    return (f" (latent attention: keys and values come from one {a.latent_rank}-number "
+            f"vector per token, which is what the cache keeps; values have "
+            f"{t.value_vector.numel()} numbers, keys {t.head_dim})")  # fmt: skip
 
 
 def roundoff(difference: float) -> str:
@@ -140,14 +160,15 @@ def contributions(trace: Trace, top: int = 4) -> str:
 def heads_and_layers(trace: Trace) -> str:
     """How one head's output becomes the layer's output, and the next layer's input."""
     t = trace
+    Dv = t.value_vector.numel()  # each head's output: its values' size (usually head_dim)
     residual = _residual_words(t)
     return "\n".join(
         [
             f"Several heads: this is head {t.head} of {t.num_heads}. Each head runs the same "
             "steps with its own",
-            f"matrices; their {t.head_dim}-number outputs are concatenated into {t.num_heads} x "
-            f"{t.head_dim} = {t.num_heads * t.head_dim} numbers,",
-            f"and the output projection ({t.num_heads * t.head_dim} -> {t.width}) mixes them "
+            f"matrices; their {Dv}-number outputs are concatenated into {t.num_heads} x "
+            f"{Dv} = {t.num_heads * Dv} numbers,",
+            f"and the output projection ({t.num_heads * Dv} -> {t.width}) mixes them "
             "into one vector per token.",
             residual
             + ("" if residual.endswith("\n") else " ")
@@ -226,8 +247,14 @@ def _scale_line(t: Trace) -> str:
 
 
 def _score_lines(t: Trace) -> list[str]:
-    """A soft-cap and a score bias, between the scaled scalar and the softmax."""
+    """A temperature, a soft-cap and a score bias, between the scaled scalar and the softmax."""
     lines, score = [], t.scaled_scalar
+    if t.temperature is not None:
+        score = score * t.temperature
+        lines.append(
+            f"   Times {t.query}'s temperature {t.temperature:.4f} = {score:+.4f}  (it grows with "
+            "the position, so that far into a text the weights do not flatten out)"
+        )
     if t.softcap is not None:
         c = t.softcap
         score = c * math.tanh(score / c)
@@ -255,7 +282,17 @@ def _hidden_lines(t: Trace) -> list[str]:
         lines.append(
             f"   This layer's window: keys {t.window} or more tokens {where} are hidden (weight 0)."
         )
-    if t.outside_window:
+    if t.chunk is not None:
+        lines.append(
+            f"   This layer cuts the text into chunks of {t.chunk} tokens: a query sees only the "
+            "keys of its own chunk."
+        )
+    if t.chunk is not None and t.query_chunk != t.key_chunk:
+        lines.append(
+            f"   {k} is in chunk {t.key_chunk}, {q} in chunk {t.query_chunk}: the chunk boundary "
+            "hides it, so its weight is 0."
+        )
+    elif t.outside_window:
         distance = abs(t.query_index - t.key_index)
         lines.append(
             f"   {k} is {distance} tokens {where}: outside the window, so its weight is 0."

@@ -17,12 +17,16 @@ from qkv.io.families import (
     distilbert,
     gemma,
     gpt2,
+    gpt_oss,
     llama,
+    llama4,
     marian,
+    ministral,
     modernbert,
     moe,
     neox,
     olmo2,
+    olmo3,
     phi3,
     qwen,
     roberta,
@@ -36,7 +40,11 @@ FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.F
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
+FAMILIES += [olmo3.FAMILY]
+FAMILIES += [ministral.MINISTRAL, ministral.MINISTRAL3]
 FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
+FAMILIES += [llama4.FAMILY]
+FAMILIES += [gpt_oss.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
