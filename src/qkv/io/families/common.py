@@ -140,12 +140,12 @@ def unstacked_pairs(stack: Tensor) -> list[Tensor]:
 
 
 def expert_weights(
-    qkv: str, num_experts: int, gate: str, up: str, down: str, whole: tuple[str, str] = ("", "")
+    qkv: str, num_experts: int, gate: str, up: str, down: str, fused: tuple[str, str] = ("", "")
 ) -> list[Weight]:
     """The stacked expert tensors of one mixture-of-experts layer (`qkv.nn.experts.MoE`),
     `{qkv}.gate_up` (E, 2I, C) and `{qkv}.down` (E, C, I), from a checkpoint that keeps each
     expert's matrices apart (Mixtral, Qwen3-MoE, DeepSeek-V3): `gate`, `up` and `down` name
-    expert e's (I, C), (I, C) and (C, I) matrices, "{e}" standing for e. whole: the names of
+    expert e's (I, C), (I, C) and (C, I) matrices, "{e}" standing for e. fused: the names of
     the same stacked tensors held whole ((E, 2I, C), (E, C, I): transformers' in-memory
     gate_up_proj and down_proj), read too; "" for none.
 
@@ -157,9 +157,9 @@ def expert_weights(
     gate_up = tuple(name.format(e=e) for name in (gate, up) for e in experts)
     downs = tuple(down.format(e=e) for e in experts)
     return [
-        Weight(f"{qkv}.gate_up", tuple(n for n in whole[:1] if n),
+        Weight(f"{qkv}.gate_up", tuple(n for n in fused[:1] if n),
                parts=Parts(gate_up, stacked_pairs, unstacked_pairs)),
-        Weight(f"{qkv}.down", tuple(n for n in whole[1:] if n),
+        Weight(f"{qkv}.down", tuple(n for n in fused[1:] if n),
                parts=Parts(downs, stacked, unstacked)),
     ]  # fmt: skip
 

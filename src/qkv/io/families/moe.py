@@ -59,20 +59,20 @@ def check_experts(family: str, cfg: DecoderConfig, ours: Callable[[Experts], Exp
 
 
 def moe_weights(
-    cfg: DecoderConfig, router: tuple[str, ...], experts: tuple[str, ...], whole=("", "")
+    cfg: DecoderConfig, router: tuple[str, ...], experts: tuple[str, ...], fused=("", "")
 ) -> list[Weight]:
     """A Llama-shaped weight map whose MoE layers have a router and stacked experts instead
     of the dense MLP: `router` (its aliases) and `experts` (gate, up, down) are checkpoint
-    names with "{n}" for the layer and "{e}" for the expert; whole: the stacked experts'
+    names with "{n}" for the layer and "{e}" for the expert; fused: the stacked experts'
     one-tensor names (transformers' in-memory gate_up_proj and down_proj), with "{n}"."""
     moe = [n for n in range(cfg.num_layers) if cfg.moe_layers is None or cfg.moe_layers[n]]
-    dense_mlp = tuple(f"blocks.{n}.mlp." for n in moe)
-    out = [w for w in llama.weights(cfg) if not w.qkv.startswith(dense_mlp)]
+    replaced = tuple(f"blocks.{n}.mlp." for n in moe)  # llama's dense MLP there
+    out = [w for w in llama.weights(cfg) if not w.qkv.startswith(replaced)]
     for n in moe:
         names = [name.format(n=n, e="{e}") for name in experts]
         out.append(Weight(f"blocks.{n}.mlp.router.weight", tuple(r.format(n=n) for r in router)))
         out += expert_weights(f"blocks.{n}.mlp", cfg.block.experts.routing.num_experts, *names,
-                              whole=tuple(w.format(n=n) for w in whole))  # fmt: skip
+                              fused=tuple(f.format(n=n) for f in fused))  # fmt: skip
     return out
 
 
@@ -116,7 +116,7 @@ def mixtral_weights(cfg: DecoderConfig) -> list[Weight]:
     return moe_weights(
         cfg, (f"{moe}.gate.weight", "model.layers.{n}.mlp.gate.weight"),
         tuple(f"{moe}.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
-        whole=("model.layers.{n}.mlp.experts.gate_up_proj",
+        fused=("model.layers.{n}.mlp.experts.gate_up_proj",
                "model.layers.{n}.mlp.experts.down_proj"),
     )  # fmt: skip
 
@@ -202,7 +202,7 @@ def qwen3_moe_weights(cfg: DecoderConfig) -> list[Weight]:
     return moe_weights(
         cfg, (f"{layer}.gate.weight",),
         tuple(f"{layer}.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
-        whole=(f"{layer}.experts.gate_up_proj", f"{layer}.experts.down_proj"),
+        fused=(f"{layer}.experts.gate_up_proj", f"{layer}.experts.down_proj"),
     )  # fmt: skip
 
 
