@@ -45,7 +45,7 @@ def test_mean_ablation_puts_the_heads_mean_output_over_the_reference_in_its_plac
     ids = torch.tensor([pretrained.encode(TEXT).ids])
     with torch.inference_mode():
         clean = run(pretrained.model, ids)
-        mean = clean.head_outputs[1, 2].mean(0)  # (D,)
+        mean = clean.head_outputs[1][2].mean(0)  # (D,)
         which = torch.zeros(1, 4, 1, 1, dtype=torch.bool)
         which[0, 2] = True
         values = torch.zeros(1, 4, 1, mean.shape[0])

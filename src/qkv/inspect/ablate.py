@@ -110,18 +110,21 @@ def head_pairs(stack, heads, source: str) -> list[tuple[int, int]]:
     return pairs
 
 
-def mean_head_outputs(pretrained, stack, texts: Sequence[str]) -> Tensor:
-    """(L, H, D): each head's output averaged over every token of `texts`."""
+def mean_head_outputs(pretrained, stack, texts: Sequence[str]) -> list[Tensor]:
+    """L tensors (H, D): each head's output averaged over every token of `texts` (D, each
+    layer's head output size)."""
     if isinstance(texts, str) or not texts:
         raise ValueError("reference must be a list of texts (one at least)")
     total, count = None, 0
     with torch.inference_mode():
         for text in texts:
             outputs = run(stack, torch.tensor([pretrained.encode(text).ids])).head_outputs
-            summed = outputs.double().sum(2)  # (L, H, D)
-            total = summed if total is None else total + summed
-            count += outputs.shape[2]
-    return total / count
+            summed = [layer.double().sum(1) for layer in outputs]  # (H, D) each
+            if total is not None:
+                summed = [a + b for a, b in zip(total, summed, strict=True)]
+            total = summed
+            count += outputs[0].shape[1]
+    return [layer / count for layer in total]
 
 
 def ablate(
@@ -148,8 +151,8 @@ def ablate(
     encoded = pretrained.encode(text)
     ids = torch.tensor([encoded.ids])
     T, L, H = ids.shape[1], stack.config.num_layers, stack.config.block.num_heads
-    D = stack.blocks[0].attn.value_size  # each head's output (DeepSeek's: its values' size)
-    values = torch.zeros(L, H, D)
+    # each head's output, per layer (DeepSeek's: its values' size; Gemma 4's by layer type)
+    values = [torch.zeros(H, block.attn.value_size) for block in stack.blocks]
     if mode == "mean":
         values = mean_head_outputs(pretrained, stack, REFERENCE if reference is None else reference)
     causal = isinstance(stack, Decoder)
@@ -158,7 +161,7 @@ def ablate(
     with torch.inference_mode():
         clean = run(stack, ids)
         dtype = clean.states.dtype
-        values = values.to(dtype)[:, None, :, None, :]  # (L, 1, H, 1, D)
+        values = [v.to(dtype)[None, :, None, :] for v in values]  # L x (1, H, 1, D)
         clean_logprobs = clean.logits[-1].double().log_softmax(-1) if causal else None
         for layer in sorted({n for n, _ in pairs}):
             chosen = [h for n, h in pairs if n == layer]

@@ -48,7 +48,7 @@ class Run:
     ids: Tensor  # (1, T)
     inputs: list[Tensor]  # L + 1 tensors (1, T, C)
     states: Tensor  # (T, C) after the final norm
-    head_outputs: Tensor  # (L, H, T, D)
+    head_outputs: list[Tensor]  # L tensors (H, T, D): D may differ by layer (Gemma 4's)
     logits: Tensor | None  # (T, vocab), decoders
     keys: list[Tensor] = field(default_factory=list)  # decoders: L tensors (1, Hkv, T, D)
     values: list[Tensor] = field(default_factory=list)
@@ -57,7 +57,7 @@ class Run:
 def run(stack: Encoder | Decoder, ids: Tensor, edits: Edits | None = None) -> Run:
     out = _forward(stack, ids, edits, layers="all", hidden_states=True)
     records = [out.records[n] for n in range(len(stack.blocks))]
-    heads = torch.stack([record.out[0] for record in records])
+    heads = [record.out[0] for record in records]
     if not isinstance(stack, Decoder):
         return Run(ids, out.hidden_states, out.hidden[0], heads, None)
     logits = decoder_logits(stack, out.hidden[0])
@@ -86,6 +86,8 @@ def resumed(stack, clean: Run, layer: int, edits: Edits, rows: int, start: int =
     """
     if start == 0:
         ids = clean.ids.expand(rows, -1)
+        if isinstance(stack, Decoder):  # a layer may read an earlier one's keys (Gemma 4)
+            layer = stack.resume_from(layer)
         return _forward(stack, ids, edits, resume=(layer, clean.inputs[layer])).hidden
     assert isinstance(stack, Decoder), "only a decoder's earlier positions are left as they were"
     cache = stack.new_cache()

@@ -236,7 +236,8 @@ def trace(
         masked=not pair.allowed,
         contributions=contributions,
         query_unrotated=record.q_before_rotary[0, head, query_index].double() if rotated else None,
-        key_unrotated=record.k_before_rotary[0, kv_head, key_index].double() if rotated else None,
+        key_unrotated=None if not rotated or record.k_before_rotary is None  # shared keys
+        else record.k_before_rotary[0, kv_head, key_index].double(),
         target=target, query_tokens=query_tokens,
         softcap=record.softcap, bias=bias, window=record.window, outside_window=outside,
         anatomy=layout.anatomy(layer), **late,

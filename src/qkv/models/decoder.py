@@ -94,6 +94,11 @@ class Decoder(nn.Module):
             hidden = hidden * self.config.head_scale
         return cap_logits(project(self.lm_head, hidden), self.config.logit_softcap)
 
+    def resume_from(self, layer: int) -> int:
+        """The block a run that changes `layer` and later ones must start from, with no cache:
+        `layer` itself (Gemma 4's layers that share earlier keys start earlier)."""
+        return layer
+
     def new_cache(self) -> DecoderCache:
         latent = frozenset(
             i for i, b in enumerate(self.blocks) if isinstance(b.attn, LatentAttention)

@@ -133,6 +133,12 @@ class Gemma4Decoder(Decoder):
         self.apply(init_weights)
         self.tie_weights()
 
+    def resume_from(self, layer: int) -> int:
+        """The first layer whose keys `layer` or a later layer shares, where it is earlier:
+        without a cache, a run resumed there makes them again."""
+        shared = [self.config.shares_with(i) for i in range(layer, self.config.num_layers)]
+        return min([layer, *(j for j in shared if j is not None)])
+
     def new_cache(self) -> DecoderCache:
         """Every layer's cache; a layer that shares keys leaves its own empty."""
         return DecoderCache(self.config.num_layers)
