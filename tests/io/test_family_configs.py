@@ -72,6 +72,12 @@ def _tiny_gemma(name: str) -> dict:
     return TINY[name][1].to_dict()
 
 
+def _tiny_moe(name: str) -> dict:
+    from test_family_moe import TINY
+
+    return TINY[name][1].to_dict()
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -97,6 +103,8 @@ ROUND_TRIPS = {
     "qwen3": [replace(LLAMA, block=replace(LLAMA.block, qk_norm="head"))],
     # the Gemma families' configs, as transformers' own tiny ones read
     **{name: [FAMILY[name].config(_tiny_gemma(name))] for name in ("gemma", "gemma2", "gemma3")},
+    # more of each in tests/io/test_family_moe.py
+    **{name: [FAMILY[name].config(_tiny_moe(name))] for name in ("mixtral", "qwen3_moe")},
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

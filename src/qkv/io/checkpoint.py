@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from qkv.io.families import Family
+from qkv.io.families import Family, Weight
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -108,20 +108,15 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
     state: dict[str, Tensor] = {}
     used: set[str] = set()
     for weight in family.weights(config):
-        present = [name for name in weight.names if name in tensors]
-        if not present:
-            raise ValueError(
-                f"the checkpoint has no {weight.names[0]} (for {weight.qkv}); is it a "
-                f"{family.name} checkpoint of this size?"
-            )
+        found, value, present = _found(weight, tensors, family)
         used.update(present)
         if weight.qkv not in params:
             raise AssertionError(f"{family.name} weight map names unknown parameter {weight.qkv}")
         target = params[weight.qkv]
-        value = weight.load(tensors[present[0]])
+        value = weight.load(value)
         if value.shape != target.shape:
             raise ValueError(
-                f"{present[0]} has shape {tuple(value.shape)} but the model built from "
+                f"{found} has shape {tuple(value.shape)} but the model built from "
                 f"config.json needs {tuple(target.shape)} for {weight.qkv}"
             )
         state[weight.qkv] = value.to(target.dtype)
@@ -149,10 +144,46 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
     assert not empty, f"left on the meta device after filling: {empty[:5]}"
 
 
+def _found(weight: Weight, tensors: dict[str, Tensor], family: Family):
+    """(what was found, for messages; its tensor, joined where it comes in parts; every name
+    of it the checkpoint holds). The parts are tried first, then the one-tensor names."""
+    parts = weight.parts
+    present = [name for name in weight.names if name in tensors]
+    if parts is not None:
+        held = [name for name in parts.names if name in tensors]
+        if len(held) == len(parts.names):
+            found = f"{parts.names[0]} and its {len(parts.names) - 1} other parts"
+            try:
+                value = parts.join([tensors[name] for name in parts.names])
+            except RuntimeError as error:  # torch.stack or cat of tensors of unlike shapes
+                first = str(error).splitlines()[0]
+                raise ValueError(f"{found} do not join into {weight.qkv}: {first}") from None
+            return found, value, held + present
+        if held and not present:
+            missing = [name for name in parts.names if name not in tensors]
+            raise ValueError(
+                f"the checkpoint has {held[0]} but not {missing[0]} ({len(missing)} of the "
+                f"{len(parts.names)} tensors that make {weight.qkv} are missing)"
+            )
+    if not present:
+        raise ValueError(
+            f"the checkpoint has no {weight.canonical} (for {weight.qkv}); is it a "
+            f"{family.name} checkpoint of this size?"
+        )
+    return present[0], tensors[present[0]], present
+
+
 def export(model: nn.Module, family: Family, config) -> dict[str, Tensor]:
-    """The model's weights under their canonical checkpoint names and layouts."""
+    """The model's weights under their canonical checkpoint names and layouts (a parameter
+    the checkpoint keeps in parts, as its parts)."""
     params = dict(model.named_parameters())
     out = {}
     for weight in family.weights(config):
-        out[weight.names[0]] = weight.save(params[weight.qkv].detach()).contiguous()
+        value = weight.save(params[weight.qkv].detach())
+        if weight.parts is None:
+            out[weight.names[0]] = value.contiguous()
+            continue
+        split = weight.parts.split(value)
+        assert len(split) == len(weight.parts.names), f"{weight.qkv} split into {len(split)}"
+        out.update(zip(weight.parts.names, (t.contiguous() for t in split), strict=True))
     return out

@@ -20,6 +20,7 @@ from qkv.io.families import (
     llama,
     marian,
     modernbert,
+    moe,
     neox,
     olmo2,
     phi3,
@@ -35,6 +36,7 @@ FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.F
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
+FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 

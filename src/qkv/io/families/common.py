@@ -4,6 +4,10 @@ the checks that say which config a family can read or write.
 A weight map is a list of (qkv name, checkpoint name) templates, litgpt's style: `{}` stands
 for the layer index, and `expand` writes one `Weight` per layer. A third element, a layout,
 says how a tensor turns between the two (GPT-2's Conv1D stores its matrices transposed).
+
+Where a checkpoint keeps one qkv parameter as several tensors (Mixtral's experts: a gate, up
+and down matrix per expert, which qkv stacks into one tensor per layer), the Weight's `parts`
+say which tensors and how they join; `expert_weights` writes those of a mixture of experts.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 
@@ -35,13 +40,42 @@ TRANSPOSED = Layout(_transposed, _transposed)
 
 
 @dataclass(frozen=True)
+class Parts:
+    """One parameter that a checkpoint keeps as several tensors: `names`, in order; `join`
+    makes the parameter from them (given in that order), `split` gives them back from it (in
+    that order, each a tensor of its own, not a view of the parameter)."""
+
+    names: tuple[str, ...]
+    join: Callable[[list[Tensor]], Tensor]
+    split: Callable[[Tensor], list[Tensor]]
+
+
+@dataclass(frozen=True)
 class Weight:
-    """One qkv parameter and where it lives in a checkpoint."""
+    """One qkv parameter and where it lives in a checkpoint.
+
+    names: the checkpoint names of the tensor that holds it whole, aliases in the order
+    tried; the first is canonical (written on export) unless `parts` is set.
+    parts: where the checkpoint keeps it as several tensors (`Parts`): that spelling is
+    canonical, tried first and written on export; `names` are then its other, one-tensor
+    spellings (transformers' in-memory stacked experts), read too.
+    load, save: the layout turn from the checkpoint's tensor (found whole or joined from
+    its parts) to qkv's, and back (before the parts are split).
+    """
 
     qkv: str
-    names: tuple[str, ...]  # checkpoint names; the first is canonical (written on export)
+    names: tuple[str, ...]
     load: Callable[[Tensor], Tensor] = _same
     save: Callable[[Tensor], Tensor] = _same
+    parts: Parts | None = None
+
+    def __post_init__(self):
+        assert self.names or self.parts, f"{self.qkv} has no checkpoint name"
+
+    @property
+    def canonical(self) -> str:
+        """The first checkpoint name written on export (for messages)."""
+        return self.parts.names[0] if self.parts is not None else self.names[0]
 
 
 # (qkv template, checkpoint template or several aliases[, layout]); `{}` is the layer index
@@ -80,6 +114,54 @@ def decoder_weights(templates: Iterable[Template], cfg, **prefixes) -> list[Weig
     if not cfg.tie_embeddings:
         out += expand([("lm_head.weight", "lm_head.weight")], 0)
     return out
+
+
+def stacked(tensors: list[Tensor]) -> Tensor:
+    """E tensors of one shape -> one (E, ...) tensor."""
+    return torch.stack(tensors)
+
+
+def unstacked(stack: Tensor) -> list[Tensor]:
+    """(E, ...) -> E tensors, each its own copy (a file may not hold views of one tensor)."""
+    return [t.clone() for t in stack.unbind(0)]
+
+
+def stacked_pairs(tensors: list[Tensor]) -> Tensor:
+    """2E tensors (E, I, C)-wise, every expert's first matrix then every expert's second ->
+    (E, 2I, C): each expert's first rows above its second (gate above up)."""
+    E = len(tensors) // 2
+    return torch.cat([stacked(tensors[:E]), stacked(tensors[E:])], dim=1)
+
+
+def unstacked_pairs(stack: Tensor) -> list[Tensor]:
+    """(E, 2I, C) -> every expert's first (I, C) rows, then every expert's second."""
+    first, second = stack.chunk(2, dim=1)
+    return unstacked(first) + unstacked(second)
+
+
+def expert_weights(
+    qkv: str, num_experts: int, gate: str, up: str, down: str, whole: tuple[str, str] = ("", "")
+) -> list[Weight]:
+    """The stacked expert tensors of one mixture-of-experts layer (`qkv.nn.experts.MoE`),
+    `{qkv}.gate_up` (E, 2I, C) and `{qkv}.down` (E, C, I), from a checkpoint that keeps each
+    expert's matrices apart (Mixtral, Qwen3-MoE, DeepSeek-V3): `gate`, `up` and `down` name
+    expert e's (I, C), (I, C) and (C, I) matrices, "{e}" standing for e. whole: the names of
+    the same stacked tensors held whole ((E, 2I, C), (E, C, I): transformers' in-memory
+    gate_up_proj and down_proj), read too; "" for none.
+
+    >>> gate_up, down = expert_weights("blocks.1.mlp", 2, "x.{e}.w1", "x.{e}.w3", "x.{e}.w2")
+    >>> gate_up.qkv, gate_up.parts.names, down.parts.names
+    ('blocks.1.mlp.gate_up', ('x.0.w1', 'x.1.w1', 'x.0.w3', 'x.1.w3'), ('x.0.w2', 'x.1.w2'))
+    """
+    experts = range(num_experts)
+    gate_up = tuple(name.format(e=e) for name in (gate, up) for e in experts)
+    downs = tuple(down.format(e=e) for e in experts)
+    return [
+        Weight(f"{qkv}.gate_up", tuple(n for n in whole[:1] if n),
+               parts=Parts(gate_up, stacked_pairs, unstacked_pairs)),
+        Weight(f"{qkv}.down", tuple(n for n in whole[1:] if n),
+               parts=Parts(downs, stacked, unstacked)),
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
