@@ -1,0 +1,136 @@
+"""What llama.cpp's mixture-of-experts architectures add to `qkv.io.gguf_arch`: the header
+keys of their experts, and the tensors its converter split, joined or transposed.
+
+A GGUF file keeps a layer's experts as 3-D tensors, one matrix per expert: gate and up
+(E, I, C) apart, down (E, C, I). A Hugging Face model may keep them otherwise (transformers'
+in memory: gate and up in one (E, 2I, C) tensor; Llama 4's and gpt-oss's checkpoints: (E, C,
+2I), gpt-oss's gate and up columns interleaved). A `Join` says how a block's GGUF tensors
+make one Hugging Face tensor, and how to split it back (for the shapes a header needs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from qkv.io.gguf_header import Header
+
+
+@dataclass(frozen=True)
+class Join:
+    """The Hugging Face tensor `hf` (its name under model.layers.N) made of the block's GGUF
+    tensors `parts` (their names under blk.N, suffix included): join(parts, in order) -> hf;
+    split(hf) -> the parts, in order."""
+
+    hf: str
+    parts: tuple[str, ...]
+    join: Callable[[list[Tensor]], Tensor]
+    split: Callable[[Tensor], list[Tensor]]
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return torch.cat(parts, dim=1)
+
+
+def _halves(whole: Tensor) -> list[Tensor]:
+    return list(whole.chunk(2, dim=1))
+
+
+def _turned(parts: list[Tensor]) -> Tensor:
+    return parts[0].transpose(1, 2)
+
+
+def _turned_back(whole: Tensor) -> list[Tensor]:
+    return [whole.transpose(1, 2)]
+
+
+def _cat_turned(parts: list[Tensor]) -> Tensor:
+    return torch.cat(parts, dim=1).transpose(1, 2)
+
+
+def _halves_turned(whole: Tensor) -> list[Tensor]:
+    return list(whole.transpose(1, 2).chunk(2, dim=1))
+
+
+def _interleaved(parts: list[Tensor]) -> Tensor:
+    """(E, I, ...) gate and up -> their columns side by side on the last axis (gpt-oss):
+    gate (E, I, C) and up -> (E, C, 2I); gate bias (E, I) and up bias -> (E, 2I)."""
+    turned = [p.transpose(1, 2) if p.ndim == 3 else p for p in parts]
+    return torch.stack(turned, dim=-1).flatten(-2)
+
+
+def _deinterleaved(whole: Tensor) -> list[Tensor]:
+    parts = [whole[..., 0::2], whole[..., 1::2]]
+    return [p.transpose(1, 2) if p.ndim == 3 else p for p in parts]
+
+
+GATE_UP = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
+# transformers' in-memory experts (Mixtral, Qwen3-MoE, DeepSeek-V3): gate_up_proj (E, 2I, C),
+# gate above up; down_proj (E, C, I) is the GGUF tensor as it is (`STACKED_DOWN`)
+STACKED_EXPERTS = (Join("mlp.experts.gate_up_proj", GATE_UP, _cat, _halves),)
+STACKED_DOWN = {"ffn_down_exps.weight": "mlp.experts.down_proj"}
+# Llama 4's checkpoint: gate_up_proj (E, C, 2I), down_proj (E, I, C)
+LLAMA4_EXPERTS = (
+    Join("feed_forward.experts.gate_up_proj", GATE_UP, _cat_turned, _halves_turned),
+    Join("feed_forward.experts.down_proj", ("ffn_down_exps.weight",), _turned, _turned_back),
+)
+# gpt-oss's checkpoint: gate_up_proj (E, C, 2I) and its bias (E, 2I), gate and up interleaved
+GPT_OSS_EXPERTS = (
+    Join("mlp.experts.gate_up_proj", GATE_UP, _interleaved, _deinterleaved),
+    Join("mlp.experts.gate_up_proj_bias", ("ffn_gate_exps.bias", "ffn_up_exps.bias"),
+         _interleaved, _deinterleaved),
+    Join("mlp.experts.down_proj", ("ffn_down_exps.weight",), _turned, _turned_back),
+)  # fmt: skip
+
+
+def copy_keys(arch: str, config: dict, names: dict, header: Header, keys: dict) -> None:
+    """config[hf key] = the header's "<arch>.<key>", where the header has it."""
+    for hf, key in keys.items():
+        if f"{arch}.{key}" in header.metadata:
+            config[hf], names[hf] = header.metadata[f"{arch}.{key}"], f"{arch}.{key}"
+
+
+def experts_bounded(arch: str, header: Header, source) -> None:
+    """A header's expert count, no more than its routers' rows: a family lists each
+    expert's tensors, so a claim of 10^9 experts is refused before any list of them."""
+    count = header.metadata.get(f"{arch}.expert_count")
+    rows = max((info.shape[0] for info in header.tensors
+                if info.name.endswith("ffn_gate_inp.weight")), default=0)  # fmt: skip
+    if type(count) is int and count > rows:
+        raise ValueError(
+            f"{source}: {arch}.expert_count={count:,} is more experts than its routers "
+            f"(ffn_gate_inp) have rows ({rows})"
+        )
+
+
+def mixtral(config: dict, names: dict, header: Header) -> None:
+    """A "llama" file with experts (expert_count > 0) is Mixtral, as llama.cpp's converter
+    writes it; llama.cpp's llama has no window, and a Mixtral no biases."""
+    count = header.metadata.get("llama.expert_count", 0)
+    if count in (0, None):
+        return
+    for key, tensor in [("attention_bias", "attn_q.bias"), ("mlp_bias", "ffn_up.bias")]:
+        if config.pop(key, False):
+            raise ValueError(f"a llama file with experts has blk.0.{tensor}, which Mixtral lacks")
+    config |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+               "sliding_window": None}  # fmt: skip
+    copy_keys(
+        "llama",
+        config,
+        names,
+        header,
+        {"num_local_experts": "expert_count", "num_experts_per_tok": "expert_used_count"},
+    )
+
+
+def qwen3moe(config: dict, names: dict, header: Header) -> None:
+    """Qwen3-MoE as llama.cpp computes it: experts on every layer, their weights always
+    renormalized (its graph fixes norm_w), no window."""
+    copy_keys("qwen3moe", config, names, header, {
+        "num_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+        "moe_intermediate_size": "expert_feed_forward_length"})  # fmt: skip
+    config |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+               "use_sliding_window": False}  # fmt: skip
