@@ -105,6 +105,7 @@ ROUND_TRIPS = {
     **{name: [FAMILY[name].config(_tiny_gemma(name))] for name in ("gemma", "gemma2", "gemma3")},
     # more of each in tests/io/test_family_moe.py
     **{name: [FAMILY[name].config(_tiny_moe(name))] for name in ("mixtral", "qwen3_moe")},
+    "llama4": [FAMILY["llama4"].config({"model_type": "llama4_text"})],  # more in its own file
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

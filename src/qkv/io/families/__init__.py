@@ -18,6 +18,7 @@ from qkv.io.families import (
     gemma,
     gpt2,
     llama,
+    llama4,
     marian,
     modernbert,
     moe,
@@ -37,6 +38,7 @@ FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
 FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
+FAMILIES += [llama4.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 

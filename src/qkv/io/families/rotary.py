@@ -131,10 +131,6 @@ def _scaling(hf: Mapping, params: dict, dims: int) -> RopeScaling | None:
             if not isinstance(got, list) or len(got) != dims // 2:
                 raise ConfigValueError(key, f"must be a list of {dims // 2} numbers, got {got!r}")
             values[key] = tuple(real({key: v}, key, positive=True) for v in got)
-    if kind == "llama3" and values.get("high_freq_factor", 4.0) == values.get(
-        "low_freq_factor", 1.0
-    ):
-        raise ConfigValueError("rope_scaling", "llama3 needs high_freq_factor != low_freq_factor")
     return RopeScaling(**values)
 
 
