@@ -1,13 +1,13 @@
 """qkv.io.gguf over the late-2026 architectures (experts, sinks, chunks, latent attention), as
 test_gguf_arches.py does the others: tiny random transformers checkpoints written to .gguf
 files as llama.cpp's convert_hf_to_gguf.py writes them, read by qkv and compared with the
-checkpoint and, where transformers reads the architecture (qwen3moe), with its reader.
+checkpoint and, where transformers reads the architecture (qwen3moe), with its reader:
+it reads no Mixtral (a "llama" file with experts builds a Llama) and no llama4.
 
 `convert` is the test's own copy of the converter, written from llama.cpp's naming (gguf's
 name map, GGUFWriter's setters) and the converter's tensor surgery: experts stacked into 3-D
 (E, I, C) gate and up and (E, C, I) down tensors, Mixtral written as "llama" with its q and
-k rows permuted. transformers does not read a "llama" file with experts (it builds a Llama):
-Mixtral is compared with the checkpoint only.
+k rows permuted, Llama 4's not (its converter keeps Meta's interleaved rows).
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ import pytest
 import torch
 import transformers as hf
 from test_gguf import byte_level_vocab, permute
+from test_gguf_arches import _llama3_factors
 
 import qkv
 from qkv.io.gguf import read_gguf
+from qkv.io.gguf_arch import ARCHES
+from qkv.io.gguf_header import Header
 from qkv.io.load import load_source
 
 TOKENS, TOKEN_TYPES, MERGES = byte_level_vocab()
@@ -42,6 +45,18 @@ TINY = {
         **SHARED, intermediate_size=48, moe_intermediate_size=768, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, num_experts=4, norm_topk_prob=True,
         tie_word_embeddings=True)),
+    # what llama.cpp fixes for Llama 4 (chunks of 8192, its temperature's 8192 and 0.1, a NoPE
+    # layer every 4), and the llama3 rope its converter writes as rope_freqs, taking the
+    # trained length 8192; 4 layers, experts on every second
+    "llama4": ("llama4", hf.Llama4ForCausalLM, hf.Llama4TextConfig(
+        **{**SHARED, "num_hidden_layers": 4, "num_experts_per_tok": 1}, intermediate_size=32,
+        intermediate_size_mlp=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, interleave_moe_layer_step=2, no_rope_layer_interval=4,
+        attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, use_qk_norm=True,
+        attn_temperature_tuning=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192})),
 }  # fmt: skip
 READ_BY_TRANSFORMERS = ["qwen3moe"]
 
@@ -68,7 +83,8 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
+    # Llama4Model swaps the widths: the dense layers' is feed_forward_length
+    w.add_feed_forward_length(c.intermediate_size_mlp if arch == "llama4" else c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -80,11 +96,14 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
     experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
     w.add_expert_count(experts)
     w.add_expert_used_count(c.num_experts_per_tok)
-    if arch == "llama":  # LlamaModel: the rotated dimensions, always
+    if arch in ("llama", "llama4"):  # LlamaModel: the rotated dimensions, always
         w.add_rope_dimension_count(head_dim or c.hidden_size // c.num_attention_heads)
         w.add_vocab_size(c.vocab_size)
     if arch == "qwen3moe":  # Qwen2MoeModel
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if arch == "llama4":
+        w.add_expert_feed_forward_length(c.intermediate_size)
+        w.add_interleave_moe_layer_step(c.interleave_moe_layer_step)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(TOKENS)
     w.add_token_types(TOKEN_TYPES)
@@ -104,8 +123,12 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         data = tensor.float().numpy().copy()
+        if arch == "llama4" and name.endswith("experts.gate_up_proj"):  # (E, C, 2I)
+            data = data.transpose(0, 2, 1)
+        if arch == "llama4" and name.endswith("experts.down_proj"):  # (E, I, C)
+            data = data.transpose(0, 2, 1).copy()
         if name.endswith("experts.gate_up_proj"):
-            gate, up = np.split(data, 2, axis=1)
+            gate, up = (np.ascontiguousarray(h) for h in np.split(data, 2, axis=1))
             stem = name.removesuffix("gate_up_proj")
             out[f"{names.get_name(stem + 'gate_proj')}.weight"] = gate
             out[f"{names.get_name(stem + 'up_proj')}.weight"] = up
@@ -118,6 +141,10 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
             heads = c.num_attention_heads if "q_proj" in stem else c.num_key_value_heads
             data = permute(data, heads)
         out[f"{names.get_name(stem)}.{suffix}"] = data
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        out["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
     return out
 
 
@@ -274,3 +301,46 @@ def test_an_expert_tensor_missing_is_refused_by_name(tmp_path):
     says = r"has 22 weight tensors, but its header .* needs 23 \(it lacks blk.1.ffn_up_exps"
     with pytest.raises(ValueError, match=says):
         read_gguf(path, cache_dir=tmp_path / "cache")
+
+
+# ---- what llama.cpp's code fixes, not the header --------------------------------------------
+
+
+@pytest.mark.parametrize("written", ["llama4"], indirect=True)
+def test_llama4_is_what_llama_cpp_computes(written):
+    """Chunks of 8192 on the rotary layers, every fourth layer without rotary and with
+    llama.cpp's temperature, L2-normed queries and keys: none of it is in the header."""
+    _, _, loaded = written
+    cfg = loaded.config
+    assert cfg.layer_types == ("chunked", "chunked", "chunked", "full")
+    assert cfg.rope_layers == (True, True, True, False)
+    assert cfg.moe_layers == (False, True, False, True)
+    assert cfg.block.chunk == 8192 and cfg.block.qk_norm == "l2"
+    temperature = cfg.block.temperature
+    assert (temperature.strength, temperature.every, temperature.shift) == (0.1, 8192, 1.0)
+
+
+def _meta(arch: str, **keys) -> Header:
+    metadata = {f"{arch}.{k}": v for k, v in keys.items()}
+    return Header(metadata | {"general.architecture": arch}, [])
+
+
+def test_llama4_with_128_experts_has_no_qk_norm():
+    """llama.cpp tells Maverick by its 128 experts and norms no query or key there."""
+    config, _ = ARCHES["llama4"].config(_meta("llama4", expert_count=128, feed_forward_length=8))
+    assert config["use_qk_norm"] is False and config["intermediate_size_mlp"] == 8
+    config, _ = ARCHES["llama4"].config(_meta("llama4", expert_count=16))
+    assert config["use_qk_norm"] is True
+
+
+REFUSED = [  # (architecture, header keys, what the refusal names)
+    ("llama4", {"attention.sliding_window": 0}, "llama4.attention.sliding_window=0"),
+    ("llama4", {"attention.sliding_window_pattern": 2},
+     "llama4.attention.sliding_window_pattern=2"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arch", "keys", "says"), REFUSED, ids=[r[2][:40] for r in REFUSED])
+def test_what_qkv_does_not_compute_is_refused_by_key(arch, keys, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ARCHES[arch].config(_meta(arch, **keys))

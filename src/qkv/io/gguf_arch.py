@@ -54,6 +54,16 @@ QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"
 # a layer's router and experts (mlp.gate, transformers' in-memory names); a key with its
 # suffix ("ffn_down_exps.weight") names a tensor whose Hugging Face name has none of its own
 EXPERTS = {"ffn_gate_inp": "mlp.gate"} | gguf_moe.STACKED_DOWN
+LLAMA4_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")} | {
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+    "ffn_gate_inp": "feed_forward.router",
+    "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+    "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+    "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
+}
 QWEN3MOE_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")}
 QWEN3MOE_LAYER |= {"ffn_norm": "post_attention_layernorm"} | QK_NORMS | EXPERTS
 GEMMA2_LAYER = LLAMA_LAYER | {
@@ -371,6 +381,9 @@ ARCHES = {
     "qwen3moe": Arch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", QWEN3MOE_LAYER,
                      {"hidden_act": "silu"}, extra=gguf_moe.qwen3moe,
                      joins=gguf_moe.STACKED_EXPERTS),
+    # llama.cpp's converter keeps Llama 4's q and k rows as Meta wrote them (undo_permute off)
+    "llama4": Arch("llama4", "llama4_text", "Llama4ForCausalLM", LLAMA4_LAYER,
+                   {"hidden_act": "silu"}, extra=gguf_moe.llama4, joins=gguf_moe.LLAMA4_EXPERTS),
     "phi3": Arch("phi3", "phi3", "Phi3ForCausalLM", PHI3_LAYER, {"hidden_act": "silu"},
                  extra=_phi3),
     "gemma": Arch("gemma", "gemma", "GemmaForCausalLM", LLAMA_LAYER,

@@ -134,3 +134,38 @@ def qwen3moe(config: dict, names: dict, header: Header) -> None:
         "moe_intermediate_size": "expert_feed_forward_length"})  # fmt: skip
     config |= {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
                "use_sliding_window": False}  # fmt: skip
+
+
+# what llama.cpp's llama4 code fixes, not the header: chunks of 8192 tokens on the rotary
+# layers, every fourth layer without rotary (its queries' temperature 1 + 0.1 log(1 +
+# floor((p + 1) / 8192))), rotary layers' queries and keys L2-normed (not Maverick's 128
+# experts, told apart by that count)
+LLAMA4_FIXED = {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1,
+                "attn_temperature_tuning": True, "no_rope_layer_interval": 4}  # fmt: skip
+LLAMA4_PATTERN = 4  # llama.cpp's set_swa_pattern(4): three chunked layers, then a full one
+
+
+def llama4(config: dict, names: dict, header: Header) -> None:
+    """Llama 4 text: its converter swaps the widths (feed_forward_length is the dense
+    layers', expert_feed_forward_length the experts' and the shared expert's), and
+    `LLAMA4_FIXED`. A file with no chunks (attention.sliding_window 0: llama.cpp then turns
+    every layer but the last) or another chunk pattern is refused by that key."""
+    meta = header.metadata
+    config.pop("intermediate_size", None), names.pop("intermediate_size", None)
+    copy_keys("llama4", config, names, header, {
+        "intermediate_size_mlp": "feed_forward_length",
+        "intermediate_size": "expert_feed_forward_length",
+        "num_local_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+        "interleave_moe_layer_step": "interleave_moe_layer_step"})  # fmt: skip
+    if meta.get("llama4.attention.sliding_window") == 0:
+        raise ValueError(
+            "llama4.attention.sliding_window=0 is not supported: llama.cpp would chunk no "
+            "layer and turn every layer but the last"
+        )
+    pattern = meta.get("llama4.attention.sliding_window_pattern", LLAMA4_PATTERN)
+    if pattern != LLAMA4_PATTERN:
+        raise ValueError(
+            f"llama4.attention.sliding_window_pattern={pattern!r} is not supported: qkv "
+            f"chunks the layers with rotary, three of every {LLAMA4_PATTERN}"
+        )
+    config |= LLAMA4_FIXED | {"use_qk_norm": meta.get("llama4.expert_count") != 128}
