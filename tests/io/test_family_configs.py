@@ -78,6 +78,12 @@ def _tiny_moe(name: str) -> dict:
     return TINY[name][1].to_dict()
 
 
+def _tiny_gpt_oss(name: str) -> dict:
+    from test_family_gpt_oss import CASES
+
+    return CASES[name].to_dict()
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -106,6 +112,8 @@ ROUND_TRIPS = {
     # more of each in tests/io/test_family_moe.py
     **{name: [FAMILY[name].config(_tiny_moe(name))] for name in ("mixtral", "qwen3_moe")},
     "llama4": [FAMILY["llama4"].config({"model_type": "llama4_text"})],  # more in its own file
+    # gpt-oss's, as its tiny models read (more in tests/io/test_family_gpt_oss.py)
+    "gpt_oss": [FAMILY["gpt_oss"].config(_tiny_gpt_oss(name)) for name in ("oss", "oss-other")],
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

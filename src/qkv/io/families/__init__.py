@@ -17,6 +17,7 @@ from qkv.io.families import (
     distilbert,
     gemma,
     gpt2,
+    gpt_oss,
     llama,
     llama4,
     marian,
@@ -39,6 +40,7 @@ FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
 FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
 FAMILIES += [llama4.FAMILY]
+FAMILIES += [gpt_oss.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
