@@ -2,7 +2,9 @@
 test_gguf_arches.py does the others: tiny random transformers checkpoints written to .gguf
 files as llama.cpp's convert_hf_to_gguf.py writes them, read by qkv and compared with the
 checkpoint and, where transformers reads the architecture (qwen3moe), with its reader:
-it reads no Mixtral (a "llama" file with experts builds a Llama) and no llama4.
+it reads no Mixtral (a "llama" file with experts builds a Llama), no llama4, and not
+llama.cpp's gpt-oss files (its reader looks for ffn_*_projs tensors, not gguf's
+ffn_*_exps, and fails on the file with a TypeError).
 
 `convert` is the test's own copy of the converter, written from llama.cpp's naming (gguf's
 name map, GGUFWriter's setters) and the converter's tensor surgery: experts stacked into 3-D
@@ -57,6 +59,13 @@ TINY = {
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192})),
+    # YaRN with its ramp rounded (truncate true): what llama.cpp computes from any gpt-oss file
+    "gpt-oss": ("gpt-oss", hf.GptOssForCausalLM, hf.GptOssConfig(
+        **SHARED, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=4, sliding_window=4, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
+                         "original_max_position_embeddings": 64})),
 }  # fmt: skip
 READ_BY_TRANSFORMERS = ["qwen3moe"]
 
@@ -101,9 +110,18 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
         w.add_vocab_size(c.vocab_size)
     if arch == "qwen3moe":  # Qwen2MoeModel
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    if arch == "llama4":
+    if arch in ("llama4", "gpt-oss"):
         w.add_expert_feed_forward_length(c.intermediate_size)
+    if arch == "llama4":
         w.add_interleave_moe_layer_step(c.interleave_moe_layer_step)
+    if arch == "gpt-oss":  # GptOssModel
+        w.add_sliding_window(c.sliding_window)
+        rope = c.rope_parameters
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     w.add_tokenizer_model("gpt2")
     w.add_token_list(TOKENS)
     w.add_token_types(TOKEN_TYPES)
@@ -117,12 +135,17 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
     keeps expert e's gate, up and down apart; the converter stacks them over e, which is
     transformers' in-memory gate_up_proj (E, 2I, C) cut in halves, and its down_proj."""
     c = model.config
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH[arch.upper().replace("-", "_")], c.num_hidden_layers
+    )
     out = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         data = tensor.float().numpy().copy()
+        if arch == "gpt-oss" and "experts" in name:  # GptOssModel.modify_tensors
+            out |= _gpt_oss_experts(name, data, names)
+            continue
         if arch == "llama4" and name.endswith("experts.gate_up_proj"):  # (E, C, 2I)
             data = data.transpose(0, 2, 1)
         if arch == "llama4" and name.endswith("experts.down_proj"):  # (E, I, C)
@@ -140,12 +163,34 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):  # LlamaModel.permute
             heads = c.num_attention_heads if "q_proj" in stem else c.num_key_value_heads
             data = permute(data, heads)
+        if name.endswith("sinks"):  # its converter adds the suffix
+            stem, suffix = name, "weight"
         out[f"{names.get_name(stem)}.{suffix}"] = data
     rope = c.rope_parameters
     if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         out["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
     return out
+
+
+def _gpt_oss_experts(name: str, data: np.ndarray, names) -> dict[str, np.ndarray]:
+    """gpt-oss's experts: gate and up interleaved on the last axis, split apart; the
+    matrices (E, C, 2I) and (E, I, C) turned to GGUF's (E, I, C) and (E, C, I)."""
+    stem = name[: name.index("experts.") + len("experts.")]
+    gate, up = f"{names.get_name(stem + 'gate_proj')}", f"{names.get_name(stem + 'up_proj')}"
+    down = names.get_name(stem + "down_proj")
+
+    def turned(a):
+        return np.ascontiguousarray(a.swapaxes(1, 2))
+
+    if name.endswith("gate_up_proj"):
+        return {f"{gate}.weight": turned(data[..., 0::2]), f"{up}.weight": turned(data[..., 1::2])}
+    if name.endswith("gate_up_proj_bias"):
+        return {f"{gate}.bias": data[:, 0::2].copy(), f"{up}.bias": data[:, 1::2].copy()}
+    if name.endswith("down_proj"):
+        return {f"{down}.weight": turned(data)}
+    assert name.endswith("down_proj_bias"), name
+    return {f"{down}.bias": data}
 
 
 def convert(model: hf.PreTrainedModel, arch: str, path, *, q4: bool = False) -> None:
@@ -333,10 +378,31 @@ def test_llama4_with_128_experts_has_no_qk_norm():
     assert config["use_qk_norm"] is True
 
 
+def test_gpt_oss_is_what_llama_cpp_computes():
+    """YaRN's ramp rounded (ggml always rounds it), the SwiGLU's fixed alpha and limit, the
+    sliding pattern's period; no scaling type is no scaling (not GptOssConfig's YaRN)."""
+    keys = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "block_count": 6,
+            "attention.sliding_window_pattern": 3}  # fmt: skip
+    config, _ = ARCHES["gpt-oss"].config(_meta("gpt-oss", **keys))
+    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "truncate": True}
+    assert (config["swiglu_alpha"], config["swiglu_limit"]) == (1.702, 7.0)
+    assert config["layer_types"] == ["sliding_attention", "sliding_attention",
+                                     "full_attention"] * 2  # fmt: skip
+    plain, _ = ARCHES["gpt-oss"].config(_meta("gpt-oss", block_count=2))
+    assert plain["rope_scaling"] == {"rope_type": "default"}
+    assert plain["layer_types"] == ["sliding_attention", "full_attention"]
+
+
 REFUSED = [  # (architecture, header keys, what the refusal names)
     ("llama4", {"attention.sliding_window": 0}, "llama4.attention.sliding_window=0"),
     ("llama4", {"attention.sliding_window_pattern": 2},
      "llama4.attention.sliding_window_pattern=2"),
+    ("gpt-oss", {"rope.freq_base": 1e4, "rope.freq_base_swa": 1e5},
+     "gpt-oss.rope.freq_base_swa=100000.0"),
+    ("gpt-oss", {"rope.scaling.type": "yarn", "rope.scaling.yarn_log_multiplier": 0.1},
+     "gpt-oss.rope.scaling.yarn_log_multiplier"),
+    ("llama", {"expert_count": 4, "rope.scaling.attn_factor": 2.0},
+     "llama.rope.scaling.attn_factor=2.0"),
 ]  # fmt: skip
 
 

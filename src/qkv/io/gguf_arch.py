@@ -64,6 +64,12 @@ LLAMA4_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")
     "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
     "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
 }
+GPT_OSS_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")} | {
+    "post_attention_norm": "post_attention_layernorm",  # the norm before the experts
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
 QWEN3MOE_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")}
 QWEN3MOE_LAYER |= {"ffn_norm": "post_attention_layernorm"} | QK_NORMS | EXPERTS
 GEMMA2_LAYER = LLAMA_LAYER | {
@@ -384,6 +390,8 @@ ARCHES = {
     # llama.cpp's converter keeps Llama 4's q and k rows as Meta wrote them (undo_permute off)
     "llama4": Arch("llama4", "llama4_text", "Llama4ForCausalLM", LLAMA4_LAYER,
                    {"hidden_act": "silu"}, extra=gguf_moe.llama4, joins=gguf_moe.LLAMA4_EXPERTS),
+    "gpt-oss": Arch("gpt-oss", "gpt_oss", "GptOssForCausalLM", GPT_OSS_LAYER,
+                    extra=gguf_moe.gpt_oss, joins=gguf_moe.GPT_OSS_EXPERTS),
     "phi3": Arch("phi3", "phi3", "Phi3ForCausalLM", PHI3_LAYER, {"hidden_act": "silu"},
                  extra=_phi3),
     "gemma": Arch("gemma", "gemma", "GemmaForCausalLM", LLAMA_LAYER,

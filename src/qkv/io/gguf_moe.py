@@ -169,3 +169,39 @@ def llama4(config: dict, names: dict, header: Header) -> None:
             f"chunks the layers with rotary, three of every {LLAMA4_PATTERN}"
         )
     config |= LLAMA4_FIXED | {"use_qk_norm": meta.get("llama4.expert_count") != 128}
+
+
+GPT_OSS_PATTERN = 2  # llama.cpp's default set_swa_pattern for gpt-oss: even layers slide
+
+
+def gpt_oss(config: dict, names: dict, header: Header) -> None:
+    """gpt-oss as llama.cpp computes it: its clamped SwiGLU's alpha 1.702 and limit 7.0 (fixed
+    in its code), layers sliding as attention.sliding_window_pattern says (n: n - 1 sliding
+    layers, then a full one; 2 where the key is absent), YaRN with its ramp rounded (ggml
+    always rounds it: truncate true, whatever the checkpoint said) or no scaling at all."""
+    meta = header.metadata
+    config.pop("intermediate_size", None), names.pop("intermediate_size", None)
+    copy_keys("gpt-oss", config, names, header, {
+        "intermediate_size": "expert_feed_forward_length",
+        "num_local_experts": "expert_count", "num_experts_per_tok": "expert_used_count",
+        "sliding_window": "attention.sliding_window"})  # fmt: skip
+    config |= {"swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+               "attention_bias": any(info.name == "blk.0.attn_q.bias"
+                                     for info in header.tensors)}  # fmt: skip
+    base, local = meta.get("gpt-oss.rope.freq_base"), meta.get("gpt-oss.rope.freq_base_swa")
+    if local is not None and local != base:
+        raise ValueError(f"gpt-oss.rope.freq_base_swa={local!r} is not supported: qkv's "
+                         "sliding layers turn with the full layers' base")  # fmt: skip
+    scaling = config.setdefault("rope_scaling", {"rope_type": "default"})
+    if scaling["rope_type"] == "yarn":
+        scaling["truncate"] = True
+    key = "gpt-oss.attention.sliding_window_pattern"
+    period, layers = meta.get(key, GPT_OSS_PATTERN), config.get("num_hidden_layers")
+    if type(period) is not int or period < 1:
+        raise ValueError(f"{key}={period!r} should be a whole number of layers")
+    # bounded: a header claiming 10^9 layers has too few tensors, refused once they are counted
+    if type(layers) is int and 0 < layers <= max(len(header.tensors), 256):
+        config["layer_types"] = [
+            "sliding_attention" if i % period < period - 1 else "full_attention"
+            for i in range(layers)
+        ]
