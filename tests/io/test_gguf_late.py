@@ -26,8 +26,6 @@ from test_gguf_arches import _llama3_factors
 
 import qkv
 from qkv.io.gguf import read_gguf
-from qkv.io.gguf_arch import ARCHES
-from qkv.io.gguf_header import Header
 from qkv.io.load import load_source
 
 TOKENS, TOKEN_TYPES, MERGES = byte_level_vocab()
@@ -363,50 +361,3 @@ def test_llama4_is_what_llama_cpp_computes(written):
     assert cfg.block.chunk == 8192 and cfg.block.qk_norm == "l2"
     temperature = cfg.block.temperature
     assert (temperature.strength, temperature.every, temperature.shift) == (0.1, 8192, 1.0)
-
-
-def _meta(arch: str, **keys) -> Header:
-    metadata = {f"{arch}.{k}": v for k, v in keys.items()}
-    return Header(metadata | {"general.architecture": arch}, [])
-
-
-def test_llama4_with_128_experts_has_no_qk_norm():
-    """llama.cpp tells Maverick by its 128 experts and norms no query or key there."""
-    config, _ = ARCHES["llama4"].config(_meta("llama4", expert_count=128, feed_forward_length=8))
-    assert config["use_qk_norm"] is False and config["intermediate_size_mlp"] == 8
-    config, _ = ARCHES["llama4"].config(_meta("llama4", expert_count=16))
-    assert config["use_qk_norm"] is True
-
-
-def test_gpt_oss_is_what_llama_cpp_computes():
-    """YaRN's ramp rounded (ggml always rounds it), the SwiGLU's fixed alpha and limit, the
-    sliding pattern's period; no scaling type is no scaling (not GptOssConfig's YaRN)."""
-    keys = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "block_count": 6,
-            "attention.sliding_window_pattern": 3}  # fmt: skip
-    config, _ = ARCHES["gpt-oss"].config(_meta("gpt-oss", **keys))
-    assert config["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0, "truncate": True}
-    assert (config["swiglu_alpha"], config["swiglu_limit"]) == (1.702, 7.0)
-    assert config["layer_types"] == ["sliding_attention", "sliding_attention",
-                                     "full_attention"] * 2  # fmt: skip
-    plain, _ = ARCHES["gpt-oss"].config(_meta("gpt-oss", block_count=2))
-    assert plain["rope_scaling"] == {"rope_type": "default"}
-    assert plain["layer_types"] == ["sliding_attention", "full_attention"]
-
-
-REFUSED = [  # (architecture, header keys, what the refusal names)
-    ("llama4", {"attention.sliding_window": 0}, "llama4.attention.sliding_window=0"),
-    ("llama4", {"attention.sliding_window_pattern": 2},
-     "llama4.attention.sliding_window_pattern=2"),
-    ("gpt-oss", {"rope.freq_base": 1e4, "rope.freq_base_swa": 1e5},
-     "gpt-oss.rope.freq_base_swa=100000.0"),
-    ("gpt-oss", {"rope.scaling.type": "yarn", "rope.scaling.yarn_log_multiplier": 0.1},
-     "gpt-oss.rope.scaling.yarn_log_multiplier"),
-    ("llama", {"expert_count": 4, "rope.scaling.attn_factor": 2.0},
-     "llama.rope.scaling.attn_factor=2.0"),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(("arch", "keys", "says"), REFUSED, ids=[r[2][:40] for r in REFUSED])
-def test_what_qkv_does_not_compute_is_refused_by_key(arch, keys, says):
-    with pytest.raises(ValueError, match=re.escape(says)):
-        ARCHES[arch].config(_meta(arch, **keys))

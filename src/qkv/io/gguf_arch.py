@@ -70,6 +70,25 @@ GPT_OSS_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_"
     "ffn_gate_inp": "mlp.router",
     "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
 }
+DEEPSEEK2_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # newer converters' attn_k_b and attn_v_b: refused
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+} | EXPERTS
 QWEN3MOE_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")}
 QWEN3MOE_LAYER |= {"ffn_norm": "post_attention_layernorm"} | QK_NORMS | EXPERTS
 GEMMA2_LAYER = LLAMA_LAYER | {
@@ -105,6 +124,7 @@ class Arch:
     norm_plus_one: bool = False  # llama.cpp stores Gemma's norm weights as 1 + weight
     extra: Callable[[dict, dict, Header], None] | None = None  # arch-specific config
     joins: tuple[Join, ...] = ()  # Hugging Face tensors made of several GGUF ones, or turned
+    latent: bool = False  # DeepSeek's latent attention: head sizes read by `extra`
 
     def key(self, name: str) -> str:
         return f"{self.name}.{name}"
@@ -169,7 +189,8 @@ class Arch:
             if self.key(name) in meta:
                 config[key] = meta[self.key(name)]
         config.setdefault("rope_theta", LLAMA_CPP_ROPE_BASE)
-        _head_dims(self, config, names, meta)
+        if not self.latent:
+            _head_dims(self, config, names, meta)
         tokens = meta.get("tokenizer.ggml.tokens")
         if "vocab_size" not in config and isinstance(tokens, list):
             config["vocab_size"], names["vocab_size"] = len(tokens), "tokenizer.ggml.tokens"
@@ -259,6 +280,8 @@ def _rope_scaling(arch: Arch, config: dict, names: dict, header: Header) -> None
         if arch.key(f"rope.scaling.{name}") in meta:  # llama.cpp's defaults are HF's: 32, 1
             scaling[key] = meta[arch.key(f"rope.scaling.{name}")]
     for name in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"):
+        if name == "yarn_log_multiplier" and arch.latent:  # DeepSeek's mscale: `extra` reads it
+            continue
         if arch.key(f"rope.scaling.{name}") in meta:  # each changes llama.cpp's YaRN its way
             raise ValueError(f"{arch.key(f'rope.scaling.{name}')} is not supported")
     config["rope_scaling"] = scaling
@@ -392,6 +415,10 @@ ARCHES = {
                    {"hidden_act": "silu"}, extra=gguf_moe.llama4, joins=gguf_moe.LLAMA4_EXPERTS),
     "gpt-oss": Arch("gpt-oss", "gpt_oss", "GptOssForCausalLM", GPT_OSS_LAYER,
                     extra=gguf_moe.gpt_oss, joins=gguf_moe.GPT_OSS_EXPERTS),
+    # latent attention's sizes are not `_head_dims`' (key_length is the compressed key's)
+    "deepseek2": Arch("deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK2_LAYER,
+                      {"hidden_act": "silu"}, extra=gguf_moe.deepseek2,
+                      joins=gguf_moe.STACKED_EXPERTS, latent=True),
     "phi3": Arch("phi3", "phi3", "Phi3ForCausalLM", PHI3_LAYER, {"hidden_act": "silu"},
                  extra=_phi3),
     "gemma": Arch("gemma", "gemma", "GemmaForCausalLM", LLAMA_LAYER,

@@ -205,3 +205,60 @@ def gpt_oss(config: dict, names: dict, header: Header) -> None:
             "sliding_attention" if i % period < period - 1 else "full_attention"
             for i in range(layers)
         ]
+
+
+# DeepSeek-V3's header keys under "deepseek2." (config.json key -> header key)
+DEEPSEEK2_KEYS = {
+    "qk_rope_head_dim": "rope.dimension_count", "kv_lora_rank": "attention.kv_lora_rank",
+    "q_lora_rank": "attention.q_lora_rank",
+    "first_k_dense_replace": "leading_dense_block_count",
+    "moe_intermediate_size": "expert_feed_forward_length", "n_routed_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count", "n_shared_experts": "expert_shared_count",
+    "routed_scaling_factor": "expert_weights_scale", "norm_topk_prob": "expert_weights_norm",
+    "n_group": "expert_group_count", "topk_group": "expert_group_used_count",
+}  # fmt: skip
+SIGMOID = 2  # gguf's ExpertGatingFuncType.SIGMOID, DeepSeek-V3's router
+LATENT_NORM_EPS = 1e-6  # DeepSeek-V3's q_a and kv_a norms (llama.cpp: the header's epsilon)
+
+
+def deepseek2(config: dict, names: dict, header: Header) -> None:
+    """DeepSeek-V3 (llama.cpp's deepseek2): latent attention's sizes (key_length_mla and
+    value_length_mla; files before them: key_length and value_length), its experts (what
+    the header leaves out is llama.cpp's default: scale 1, no renormalization, one group),
+    and YaRN's log multiplier as mscale = mscale_all_dim (llama.cpp squares it into the
+    score scale and cancels it in the rotary, which is transformers' when the two agree).
+    A softmax router (gating function other than 2, or none: DeepSeek-V2) and another
+    epsilon than 1e-6 (llama.cpp would use it in the latent norms too) are refused by key."""
+    meta = header.metadata
+    key = "deepseek2.{}".format
+    copy_keys("deepseek2", config, names, header, DEEPSEEK2_KEYS)
+    config.setdefault("q_lora_rank", None)
+    config.setdefault("routed_scaling_factor", 1.0)
+    config.setdefault("norm_topk_prob", False)
+    config.setdefault("n_group", 1)
+    config.setdefault("topk_group", 1)
+    config["num_key_value_heads"] = config.get("num_attention_heads")  # the file's is MQA's 1
+    config["rope_interleave"] = True  # llama.cpp's deepseek2 turns neighbouring pairs
+    new = key("attention.key_length_mla") in meta
+    keys, values = (("attention.key_length_mla", "attention.value_length_mla") if new
+                    else ("attention.key_length", "attention.value_length"))  # fmt: skip
+    rope, head = config.get("qk_rope_head_dim"), meta.get(key(keys))
+    if type(head) is int and type(rope) is int:
+        config["qk_nope_head_dim"], names["qk_nope_head_dim"] = head - rope, key(keys)
+    copy_keys("deepseek2", config, names, header, {"v_head_dim": values})
+    gating = meta.get(key("expert_gating_func"))
+    if gating != SIGMOID:
+        raise ValueError(
+            f"{key('expert_gating_func')}={gating!r} is not supported: qkv computes "
+            f"DeepSeek-V3's sigmoid router ({SIGMOID})"
+        )
+    eps = meta.get(key("attention.layer_norm_rms_epsilon"))
+    if eps != LATENT_NORM_EPS:
+        raise ValueError(
+            f"{key('attention.layer_norm_rms_epsilon')}={eps!r} is not supported: llama.cpp "
+            f"would use it in the latent norms, qkv's DeepSeek-V3 uses {LATENT_NORM_EPS}"
+        )
+    multiplier = meta.get(key("rope.scaling.yarn_log_multiplier"))
+    scaling = config.get("rope_scaling")
+    if multiplier is not None and scaling and scaling.get("rope_type") == "yarn":
+        scaling["mscale"] = scaling["mscale_all_dim"] = multiplier / 0.1
