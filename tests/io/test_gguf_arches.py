@@ -408,7 +408,9 @@ def test_gemma3_without_a_window_has_only_full_layers():
 @pytest.mark.parametrize("arch", list(ARCHES))
 def test_a_missing_rope_base_is_llama_cpps_default(arch):
     """10 000, as llama.cpp takes it, never a family's own default (Gemma 3's is 10^6)."""
-    config, _ = ARCHES[arch].config(_header(arch, 2))
+    # what DeepSeek's header must have: its sigmoid router and the latent norms' epsilon
+    needed = {"expert_gating_func": 2, "attention.layer_norm_rms_epsilon": 1e-6}
+    config, _ = ARCHES[arch].config(_header(arch, 2, **(needed if arch == "deepseek2" else {})))
     assert config["rope_theta"] == 10000.0
 
 

@@ -32,7 +32,7 @@ import mmap
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,8 @@ from qkv.io.families import family_for
 from qkv.io.families.checks import family_config
 from qkv.io.files import write_atomically
 from qkv.io.gguf_arch import ROPE_TENSORS, Arch, arch_of, rope_tensors
-from qkv.io.gguf_header import Header, read_header
+from qkv.io.gguf_header import Header, TensorInfo, read_header
+from qkv.io.gguf_moe import experts_bounded
 from qkv.io.gguf_tokenizer import gguf_tokenizer
 from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
 
@@ -93,12 +94,7 @@ def read_gguf(
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     digest = file_digest(path, data, cache_dir)
     cache = cache_dir / f"{digest}.safetensors"
-    names = {
-        arch.hf_name(info.name): info.shape
-        for info in header.tensors
-        if info.name not in ROPE_TENSORS
-    }
-    state_dict = _load_cache(cache, names)
+    state_dict = _load_cache(cache, _hf_shapes(header, arch))
     if state_dict is None:
         state_dict = _state_dict(header, data, config, arch, progress)
         _save_cache(cache, state_dict, path)
@@ -114,7 +110,7 @@ def read_int4(path: str | os.PathLike) -> dict[str, tuple[Tensor, Tensor, Tensor
     heads = _permuted(arch, config)
     out = {}
     for info in header.tensors:
-        if info.ggml_type not in INT4_TYPES or len(info.shape) != 2:
+        if info.ggml_type not in INT4_TYPES or len(info.shape) != 2 or arch.join_of(info.name):
             continue
         raw = torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start)
         groups = int4_groups(raw.clone(), info.ggml_type, info.shape)
@@ -217,6 +213,7 @@ def _read(path: Path) -> tuple[mmap.mmap | bytes, Header, dict[str, Any], Arch]:
     if "rms_norm_eps" not in config:  # llama.cpp requires it too: no default is safe
         raise ValueError(f"{path}: the header has no {names['rms_norm_eps']}")
     rope_tensors(arch, config, _rope_factors(header, data))
+    experts_bounded(arch.name, header, path)
     try:
         family = family_for(config)
     except ValueError as error:  # a family another session has not merged yet, say
@@ -255,47 +252,63 @@ def _rope_factors(header: Header, data) -> dict[str, Tensor]:
 
 def _check_tensors(header: Header, arch: Arch, family, cfg, path: Path) -> None:
     """The tensor table holds what the architecture needs, in the shapes it needs: no more,
-    no less. The count is compared first, so a header claiming 10^9 blocks is refused
-    without listing what they would need."""
+    no less. What it needs is the family's weight map, each weight spelled in GGUF's names
+    (`Arch.gguf_names`: one tensor, or the parts of a `Join`); the count is compared first.
+    (A header claiming 10^9 blocks or experts was refused before: `_read`.)"""
     kept = [info for info in header.tensors if info.name not in ROPE_TENSORS]
     for info in kept:
         try:
             arch.hf_name(info.name)  # unknown names are refused by name
         except ValueError as error:
             raise ValueError(f"{path}: {error}") from None
-    one, two = (len(family.weights(_with_layers(cfg, n))) for n in (1, 2))
-    needed = one + (two - one) * (cfg.num_layers - 1)
-    if len(kept) != needed:
-        raise ValueError(
-            f"{path} has {len(kept)} weight tensors, but its header ({arch.name}.block_count="
-            f"{cfg.num_layers}) needs {needed:,}"
-        )
-    # bounded: the count matched a table of real entries, so the model has that many layers
     with torch.device("meta"), NoRandomInit():
         parameters = family.model(cfg).state_dict(keep_vars=True)
-    shapes = {}
+    needed: dict[str, tuple[int, ...]] = {}  # GGUF name -> its shape
     for weight in family.weights(cfg):
-        for name in weight.names:
-            shapes[name] = tuple(weight.save(parameters[weight.qkv]).shape)
+        spelled = [gguf for name in weight.names if (gguf := arch.gguf_names(name))]
+        if not spelled:
+            raise ValueError(
+                f"{path}: the header's config needs {weight.canonical}, which a "
+                f"{arch.name} GGUF file cannot hold"
+            )
+        gguf = spelled[0]
+        whole = weight.save(parameters[weight.qkv])
+        join = arch.join_of(gguf[0])
+        parts = join.split(whole) if join is not None else [whole]
+        needed |= {n: tuple(part.shape) for n, part in zip(gguf, parts, strict=True)}
+    if len(kept) != len(needed):
+        present = {info.name for info in kept}
+        missing = next((f" (it lacks {name})" for name in needed if name not in present), "")
+        raise ValueError(
+            f"{path} has {len(kept)} weight tensors, but its header ({arch.name}.block_count="
+            f"{cfg.num_layers}) needs {len(needed):,}{missing}"
+        )
     for info in kept:
-        name = arch.hf_name(info.name)
-        if name not in shapes:
+        if info.name not in needed:
             raise ValueError(f"{path} has the tensor {info.name}, which its header does not need")
-        if info.shape != shapes[name]:
+        if info.shape != needed[info.name]:
             raise ValueError(
                 f"{path}: tensor {info.name} has shape {info.shape}, but the header's config "
-                f"needs {shapes[name]}"
+                f"needs {needed[info.name]}"
             )
 
 
-def _with_layers(cfg, n: int):
-    """cfg with n layers, its per-layer lists (layer_types, say) cut or repeated to match."""
-    per_layer = {
-        f.name: (value * n)[:n]
-        for f in fields(cfg)
-        if isinstance(value := getattr(cfg, f.name), tuple) and len(value) == cfg.num_layers
-    }
-    return replace(cfg, num_layers=n, **per_layer)
+def _hf_shapes(header: Header, arch: Arch) -> dict[str, tuple[int, ...]]:
+    """{Hugging Face name: shape} of what the file's tensors make."""
+    parts: dict[str, list[TensorInfo]] = {}
+    for info in header.tensors:
+        if info.name not in ROPE_TENSORS:
+            parts.setdefault(arch.hf_name(info.name), []).append(info)
+    shapes = {}
+    for name, infos in parts.items():
+        join = arch.join_of(infos[0].name)
+        if join is None:
+            shapes[name] = infos[0].shape
+            continue
+        order = sorted(infos, key=lambda info: join.parts.index(info.name.split(".", 2)[2]))
+        meta = [torch.empty(info.shape, device="meta") for info in order]
+        shapes[name] = tuple(join.join(meta).shape)
+    return shapes
 
 
 def _unpermute(w: Tensor, n_head: int) -> Tensor:
@@ -335,13 +348,23 @@ def _state_dict(
             )
     heads = _permuted(arch, config)
     state_dict = {}
+    waiting: dict[str, dict[str, Tensor]] = {}  # the parts of a Join read so far
     for done, info in enumerate(kept, start=1):
         raw = torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start)
         weight = dequantize(raw, info.ggml_type, info.shape)
         part = info.name.split(".")[-2]
         if part in heads:
             weight = _unpermute(weight, heads[part])
-        state_dict[arch.hf_name(info.name)] = arch.restore(info.name, weight)
+        name, weight = arch.hf_name(info.name), arch.restore(info.name, weight)
+        join = arch.join_of(info.name)
+        if join is None:
+            state_dict[name] = weight
+        else:  # all its parts are in the table (`_check_tensors`)
+            parts = waiting.setdefault(name, {})
+            parts[info.name.split(".", 2)[2]] = weight
+            if len(parts) == len(join.parts):
+                del waiting[name]
+                state_dict[name] = join.join([parts[p] for p in join.parts]).contiguous()
         if progress is not None:
             progress(done, len(kept))
     return state_dict

@@ -21,7 +21,9 @@ from typing import Any
 
 from torch import Tensor
 
+from qkv.io import gguf_moe
 from qkv.io.gguf_header import Header
+from qkv.io.gguf_moe import Join
 
 # config.json key -> the header's key under "<arch>." (the same for every architecture)
 COMMON_KEYS = {
@@ -49,6 +51,46 @@ LLAMA_LAYER = {
     "ffn_down": "mlp.down_proj",
 }
 QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# a layer's router and experts (mlp.gate, transformers' in-memory names); a key with its
+# suffix ("ffn_down_exps.weight") names a tensor whose Hugging Face name has none of its own
+EXPERTS = {"ffn_gate_inp": "mlp.gate"} | gguf_moe.STACKED_DOWN
+LLAMA4_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")} | {
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+    "ffn_gate_inp": "feed_forward.router",
+    "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+    "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+    "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
+}
+GPT_OSS_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")} | {
+    "post_attention_norm": "post_attention_layernorm",  # the norm before the experts
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+DEEPSEEK2_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",  # newer converters' attn_k_b and attn_v_b: refused
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+} | EXPERTS
+QWEN3MOE_LAYER = {k: v for k, v in LLAMA_LAYER.items() if not k.startswith("ffn_")}
+QWEN3MOE_LAYER |= {"ffn_norm": "post_attention_layernorm"} | QK_NORMS | EXPERTS
 GEMMA2_LAYER = LLAMA_LAYER | {
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
@@ -81,19 +123,54 @@ class Arch:
     permute_qk: bool = False  # llama.cpp interleaved the query and key rows (Llama only)
     norm_plus_one: bool = False  # llama.cpp stores Gemma's norm weights as 1 + weight
     extra: Callable[[dict, dict, Header], None] | None = None  # arch-specific config
+    joins: tuple[Join, ...] = ()  # Hugging Face tensors made of several GGUF ones, or turned
+    latent: bool = False  # DeepSeek's latent attention: head sizes read by `extra`
 
     def key(self, name: str) -> str:
         return f"{self.name}.{name}"
 
     def hf_name(self, name: str) -> str:
-        """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'"""
+        """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; each part of a
+        `Join` -> the one tensor they make."""
         stem, _, suffix = name.rpartition(".")
         if stem in TOP:
             return f"{TOP[stem]}.{suffix}"
         match = re.fullmatch(r"blk\.(\d+)\.(\w+)", stem)
-        if match and match[2] in self.layer:
-            return f"model.layers.{match[1]}.{self.layer[match[2]]}.{suffix}"
+        if match:
+            layer, part = f"model.layers.{match[1]}", f"{match[2]}.{suffix}"
+            if (join := self.join_of(name)) is not None:
+                return f"{layer}.{join.hf}"
+            if part in self.layer:
+                return f"{layer}.{self.layer[part]}"
+            if match[2] in self.layer:
+                return f"{layer}.{self.layer[match[2]]}.{suffix}"
         raise ValueError(f"unsupported tensor {name!r} in a {self.name} GGUF file")
+
+    def join_of(self, name: str) -> Join | None:
+        """The `Join` the GGUF tensor `name` is a part of, if any."""
+        part = name.split(".", 2)[-1] if name.startswith("blk.") else None
+        return next((join for join in self.joins if part in join.parts), None)
+
+    def gguf_names(self, hf: str) -> tuple[str, ...]:
+        """The GGUF tensors that make the Hugging Face tensor `hf` (the inverse of
+        `hf_name`); () where this architecture has no spelling of it."""
+        stem, _, suffix = hf.rpartition(".")
+        inverse = {v: k for k, v in TOP.items()}
+        if stem in inverse:
+            return (f"{inverse[stem]}.{suffix}",)
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
+        if match is None:
+            return ()
+        block, tail = f"blk.{match[1]}", match[2]
+        for join in self.joins:
+            if join.hf == tail:
+                return tuple(f"{block}.{part}" for part in join.parts)
+        for part, module in self.layer.items():
+            if module == tail and "." in part:
+                return (f"{block}.{part}",)
+            if "." not in part and f"{module}.{suffix}" == tail and suffix in ("weight", "bias"):
+                return (f"{block}.{part}.{suffix}",)
+        return ()
 
     def restore(self, name: str, weight: Tensor) -> Tensor:
         """A tensor as the Hugging Face checkpoint had it (before what convert did)."""
@@ -112,7 +189,8 @@ class Arch:
             if self.key(name) in meta:
                 config[key] = meta[self.key(name)]
         config.setdefault("rope_theta", LLAMA_CPP_ROPE_BASE)
-        _head_dims(self, config, names, meta)
+        if not self.latent:
+            _head_dims(self, config, names, meta)
         tokens = meta.get("tokenizer.ggml.tokens")
         if "vocab_size" not in config and isinstance(tokens, list):
             config["vocab_size"], names["vocab_size"] = len(tokens), "tokenizer.ggml.tokens"
@@ -125,7 +203,7 @@ class Arch:
                 f"{self.key('rope.scaling.attn_factor')}={attn_factor!r} is not supported "
                 f"for {self.name}: llama.cpp would scale every rotated query and key by it"
             )
-        if self.name in ("llama", "qwen3"):  # biases are optional there: present or not
+        if self.name in ("llama", "qwen3", "qwen3moe"):  # biases are optional there: present or not
             config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
         if self.name == "llama":
             config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
@@ -202,6 +280,8 @@ def _rope_scaling(arch: Arch, config: dict, names: dict, header: Header) -> None
         if arch.key(f"rope.scaling.{name}") in meta:  # llama.cpp's defaults are HF's: 32, 1
             scaling[key] = meta[arch.key(f"rope.scaling.{name}")]
     for name in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier"):
+        if name == "yarn_log_multiplier" and arch.latent:  # DeepSeek's mscale: `extra` reads it
+            continue
         if arch.key(f"rope.scaling.{name}") in meta:  # each changes llama.cpp's YaRN its way
             raise ValueError(f"{arch.key(f'rope.scaling.{name}')} is not supported")
     config["rope_scaling"] = scaling
@@ -320,11 +400,25 @@ def _gemma(config: dict, names: dict, header: Header) -> None:
 
 
 ARCHES = {
-    "llama": Arch("llama", "llama", "LlamaForCausalLM", LLAMA_LAYER,
-                  {"hidden_act": "silu"}, permute_qk=True),
+    # a llama file with experts is Mixtral (`gguf_moe.mixtral`)
+    "llama": Arch("llama", "llama", "LlamaForCausalLM", LLAMA_LAYER | EXPERTS,
+                  {"hidden_act": "silu"}, permute_qk=True, extra=gguf_moe.mixtral,
+                  joins=gguf_moe.STACKED_EXPERTS),
     "qwen2": Arch("qwen2", "qwen2", "Qwen2ForCausalLM", LLAMA_LAYER, {"hidden_act": "silu"}),
     "qwen3": Arch("qwen3", "qwen3", "Qwen3ForCausalLM", LLAMA_LAYER | QK_NORMS,
                   {"hidden_act": "silu"}),
+    "qwen3moe": Arch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", QWEN3MOE_LAYER,
+                     {"hidden_act": "silu"}, extra=gguf_moe.qwen3moe,
+                     joins=gguf_moe.STACKED_EXPERTS),
+    # llama.cpp's converter keeps Llama 4's q and k rows as Meta wrote them (undo_permute off)
+    "llama4": Arch("llama4", "llama4_text", "Llama4ForCausalLM", LLAMA4_LAYER,
+                   {"hidden_act": "silu"}, extra=gguf_moe.llama4, joins=gguf_moe.LLAMA4_EXPERTS),
+    "gpt-oss": Arch("gpt-oss", "gpt_oss", "GptOssForCausalLM", GPT_OSS_LAYER,
+                    extra=gguf_moe.gpt_oss, joins=gguf_moe.GPT_OSS_EXPERTS),
+    # latent attention's sizes are not `_head_dims`' (key_length is the compressed key's)
+    "deepseek2": Arch("deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM", DEEPSEEK2_LAYER,
+                      {"hidden_act": "silu"}, extra=gguf_moe.deepseek2,
+                      joins=gguf_moe.STACKED_EXPERTS, latent=True),
     "phi3": Arch("phi3", "phi3", "Phi3ForCausalLM", PHI3_LAYER, {"hidden_act": "silu"},
                  extra=_phi3),
     "gemma": Arch("gemma", "gemma", "GemmaForCausalLM", LLAMA_LAYER,
