@@ -72,6 +72,13 @@ def _tiny_gemma(name: str) -> dict:
     return TINY[name][1].to_dict()
 
 
+def _tiny_deepseek() -> list[dict]:
+    from test_family_deepseek import CASES
+    from transformers import DeepseekV3Config
+
+    return [DeepseekV3Config(**case).to_dict() for case in CASES.values()]
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -97,6 +104,8 @@ ROUND_TRIPS = {
     "qwen3": [replace(LLAMA, block=replace(LLAMA.block, qk_norm="head"))],
     # the Gemma families' configs, as transformers' own tiny ones read
     **{name: [FAMILY[name].config(_tiny_gemma(name))] for name in ("gemma", "gemma2", "gemma3")},
+    # DeepSeek-V3's, as its tiny checkpoints' configs read (more in test_family_deepseek.py)
+    "deepseek_v3": [FAMILY["deepseek_v3"].config(hf) for hf in _tiny_deepseek()],
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

@@ -148,7 +148,7 @@ def ablate(
     encoded = pretrained.encode(text)
     ids = torch.tensor([encoded.ids])
     T, L, H = ids.shape[1], stack.config.num_layers, stack.config.block.num_heads
-    D = stack.blocks[0].attn.head_dim
+    D = stack.blocks[0].attn.out.in_features // H  # a head's output size (latent: v_head_dim)
     values = torch.zeros(L, H, D)
     if mode == "mean":
         values = mean_head_outputs(pretrained, stack, REFERENCE if reference is None else reference)

@@ -102,26 +102,29 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
     Each parameter becomes its checkpoint tensor in the parameter's dtype (assigned, not
     copied, so the model may be built on the meta device, with shapes and no values); tied
     weights are tied again, and buffers computed at construction (rotary frequencies) are
-    computed again where the meta device left them empty.
+    computed again where the meta device left them empty. A weight may also name a
+    persistent buffer the checkpoint holds (DeepSeek-V3's routers' correction bias), and
+    may be joined from several checkpoint tensors (`Weight.parts`).
     """
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    targets = dict(model.named_buffers()) | params
     state: dict[str, Tensor] = {}
     used: set[str] = set()
     for weight in family.weights(config):
-        present = [name for name in weight.names if name in tensors]
-        if not present:
-            raise ValueError(
-                f"the checkpoint has no {weight.names[0]} (for {weight.qkv}); is it a "
-                f"{family.name} checkpoint of this size?"
-            )
-        used.update(present)
-        if weight.qkv not in params:
+        if weight.qkv not in targets:
             raise AssertionError(f"{family.name} weight map names unknown parameter {weight.qkv}")
-        target = params[weight.qkv]
-        value = weight.load(tensors[present[0]])
+        target = targets[weight.qkv]
+        found = [_present(aliases, tensors, weight, family) for aliases in weight.parts or
+                 [weight.names]]  # fmt: skip
+        for present in found:
+            used.update(present)
+        if weight.parts:
+            value = weight.load([tensors[present[0]] for present in found])
+        else:
+            value = weight.load(tensors[found[0][0]])
         if value.shape != target.shape:
             raise ValueError(
-                f"{present[0]} has shape {tuple(value.shape)} but the model built from "
+                f"{found[0][0]} has shape {tuple(value.shape)} but the model built from "
                 f"config.json needs {tuple(target.shape)} for {weight.qkv}"
             )
         state[weight.qkv] = value.to(target.dtype)
@@ -149,10 +152,26 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
     assert not empty, f"left on the meta device after filling: {empty[:5]}"
 
 
+def _present(aliases: tuple[str, ...], tensors: dict[str, Tensor], weight, family) -> list[str]:
+    """The aliases of one checkpoint tensor that the checkpoint holds (the first is read)."""
+    present = [name for name in aliases if name in tensors]
+    if not present:
+        raise ValueError(
+            f"the checkpoint has no {aliases[0]} (for {weight.qkv}); is it a "
+            f"{family.name} checkpoint of this size?"
+        )
+    return present
+
+
 def export(model: nn.Module, family: Family, config) -> dict[str, Tensor]:
     """The model's weights under their canonical checkpoint names and layouts."""
-    params = dict(model.named_parameters())
+    targets = dict(model.named_buffers()) | dict(model.named_parameters())
     out = {}
     for weight in family.weights(config):
-        out[weight.names[0]] = weight.save(params[weight.qkv].detach()).contiguous()
+        value = weight.save(targets[weight.qkv].detach())
+        if weight.parts:
+            for name, part in zip(weight.names, value, strict=True):
+                out[name] = part.contiguous()
+        else:
+            out[weight.names[0]] = value.contiguous()
     return out

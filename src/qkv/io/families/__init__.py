@@ -14,6 +14,7 @@ from __future__ import annotations
 from qkv.io.families import (
     bart,
     bert,
+    deepseek,
     distilbert,
     gemma,
     gpt2,
@@ -35,6 +36,7 @@ FAMILIES += [roberta.FAMILY, roberta.XLM_FAMILY, distilbert.FAMILY, modernbert.F
 FAMILIES += [phi3.FAMILY, olmo2.FAMILY, neox.FAMILY]
 FAMILIES += [gemma.GEMMA, gemma.GEMMA2, gemma.GEMMA3]
 FAMILIES += [marian.FAMILY, t5.FAMILY]
+FAMILIES += [deepseek.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 

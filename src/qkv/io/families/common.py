@@ -4,6 +4,9 @@ the checks that say which config a family can read or write.
 A weight map is a list of (qkv name, checkpoint name) templates, litgpt's style: `{}` stands
 for the layer index, and `expand` writes one `Weight` per layer. A third element, a layout,
 says how a tensor turns between the two (GPT-2's Conv1D stores its matrices transposed).
+Where one qkv parameter is made of several checkpoint tensors (a mixture's experts, one
+tensor each in the checkpoint, one stacked tensor in qkv), the checkpoint side is a `Joined`
+(`stacked`, `stacked_halves`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 
@@ -34,18 +38,90 @@ SAME = Layout()
 TRANSPOSED = Layout(_transposed, _transposed)
 
 
+def permuted_rows(order: Tensor) -> Layout:
+    """A layout whose qkv rows are the checkpoint's rows in `order` (qkv row i is checkpoint
+    row order[i]), for a weight or a bias alike; saving puts them back.
+
+    >>> layout = permuted_rows(torch.tensor([0, 2, 1]))
+    >>> layout.load(torch.tensor([10, 11, 12])).tolist(), layout.save(torch.tensor([10, 12, 11]))
+    ([10, 12, 11], tensor([10, 11, 12]))
+    """
+    back = torch.argsort(order)
+    return Layout(lambda t: t[order], lambda t: t[back])
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The checkpoint side of a qkv parameter made of several checkpoint tensors.
+
+    names: one checkpoint template per tensor, in the order `load` takes them (`{}` is the
+    layer index, as in any template). load: those tensors -> the parameter. save: the
+    parameter -> the tensors again, in the same order. `stacked` and `stacked_halves` make
+    the two that mixtures of experts need.
+    """
+
+    names: tuple[str, ...]
+    load: Callable[[list[Tensor]], Tensor]
+    save: Callable[[Tensor], list[Tensor]]
+
+
+def stacked(template: str, count: int) -> Joined:
+    """`count` tensors, `{e}` in the template standing for 0 .. count - 1, stacked along a new
+    first dimension: the experts' down matrices (E, C, I) of E checkpoint tensors (C, I).
+
+    >>> joined = stacked("layers.{}.experts.{e}.w2", 2)
+    >>> joined.names, joined.load([torch.zeros(3, 4), torch.ones(3, 4)]).shape
+    (('layers.{}.experts.0.w2', 'layers.{}.experts.1.w2'), torch.Size([2, 3, 4]))
+    """
+    names = tuple(template.replace("{e}", str(e)) for e in range(count))
+    return Joined(names, lambda parts: torch.stack(parts), lambda t: list(t.unbind(0)))
+
+
+def stacked_halves(first: str, second: str, count: int) -> Joined:
+    """`count` pairs of tensors, `{e}` in the templates standing for 0 .. count - 1; entry e of
+    the stacked parameter is pair e's first tensor's rows, then its second's: the experts'
+    gate_up (E, 2I, C) of E gate (I, C) and E up (I, C) tensors. Checkpoint names come in
+    pairs: first of expert 0, second of expert 0, first of expert 1, ...
+
+    >>> joined = stacked_halves("e{e}.gate", "e{e}.up", 2)
+    >>> joined.names
+    ('e0.gate', 'e0.up', 'e1.gate', 'e1.up')
+    >>> joined.load([torch.zeros(2, 5), torch.ones(2, 5)] * 2)[:, :, 0].tolist()
+    [[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]]
+    """
+    names = tuple(t.replace("{e}", str(e)) for e in range(count) for t in (first, second))
+
+    def load(parts: list[Tensor]) -> Tensor:
+        return torch.stack([torch.cat(parts[i : i + 2]) for i in range(0, len(parts), 2)])
+
+    def save(t: Tensor) -> list[Tensor]:
+        return [half for entry in t.unbind(0) for half in entry.chunk(2)]
+
+    return Joined(names, load, save)
+
+
 @dataclass(frozen=True)
 class Weight:
-    """One qkv parameter and where it lives in a checkpoint."""
+    """One qkv parameter (or persistent buffer) and where it lives in a checkpoint.
+
+    A plain weight is one checkpoint tensor: `names` are its aliases (the first is canonical,
+    written on export), `load` and `save` turn it. A joined weight (`parts` not empty) is made
+    of several: `parts` holds each tensor's aliases, in order; `load` takes the list of them,
+    `save` returns one tensor per part; `names` is then each part's canonical name.
+    """
 
     qkv: str
-    names: tuple[str, ...]  # checkpoint names; the first is canonical (written on export)
+    names: tuple[str, ...]
     load: Callable[[Tensor], Tensor] = _same
     save: Callable[[Tensor], Tensor] = _same
+    parts: tuple[tuple[str, ...], ...] = ()
 
 
-# (qkv template, checkpoint template or several aliases[, layout]); `{}` is the layer index
-Template = tuple[str, str | tuple[str, ...]] | tuple[str, str | tuple[str, ...], Layout]
+# (qkv template, checkpoint template or several aliases or a Joined[, layout]); `{}` is the
+# layer index. A layout applies to a plain weight only (a Joined turns its own tensors).
+Template = (
+    tuple[str, str | tuple[str, ...] | Joined] | tuple[str, str | tuple[str, ...] | Joined, Layout]
+)
 
 
 def expand(
@@ -66,6 +142,11 @@ def expand(
     for i, (qkv, names, *layout) in [(0, t) for t in once] + [
         (i, t) for i in range(num_layers) for t in layered
     ]:
+        if isinstance(names, Joined):
+            parts = tuple(tuple(p + name.format(i) for p in prefixes) for name in names.names)
+            canonical = tuple(part[0] for part in parts)
+            weights.append(Weight(qkv.format(i), canonical, names.load, names.save, parts))
+            continue
         aliases = (names,) if isinstance(names, str) else names
         how = layout[0] if layout else SAME
         checkpoint = tuple(p + name.format(i) for name in aliases for p in prefixes)
