@@ -11,6 +11,7 @@ block norms that is not the latent norms' 1e-6. Texts are longer than YaRN's tra
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -27,6 +28,8 @@ from qkv.io.families.deepseek import FAMILY, config
 from qkv.io.hf_folder import load_folder
 from qkv.models import Decoder
 from qkv.nn import KVCache, LatentCache
+from qkv.nn.latent import softmax_scale
+from qkv.nn.routing import Routing
 
 T = 40  # past original_max_position_embeddings (32)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
@@ -247,6 +250,44 @@ def test_a_transformers_config_json_round_trips_through_qkv(name, folders):
     default = config(hf.DeepseekV3Config().to_dict())  # the 671B model's, all 61 layers
     assert config(FAMILY.hf_config(default)) == default
     assert default.moe_layers == (False,) * 3 + (True,) * 58
+
+
+# the hub's DeepSeek-V3 config.json (DeepSeek's own code; transformers 4 spelling), less its
+# FP8 quantization_config
+HUB = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "aux_loss_alpha": 0.001,
+    "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
+    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3", "moe_intermediate_size": 2048, "moe_layer_freq": 1,
+    "n_group": 8, "n_routed_experts": 256, "n_shared_experts": 1, "norm_topk_prob": True,
+    "num_attention_heads": 128, "num_experts_per_tok": 8, "num_hidden_layers": 61,
+    "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "seq_aux": True, "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}  # fmt: skip
+
+
+def test_the_hubs_config_json_reads_as_transformers_reads_it():
+    cfg = config(HUB)
+    theirs = hf.DeepseekV3Config.from_dict(HUB)
+    with torch.device("meta"):  # the layer's scale, without its 187M weights
+        attention = hf.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(theirs, 0)
+    mscale = 0.1 * math.log(40) + 1  # YaRN's, squared into the softmax scale
+    assert softmax_scale(192, cfg.rope_scaling) == attention.scaling == 192**-0.5 * mscale**2
+    assert cfg.block.experts.routing == Routing(
+        256, 8, score="sigmoid", groups=8, groups_chosen=4, correction_bias=True, scaling=2.5,
+        logits_dtype="float32",
+    )  # fmt: skip
+    assert cfg.moe_layers == (False,) * 3 + (True,) * 58 and cfg.block.latent.rope_interleave
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="quantization_config.*dequantize"):
+        config(HUB | {"quantization_config": fp8})
 
 
 def without_routing(**changes):
