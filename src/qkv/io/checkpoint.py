@@ -114,14 +114,11 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
         if weight.qkv not in targets:
             raise AssertionError(f"{family.name} weight map names unknown parameter {weight.qkv}")
         target = targets[weight.qkv]
-        found = [_present(aliases, tensors, weight, family) for aliases in weight.parts or
-                 [weight.names]]  # fmt: skip
-        for present in found:
-            used.update(present)
-        if weight.parts:
-            value = weight.load([tensors[present[0]] for present in found])
-        else:
-            value = weight.load(tensors[found[0][0]])
+        aliases = weight.parts or (weight.names,)  # each checkpoint tensor's names
+        found = [_present(names, tensors, weight, family) for names in aliases]
+        used.update(name for present in found for name in present)
+        read = [tensors[present[0]] for present in found]
+        value = weight.load(read if weight.parts else read[0])
         if value.shape != target.shape:
             raise ValueError(
                 f"{found[0][0]} has shape {tuple(value.shape)} but the model built from "
