@@ -96,6 +96,13 @@ def _tiny_gpt_oss(name: str) -> dict:
     return CASES[name].to_dict()
 
 
+def _tiny_deepseek() -> list[dict]:
+    from test_family_deepseek import CASES
+    from transformers import DeepseekV3Config
+
+    return [DeepseekV3Config(**case).to_dict() for case in CASES.values()]
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -133,6 +140,8 @@ ROUND_TRIPS = {
     "gpt_oss": [FAMILY["gpt_oss"].config(_tiny_gpt_oss(name)) for name in ("oss", "oss-other")],
     # Gemma 4's, as its tiny models read (more in tests/io/test_family_gemma4.py)
     "gemma4": [FAMILY["gemma4"].config(_tiny_gemma4(name)) for name in ("plain", "all")],
+    # DeepSeek-V3's, as its tiny checkpoints' configs read (more in test_family_deepseek.py)
+    "deepseek_v3": [FAMILY["deepseek_v3"].config(hf) for hf in _tiny_deepseek()],
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

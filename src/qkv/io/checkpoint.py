@@ -102,17 +102,19 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
     Each parameter becomes its checkpoint tensor in the parameter's dtype (assigned, not
     copied, so the model may be built on the meta device, with shapes and no values); tied
     weights are tied again, and buffers computed at construction (rotary frequencies) are
-    computed again where the meta device left them empty.
+    computed again where the meta device left them empty. A weight may also name a
+    persistent buffer the checkpoint holds (DeepSeek-V3's routers' correction bias).
     """
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
+    targets = dict(model.named_buffers()) | params  # a buffer a checkpoint holds (DeepSeek's)
     state: dict[str, Tensor] = {}
     used: set[str] = set()
     for weight in family.weights(config):
         found, value, present = _found(weight, tensors, family)
         used.update(present)
-        if weight.qkv not in params:
+        if weight.qkv not in targets:
             raise AssertionError(f"{family.name} weight map names unknown parameter {weight.qkv}")
-        target = params[weight.qkv]
+        target = targets[weight.qkv]
         value = weight.load(value)
         if value.shape != target.shape:
             raise ValueError(
@@ -176,10 +178,10 @@ def _found(weight: Weight, tensors: dict[str, Tensor], family: Family):
 def export(model: nn.Module, family: Family, config) -> dict[str, Tensor]:
     """The model's weights under their canonical checkpoint names and layouts (a parameter
     the checkpoint keeps in parts, as its parts)."""
-    params = dict(model.named_parameters())
+    targets = dict(model.named_buffers()) | dict(model.named_parameters())
     out = {}
     for weight in family.weights(config):
-        value = weight.save(params[weight.qkv].detach())
+        value = weight.save(targets[weight.qkv].detach())
         if weight.parts is None:
             out[weight.names[0]] = value.contiguous()
             continue

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention import attend_for_record, backend_names
+from qkv.nn.attention import KVCache
 from qkv.nn.edit import Edit
 from qkv.nn.linear import project
 from qkv.nn.norms import RMSNorm
@@ -41,6 +42,10 @@ class LatentConfig:
     size; v_head_dim: a value's. bias: attention_bias (on q_a, kv_a and out). norm_eps: of the
     two RMSNorms (1e-6 in DeepSeek's reference code, whatever rms_norm_eps says). scale: on
     every dot product; None for `softmax_scale` of the layer's rotary scaling.
+    rope_interleave: how a checkpoint lays out the rotary rows of q (or q_b) and kv_a, not
+    what this layer computes: in interleaved pairs (DeepSeek's rope_interleave, its default),
+    which a loader reorders to the halves this layer turns (and back on export); False: in
+    halves already.
     """
 
     width: int
@@ -53,6 +58,7 @@ class LatentConfig:
     bias: bool = False
     norm_eps: float = 1e-6
     scale: float | None = None
+    rope_interleave: bool = False
 
     def __post_init__(self):
         sizes = ("width", "num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim")
@@ -245,7 +251,7 @@ class LatentAttention(nn.Module):
         causal: bool = True,
         positions: Tensor | None = None,
         rotation: Rotation | None = None,
-        cache: LatentCache | None = None,
+        cache: LatentCache | KVCache | None = None,
         bias: Tensor | None = None,
         edit: Edit | None = None,
         record: bool = False,
@@ -259,6 +265,9 @@ class LatentAttention(nn.Module):
           eager's one-pass weights take values of the keys' size only, so weights_into is
           left alone here (the record's `made` is None; `weights()` computes them).
         cache: a `LatentCache`; this step's c and k_pe are appended and all of them attended.
+          A `KVCache` instead holds what attention attends to, as a record keeps it (every
+          head's keys and values; with absorption the rows [c, k_pe] and c): so a cache made
+          of an earlier run's records (`KVCache.holding(record.k, record.v)`) serves too.
         absorb: this call with absorption (None: the layer's `absorb`). The record then holds
           q' = [q_nope W_uk_h, q_pe] (B, H, T, kv_lora_rank + rope), k' = [c, k_pe] and
           v' = c, one head shared by all (B, 1, Tk, ...), and out, the attended latent vectors
@@ -281,23 +290,33 @@ class LatentAttention(nn.Module):
                 f"part has qk_rope_head_dim={cfg.qk_rope_head_dim}"
             )
         q_pe_turned, k_pe_turned = rotation.apply(q_pe), rotation.apply(k_pe)
-        if cache is not None:
-            all_latents, all_k_pe = cache.update(latents, k_pe_turned)
-        else:
-            all_latents, all_k_pe = latents, k_pe_turned
         if absorb:
             w_uk, w_uv = self._kv_b_halves()
             q_latent = q_nope @ w_uk  # (B, H, T, kv_lora_rank): the query in c's space
             q = torch.cat([q_latent, q_pe_turned], dim=-1)
-            k = cache.joined() if cache is not None else torch.cat([latents, k_pe_turned], -1)
-            v = all_latents  # (B, 1, Tk, kv_lora_rank)
             q_plain = torch.cat([q_latent, q_pe], dim=-1)
             k_plain = torch.cat([latents, k_pe], dim=-1)
+            if isinstance(cache, LatentCache):
+                v = cache.update(latents, k_pe_turned)[0]  # (B, 1, Tk, kv_lora_rank)
+                k = cache.joined()  # (B, 1, Tk, kv_lora_rank + rope)
+            else:
+                k, v = torch.cat([latents, k_pe_turned], dim=-1), latents
+                if cache is not None:
+                    k, v = cache.update(k, v)
         else:
-            k_nope, v = self.expand(all_latents)  # (B, H, Tk, nope), (B, H, Tk, Dv)
             q = torch.cat([q_nope, q_pe_turned], dim=-1)
-            k = torch.cat([k_nope, all_k_pe.expand(-1, cfg.num_heads, -1, -1)], dim=-1)
-            k_plain = torch.cat([k_nope[:, :, -T:], k_pe.expand(-1, cfg.num_heads, -1, -1)], -1)
+            H = cfg.num_heads
+            if isinstance(cache, LatentCache):
+                all_latents, all_k_pe = cache.update(latents, k_pe_turned)
+                k_nope, v = self.expand(all_latents)  # (B, H, Tk, nope), (B, H, Tk, Dv)
+                k = torch.cat([k_nope, all_k_pe.expand(-1, H, -1, -1)], dim=-1)
+                k_plain = torch.cat([k_nope[:, :, -T:], k_pe.expand(-1, H, -1, -1)], -1)
+            else:
+                k_nope, v = self.expand(latents)  # (B, H, T, nope), (B, H, T, Dv)
+                k = torch.cat([k_nope, k_pe_turned.expand(-1, H, -1, -1)], dim=-1)
+                k_plain = torch.cat([k_nope, k_pe.expand(-1, H, -1, -1)], dim=-1)
+                if cache is not None:
+                    k, v = cache.update(k, v)
         if key_padding_mask is not None:
             padding = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, Tk)
             mask = padding if mask is None else mask & padding

@@ -14,6 +14,7 @@ from __future__ import annotations
 from qkv.io.families import (
     bart,
     bert,
+    deepseek,
     distilbert,
     gemma,
     gemma4,
@@ -46,6 +47,7 @@ FAMILIES += [ministral.MINISTRAL, ministral.MINISTRAL3]
 FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
 FAMILIES += [llama4.FAMILY]
 FAMILIES += [gpt_oss.FAMILY]
+FAMILIES += [deepseek.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 

@@ -50,6 +50,18 @@ class Parts:
     split: Callable[[Tensor], list[Tensor]]
 
 
+def permuted_rows(order: Tensor) -> Layout:
+    """A layout whose qkv rows are the checkpoint's rows in `order` (qkv row i is checkpoint
+    row order[i]), for a weight or a bias alike; saving puts them back.
+
+    >>> layout = permuted_rows(torch.tensor([0, 2, 1]))
+    >>> layout.load(torch.tensor([10, 11, 12])).tolist(), layout.save(torch.tensor([10, 12, 11]))
+    ([10, 12, 11], tensor([10, 11, 12]))
+    """
+    back = torch.argsort(order)
+    return Layout(lambda t: t[order], lambda t: t[back])
+
+
 @dataclass(frozen=True)
 class Weight:
     """One qkv parameter and where it lives in a checkpoint.
