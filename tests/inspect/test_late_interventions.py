@@ -75,3 +75,20 @@ def test_the_census_counts_each_heads_weights(model):
     assert census.first_token.shape == (2, 2)
     assert bool(torch.isfinite(census.first_token).all())
     assert bool((census.first_token >= 0).all()) and bool((census.first_token <= 1).all())
+
+
+def test_absorbed_latent_records_are_refused_by_what_reads_head_outputs():
+    pretrained = tiny(decoder(latent=LATENT))
+    for block in pretrained.model.blocks:
+        block.attn.absorb = True  # decoding's latent-space attention: out is a latent vector
+    with pytest.raises(ValueError, match="record is of absorbed latent attention"):
+        qkv.ablate(pretrained, TEXT, "all")
+    with pytest.raises(ValueError, match="a trace reads each head's output, but layer 0"):
+        qkv.trace(pretrained, TEXT, "deep", "bank", layer=0, head=0)
+    with pytest.raises(ValueError, match="direct logit attribution reads each head's output"):
+        qkv.lens(pretrained, TEXT, token="river")
+    weights = pretrained.attentions(TEXT).records[0].weights()  # the weights stay the model's
+    for block in pretrained.model.blocks:
+        block.attn.absorb = False
+    torch.testing.assert_close(pretrained.attentions(TEXT).records[0].weights(), weights,
+                               atol=1e-6, rtol=0)  # fmt: skip

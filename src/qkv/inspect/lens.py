@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, DecoderOutput
 from qkv.nn import RMSNorm
 from qkv.views import Shown
@@ -290,6 +291,7 @@ def attribute_logit(
 
     out: the model's forward with every layer's record and hidden_states=True.
     """
+    check_head_outputs(out.records, "direct logit attribution")
     states = [h[0, position].double() for h in out.hidden_states]  # (C,) each, L+1
     final = states[-1]
     direction, scale, explicit = _readout(model, final, token_id)  # (C,): logit = c . direction

@@ -63,3 +63,15 @@ def _late_rule(record) -> str | None:
     if getattr(record, "query_scale", None) is not None:
         return "multiplies each query's scores by a temperature of its position"
     return None
+
+
+def check_head_outputs(records: dict, what: str) -> None:
+    """Refuse, by name, records whose `out` is not each head's output: absorbed latent
+    attention's (its out is the attended latent vector, before the head's W_uv)."""
+    for layer, record in sorted(records.items()):
+        if getattr(record, "absorbed", False):
+            raise ValueError(
+                f"{what} reads each head's output, but layer {layer}'s record is of absorbed "
+                "latent attention (its out is the attended latent vector, before W_uv); run "
+                "the model with absorb=False on its latent layers"
+            )

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.attention.inputs import check_indices
+from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, Encoder, self_attention_stack
 from qkv.nn.attention import KVCache
 from qkv.nn.edit import Edits
@@ -57,6 +58,7 @@ class Run:
 def run(stack: Encoder | Decoder, ids: Tensor, edits: Edits | None = None) -> Run:
     out = _forward(stack, ids, edits, layers="all", hidden_states=True)
     records = [out.records[n] for n in range(len(stack.blocks))]
+    check_head_outputs(out.records, "an intervention")
     heads = [record.out[0] for record in records]
     if not isinstance(stack, Decoder):
         return Run(ids, out.hidden_states, out.hidden[0], heads, None)

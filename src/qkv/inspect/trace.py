@@ -20,7 +20,7 @@ from torch import Tensor
 
 from qkv.attention.inputs import check_indices
 from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
-from qkv.inspect.records import why_not_redone
+from qkv.inspect.records import check_head_outputs, why_not_redone
 from qkv.models import Decoder, Encoder, EncoderDecoder
 from qkv.views import Shown
 
@@ -199,6 +199,7 @@ def trace(
     if layer not in seen.records:
         raise ValueError(f"the attentions given lack layer {layer}; record it")
     record = seen.records[layer]
+    check_head_outputs({layer: record}, "a trace")
     kv_head = head // record.shape.group
     steps = record.steps(head, query_index)  # the loop backend, on the layer's own q, k, v
     D = record.shape.value_size  # each head's output: its values' size

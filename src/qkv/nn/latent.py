@@ -331,7 +331,7 @@ class LatentAttention(nn.Module):
         if record:
             kept = AttentionRecord(
                 q, k, v, out, mask, causal, self.scale, self.backend, attended.lse, q_plain,
-                k_plain, bias=bias, made=attended.made,
+                k_plain, bias=bias, made=attended.made, absorbed=absorb,
             )  # fmt: skip
         if absorb:
             out = out @ w_uv.transpose(1, 2)  # each head's W_uv: (B, H, T, Dv)

@@ -80,6 +80,9 @@ class AttentionRecord:
     # the layer whose keys and values these are, where this layer has none of its own and
     # attends over an earlier layer's (Gemma 4's shared keys); None: the layer's own
     shared_from: int | None = None
+    # latent attention with absorption (DeepSeek's decoding): q, k and v are the latent ones,
+    # and `out` each head's attended latent vector, before its W_uv makes the head's output
+    absorbed: bool = False
 
     @property
     def shape(self) -> Shape:
