@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers as hf
 from safetensors.torch import save_file
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
 
 from qkv.io.checkpoint import export
 from qkv.io.families import family_for
@@ -341,10 +342,33 @@ def test_a_file_without_rotary_settings_means_what_transformers_reads(given):
         assert (want["rope_type"], want["factor"]) == ("linear", 2.0)
 
 
+@pytest.mark.parametrize("truncate", [None, False, True])
+def test_yarn_frequencies_equal_transformers_with_truncate_absent_false_or_true(truncate):
+    """truncate absent means true (transformers' default for YaRN); gpt-oss's own is false."""
+    rope = {k: v for k, v in CASES["oss"].rope_parameters.items() if k != "truncate"}
+    rope |= {} if truncate is None else {"truncate": truncate}
+    config = CASES["oss"].to_dict() | {"rope_parameters": rope}
+    cfg = FAMILY.config(config)
+    assert cfg.rope_scaling.truncate is (truncate is not False)
+    want = GptOssRotaryEmbedding(hf.GptOssConfig.from_dict(config))
+    got = cfg.rotary()
+    assert torch.equal(got.inv_freq, want.inv_freq)
+    assert got.attention_factor == want.attention_scaling
+
+
 def test_layer_types_default_to_even_layers_sliding():
     config = CASES["oss"].to_dict() | {"layer_types": None, "num_hidden_layers": 3}
     assert FAMILY.config(config).layer_types == ("sliding", "full", "sliding")
     assert hf.GptOssConfig.from_dict(config).layer_types[0] == "sliding_attention"
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_num_experts_is_read_as_transformers_reads_it_beside_num_local_experts(drop):
+    config = CASES["oss"].to_dict() | {"num_experts": 3}
+    if drop:
+        del config["num_local_experts"]
+    assert hf.GptOssConfig.from_dict(config).num_local_experts == 3
+    assert FAMILY.config(config).block.experts.routing.num_experts == 3
 
 
 REFUSED_CONFIGS = [

@@ -57,7 +57,8 @@ def config(hf: dict) -> DecoderConfig:
     layers = whole(hf, "num_hidden_layers")
     derived = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     window = llama.sliding_window(hf, 128)
-    alias = hf.get("num_local_experts") is None and hf.get("num_experts") is not None
+    # num_experts, the class's alias, wins where a file has both (as transformers reads it)
+    alias = hf.get("num_experts") is not None
     num_experts = whole(hf, "num_experts" if alias else "num_local_experts", 128)
     top_k = whole(hf, "num_experts_per_tok", 4)
     if top_k > num_experts:
