@@ -9,7 +9,12 @@ ffn_*_exps, and fails on the file with a TypeError).
 `convert` is the test's own copy of the converter, written from llama.cpp's naming (gguf's
 name map, GGUFWriter's setters) and the converter's tensor surgery: experts stacked into 3-D
 (E, I, C) gate and up and (E, C, I) down tensors, Mixtral written as "llama" with its q and
-k rows permuted, Llama 4's not (its converter keeps Meta's interleaved rows).
+k rows permuted, Llama 4's not (its converter keeps Meta's interleaved rows). DeepSeek-V3's
+(deepseek2) rows are not permuted either: llama.cpp turns deepseek2 as LLAMA_ROPE_TYPE_NORM
+(llama_model_rope_type: pairs of neighbouring values), the pairs a rope_interleave checkpoint
+turns, so DeepseekV2Model.modify_tensors only stacks the experts and renames the router's
+e_score_correction_bias to e_score_correction.bias (exp_probs_b.bias); kv_b stays whole
+(attn_kv_b) as converters wrote it before the split into attn_k_b and attn_v_b.
 """
 
 from __future__ import annotations
@@ -64,6 +69,27 @@ TINY = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                          "original_max_position_embeddings": 64})),
+    # DeepSeek-V3 (llama.cpp's deepseek2): its latent norms' eps, 1e-6, is the only one a file
+    # can hold; a dense layer, then experts in 4 groups, the best 2 groups chosen; YaRN whose
+    # whole correction is the score scale (mscale == mscale_all_dim: what a file can say)
+    "deepseek2": ("deepseek2", hf.DeepseekV3ForCausalLM, hf.DeepseekV3Config(
+        **{**SHARED, "rms_norm_eps": 1e-6}, intermediate_size=48, moe_intermediate_size=16,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4,
+        topk_group=2, n_shared_experts=2, first_k_dense_replace=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=12, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "mscale": 0.5, "mscale_all_dim": 0.5,
+                         "original_max_position_embeddings": 64})),
+    # queries straight from x (q_lora_rank null), every layer experts, one group, weights
+    # neither renormalized nor scaled, no rope scaling, tied embeddings
+    "deepseek2-q": ("deepseek2", hf.DeepseekV3ForCausalLM, hf.DeepseekV3Config(
+        **{**SHARED, "rms_norm_eps": 1e-6}, intermediate_size=48, moe_intermediate_size=16,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_group=1,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=False,
+        routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
 }  # fmt: skip
 READ_BY_TRANSFORMERS = ["qwen3moe"]
 
@@ -79,10 +105,43 @@ def tiny_model(case: str) -> tuple[str, hf.PreTrainedModel]:
                 p.copy_(torch.randn_like(p) * 0.5 + (0.0 if "bias" in name else 0.5))
             else:
                 p.normal_(0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek's router correction bias: not 0
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.5)
     return arch, model
 
 
 # ---- the test's convert_hf_to_gguf.py -------------------------------------------------------
+
+
+def _deepseek2_header(w: gguf.GGUFWriter, c) -> None:
+    """DeepseekV2Model.set_gguf_parameters as converters wrote it before they split kv_b
+    (attn_kv_b whole): head_count_kv the heads', key_length and value_length the heads' query
+    and value sizes (the newer converters' MQA view and *_mla keys: test_gguf_late_headers);
+    the gating function as written for a config.json with scoring_func "sigmoid"."""
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_vocab_size(c.vocab_size)
+    if c.q_lora_rank is not None:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    w.add_expert_weights_norm(c.norm_topk_prob)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    if rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
@@ -93,16 +152,20 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
     # Llama4Model swaps the widths: the dense layers' is feed_forward_length
     w.add_feed_forward_length(c.intermediate_size_mlp if arch == "llama4" else c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "deepseek2":
+        _deepseek2_header(w, c)
+        _vocab(w)
+        return
+    w.add_head_count_kv(c.num_key_value_heads)
     head_dim = getattr(c, "head_dim", None)
     if head_dim:  # written only where config.json has one
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
     w.add_expert_count(experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
     if arch in ("llama", "llama4"):  # LlamaModel: the rotated dimensions, always
         w.add_rope_dimension_count(head_dim or c.hidden_size // c.num_attention_heads)
         w.add_vocab_size(c.vocab_size)
@@ -120,6 +183,10 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    _vocab(w)
+
+
+def _vocab(w: gguf.GGUFWriter) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_token_list(TOKENS)
     w.add_token_types(TOKEN_TYPES)
@@ -161,6 +228,8 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):  # LlamaModel.permute
             heads = c.num_attention_heads if "q_proj" in stem else c.num_key_value_heads
             data = permute(data, heads)
+        if name.endswith("e_score_correction_bias"):  # DeepseekV2Model.modify_tensors
+            stem, suffix = name.removesuffix("_bias"), "bias"
         if name.endswith("sinks"):  # its converter adds the suffix
             stem, suffix = name, "weight"
         out[f"{names.get_name(stem)}.{suffix}"] = data

@@ -1,8 +1,8 @@
 """qkv.io.gguf_arch's reading of the late-2026 architectures' headers: what llama.cpp's code
 fixes and the header leaves out (Llama 4's Maverick, gpt-oss's rounded YaRN and its
-sliding pattern), DeepSeek-V3's latent sizes and experts (read from the header alone: no
-family reads deepseek_v3 in this branch yet), and what qkv refuses, by the header's key.
-The files themselves are written and read in test_gguf_late.py.
+sliding pattern), DeepSeek-V3's latent sizes and experts in the newer converters' header
+(head_count_kv 1, *_mla keys), and what qkv refuses, by the header's key. The files
+themselves are written and read in test_gguf_late.py (DeepSeek-V3's in the older form).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def test_gpt_oss_is_what_llama_cpp_computes():
 
 
 # DeepSeek-V3 as llama.cpp's converter writes it (key_length and value_length: the MQA view
-# of its compressed keys; the heads' sizes under *_mla); no family reads it in this branch
-# yet, so its header is read here, not its logits
+# of its compressed keys; the heads' sizes under *_mla), with the attn_k_b and attn_v_b
+# tensors qkv refuses: its header is read here, the older files' logits in test_gguf_late.py
 DEEPSEEK2 = {"embedding_length": 32, "attention.head_count": 4, "attention.head_count_kv": 1,
              "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 4,
              "attention.kv_lora_rank": 16, "attention.q_lora_rank": 16,

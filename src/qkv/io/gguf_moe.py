@@ -217,6 +217,16 @@ DEEPSEEK2_KEYS = {
     "routed_scaling_factor": "expert_weights_scale", "norm_topk_prob": "expert_weights_norm",
     "n_group": "expert_group_count", "topk_group": "expert_group_used_count",
 }  # fmt: skip
+
+
+def _same_float32(value, target: float) -> bool:
+    """Whether `value` is a number that float32 (a header's epsilon, llama.cpp's arithmetic)
+    holds as it holds `target`: 1e-6 written to a file reads back as 9.99999997e-07."""
+    if type(value) not in (int, float):
+        return False
+    return torch.tensor(value, dtype=torch.float32) == torch.tensor(target, dtype=torch.float32)
+
+
 SIGMOID = 2  # gguf's ExpertGatingFuncType.SIGMOID, DeepSeek-V3's router
 LATENT_NORM_EPS = 1e-6  # DeepSeek-V3's q_a and kv_a norms (llama.cpp: the header's epsilon)
 
@@ -253,7 +263,7 @@ def deepseek2(config: dict, names: dict, header: Header) -> None:
             f"DeepSeek-V3's sigmoid router ({SIGMOID})"
         )
     eps = meta.get(key("attention.layer_norm_rms_epsilon"))
-    if eps != LATENT_NORM_EPS:
+    if not _same_float32(eps, LATENT_NORM_EPS):  # a file holds 1e-6 as float32's nearest
         raise ValueError(
             f"{key('attention.layer_norm_rms_epsilon')}={eps!r} is not supported: llama.cpp "
             f"would use it in the latent norms, qkv's DeepSeek-V3 uses {LATENT_NORM_EPS}"
