@@ -13,8 +13,8 @@ k rows permuted, Llama 4's not (its converter keeps Meta's interleaved rows). De
 (deepseek2) rows are not permuted either: llama.cpp turns deepseek2 as LLAMA_ROPE_TYPE_NORM
 (llama_model_rope_type: pairs of neighbouring values), the pairs a rope_interleave checkpoint
 turns, so DeepseekV2Model.modify_tensors only stacks the experts and renames the router's
-e_score_correction_bias to e_score_correction.bias (exp_probs_b.bias); kv_b stays whole
-(attn_kv_b) as converters wrote it before the split into attn_k_b and attn_v_b.
+e_score_correction_bias to e_score_correction.bias (exp_probs_b.bias) and, since it splits
+kv_b, cuts it per head into attn_k_b and attn_v_b (`SPLIT_KV_B`; before, attn_kv_b whole).
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ TINY = {
         rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
 }  # fmt: skip
 READ_BY_TRANSFORMERS = ["qwen3moe"]
+# written as llama.cpp's converters write DeepSeek now: kv_b split into attn_k_b and attn_v_b,
+# the header's MQA view (head_count_kv 1) and the heads' sizes under *_mla
+SPLIT_KV_B = ["deepseek2-q"]
 
 
 def tiny_model(case: str) -> tuple[str, hf.PreTrainedModel]:
@@ -114,19 +117,26 @@ def tiny_model(case: str) -> tuple[str, hf.PreTrainedModel]:
 # ---- the test's convert_hf_to_gguf.py -------------------------------------------------------
 
 
-def _deepseek2_header(w: gguf.GGUFWriter, c) -> None:
-    """DeepseekV2Model.set_gguf_parameters as converters wrote it before they split kv_b
-    (attn_kv_b whole): head_count_kv the heads', key_length and value_length the heads' query
-    and value sizes (the newer converters' MQA view and *_mla keys: test_gguf_late_headers);
-    the gating function as written for a config.json with scoring_func "sigmoid"."""
-    w.add_head_count_kv(c.num_key_value_heads)
+def _deepseek2_header(w: gguf.GGUFWriter, c, split_kv_b: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters; before converters split kv_b (attn_kv_b whole),
+    head_count_kv was the heads' and key_length and value_length the heads' query and value
+    sizes; since, they are the compressed keys' MQA view (1 head, R + dr and R) and the heads'
+    sizes are under *_mla. The gating function as written for scoring_func "sigmoid"."""
     w.add_leading_dense_block_count(c.first_k_dense_replace)
     w.add_vocab_size(c.vocab_size)
     if c.q_lora_rank is not None:
         w.add_q_lora_rank(c.q_lora_rank)
     w.add_kv_lora_rank(c.kv_lora_rank)
-    w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
-    w.add_value_length(c.v_head_dim)
+    if split_kv_b:
+        w.add_head_count_kv(1)
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length(c.v_head_dim)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
     w.add_expert_count(c.n_routed_experts)
     w.add_expert_shared_count(c.n_shared_experts)
@@ -144,7 +154,7 @@ def _deepseek2_header(w: gguf.GGUFWriter, c) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
-def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
+def _header(w: gguf.GGUFWriter, c, arch: str, split_kv_b: bool = False) -> None:
     """What TextModel.set_gguf_parameters and each model's own add to it write."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -156,7 +166,7 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_expert_used_count(c.num_experts_per_tok)
     if arch == "deepseek2":
-        _deepseek2_header(w, c)
+        _deepseek2_header(w, c, split_kv_b)
         _vocab(w)
         return
     w.add_head_count_kv(c.num_key_value_heads)
@@ -195,7 +205,9 @@ def _vocab(w: gguf.GGUFWriter) -> None:
     w.add_eos_token_id(2)
 
 
-def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
+def _tensors(
+    model: hf.PreTrainedModel, arch: str, split_kv_b: bool = False
+) -> dict[str, np.ndarray]:
     """The model's tensors under GGUF names, as the converter writes them. The checkpoint
     keeps expert e's gate, up and down apart; the converter stacks them over e, which is
     transformers' in-memory gate_up_proj (E, 2I, C) cut in halves, and its down_proj."""
@@ -228,6 +240,9 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):  # LlamaModel.permute
             heads = c.num_attention_heads if "q_proj" in stem else c.num_key_value_heads
             data = permute(data, heads)
+        if split_kv_b and name.endswith("kv_b_proj.weight"):  # DeepseekV2Model's split
+            out |= _split_kv_b(name, data, c, names)
+            continue
         if name.endswith("e_score_correction_bias"):  # DeepseekV2Model.modify_tensors
             stem, suffix = name.removesuffix("_bias"), "bias"
         if name.endswith("sinks"):  # its converter adds the suffix
@@ -238,6 +253,16 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         out["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
     return out
+
+
+def _split_kv_b(name: str, data: np.ndarray, c, names) -> dict[str, np.ndarray]:
+    """kv_b (H * (dn + dv), R) per head: k_b its dn key rows turned (H, R, dn), v_b its dv
+    value rows (H, dv, R)."""
+    per_head = data.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+    k_b, v_b = per_head[:, : c.qk_nope_head_dim], per_head[:, c.qk_nope_head_dim :]
+    stem = name.removesuffix("kv_b_proj.weight")
+    return {f"{names.get_name(stem + 'k_b_proj')}.weight": np.ascontiguousarray(k_b.swapaxes(1, 2)),
+            f"{names.get_name(stem + 'v_b_proj')}.weight": np.ascontiguousarray(v_b)}  # fmt: skip
 
 
 def _gpt_oss_experts(name: str, data: np.ndarray, names) -> dict[str, np.ndarray]:
@@ -260,12 +285,14 @@ def _gpt_oss_experts(name: str, data: np.ndarray, names) -> dict[str, np.ndarray
     return {f"{down}.bias": data}
 
 
-def convert(model: hf.PreTrainedModel, arch: str, path, *, q4: bool = False) -> None:
+def convert(
+    model: hf.PreTrainedModel, arch: str, path, *, q4: bool = False, split_kv_b: bool = False
+) -> None:
     """Write `model` as the converter would, in float32; q4: the blocks' matrices, 3-D
     experts too, in Q4_0 (as llama-quantize writes them)."""
     w = gguf.GGUFWriter(str(path), arch)
-    _header(w, model.config, arch)
-    for name, data in _tensors(model, arch).items():
+    _header(w, model.config, arch, split_kv_b)
+    for name, data in _tensors(model, arch, split_kv_b).items():
         if q4 and data.ndim >= 2 and name.startswith("blk.") and data.shape[-1] % 32 == 0:
             packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
             w.add_tensor(name, packed, raw_shape=packed.shape,
@@ -287,7 +314,7 @@ def written(tmp_path, monkeypatch, request):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     arch, model = tiny_model(request.param)
     path = tmp_path / f"{request.param}.gguf"
-    convert(model, arch, path)
+    convert(model, arch, path, split_kv_b=request.param in SPLIT_KV_B)
     return model, path, load_source(str(path))
 
 

@@ -272,3 +272,27 @@ def deepseek2(config: dict, names: dict, header: Header) -> None:
     scaling = config.get("rope_scaling")
     if multiplier is not None and scaling and scaling.get("rope_type") == "yarn":
         scaling["mscale"] = scaling["mscale_all_dim"] = multiplier / 0.1
+
+
+def kv_b_split(header: Header) -> Join:
+    """Newer converters' kv_b (H * (dn + dv), R) cut per head into attn_k_b (H, R, dn), turned,
+    and attn_v_b (H, dv, R), for llama.cpp's absorbed latent attention; joined back by
+    stacking each head's dn key rows above its dv value rows. The split (for the shapes a
+    header needs) takes H and dn from the header, checked by the family before it is used."""
+    meta = header.metadata
+    heads = meta.get("deepseek2.attention.head_count")
+    head = meta.get(
+        "deepseek2.attention.key_length_mla", meta.get("deepseek2.attention.key_length")
+    )
+    rope = meta.get("deepseek2.rope.dimension_count")
+    nope = head - rope if type(head) is int and type(rope) is int else None  # as `deepseek2`
+
+    def join(parts: list[Tensor]) -> Tensor:
+        k_b, v_b = parts
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).flatten(0, 1)
+
+    def split(whole: Tensor) -> list[Tensor]:
+        per_head = whole.unflatten(0, (heads, -1))
+        return [per_head[:, :nope].transpose(1, 2), per_head[:, nope:]]
+
+    return Join("self_attn.kv_b_proj.weight", ("attn_k_b.weight", "attn_v_b.weight"), join, split)
