@@ -87,7 +87,7 @@ TINY = {
         **{**SHARED, "rms_norm_eps": 1e-6}, intermediate_size=48, moe_intermediate_size=16,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_group=1,
         topk_group=1, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=False,
-        routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        routed_scaling_factor=1.0, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
 }  # fmt: skip
@@ -457,3 +457,21 @@ def test_llama4_is_what_llama_cpp_computes(written):
     assert cfg.block.chunk == 8192 and cfg.block.qk_norm == "l2"
     temperature = cfg.block.temperature
     assert (temperature.strength, temperature.every, temperature.shift) == (0.1, 8192, 1.0)
+
+
+def test_int4_keeps_deepseeks_rope_rows_in_qkvs_order(tmp_path, monkeypatch):
+    """DeepSeek's q and kv_a rows come interleaved and qkv's rotary turns halves, so the
+    family permutes them (`permuted_rows`); kept in 4 bits, their bits, scales and zeros are
+    permuted alike, and the int4 load follows the float32 load of the same Q4_0 file up to
+    bfloat16's rounding of the inputs."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    arch, model = tiny_model("deepseek2-q")
+    convert(model, arch, tmp_path / "q4.gguf", q4=True, split_kv_b=True)
+    dense = qkv.load(str(tmp_path / "q4.gguf"))
+    packed = qkv.load(str(tmp_path / "q4.gguf"), int4=True)
+    attention = packed.model.blocks[0].attn
+    assert [type(attention.q).__name__, type(attention.kv_a).__name__] == ["Int4Linear"] * 2
+    with torch.inference_mode():
+        want, got = dense.model(_ids()).logits, packed.model(_ids()).logits
+    spread = float(want.max() - want.min())
+    assert float((got - want).abs().max()) < 0.02 * spread
