@@ -9,7 +9,12 @@ ffn_*_exps, and fails on the file with a TypeError).
 `convert` is the test's own copy of the converter, written from llama.cpp's naming (gguf's
 name map, GGUFWriter's setters) and the converter's tensor surgery: experts stacked into 3-D
 (E, I, C) gate and up and (E, C, I) down tensors, Mixtral written as "llama" with its q and
-k rows permuted, Llama 4's not (its converter keeps Meta's interleaved rows).
+k rows permuted, Llama 4's not (its converter keeps Meta's interleaved rows). DeepSeek-V3's
+(deepseek2) rows are not permuted either: llama.cpp turns deepseek2 as LLAMA_ROPE_TYPE_NORM
+(llama_model_rope_type: pairs of neighbouring values), the pairs a rope_interleave checkpoint
+turns, so DeepseekV2Model.modify_tensors only stacks the experts and renames the router's
+e_score_correction_bias to e_score_correction.bias (exp_probs_b.bias) and, since it splits
+kv_b, cuts it per head into attn_k_b and attn_v_b (`SPLIT_KV_B`; before, attn_kv_b whole).
 """
 
 from __future__ import annotations
@@ -64,8 +69,32 @@ TINY = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True,
                          "original_max_position_embeddings": 64})),
+    # DeepSeek-V3 (llama.cpp's deepseek2): its latent norms' eps, 1e-6, is the only one a file
+    # can hold; a dense layer, then experts in 4 groups, the best 2 groups chosen; YaRN whose
+    # whole correction is the score scale (mscale == mscale_all_dim: what a file can say)
+    "deepseek2": ("deepseek2", hf.DeepseekV3ForCausalLM, hf.DeepseekV3Config(
+        **{**SHARED, "rms_norm_eps": 1e-6}, intermediate_size=48, moe_intermediate_size=16,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_group=4,
+        topk_group=2, n_shared_experts=2, first_k_dense_replace=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=12, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "mscale": 0.5, "mscale_all_dim": 0.5,
+                         "original_max_position_embeddings": 64})),
+    # queries straight from x (q_lora_rank null), every layer experts, one group, weights
+    # neither renormalized nor scaled, no rope scaling, tied embeddings
+    "deepseek2-q": ("deepseek2", hf.DeepseekV3ForCausalLM, hf.DeepseekV3Config(
+        **{**SHARED, "rms_norm_eps": 1e-6}, intermediate_size=48, moe_intermediate_size=16,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_group=1,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=0, norm_topk_prob=False,
+        routed_scaling_factor=1.0, kv_lora_rank=24, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
 }  # fmt: skip
 READ_BY_TRANSFORMERS = ["qwen3moe"]
+# written as llama.cpp's converters write DeepSeek now: kv_b split into attn_k_b and attn_v_b,
+# the header's MQA view (head_count_kv 1) and the heads' sizes under *_mla
+SPLIT_KV_B = ["deepseek2-q"]
 
 
 def tiny_model(case: str) -> tuple[str, hf.PreTrainedModel]:
@@ -79,13 +108,53 @@ def tiny_model(case: str) -> tuple[str, hf.PreTrainedModel]:
                 p.copy_(torch.randn_like(p) * 0.5 + (0.0 if "bias" in name else 0.5))
             else:
                 p.normal_(0, 0.1)
+        for name, b in model.named_buffers():  # DeepSeek's router correction bias: not 0
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.5)
     return arch, model
 
 
 # ---- the test's convert_hf_to_gguf.py -------------------------------------------------------
 
 
-def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
+def _deepseek2_header(w: gguf.GGUFWriter, c, split_kv_b: bool) -> None:
+    """DeepseekV2Model.set_gguf_parameters; before converters split kv_b (attn_kv_b whole),
+    head_count_kv was the heads' and key_length and value_length the heads' query and value
+    sizes; since, they are the compressed keys' MQA view (1 head, R + dr and R) and the heads'
+    sizes are under *_mla. The gating function as written for scoring_func "sigmoid"."""
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_vocab_size(c.vocab_size)
+    if c.q_lora_rank is not None:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    if split_kv_b:
+        w.add_head_count_kv(1)
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+    else:
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    w.add_expert_weights_norm(c.norm_topk_prob)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    if rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _header(w: gguf.GGUFWriter, c, arch: str, split_kv_b: bool = False) -> None:
     """What TextModel.set_gguf_parameters and each model's own add to it write."""
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -93,16 +162,20 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
     # Llama4Model swaps the widths: the dense layers' is feed_forward_length
     w.add_feed_forward_length(c.intermediate_size_mlp if arch == "llama4" else c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if arch == "deepseek2":
+        _deepseek2_header(w, c, split_kv_b)
+        _vocab(w)
+        return
+    w.add_head_count_kv(c.num_key_value_heads)
     head_dim = getattr(c, "head_dim", None)
     if head_dim:  # written only where config.json has one
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
     w.add_expert_count(experts)
-    w.add_expert_used_count(c.num_experts_per_tok)
     if arch in ("llama", "llama4"):  # LlamaModel: the rotated dimensions, always
         w.add_rope_dimension_count(head_dim or c.hidden_size // c.num_attention_heads)
         w.add_vocab_size(c.vocab_size)
@@ -120,6 +193,10 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    _vocab(w)
+
+
+def _vocab(w: gguf.GGUFWriter) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_token_list(TOKENS)
     w.add_token_types(TOKEN_TYPES)
@@ -128,7 +205,9 @@ def _header(w: gguf.GGUFWriter, c, arch: str) -> None:
     w.add_eos_token_id(2)
 
 
-def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
+def _tensors(
+    model: hf.PreTrainedModel, arch: str, split_kv_b: bool = False
+) -> dict[str, np.ndarray]:
     """The model's tensors under GGUF names, as the converter writes them. The checkpoint
     keeps expert e's gate, up and down apart; the converter stacks them over e, which is
     transformers' in-memory gate_up_proj (E, 2I, C) cut in halves, and its down_proj."""
@@ -161,6 +240,11 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
         if arch == "llama" and stem.endswith(("q_proj", "k_proj")):  # LlamaModel.permute
             heads = c.num_attention_heads if "q_proj" in stem else c.num_key_value_heads
             data = permute(data, heads)
+        if split_kv_b and name.endswith("kv_b_proj.weight"):  # DeepseekV2Model's split
+            out |= _split_kv_b(name, data, c, names)
+            continue
+        if name.endswith("e_score_correction_bias"):  # DeepseekV2Model.modify_tensors
+            stem, suffix = name.removesuffix("_bias"), "bias"
         if name.endswith("sinks"):  # its converter adds the suffix
             stem, suffix = name, "weight"
         out[f"{names.get_name(stem)}.{suffix}"] = data
@@ -169,6 +253,16 @@ def _tensors(model: hf.PreTrainedModel, arch: str) -> dict[str, np.ndarray]:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         out["rope_freqs.weight"] = _llama3_factors(rope, head_dim)
     return out
+
+
+def _split_kv_b(name: str, data: np.ndarray, c, names) -> dict[str, np.ndarray]:
+    """kv_b (H * (dn + dv), R) per head: k_b its dn key rows turned (H, R, dn), v_b its dv
+    value rows (H, dv, R)."""
+    per_head = data.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+    k_b, v_b = per_head[:, : c.qk_nope_head_dim], per_head[:, c.qk_nope_head_dim :]
+    stem = name.removesuffix("kv_b_proj.weight")
+    return {f"{names.get_name(stem + 'k_b_proj')}.weight": np.ascontiguousarray(k_b.swapaxes(1, 2)),
+            f"{names.get_name(stem + 'v_b_proj')}.weight": np.ascontiguousarray(v_b)}  # fmt: skip
 
 
 def _gpt_oss_experts(name: str, data: np.ndarray, names) -> dict[str, np.ndarray]:
@@ -191,12 +285,14 @@ def _gpt_oss_experts(name: str, data: np.ndarray, names) -> dict[str, np.ndarray
     return {f"{down}.bias": data}
 
 
-def convert(model: hf.PreTrainedModel, arch: str, path, *, q4: bool = False) -> None:
+def convert(
+    model: hf.PreTrainedModel, arch: str, path, *, q4: bool = False, split_kv_b: bool = False
+) -> None:
     """Write `model` as the converter would, in float32; q4: the blocks' matrices, 3-D
     experts too, in Q4_0 (as llama-quantize writes them)."""
     w = gguf.GGUFWriter(str(path), arch)
-    _header(w, model.config, arch)
-    for name, data in _tensors(model, arch).items():
+    _header(w, model.config, arch, split_kv_b)
+    for name, data in _tensors(model, arch, split_kv_b).items():
         if q4 and data.ndim >= 2 and name.startswith("blk.") and data.shape[-1] % 32 == 0:
             packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
             w.add_tensor(name, packed, raw_shape=packed.shape,
@@ -218,7 +314,7 @@ def written(tmp_path, monkeypatch, request):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     arch, model = tiny_model(request.param)
     path = tmp_path / f"{request.param}.gguf"
-    convert(model, arch, path)
+    convert(model, arch, path, split_kv_b=request.param in SPLIT_KV_B)
     return model, path, load_source(str(path))
 
 
@@ -361,3 +457,21 @@ def test_llama4_is_what_llama_cpp_computes(written):
     assert cfg.block.chunk == 8192 and cfg.block.qk_norm == "l2"
     temperature = cfg.block.temperature
     assert (temperature.strength, temperature.every, temperature.shift) == (0.1, 8192, 1.0)
+
+
+def test_int4_keeps_deepseeks_rope_rows_in_qkvs_order(tmp_path, monkeypatch):
+    """DeepSeek's q and kv_a rows come interleaved and qkv's rotary turns halves, so the
+    family permutes them (`permuted_rows`); kept in 4 bits, their bits, scales and zeros are
+    permuted alike, and the int4 load follows the float32 load of the same Q4_0 file up to
+    bfloat16's rounding of the inputs."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    arch, model = tiny_model("deepseek2-q")
+    convert(model, arch, tmp_path / "q4.gguf", q4=True, split_kv_b=True)
+    dense = qkv.load(str(tmp_path / "q4.gguf"))
+    packed = qkv.load(str(tmp_path / "q4.gguf"), int4=True)
+    attention = packed.model.blocks[0].attn
+    assert [type(attention.q).__name__, type(attention.kv_a).__name__] == ["Int4Linear"] * 2
+    with torch.inference_mode():
+        want, got = dense.model(_ids()).logits, packed.model(_ids()).logits
+    spread = float(want.max() - want.min())
+    assert float((got - want).abs().max()) < 0.02 * spread

@@ -1,8 +1,8 @@
 """qkv.io.gguf_arch's reading of the late-2026 architectures' headers: what llama.cpp's code
 fixes and the header leaves out (Llama 4's Maverick, gpt-oss's rounded YaRN and its
-sliding pattern), DeepSeek-V3's latent sizes and experts (read from the header alone: no
-family reads deepseek_v3 in this branch yet), and what qkv refuses, by the header's key.
-The files themselves are written and read in test_gguf_late.py.
+sliding pattern), DeepSeek-V3's latent sizes and experts in the newer converters' header
+(head_count_kv 1, *_mla keys), and what qkv refuses, by the header's key. The files
+themselves are written and read in test_gguf_late.py.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
+from gguf import GGMLQuantizationType
 
-from qkv.io.gguf_arch import ARCHES
-from qkv.io.gguf_header import Header
+from qkv.io.gguf_arch import ARCHES, arch_of
+from qkv.io.gguf_header import Header, TensorInfo
 
 
 def _meta(arch: str, **keys) -> Header:
@@ -44,8 +46,8 @@ def test_gpt_oss_is_what_llama_cpp_computes():
 
 
 # DeepSeek-V3 as llama.cpp's converter writes it (key_length and value_length: the MQA view
-# of its compressed keys; the heads' sizes under *_mla); no family reads it in this branch
-# yet, so its header is read here, not its logits
+# of its compressed keys; the heads' sizes under *_mla), with the attn_k_b and attn_v_b
+# tensors qkv refuses: its header is read here, the older files' logits in test_gguf_late.py
 DEEPSEEK2 = {"embedding_length": 32, "attention.head_count": 4, "attention.head_count_kv": 1,
              "attention.layer_norm_rms_epsilon": 1e-6, "rope.dimension_count": 4,
              "attention.kv_lora_rank": 16, "attention.q_lora_rank": 16,
@@ -134,8 +136,27 @@ def test_deepseek2s_tensor_names():
     )
     experts = ("blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight")
     assert arch.gguf_names("model.layers.1.mlp.experts.gate_up_proj") == experts
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert arch.gguf_names(kv_b) == ("blk.0.attn_kv_b.weight",)  # older converters' whole
     with pytest.raises(ValueError, match="unsupported tensor 'blk.0.attn_k_b.weight'"):
-        arch.hf_name("blk.0.attn_k_b.weight")  # newer converters' split kv_b
+        arch.hf_name("blk.0.attn_k_b.weight")  # not in a file that has attn_kv_b
+
+
+def test_a_deepseek2_file_with_attn_k_b_joins_it_with_attn_v_b_into_kv_b():
+    """Newer converters split kv_b per head: k_b (H, R, dn) turned, v_b (H, dv, R); a file
+    that has them is read with the join, and the split gives back those shapes."""
+    tensor = TensorInfo("blk.0.attn_k_b.weight", (4, 16, 8), GGMLQuantizationType.F32, 0, 0)
+    header = _meta("deepseek2", **DEEPSEEK2)
+    arch = arch_of(Header(header.metadata, [tensor]), "f.gguf")
+    kv_b = "model.layers.0.self_attn.kv_b_proj.weight"
+    assert arch.hf_name("blk.0.attn_v_b.weight") == kv_b
+    assert arch.gguf_names(kv_b) == ("blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight")
+    join = arch.join_of("blk.0.attn_k_b.weight")
+    whole = torch.randn(4 * (8 + 12), 16)  # H (dn + dv) rows of R: each head's dn, then dv
+    k_b, v_b = join.split(whole)
+    assert k_b.shape == (4, 16, 8) and v_b.shape == (4, 12, 16)
+    torch.testing.assert_close(k_b[1].T, whole[20:28], rtol=0, atol=0)  # head 1's keys
+    assert torch.equal(join.join([k_b, v_b]), whole)
 
 
 REFUSED = [  # (architecture, header keys, what the refusal names)

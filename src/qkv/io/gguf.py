@@ -232,6 +232,8 @@ def _read(path: Path) -> tuple[mmap.mmap | bytes, Header, dict[str, Any], Arch]:
         "max_position_embeddings": cfg.max_positions,
         "vocab_size": cfg.vocab_size,
     }
+    if arch.latent:  # a latent head's size is its parts' (qk_*_head_dim), never head_dim
+        del config["head_dim"]
     return data, header, config, arch
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import Tensor
@@ -78,7 +78,7 @@ DEEPSEEK2_LAYER = {
     "attn_q_b": "self_attn.q_b_proj",
     "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
     "attn_kv_a_norm": "self_attn.kv_a_layernorm",
-    "attn_kv_b": "self_attn.kv_b_proj",  # newer converters' attn_k_b and attn_v_b: refused
+    "attn_kv_b": "self_attn.kv_b_proj",  # newer converters' attn_k_b, attn_v_b: `arch_of`
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
@@ -438,4 +438,7 @@ def arch_of(header: Header, source) -> Arch:
         raise ValueError(
             f"{source}: unsupported GGUF architecture {name!r}; supported: {', '.join(ARCHES)}"
         )
-    return ARCHES[name]
+    arch = ARCHES[name]
+    if name == "deepseek2" and any(i.name.endswith(".attn_k_b.weight") for i in header.tensors):
+        return replace(arch, joins=(*arch.joins, gguf_moe.kv_b_split(header)))
+    return arch

@@ -217,6 +217,16 @@ DEEPSEEK2_KEYS = {
     "routed_scaling_factor": "expert_weights_scale", "norm_topk_prob": "expert_weights_norm",
     "n_group": "expert_group_count", "topk_group": "expert_group_used_count",
 }  # fmt: skip
+
+
+def _same_float32(value, target: float) -> bool:
+    """Whether `value` is a number that float32 (a header's epsilon, llama.cpp's arithmetic)
+    holds as it holds `target`: 1e-6 written to a file reads back as 9.99999997e-07."""
+    if type(value) not in (int, float):
+        return False
+    return torch.tensor(value, dtype=torch.float32) == torch.tensor(target, dtype=torch.float32)
+
+
 SIGMOID = 2  # gguf's ExpertGatingFuncType.SIGMOID, DeepSeek-V3's router
 LATENT_NORM_EPS = 1e-6  # DeepSeek-V3's q_a and kv_a norms (llama.cpp: the header's epsilon)
 
@@ -253,7 +263,7 @@ def deepseek2(config: dict, names: dict, header: Header) -> None:
             f"DeepSeek-V3's sigmoid router ({SIGMOID})"
         )
     eps = meta.get(key("attention.layer_norm_rms_epsilon"))
-    if eps != LATENT_NORM_EPS:
+    if not _same_float32(eps, LATENT_NORM_EPS):  # a file holds 1e-6 as float32's nearest
         raise ValueError(
             f"{key('attention.layer_norm_rms_epsilon')}={eps!r} is not supported: llama.cpp "
             f"would use it in the latent norms, qkv's DeepSeek-V3 uses {LATENT_NORM_EPS}"
@@ -262,3 +272,27 @@ def deepseek2(config: dict, names: dict, header: Header) -> None:
     scaling = config.get("rope_scaling")
     if multiplier is not None and scaling and scaling.get("rope_type") == "yarn":
         scaling["mscale"] = scaling["mscale_all_dim"] = multiplier / 0.1
+
+
+def kv_b_split(header: Header) -> Join:
+    """Newer converters' kv_b (H * (dn + dv), R) cut per head into attn_k_b (H, R, dn), turned,
+    and attn_v_b (H, dv, R), for llama.cpp's absorbed latent attention; joined back by
+    stacking each head's dn key rows above its dv value rows. The split (for the shapes a
+    header needs) takes H and dn from the header, checked by the family before it is used."""
+    meta = header.metadata
+    heads = meta.get("deepseek2.attention.head_count")
+    head = meta.get(
+        "deepseek2.attention.key_length_mla", meta.get("deepseek2.attention.key_length")
+    )
+    rope = meta.get("deepseek2.rope.dimension_count")
+    nope = head - rope if type(head) is int and type(rope) is int else None  # as `deepseek2`
+
+    def join(parts: list[Tensor]) -> Tensor:
+        k_b, v_b = parts
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).flatten(0, 1)
+
+    def split(whole: Tensor) -> list[Tensor]:
+        per_head = whole.unflatten(0, (heads, -1))
+        return [per_head[:, :nope].transpose(1, 2), per_head[:, nope:]]
+
+    return Join("self_attn.kv_b_proj.weight", ("attn_k_b.weight", "attn_v_b.weight"), join, split)

@@ -25,12 +25,18 @@ def use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) 
     The LM head runs in 8 bits (`Int8Linear`: a scale per row)."""
     if not int4_available():
         raise ValueError(f"int4 needs torch >= 2.6 (this is {torch.__version__})")
-    parameter_of = {weight.names[0]: weight.qkv for weight in family.weights(config)}
+    weight_of = {weight.names[0]: weight for weight in family.weights(config) if weight.names}
     four_bit = {}  # the module path of each Linear held in 4 bits: (q, scale, zero, bias)
     for hf_name, (q, scale, zero) in groups.items():
-        owner, _, attribute = parameter_of.get(hf_name, "").rpartition(".")  # e.g. blocks.0.attn.q
-        linear = model.get_submodule(owner) if attribute == "weight" else None
-        if isinstance(linear, nn.Linear):
+        weight = weight_of.get(hf_name)
+        owner, _, attribute = weight.qkv.rpartition(".") if weight else ("", "", "")
+        linear = model.get_submodule(owner) if attribute == "weight" else None  # blocks.0.attn.q
+        if not isinstance(linear, nn.Linear):
+            continue
+        # the checkpoint's rows in qkv's order (DeepSeek's interleaved rope rows, permuted):
+        # a matrix's layout, a permutation of its rows, is its bits', scales' and zeros'
+        q, scale, zero = (weight.load(t) for t in (q, scale, zero))
+        if q.shape[0] == scale.shape[0] == linear.out_features:  # else it stays float32
             four_bit[owner] = (q, scale, zero, linear.bias)
     if not four_bit:
         raise ValueError(f"{name} has no Q4_0 or Q4_1 matrices to keep in 4 bits")
