@@ -101,6 +101,14 @@ def test_every_model_type_of_every_family_is_listed_and_described():
     assert [t for t, a in described.items() if "distance bias" in a.scores] == ["t5"]
     # a type a family knows only to refuse (multimodal Gemma 3) is not listed as read
     assert "gemma3" not in described and "gemma3_text" in described
+    # the late-2026 families, each by what it does beyond softmax(q.k): transformers' defaults
+    assert described["gpt_oss"].attention.startswith("a learned sink per head")
+    assert described["gpt_oss"].mlp == "128 experts, top 4 by softmax"
+    assert described["llama4_text"].attention.startswith("chunks of 8192 tokens in 36 of 48")
+    assert described["deepseek_v3"].cache_bytes_per_token == 61 * (512 + 64) * 2  # bfloat16
+    assert "+ 1 shared in 58 of 61 layers" in described["deepseek_v3"].mlp
+    assert "a 256-number input of its own" in described["gemma4_text"].attention
+    assert described["ministral3"].attention == "a temperature growing with the position"
 
 
 def test_a_family_whose_default_config_is_refused_is_listed_with_the_reason():

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 from qkv.io.families import FAMILIES
 from qkv.models import DecoderConfig, EncoderDecoderConfig
+from qkv.nn.latent import softmax_scale
 
 NORMS = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm", "rmsnorm_plus1": "RMSNorm (1 + w)"}
 
@@ -101,6 +102,9 @@ def layer_anatomy(config, layer: int = 0, *, cross: bool = False) -> LayerAnatom
     block = config.block_for(layer)
     D = block.head_size
     scale = block.attn_scale if block.attn_scale is not None else 1 / math.sqrt(D)
+    if block.latent is not None:  # DeepSeek's: its query and key size, YaRN's mscale squared
+        D = block.latent.qk_head_dim
+        scale = block.latent.scale or softmax_scale(D, getattr(config, "rope_scaling", None))
     rotary = config.position == "rotary" and not cross
     local = config.local_rope_base is not None and config.layer_type(layer) == "sliding"
     return LayerAnatomy(
@@ -181,11 +185,21 @@ def _attention(config) -> str:
     if block.temperature is not None:
         where = "on layers without positions" if block.temperature_where == "nope" else ""
         parts.append(f"a temperature growing with the position {where}".rstrip())
+    shared = getattr(config, "kv_shared_layers", 0)  # Gemma 4's
+    if shared:
+        parts.append(f"the last {shared} of {L} layers attend over an earlier layer's keys")
+    if getattr(config, "values_from_keys", False):
+        parts.append("full layers' values are their keys (k = v)")
+    if getattr(config, "per_layer_input", 0):
+        parts.append(f"each layer reads a {config.per_layer_input}-number input of its own")
     return "; ".join(parts) or "softmax(q.k) over the words"
 
 
 def _mlp(config) -> str:
     block = config.block
+    beside = getattr(config, "experts", None)  # Gemma 4's: beside each layer's dense MLP
+    if beside is not None:
+        return f"dense + {experts_words(beside)} beside it"
     if block.experts is None:
         return "dense"
     words = experts_words(block.experts)
@@ -203,12 +217,17 @@ def cache_bytes_per_token(config, element_size: int = 2) -> int:
         config = config.decoder()
     if not isinstance(config, DecoderConfig):
         return 0
-    block = config.block
-    if block.latent is not None:
-        per_layer = block.latent.kv_lora_rank + block.latent.qk_rope_head_dim
-    else:
-        per_layer = 2 * block.kv_heads * block.head_size
-    return config.num_layers * per_layer * element_size
+    total = 0
+    for layer in range(config.num_layers):
+        block = config.block_for(layer)
+        shares = getattr(config, "shares_with", None)  # Gemma 4: a sharing layer caches none
+        if shares is not None and shares(layer) is not None:
+            continue
+        if block.latent is not None:
+            total += block.latent.kv_lora_rank + block.latent.qk_rope_head_dim
+        else:
+            total += 2 * block.kv_heads * block.head_size
+    return total * element_size
 
 
 def _positions(config, a: LayerAnatomy) -> str:
