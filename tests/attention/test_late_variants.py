@@ -1,7 +1,7 @@
 """The attention of late-2026 families as `attend`'s inputs: learned sinks (gpt-oss), a
 temperature per query (Llama 4, Ministral 3), chunks (Llama 4) and values of another size than
-the keys (DeepSeek's latent attention). Every backend that takes one equals `loop`, the article
-computed a pair at a time; one that cannot is refused by name."""
+the keys (DeepSeek's latent attention), alone and with a score bias. Every backend that takes
+one equals `loop`, the article computed a pair at a time; one that cannot is refused by name."""
 
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ def late_inputs(draw):
     if chunk is not None and draw(st.booleans()):
         start = torch.randint(0, Tk, (B,), generator=gen)
     mask = torch.rand(B, 1, 1, Tk, generator=gen) > 0.3 if draw(st.booleans()) else None
+    bias_shape = draw(st.sampled_from([None, (Tq, Tk), (B, 1, Tq, Tk)]))
+    bias = None if bias_shape is None else torch.randn(bias_shape, generator=gen)
     options = dict(mask=mask, causal=draw(st.booleans()), sinks=sinks, query_scale=query_scale,
-                   chunk=chunk, chunk_start=start)  # fmt: skip
+                   chunk=chunk, chunk_start=start, bias=bias)  # fmt: skip
     return q, k, v, options
 
 
