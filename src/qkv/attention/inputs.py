@@ -305,9 +305,8 @@ def check_call(q: Tensor, k: Tensor, v: Tensor, **options: Unpack[Options]) -> C
     variants = check_variants(shape, q, options.get("softcap"), options.get("bias"),
                               options.get("sinks"), options.get("query_scale"))  # fmt: skip
     window = check_window(options.get("window"))
-    chunk, start = check_chunk(options.get("chunk"), options.get("chunk_start"), shape, q), None
-    if chunk is not None:
-        start = options.get("chunk_start")
+    start = options.get("chunk_start")  # refused by check_chunk without a chunk
+    chunk = check_chunk(options.get("chunk"), start, shape, q)
     mask = with_window(mask, window, causal, shape.Tq, shape.Tk, q.device)
     return Call(shape, scale, with_chunks(mask, chunk, start, shape.Tq, shape.Tk, q.device),
                 causal, variants)  # fmt: skip
