@@ -21,7 +21,7 @@ from qkv.nn.position import SinusoidLayout
 from qkv.nn.relative import RelativePositionBias
 from qkv.nn.rope import RopeScaling
 
-LayerType = Literal["full", "sliding", "chunked"]
+LayerType = Literal["full", "sliding", "chunked", "linear"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +37,9 @@ class StackConfig:
     rope_base: float = 10000.0  # rotary only: the base of the rotation frequencies
     rope_dims: int | None = None  # rotary only: how many of a head's dimensions turn; None: all
     rope_scaling: RopeScaling | None = None  # rotary only: Llama 3's, YaRN, LongRoPE, ...
-    # per layer, "full", "sliding" or "chunked" (the block's window applies to sliding layers
-    # only, its chunk to chunked layers only); None: every layer is the block as configured
+    # per layer, "full", "sliding", "chunked" or "linear" (the block's window applies to sliding
+    # layers only, its chunk to chunked layers only, its linear attention to linear layers only);
+    # None: every layer is the block as configured
     layer_types: tuple[LayerType, ...] | None = None
     local_rope_base: float | None = None  # sliding layers' own rotary base, unscaled (Gemma 3)
     # per layer, whether its queries and keys turn (SmolLM3 leaves every 4th layer without
@@ -75,9 +76,13 @@ class StackConfig:
                 raise ValueError(
                     f"layer_types names {len(self.layer_types)} layers, the model has {layers}"
                 )
-            odd = sorted(set(self.layer_types) - {"full", "sliding", "chunked"})
+            odd = sorted(set(self.layer_types) - {"full", "sliding", "chunked", "linear"})
             if odd:
-                raise ValueError(f"layer types are 'full', 'sliding' or 'chunked', got {odd}")
+                raise ValueError(
+                    f"layer types are 'full', 'sliding', 'chunked' or 'linear', got {odd}"
+                )
+            if "linear" in self.layer_types and self.block.linear is None:
+                raise ValueError("linear layers need the block's linear attention (block.linear)")
             if "sliding" in self.layer_types and self.block.window is None:
                 raise ValueError("sliding layers need the block's window (block.window)")
             if "chunked" in self.layer_types and self.block.chunk is None:
@@ -147,8 +152,10 @@ class StackConfig:
 
     def layer_type(self, layer: int) -> LayerType:
         """ "sliding" where the layer's keys are windowed, "chunked" where they are cut into
-        chunks, else "full"."""
+        chunks, "linear" where it keeps a memory instead of a softmax, else "full"."""
         if self.layer_types is None:
+            if self.block.linear is not None:
+                return "linear"
             if self.block.chunk is not None:
                 return "chunked"
             return "full" if self.block.window is None else "sliding"
@@ -169,6 +176,8 @@ class StackConfig:
             changes["window"] = None
         if block.chunk is not None and kind != "chunked":
             changes["chunk"] = None
+        if block.linear is not None and kind != "linear":
+            changes["linear"] = None
         if block.qk_norm == "l2" and not turns:
             changes["qk_norm"] = None
         if block.temperature is not None and block.temperature_where == "nope" and turns:

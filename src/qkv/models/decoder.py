@@ -25,6 +25,7 @@ from qkv.nn import (
     LatentAttention,
     LatentCache,
 )
+from qkv.nn.delta import GatedDeltaNet, MemoryCache
 from qkv.nn.edit import Edits, check_edits
 from qkv.nn.linear import project
 from qkv.nn.position import positions_for
@@ -44,11 +45,20 @@ class DecoderOutput:
 
 class DecoderCache:
     """Every layer's KV cache: self-attention's grows a token at a time, cross's is fixed. A
-    layer of latent attention (`latent`) caches its compressed vectors instead (LatentCache)."""
+    layer of latent attention (`latent`) caches its compressed vectors instead (LatentCache), a
+    layer of linear attention (`linear`) its memory, which does not grow (MemoryCache)."""
 
-    def __init__(self, num_layers: int, cross_attention: bool = False,
-                 latent: frozenset[int] = frozenset()):  # fmt: skip
-        self.layers = [LatentCache() if i in latent else KVCache() for i in range(num_layers)]
+    def __init__(
+        self,
+        num_layers: int,
+        cross_attention: bool = False,
+        latent: frozenset[int] = frozenset(),
+        linear: frozenset[int] = frozenset(),
+    ):
+        self.layers = [
+            LatentCache() if i in latent else MemoryCache() if i in linear else KVCache()
+            for i in range(num_layers)
+        ]
         self.cross = [KVCache() for _ in range(num_layers)] if cross_attention else None
 
     @property
@@ -100,10 +110,11 @@ class Decoder(nn.Module):
         return layer
 
     def new_cache(self) -> DecoderCache:
-        latent = frozenset(
-            i for i, b in enumerate(self.blocks) if isinstance(b.attn, LatentAttention)
-        )
-        return DecoderCache(self.config.num_layers, self.config.cross_attention, latent)
+        def layers(kind) -> frozenset[int]:
+            return frozenset(i for i, b in enumerate(self.blocks) if isinstance(b.attn, kind))
+
+        return DecoderCache(self.config.num_layers, self.config.cross_attention,
+                            layers(LatentAttention), layers(GatedDeltaNet))  # fmt: skip
 
     def forward(
         self,

@@ -16,6 +16,7 @@ from typing import Literal
 from torch import Tensor, nn
 
 from qkv.nn.attention import KVCache, MultiHeadAttention
+from qkv.nn.delta import DeltaConfig, GatedDeltaNet
 from qkv.nn.edit import Edit
 from qkv.nn.experts import ExpertRecord, Experts, MoE
 from qkv.nn.latent import LatentAttention, LatentConfig
@@ -66,6 +67,10 @@ class BlockConfig:
     # the attention is DeepSeek's multi-head latent attention (keys and values made from one
     # compressed vector per token), not MultiHeadAttention; its sizes are the LatentConfig's
     latent: LatentConfig | None = None
+    # the attention is linear: a running memory per head instead of a softmax (Qwen3.5's Gated
+    # DeltaNet, Kimi's KDA); its sizes are the DeltaConfig's. In a stack with layer_types, only
+    # the "linear" layers have it
+    linear: DeltaConfig | None = None
     dropout: float = 0.0  # on each sub-layer's output, before the residual sum
     backend: str = "auto"  # the `attend` backend
 
@@ -117,6 +122,10 @@ class BlockConfig:
         return self.head_size if self.latent is None else self.latent.qk_rope_head_dim
 
     def attention(self, rotary: RotaryEmbedding | None = None, cross=False) -> nn.Module:
+        if self.linear is not None:
+            if cross:
+                raise ValueError("linear attention is self-attention (a memory of the text)")
+            return GatedDeltaNet(self.linear, backend=self.backend)
         if self.latent is not None:
             if cross or rotary is None:
                 raise ValueError("latent attention is self-attention with rotary positions")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qkv.attention import attention_weights, loop
+from qkv.attention import attention_weights, loop, loop_memory
 from qkv.attention.eager import compute_dtype, weights_into
 from qkv.attention.flash.weights import weights_from_lse
 from qkv.attention.inputs import (
@@ -38,6 +38,7 @@ from qkv.attention.inputs import (
     with_chunks,
     with_window,
 )
+from qkv.attention.linear import Memory, check_rule, effective_weights
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,6 +55,10 @@ class AttentionRecord:
     `attend` takes them (a sliding window, Gemma 2's soft-cap, a bias added to the scores such
     as T5's relative positions, Llama 4's chunks and temperatures, gpt-oss's sinks). v and out
     are Dv wide where the layer's values differ in size from its keys (latent attention).
+    linear: the layer keeps a running memory instead of a softmax (Qwen3.5's Gated DeltaNet,
+    Kimi's KDA; `qkv.attention.linear`): each token's write strength and fade. q and k are as
+    the rule read them (normalized, the scale not yet applied), out each head's read of the
+    memory; `weights()` gives the effective weights, `steps()` the memory's steps.
     made (H, Tq, Tk): every head's weights, where the layer was asked to make them with its
     output (one sequence, `MultiHeadAttention`'s record=tensor); `weights` then reads them.
     """
@@ -83,6 +88,7 @@ class AttentionRecord:
     # latent attention with absorption (DeepSeek's decoding): q, k and v are the latent ones,
     # and `out` each head's attended latent vector, before its W_uv makes the head's output
     absorbed: bool = False
+    linear: Memory | None = None
 
     @property
     def shape(self) -> Shape:
@@ -105,6 +111,7 @@ class AttentionRecord:
                 "sinks",
                 "chunk",
                 "query_scale",
+                "linear",
             )
         )
 
@@ -130,6 +137,8 @@ class AttentionRecord:
         sink's share in a layer with learned sinks (`sink_weights`)."""
         s = self.shape
         chosen = check_indices("head", heads, s.H, "this layer")
+        if self.linear is not None:
+            return self._effective_weights(chosen)
         if self.made is not None:  # made by eager's arithmetic with the output
             return self.made[None] if heads is None else self.made[chosen][None]
         mask = with_window(self.mask, self.window, self.causal, s.Tq, s.Tk, self.q.device)
@@ -144,6 +153,21 @@ class AttentionRecord:
             variants["sinks"] = self.sinks.index_select(0, index)
         return attention_weights(q, k, mask=mask, causal=self.causal, scale=self.scale,
                                  bias=heads_of(self.bias, index), **variants)  # fmt: skip
+
+    def _effective_weights(self, chosen: list[int]) -> Tensor:
+        """A linear layer's effective weights (B, len(chosen), Tq, Tk): signed, summing to
+        anything, zero above the diagonal and where a mask hid a pair; weights @ v is `out`
+        less what the queries read of a memory older than the record's first token."""
+        index = torch.tensor(chosen, device=self.q.device)
+        memory, mask = self.linear, self.mask
+        if mask is not None:
+            mask = mask.expand(-1, self.shape.H, -1, -1).index_select(1, index)
+        weights = effective_weights(
+            self.q.index_select(1, index), self.k.index_select(1, index),
+            beta=memory.beta.index_select(1, index), decay=memory.decay.index_select(1, index),
+            scale=self.scale, mask=mask,
+        )  # fmt: skip
+        return weights.to(compute_dtype(self.q.dtype))
 
     def sink_weights(self, heads: Sequence[int] | None = None) -> Tensor:
         """(B, len(heads), Tq): the weight each head's learned sink took from each query (what
@@ -166,14 +190,22 @@ class AttentionRecord:
         out.copy_(self.weights()[0])
         return out
 
-    def steps(self, head: int, query: int, batch: int = 0) -> loop.QuerySteps:
+    def steps(
+        self, head: int, query: int, batch: int = 0
+    ) -> loop.QuerySteps | loop_memory.MemorySteps:
         """The article's steps for one query of one head, by the `loop` backend (float64):
         every (query, key) pair's scalar, scaled scalar, weight and scaled value vector, under
-        this record's own mask and scale."""
+        this record's own mask and scale. A linear layer's are `loop_memory.MemorySteps`: each
+        key word's write into the memory and its effective weight."""
         s = self.shape
         (head,) = check_indices("head", [head], s.H, "this layer")
         (query,) = check_indices("query", [query], s.Tq, "this record")
         (batch,) = check_indices("batch", [batch], s.B, "this record")
+        if self.linear is not None:  # no softmax: the memory's writes, walked back
+            memory = self.linear
+            rule = check_rule(self.q, self.k, self.v, memory.beta, memory.decay, self.scale,
+                              memory.state, self.mask)  # fmt: skip
+            return loop_memory.steps(rule, batch, head, query)
         allowed = self.allowed.expand(s.B, s.H, s.Tq, s.Tk)[batch, head, query].tolist()
         kv_head = head // s.group  # grouped-query attention: heads share keys and values
         k, v = self.k[batch, kv_head].double(), self.v[batch, kv_head].double()  # (Tk, D)
