@@ -144,6 +144,7 @@ def delta_rule(
     state: Tensor | None = None,
     mask: Tensor | None = None,
     form: Form = "auto",
+    chunk_size: int = CHUNK,
 ) -> Remembered:
     """The gated delta rule over T tokens of every head at once.
 
@@ -153,7 +154,8 @@ def delta_rule(
     token (<= 0), per head or per key channel; scale: on every query (1/sqrt(Dk) by default);
     state (B, H, Dk, Dv): the memory before the first token (zeros if None); mask: boolean,
     broadcastable to (B, H, T, T), True where a query may read a key's write.
-    form: "loop", "recurrent", "chunked", or "auto" (recurrent for a few tokens, else chunked).
+    form: "loop", "recurrent", "chunked", or "auto" (recurrent for a few tokens, else chunked);
+    chunk_size: tokens per chunk of the chunked form (any size gives the same numbers).
 
     >>> q = k = torch.eye(2).view(1, 1, 2, 2); v = torch.tensor([[[[1.0], [2.0]]]])
     >>> half, keep = torch.full((1, 1, 2), 0.5), torch.zeros(1, 1, 2)
@@ -165,12 +167,20 @@ def delta_rule(
         form = "recurrent" if q.shape[2] < 8 else "chunked"
     if form not in FORMS:
         raise ValueError(f"linear attention's forms are {', '.join(FORMS)}, not {form!r}")
+    if type(chunk_size) is not int or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a whole number >= 1, got {chunk_size!r}")
     if form == "loop":
         from qkv.attention import loop_memory  # the oracle imports this module's Rule
 
         out, final = loop_memory.forward(rule)
     else:
-        run = _recurrence if form == "recurrent" else _chunked
+        if form == "recurrent":
+            run = _recurrence
+        else:
+
+            def run(rule: Rule) -> tuple[Tensor, Tensor]:
+                return _chunked(rule, chunk_size)
+
         out, final = _with_mask(run, rule.compute(compute_dtype(q.dtype)))
     return Remembered(out.to(q.dtype), final)
 
