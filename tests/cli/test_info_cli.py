@@ -29,8 +29,15 @@ def test_version_names_qkv_and_torch():
 
 
 def test_backends_lists_every_registered_backend():
-    lines = run("backends").stdout.splitlines()
-    assert [line.split()[0] for line in lines] == ["flash", "sdpa", "eager", "loop", "auto"]
+    softmax, linear = run("backends").stdout.split("\n\n")
+    assert [line.split()[0] for line in softmax.splitlines()] == [
+        "flash",
+        "sdpa",
+        "eager",
+        "loop",
+        "auto",
+    ]
+    assert [line.split()[0] for line in linear.splitlines()[1:]] == ["loop", "recurrent", "chunked"]
 
 
 def test_an_unknown_verb_exits_2():

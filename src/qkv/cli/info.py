@@ -19,6 +19,12 @@ def version() -> None:
     typer.echo(f"qkv {__version__} (torch {torch.__version__})")
 
 
+LINEAR = """
+linear attention, with no softmax (Gated DeltaNet, KDA: qkv.attention.linear), in three forms:
+loop      the rule one token at a time, float64: the oracle
+recurrent the same on whole tensors: a few tokens (decoding)
+chunked   chunks of 64 tokens, one triangular solve each: more tokens (prefill)"""
+
 GEMM_NAMES = {"onednn": "oneDNN", "blas": "torch's BLAS"}
 INPUT_NAMES = {"int8": "8-bit inputs (oneDNN)", "bfloat16": "bfloat16 inputs"}
 
@@ -44,6 +50,7 @@ def backends(
                 typer.echo("auto     the fastest backend that supports the inputs")
             else:
                 typer.echo(f"{name:<8} {BACKENDS[name].description}")
+        typer.echo(LINEAR)
         if verbose:
             _this_machine()
         return
