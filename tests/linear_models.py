@@ -29,7 +29,8 @@ def linear_model(fade: str = "head", layer_types=("linear", "linear", "full")) -
                 attn = block.attn
                 for p in [*attn.fade.parameters(), *attn.write.parameters()]:
                     p.copy_(0.02 * torch.randn(p.shape, generator=generator))
-                attn.fade_bias.copy_(-2.0 + 0.5 * torch.randn(attn.fade_bias.shape,
-                                                               generator=generator))
+                attn.fade_bias.copy_(
+                    -2.0 + 0.5 * torch.randn(attn.fade_bias.shape, generator=generator)
+                )
                 attn.fade_log_rate.copy_(torch.tensor([-0.5, -1.5]))
     return pretrained

@@ -47,8 +47,8 @@ def test_the_steps_are_the_memorys_and_the_weights_the_records(model):
     w = traced.weight
     assert (f'4. No softmax: the effective weight of "bank" for "deep" is {w:+.4f}, what the '
             'memory returns of "bank"\'s value') in text  # fmt: skip
-    assert "when \"deep\"'s query reads it" in text
-    assert f"so \"deep\" reads {beta:.4f} x {traced.carried:+.4f} = {w:+.4f}" in text
+    assert 'when "deep"\'s query reads it' in text
+    assert f'so "deep" reads {beta:.4f} x {traced.carried:+.4f} = {w:+.4f}' in text
     assert f"leave {100 * float(fades):.1f}% of it" in text
     assert "linear attention, the gated delta rule, one fade per head" in text
     for words in SOFTMAX_WORDS:

@@ -9,8 +9,9 @@ Each question is asked of the model itself, through `Edit`s its layers apply in 
 forward pass (`qkv.nn.edit`): a hidden pair joins the layer's mask, so the softmax
 renormalizes over the remaining keys exactly as for padding, on whichever backend the
 model runs. In a linear layer (a running memory, no softmax) a hidden key is not written into
-the memory the query reads: its write strength is 0 there, exactly. A table over every (layer, head) reuses one clean forward and runs the heads of
-a layer side by side (`qkv.inspect.runs`).
+the memory the query reads: its write strength is 0 there, exactly. A table over every
+(layer, head) reuses one clean forward and runs the heads of a layer side by side
+(`qkv.inspect.runs`).
 
 Everything runs under `torch.inference_mode` and leaves the model as it was.
 """
@@ -184,6 +185,7 @@ def hide(
         """hidden (rows, H, T - start, T): a linear layer's memory continues from the prefix's,
         which no key of the prefix is hidden from, so it reads the new tokens' columns only."""
         return Edit(hide=hidden[:, :, :, start:] if layer in linear else hidden)
+
     with torch.inference_mode():
         clean_run = run(stack, ids)
         for layer in layers if table else []:

@@ -267,8 +267,22 @@ def trace(
     )  # fmt: skip
 
 
-def _linear_trace(pretrained, text, source, query, key, query_index, key_index, layer, head,
-                  layout, chosen, record, steps, seen) -> Trace:
+def _linear_trace(
+    pretrained,
+    text,
+    source,
+    query,
+    key,
+    query_index,
+    key_index,
+    layer,
+    head,
+    layout,
+    chosen,
+    record,
+    steps,
+    seen,
+) -> Trace:
     """A linear layer's trace: the memory's steps (`loop_memory.MemorySteps`) for the pair.
     No softmax: the weights are effective weights, what the query reads of each value; a key
     after the query (which the query's memory has not yet been written with) has weight 0."""

@@ -183,8 +183,8 @@ def heads_and_layers(trace: Trace) -> str:
         "from the word's vector."
     ]  # fmt: skip
     return "\n".join(
-        gated
-        + [
+        [
+            *gated,
             f"Several heads: this is head {t.head} of {t.num_heads}. Each head runs the same "
             "steps with its own",
             f"matrices; their {Dv}-number outputs are concatenated into {t.num_heads} x "
