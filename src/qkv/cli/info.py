@@ -102,7 +102,8 @@ def models(
     """List the architectures qkv reads, and how each departs from the article's attention.
 
     Each row is what qkv computes for transformers' default config of that model type; the
-    cache is what decoding keeps per token over every layer, in 16-bit numbers (bfloat16)."""
+    cache is what decoding keeps per token over every layer, in 16-bit numbers (bfloat16), and
+    beside it the fixed state S of linear layers (a running memory, whatever the length)."""
     from dataclasses import asdict
 
     from qkv.inspect.anatomy import family_models
@@ -118,13 +119,22 @@ def models(
         (m.model_type, m.family, *(
             (m.anatomy.shape, m.anatomy.position, m.anatomy.norm, m.anatomy.window,
              m.anatomy.scores, m.anatomy.attention, m.anatomy.mlp,
-             _size(m.anatomy.cache_bytes_per_token))
+             _cache(m.anatomy))
             if m.anatomy else ("?", f"({m.problem})", "", "", "", "", "", "")))
         for m in found
     ]  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         typer.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _cache(anatomy) -> str:
+    """The cache per token, and the linear layers' memory beside it: "2.0 KiB + state S: 1.1
+    MiB" (a linear layer keeps no tokens: its memory has one size)."""
+    per_token = _size(anatomy.cache_bytes_per_token)
+    if not anatomy.state_bytes:
+        return per_token
+    return f"{per_token} + state S: {_size(anatomy.state_bytes)}"
 
 
 def _size(nbytes: int) -> str:

@@ -21,6 +21,7 @@ from qkv.inspect.runs import (
     changed,
     decoder_logits,
     grid_dict,
+    head_size,
     next_tokens,
     resumed,
     run,
@@ -152,7 +153,7 @@ def ablate(
     ids = torch.tensor([encoded.ids])
     T, L, H = ids.shape[1], stack.config.num_layers, stack.config.block.num_heads
     # each head's output, per layer (DeepSeek's: its values' size; Gemma 4's by layer type)
-    values = [torch.zeros(H, block.attn.value_size) for block in stack.blocks]
+    values = [torch.zeros(H, head_size(block.attn)) for block in stack.blocks]
     if mode == "mean":
         values = mean_head_outputs(pretrained, stack, REFERENCE if reference is None else reference)
     causal = isinstance(stack, Decoder)

@@ -60,6 +60,9 @@ class LayerAnatomy:
     latent_rank: int | None = None  # latent attention: the compressed vector's size
     value_dim: int | None = None  # the value head size, where it differs from head_dim
     experts: str | None = None  # the MLP's mixture of experts, in words; None: a plain MLP
+    # a running memory instead of a softmax (linear attention), in words: "gated delta rule,
+    # per-head fade" or "gated delta rule, per-channel fade (KDA)"; None: a softmax layer
+    linear: str | None = None
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,11 @@ class Anatomy:
     attention: str = "softmax(q.k) over the words"  # how a query's weights are made, in words
     mlp: str = "dense"  # a plain MLP, or its mixture of experts in words
     # what the KV cache holds per token over every layer, in 16-bit numbers (bfloat16): keys
-    # and values, or a latent layer's compressed vectors
+    # and values, or a latent layer's compressed vectors (a linear layer's: none)
     cache_bytes_per_token: int = 0
+    # what the linear layers keep whatever the text's length, in 16-bit numbers: each head's
+    # memory S and the convolution's last inputs (`state_bytes`)
+    state_bytes: int = 0
 
 
 def _divisor(scale: float, head_dim: int) -> float | None:
@@ -105,7 +111,10 @@ def layer_anatomy(config, layer: int = 0, *, cross: bool = False) -> LayerAnatom
     if block.latent is not None:  # DeepSeek's: its query and key size, YaRN's mscale squared
         D = block.latent.qk_head_dim
         scale = block.latent.scale or softmax_scale(D, getattr(config, "rope_scaling", None))
-    rotary = config.position == "rotary" and not cross
+    linear = block.linear
+    if linear is not None:  # a memory read with normalized queries: no softmax, no positions
+        D, scale = linear.key_size, linear.key_size**-0.5
+    rotary = config.position == "rotary" and not cross and linear is None
     local = config.local_rope_base is not None and config.layer_type(layer) == "sliding"
     return LayerAnatomy(
         head_dim=D,
@@ -131,9 +140,24 @@ def layer_anatomy(config, layer: int = 0, *, cross: bool = False) -> LayerAnatom
         sinks=block.sinks and not cross,
         temperature=None if cross or block.temperature is None else asdict(block.temperature),
         latent_rank=None if block.latent is None else block.latent.kv_lora_rank,
-        value_dim=None if block.latent is None else block.latent.v_head_dim,
+        value_dim=_value_dim(block),
         experts=None if block.experts is None else experts_words(block.experts),
+        linear=None if linear is None else linear_words(linear),
     )
+
+
+def _value_dim(block) -> int | None:
+    if block.linear is not None:
+        size = block.linear.value_size
+        return None if size == block.linear.key_size else size
+    return None if block.latent is None else block.latent.v_head_dim
+
+
+def linear_words(linear) -> str:
+    """A linear layer's rule in a few words: "gated delta rule, per-head fade", or
+    "gated delta rule, per-channel fade (KDA)"."""
+    fade = "per-head fade" if linear.fade == "head" else "per-channel fade (KDA)"
+    return f"gated delta rule, {fade}"
 
 
 def experts_words(experts) -> str:
@@ -155,10 +179,12 @@ def anatomy(config) -> Anatomy:
     stack = config.decoder() if pair else config
     shape = "encoder-decoder" if pair else "decoder" if isinstance(config, DecoderConfig) else (
         "encoder")  # fmt: skip
-    first = layer_anatomy(stack, 0)
+    # the scores are the softmax layers': the first of them, beside any linear layers
+    layers = range(_layers(stack))
+    first = layer_anatomy(stack, next((n for n in layers if stack.layer_type(n) != "linear"), 0))
     return Anatomy(shape, _positions(stack, first), _norms(stack, first),
                    _window(stack, first), _scores(first), _attention(stack), _mlp(stack),
-                   cache_bytes_per_token(config))  # fmt: skip
+                   cache_bytes_per_token(config), state_bytes(config))  # fmt: skip
 
 
 def _layers(config) -> int:
@@ -170,6 +196,10 @@ def _attention(config) -> str:
     temperatures, latent keys and values."""
     parts, L = [], _layers(config)
     block = config.block
+    if block.linear is not None:
+        linear = sum(config.layer_type(i) == "linear" for i in range(L))
+        parts.append(f"linear ({linear_words(block.linear)}) in {linear} of {L} layers, a "
+                     "running memory instead of a softmax")  # fmt: skip
     if block.latent is not None:
         c = block.latent
         parts.append(f"latent keys and values (one {c.kv_lora_rank}-number vector per token, "
@@ -223,11 +253,25 @@ def cache_bytes_per_token(config, element_size: int = 2) -> int:
         shares = getattr(config, "shares_with", None)  # Gemma 4: a sharing layer caches none
         if shares is not None and shares(layer) is not None:
             continue
+        if block.linear is not None:  # a memory of fixed size: see state_bytes
+            continue
         if block.latent is not None:
             total += block.latent.kv_lora_rank + block.latent.qk_rope_head_dim
         else:
             total += 2 * block.kv_heads * block.head_size
     return total * element_size
+
+
+def state_bytes(config, element_size: int = 2) -> int:
+    """Bytes the decoder's linear layers keep for one sequence, whatever its length, at
+    `element_size` bytes a number: each head's memory S (Dk x Dv) and the convolution's last
+    inputs (`DeltaConfig.state_bytes` numbers a layer). 0 without linear layers."""
+    if isinstance(config, EncoderDecoderConfig):
+        config = config.decoder()
+    if not isinstance(config, DecoderConfig):
+        return 0
+    blocks = (config.block_for(layer) for layer in range(config.num_layers))
+    return sum(b.linear.state_bytes for b in blocks if b.linear is not None) * element_size
 
 
 def _positions(config, a: LayerAnatomy) -> str:

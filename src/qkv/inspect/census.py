@@ -13,6 +13,10 @@ out: in a decoder it can attend to nothing but itself):
 - window_use (layers with a sliding window only): the mean distance |i - j| the weight goes,
   as a share of the farthest key the query could see (1: all on the farthest key).
 
+A linear layer (a running memory, no softmax: `qkv.attention.linear`) has effective weights,
+signed and not summing to 1: its scores are read on each row's shares of the absolute
+effective weight, |w| / sum |w| (`shares`), and `effective` marks those layers.
+
 `rollout` and `flow` are Abnar and Zuidema's (2020) "Quantifying Attention Flow in
 Transformers": how much each output token draws on each input token across all layers.
 
@@ -68,11 +72,23 @@ class Census(Shown):
     entropy: Tensor  # (L, H) mean row entropy, nats
     windows: list[int | None]  # each layer's sliding window, None for a full layer
     window_use: list[Tensor | None]  # per layer (H,) for windowed layers, else None
+    # per layer, True where its scores are read on effective weights (linear attention): shares
+    # of each row's absolute effective weight, |w| / sum |w|, not a softmax's weights
+    effective: list[bool] | None = None
 
     @property
     def sink_per_layer(self) -> Tensor:
         """(L,) each layer's first-token mass, the mean over its heads."""
         return self.first_token.mean(1)
+
+    def effective_words(self) -> str | None:
+        """Which layers' scores are read on effective weights, in words; None where none."""
+        layers = [n for n, linear in enumerate(self.effective or []) if linear]
+        if not layers:
+            return None
+        named = ", ".join(str(n) for n in layers)
+        return (f"layer{'s' if len(layers) > 1 else ''} {named}: effective weights (linear "
+                "attention), scores read on each row's shares |w| / sum |w|")  # fmt: skip
 
     def scores(self, name: str) -> Tensor:
         """One score's (L, H) grid; window_use is NaN in layers without a window."""
@@ -120,6 +136,7 @@ class Census(Shown):
                 "entropy": self.entropy.tolist(),
                 "window_use": [None if use is None else use.tolist() for use in self.window_use],
             },
+            "effective_weights": list(self.effective or [False] * L),
             "first_token_per_layer": self.sink_per_layer.tolist(),
             "top": {
                 name: [{"layer": lh[0], "head": lh[1], "score": lh[2]} for lh in self.top(name, k)]
@@ -206,14 +223,16 @@ def census_of(
     use_counts = torch.zeros(L, H, dtype=torch.float64)
     queries = 0  # how many queries i >= 1 the prompts have
     windows: list[int | None] = [None] * L
+    effective = [False] * L
     with torch.inference_mode():
         for i, ids in enumerate(prompts):
             ids = torch.as_tensor(ids).reshape(1, -1)  # (1, T)
             if ids.shape[1] < 2:
                 raise ValueError(f"prompt {i} has {ids.shape[1]} token; give 2 or more")
             for layer, record in _records(stack, ids).items():
-                W = record.weights().double()  # (1, H, T, T)
+                W = _weights(record)  # (1, H, T, T)
                 windows[layer] = record.window
+                effective[layer] = record.linear is not None
                 rows = W[0, :, 1:]  # (H, T-1, T): queries 1..T-1
                 sums["previous_token"][layer] += W[0].diagonal(-1, -2, -1).sum(-1)
                 sums["first_token"][layer] += rows[..., 0].sum(-1)
@@ -226,7 +245,7 @@ def census_of(
             queries += ids.shape[1] - 1
         q = torch.arange(start + length, start + 2 * length)  # the second half's queries
         for layer, record in _records(stack, repeated).items():
-            W = record.weights().double()  # (B, H, T, T)
+            W = _weights(record)  # (B, H, T, T)
             sums["induction"][layer] = W[:, :, q, q - length + 1].mean((0, 2))
     scores = {name: sums[name] / queries for name in SCORES if name != "induction"}
     # a window of 1 lets each query see only itself: no distance to use, so None as well
@@ -245,7 +264,27 @@ def census_of(
         entropy=scores["entropy"],
         windows=windows,
         window_use=use,
+        effective=effective,
     )
+
+
+def shares(weights: Tensor) -> Tensor:
+    """Each row's shares of its absolute weight, |w| / sum |w| (a row of zeros stays zeros):
+    how a census reads a linear layer's signed effective weights.
+
+    >>> shares(torch.tensor([[0.5, -1.5, 0.0]])).tolist()
+    [[0.25, 0.75, 0.0]]
+    """
+    size = weights.abs()
+    total = size.sum(-1, keepdim=True)
+    return torch.where(total > 0, size / total.clamp(min=torch.finfo(size.dtype).tiny), 0.0)
+
+
+def _weights(record) -> Tensor:
+    """A record's weights (B, H, T, T) float64; a linear layer's as `shares` of its effective
+    weights."""
+    W = record.weights().double()
+    return shares(W) if record.linear is not None else W
 
 
 def _records(stack, ids: Tensor) -> dict:
@@ -390,5 +429,12 @@ def text_rollout(pretrained, text: str, *, with_flow: bool = True) -> TextRollou
                 "most (ask for rollout alone above that)"
             )
     seen = pretrained.attentions(text)  # (L, H, T, T) weights
+    for layer, record in sorted(seen.records.items()):
+        if record.linear is not None:
+            raise ValueError(
+                f"rollout and flow read each layer's weights as shares that sum to 1; layer "
+                f"{layer} keeps a running memory (linear attention), whose effective weights are "
+                "signed and sum to anything"
+            )
     weights = seen.weights
     return TextRollout(seen.tokens, rollout(weights), flow(weights) if with_flow else None)

@@ -8,8 +8,10 @@ asks whether its senses still separate.
 Each question is asked of the model itself, through `Edit`s its layers apply in their own
 forward pass (`qkv.nn.edit`): a hidden pair joins the layer's mask, so the softmax
 renormalizes over the remaining keys exactly as for padding, on whichever backend the
-model runs. A table over every (layer, head) reuses one clean forward and runs the heads of
-a layer side by side (`qkv.inspect.runs`).
+model runs. In a linear layer (a running memory, no softmax) a hidden key is not written into
+the memory the query reads: its write strength is 0 there, exactly. A table over every
+(layer, head) reuses one clean forward and runs the heads of a layer side by side
+(`qkv.inspect.runs`).
 
 Everything runs under `torch.inference_mode` and leaves the model as it was.
 """
@@ -32,6 +34,7 @@ from qkv.inspect.runs import (
     decoder_logits,
     grid_dict,
     layers_heads,
+    linear_layers,
     next_tokens,
     resumed,
     run,
@@ -174,13 +177,22 @@ def hide(
     start = 0
     if causal:
         start = query_span[0] if query_span is not None else min(s for s, _ in key_spans)
+    linear = set(linear_layers(stack)) & set(layers)
+    if linear:  # a memory after the prefix holds every key written there: start at the keys
+        start = min(s for s, _ in key_spans)
+
+    def edit(layer: int, hidden: Tensor) -> Edit:
+        """hidden (rows, H, T - start, T): a linear layer's memory continues from the prefix's,
+        which no key of the prefix is hidden from, so it reads the new tokens' columns only."""
+        return Edit(hide=hidden[:, :, :, start:] if layer in linear else hidden)
+
     with torch.inference_mode():
         clean_run = run(stack, ids)
         for layer in layers if table else []:
             for part in batches(len(heads), H * (T - start) * T):
                 chosen = heads[part]
                 hidden = torch.cat([hide_mask(T, H, key_spans, query_span, [h]) for h in chosen])
-                edits = {layer: Edit(hide=hidden[:, :, start:])}
+                edits = {layer: edit(layer, hidden[:, :, start:])}
                 states = resumed(stack, clean_run, layer, edits, len(chosen), start)
                 effect[layer, chosen], distance[layer, chosen] = measure(states)
                 if by_head is not None:
@@ -189,7 +201,7 @@ def hide(
                     top = int(clean.argmax())
                     by_head[layer, chosen] = logprobs[:, top] - clean[top]
         everywhere = hide_mask(T, H, key_spans, query_span, heads)[:, :, start:]
-        edits = {layer: Edit(hide=everywhere) for layer in layers}
+        edits = {layer: edit(layer, everywhere) for layer in layers}
         states = resumed(stack, clean_run, min(layers), edits, 1, start)
         total, total_distance = measure(states)
         after = decoder_logits(stack, states[0, position]) if causal else None

@@ -7,9 +7,10 @@ through its final norm and its LM head. The *logit lens* sends every intermediat
 next tokens each depth already points at. *Direct logit attribution* splits the final
 logit of one token into one term per part: the embeddings, each head of each layer (its
 output through its slice of the output projection), each layer's attention bias, each
-layer's MLP, and what the final norm adds itself. The norm is not linear; its scale is
-frozen at the value it takes on the final stream (the standard attribution), so that the
-terms add up to the model's own logit.
+layer's MLP, and what the final norm adds itself (a linear layer's head: its read of the
+memory after the layer's gated norm, which is what the output projection reads). The norm
+is not linear; its scale is frozen at the value it takes on the final stream (the standard
+attribution), so that the terms add up to the model's own logit.
 
 >>> import qkv
 >>> result = lens(qkv.load("smollm2"), "The capital of France is")
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, DecoderOutput
 from qkv.nn import RMSNorm
+from qkv.nn.delta import GatedDeltaNet
 from qkv.views import Shown
 
 
@@ -301,7 +303,7 @@ def attribute_logit(
     biases = torch.zeros(L, dtype=torch.float64)
     mlps = torch.zeros(L, dtype=torch.float64)
     for layer, block in enumerate(model.blocks):
-        head_out = out.records[layer].out[0, :, position].double()  # (H, D)
+        head_out = _head_outputs(block, out.records[layer], out.hidden_states[layer], position)
         W_o = block.attn.out.weight.double()  # (C, H*D)
         read = (W_o.T @ direction).view(H, -1)  # (H, D): each head's slice, read out
         heads[layer] = (head_out * read).sum(-1)
@@ -320,6 +322,18 @@ def attribute_logit(
         heads=heads, attention_bias=biases, mlps=mlps, remainder=remainder,
         remainder_explicit=explicit, norm_scale=scale,
     )  # fmt: skip
+
+
+def _head_outputs(block, record, x: Tensor, position: int) -> Tensor:
+    """(H, D) float64: what each head gives the output projection at `position`. A softmax
+    layer's record keeps it; a linear layer's keeps each head's read of its memory, which
+    is RMS-normalized and gated by the layer's input first (x (1, T, C): the block's input)."""
+    if not isinstance(block.attn, GatedDeltaNet):
+        return record.out[0, :, position].double()
+    h = block.sublayer_input(x, block.attn_norm)  # what the layer read
+    # the layer's own gated norm on its own read: the projection's input, (1, T, H, Dv)
+    gated = block.attn._gated(record.out, h)
+    return gated[0, position].double()
 
 
 def _readout(model: Decoder, final: Tensor, token_id: int) -> tuple[Tensor, float, float]:

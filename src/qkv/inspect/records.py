@@ -55,7 +55,11 @@ def why_not_redone(
 
 def _late_rule(record) -> str | None:
     """What a record's layer does that no reader of q, k, v redoes: a learned sink, chunks,
-    a temperature per query (each is in the record's own `weights()` and `steps()`)."""
+    a temperature per query, a running memory instead of a softmax (each is in the record's own
+    `weights()` and `steps()`)."""
+    if getattr(record, "linear", None) is not None:
+        return ("keeps a running memory (linear attention): its weights are effective weights, "
+                "what the query reads of each value, not a softmax of q k^T")  # fmt: skip
     if getattr(record, "sinks", None) is not None:
         return "gives part of each query's weight to a learned sink"
     if getattr(record, "chunk", None) is not None:

@@ -23,6 +23,7 @@ from qkv.attention.inputs import check_indices
 from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, Encoder, self_attention_stack
 from qkv.nn.attention import KVCache
+from qkv.nn.delta import GatedDeltaNet
 from qkv.nn.edit import Edits
 
 # the most (rows x heads x queries x keys) mask elements one batched run builds (64 Mi
@@ -105,6 +106,17 @@ def resumed(stack, clean: Run, layer: int, edits: Edits, rows: int, start: int =
     after = stack(ids, edits=edits, resume=(layer, x), cache=cache, logits=False).hidden
     before = clean.states[None, :start].expand(rows, -1, -1)
     return torch.cat([before, after], dim=1)
+
+
+def linear_layers(stack) -> list[int]:
+    """The layers that keep a running memory (linear attention) instead of a softmax."""
+    return [n for n, block in enumerate(stack.blocks) if isinstance(block.attn, GatedDeltaNet)]
+
+
+def head_size(attn) -> int:
+    """The size of each head's output, as the layer's record keeps it: its values' (a linear
+    layer's: each head's read of its memory, before the gated norm)."""
+    return attn.config.value_size if isinstance(attn, GatedDeltaNet) else attn.value_size
 
 
 def batches(count: int, per_row: int) -> Iterator[slice]:

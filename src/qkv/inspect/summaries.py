@@ -155,11 +155,24 @@ def chunk_weights(
     s = record.shape
     if s.B != 1:
         raise ValueError(f"the record holds {s.B} texts; summaries are of one text (B = 1)")
+    _refuse_linear(record, "summaries")
     for start in range(0, s.Tq, chunk):
         stop = min(start + chunk, s.Tq)
         # a causal query i sees keys up to i + Tk - Tq: the chunk's last query sees the most
         keys = min(s.Tk, stop + s.Tk - s.Tq) if record.causal else s.Tk
         yield start, rows_of(record, start, stop, keys=keys).weights(heads)[0]
+
+
+def _refuse_linear(record: AttentionRecord, what: str) -> None:
+    """A linear layer's effective weights of some query rows need every earlier write: no cut
+    of its record gives them, so a reader of rows refuses it by name."""
+    if record.linear is not None:
+        raise ValueError(
+            f"{what} of a long text read the weights a chunk of query rows at a time; this layer "
+            "keeps a running memory (linear attention), whose effective weights for a query need "
+            "every write before it: show a text of at most a few hundred tokens, or trace a pair "
+            "(qkv explain)"
+        )
 
 
 def rows_of(
@@ -196,6 +209,7 @@ def region(
     (q0, q1), (k0, k1) = (_span("queries", queries, s.Tq), _span("keys", keys, s.Tk))
     if s.B != 1:
         raise ValueError(f"the record holds {s.B} texts; a region is of one text (B = 1)")
+    _refuse_linear(record, "a region")
     parts = []
     for start in range(q0, q1, CHUNK):
         parts.append(rows_of(record, start, min(start + CHUNK, q1)).weights(heads)[0, :, :, k0:k1])

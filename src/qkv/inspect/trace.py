@@ -65,8 +65,12 @@ class Contribution:
 
     token: str
     index: int
-    weight: float  # the normalized attention weight (softmax), 0..1
-    size: float  # the norm of weight * value vector after the output projection
+    # the normalized attention weight (softmax), 0..1; in a linear layer the effective weight:
+    # what the memory returns of this word's value when the query reads it (signed, no softmax)
+    weight: float
+    # the norm of weight * value vector after the output projection; in a linear layer before
+    # it (the head's read passes a gated norm first, which needs the layer's input)
+    size: float
 
 
 @dataclass(repr=False)
@@ -126,6 +130,20 @@ class Trace(Shown):
     # the query token's mixture of experts in this layer, in words ("went to experts 3 and 7
     # (62% / 38%)"); None where the layer's MLP is a plain one
     experts: str | None = None
+    # a linear layer (qkv.attention.linear): no softmax, a running memory. Its fade, "head" (one
+    # factor per head: Gated DeltaNet) or "channel" (one per key channel: KDA); None elsewhere.
+    # `weights` are then the effective weights (signed, summing to anything)
+    linear: str | None = None
+    write_strength: float | None = None  # beta of the key word: how strongly it wrote its value
+    # what the fades of the words after the key word (up to the query word) leave of its write:
+    # the product of their g (per key channel in KDA: the mean of the channels' products)
+    fade: float | None = None
+    # the query word's query carried back to the key word's write, through every later word's
+    # fade and write, dotted with the key word's key (times the scale): the effective weight is
+    # write_strength times this
+    carried: float | None = None
+    # what the query read of a memory older than the recorded tokens (decoding after a prompt)
+    from_state: Tensor | None = None
 
     @property
     def weight(self) -> float:
@@ -152,7 +170,8 @@ def trace(
     target: str | None = None,
     attentions=None,
 ) -> Trace:
-    """The article's steps for `query` getting context from `key` in `text`.
+    """The article's steps for `query` getting context from `key` in `text`; in a linear layer
+    (a running memory, no softmax) the memory's steps, with the effective weights.
 
     layer, head: counted from 0; by default the pair where the query word attends to the
     key word most. Words are as `Encoded.find` takes them: "bank", or "bank#2".
@@ -202,6 +221,9 @@ def trace(
     check_head_outputs({layer: record}, "a trace")
     kv_head = head // record.shape.group
     steps = record.steps(head, query_index)  # the loop backend, on the layer's own q, k, v
+    if record.linear is not None:
+        return _linear_trace(pretrained, text, source, query, key, query_index, key_index,
+                             layer, head, layout, chosen, record, steps, seen)  # fmt: skip
     D = record.shape.value_size  # each head's output: its values' size
     with torch.inference_mode():
         # what each key word added, after the output projection's columns for this head
@@ -242,6 +264,67 @@ def trace(
         target=target, query_tokens=query_tokens,
         softcap=record.softcap, bias=bias, window=record.window, outside_window=outside,
         anatomy=layout.anatomy(layer), **late,
+    )  # fmt: skip
+
+
+def _linear_trace(
+    pretrained,
+    text,
+    source,
+    query,
+    key,
+    query_index,
+    key_index,
+    layer,
+    head,
+    layout,
+    chosen,
+    record,
+    steps,
+    seen,
+) -> Trace:
+    """A linear layer's trace: the memory's steps (`loop_memory.MemorySteps`) for the pair.
+    No softmax: the weights are effective weights, what the query reads of each value; a key
+    after the query (which the query's memory has not yet been written with) has weight 0."""
+    T = len(source.tokens)
+    weights = torch.zeros(T, dtype=torch.float64)
+    weights[: query_index + 1] = steps.weights
+    query_vector = record.q[0, head, query_index].double()  # (Dk,) normalized, unscaled
+    key_vector = record.k[0, head, key_index].double()
+    value_vector = record.v[0, head, key_index].double()
+    scalar = float(query_vector @ key_vector)
+    written = key_index <= query_index
+    pair = steps.pairs[key_index] if written else None
+    beta = None if pair is None else float(pair.write_strength)
+    fade = None
+    if pair is not None:
+        later = [p.fade for p in steps.pairs[key_index + 1 :]]
+        fade = float(torch.stack(later).prod(0).mean()) if later else 1.0
+    carried = None
+    if pair is not None and beta != 0:
+        carried = float(pair.effective_weight) / beta
+    contributions = [
+        Contribution(source.tokens[p.key_index], p.key_index, float(p.effective_weight),
+                     float(p.scaled_value_vector.norm()))
+        for p in steps.pairs
+    ]  # fmt: skip
+    found = getattr(seen, "experts", {}).get(layer)
+    fades = record.linear.decay.dim() == 4  # (B, H, T, Dk): one fade per key channel
+    return Trace(
+        source=pretrained.source, text=text, tokens=list(source.tokens), query=query, key=key,
+        query_index=query_index, key_index=key_index, layer=layer, head=head, kv_head=head,
+        num_layers=layout.num_layers, num_heads=record.shape.H, num_kv_heads=record.shape.H,
+        head_dim=record.shape.D, width=layout.width, causal=True, chosen=chosen,
+        query_vector=query_vector, key_vector=key_vector, attention_scalar=scalar,
+        scale=record.scale, scaled_scalar=scalar * record.scale, score=scalar * record.scale,
+        weights=weights.float(), value_vector=value_vector,
+        scaled_value_vector=weights[key_index] * value_vector,
+        contextualized=steps.contextualized, model_output=record.out[0, head, query_index].double(),
+        masked=not written or not pair.allowed, contributions=contributions,
+        anatomy=layout.anatomy(layer),
+        experts=None if found is None else found.describe(0, query_index),
+        linear="channel" if fades else "head", write_strength=beta, fade=fade, carried=carried,
+        from_state=None if record.linear.state is None else steps.from_state,
     )  # fmt: skip
 
 

@@ -185,7 +185,11 @@ def census_lines(census: Census, k: int = 5) -> str:
     mass (the mean over its heads) with a bar."""
     L, H = census.previous_token.shape
     lines = [f"{census.source}: {L} layers x {H} heads (counted from 0), each score the mean "
-             "over queries i >= 1", "", "top heads, as L(ayer) H(ead) score:"]  # fmt: skip
+             "over queries i >= 1"]  # fmt: skip
+    effective = census.effective_words()
+    if effective is not None:
+        lines.append(effective)
+    lines += ["", "top heads, as L(ayer) H(ead) score:"]
     width = max(len(text) for text in _MEANING.values())
     for name in SCORES:
         top = census.top(name, k)

@@ -76,6 +76,8 @@ def narrate(trace: Trace) -> str:
             f"                        key before   {vector(t.key_unrotated)}",
         ]
         lines += _rotary_lines(t)
+    if t.linear is not None:  # no softmax: a running memory
+        return "\n".join(lines + _linear_steps(t))
     lines += [
         f"3. Attention scalar: query . key = {t.attention_scalar:+.4f}  (how much {q} should "
         f"attend to {k})",
@@ -142,8 +144,22 @@ def roundoff(difference: float) -> str:
 
 def contributions(trace: Trace, top: int = 4) -> str:
     """Which key words added most to the query word's new vector, by two measures."""
-    by_weight = sorted(trace.contributions, key=lambda c: -c.weight)[:top]
     by_size = sorted(trace.contributions, key=lambda c: -c.size)[:top]
+    if trace.linear is not None:  # signed effective weights, a read before its gated norm
+        by_weight = sorted(trace.contributions, key=lambda c: -abs(c.weight))[:top]
+        return "\n".join(
+            [
+                f'What added most to "{trace.query}"\'s read of the memory in this head:',
+                "  by effective weight (step 4, largest first either sign): "
+                + ", ".join(f"{shown(c.token)} {c.weight:+.4f}" for c in by_weight),
+                "  by size of the scaled value vector:                     "
+                + ", ".join(f"{shown(c.token)} {c.size:.3f}" for c in by_size),
+                "  (before the read's gated norm and the output projection: no softmax, so a "
+                "weight",
+                "   may be negative, and the weights need not sum to 1)",
+            ]
+        )
+    by_weight = sorted(trace.contributions, key=lambda c: -c.weight)[:top]
     return "\n".join(
         [
             f'What added most to "{trace.query}" in this head:',
@@ -162,8 +178,13 @@ def heads_and_layers(trace: Trace) -> str:
     t = trace
     Dv = t.value_vector.numel()  # each head's output: its values' size (usually head_dim)
     residual = _residual_words(t)
+    gated = [] if t.linear is None else [
+        "Each head's read of its memory is first RMS-normalized and multiplied by a gate made "
+        "from the word's vector."
+    ]  # fmt: skip
     return "\n".join(
         [
+            *gated,
             f"Several heads: this is head {t.head} of {t.num_heads}. Each head runs the same "
             "steps with its own",
             f"matrices; their {Dv}-number outputs are concatenated into {t.num_heads} x "
@@ -331,3 +352,72 @@ def _residual_words(t: Trace) -> str:
         "Several layers: that vector is added to the token's input (the residual), "
         "normalized, passed\nthrough an MLP,"
     )
+
+
+def _linear_steps(t: Trace) -> list[str]:
+    """Steps 3-7 in a linear layer: no score and no softmax; each word writes its value into a
+    running memory under its key, the query reads the memory, and what it reads of each value
+    is the key word's effective weight."""
+    q, k, w = f'"{t.query}"', f'"{t.key}"', t.weight
+    fade = "one fade per head" if t.linear == "head" else "one fade per key channel (KDA)"
+    lines = [
+        "   Linear attention mixes each token's query, key and value with the few tokens' "
+        "before it (a short",
+        "   causal convolution, then SiLU), and scales each query and key to length 1 (L2): "
+        "query . key is a cosine.",
+        f"3. No softmax here: this layer keeps a running memory (linear attention, the gated "
+        f"delta rule, {fade}).",
+        "   Word by word, every earlier memory fades, then the word writes its value into the "
+        "memory under its key",
+        "   (what the memory already held under that key is replaced, in the share the write "
+        f"strength says); {q}'s query",
+        "   reads the memory once. Query . key = "
+        f"{t.attention_scalar:+.4f}, times {t.scale:.6g} (1/sqrt({t.head_dim})) = "
+        f"{t.scaled_scalar:+.4f}, is not a score:",
+        f"   no softmax reads it. What {q} gets of {k}'s value depends on every write between "
+        "them.",
+    ]
+    if t.masked and t.key_index > t.query_index:
+        lines.append(f"   {k} comes after {q}: the memory {q} reads holds nothing of it yet, so "
+                     "its weight is 0.")  # fmt: skip
+    elif t.masked:
+        lines.append(f"   The mask hides {k} from {q}: it is not written into the memory {q} "
+                     "reads, so its weight is 0.")  # fmt: skip
+    else:
+        later = t.query_index - t.key_index
+        lines.append(f"   {k} wrote its value with strength {t.write_strength:.4f}; the fades of "
+                     f"the {later} words after it leave {percent(t.fade)} of it,")  # fmt: skip
+        lines.append("   and their own writes under keys like it replace part of what remains:")
+        if t.carried is not None:
+            lines.append(f"   {q}'s query, carried back through them to {k}'s write, meets its "
+                         f"key at {t.carried:+.4f} (scaled),")  # fmt: skip
+            lines.append(f"   so {q} reads {t.write_strength:.4f} x {t.carried:+.4f} = "
+                         f"{t.weight:+.4f} of {k}'s value.")  # fmt: skip
+    row = "  ".join(f"{shown(tok)} {x:+.3f}" for tok, x in zip(t.tokens, t.weights.tolist(),
+                                                              strict=True))  # fmt: skip
+    lines += [
+        f"4. No softmax: the effective weight of {k} for {q} is {w:+.4f}, what the memory "
+        f"returns of {k}'s value",
+        f"   when {q}'s query reads it. Effective weights are signed and need not sum to 1 "
+        f"(these sum to {float(t.weights.sum()):+.4f}):",
+        f"     {row}",
+        f"5. Value vector: {k}'s vector times the value matrix:",
+        f"     {vector(t.value_vector)}",
+        f"6. Scaled value vector: the value vector times its effective weight {w:+.4f}:",
+        f"     {vector(t.scaled_value_vector)}",
+        f"7. The sum of the {t.query_index + 1} scaled value vectors up to {q} is what {q}'s "
+        "query reads of the memory",
+    ]
+    if t.from_state is not None:
+        lines.append(f"   (plus {vector(t.from_state)}, what it reads of the memory the "
+                     "earlier tokens left)")  # fmt: skip
+    lines += [
+        f"   in this head: {vector(t.contextualized)}",
+        f"   The model's own read for this head and word: {vector(t.model_output)}",
+        f"   ({roundoff((t.contextualized - t.model_output).abs().max().item())}: "
+        "the walk-through is the model's computation).",
+    ]
+    if t.experts is not None:
+        lines.append(f"   After attention, {q}'s MLP in this layer is a mixture of experts: it "
+                     f"{t.experts}.")  # fmt: skip
+    return lines

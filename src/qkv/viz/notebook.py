@@ -28,7 +28,7 @@ import torch
 from qkv.viz import escape
 from qkv.viz.generation import render_generation_page
 from qkv.viz.heatmap import head_heatmap
-from qkv.viz.page import attention_page
+from qkv.viz.page import attention_page, drawn_weights
 from qkv.viz.report import strongest_head
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
@@ -64,7 +64,7 @@ def attentions_html(seen) -> str:
     allow (`qkv.inspect.records.why_not_redone`), a clicked pair's steps; cross-attention's page
     has the target's tokens down and the source's across. A page too large for a notebook
     output shows the strongest head as a PNG (cross-attention: as a table)."""
-    weights = seen.weights  # (L', H', Tq, Tk)
+    weights = drawn_weights(seen)[0]  # (L', H', Tq, Tk); linear layers' as shares of |w|
     if seen.query_tokens is not None:
         return _cross_html(seen, weights)
     page = attention_page(seen, title=f"Attention: {cut(seen.encoded.text, 60)}",
@@ -162,9 +162,21 @@ def trace_html(found) -> str:
     if found.masked:
         why = " (hidden by the layer's mask" + (", outside its window)" if found.outside_window
                                                  else ")")  # fmt: skip
+    if found.linear is not None:  # no softmax: a running memory's effective weight
+        rows[2] = ("3", "scalar", "Dot product of the query and key vectors (both of length 1); "
+                   "no softmax reads it in this layer, which keeps a running memory (linear "
+                   "attention)", number_cell(found.attention_scalar))  # fmt: skip
+        if found.write_strength is not None:
+            rows.append(("", "write", f"{k} writes its value into the memory under its key with "
+                         "this strength", number_cell(found.write_strength)))  # fmt: skip
+        rows.append(("4", "weight", f"No softmax: the effective weight of {k} for {q}, what "
+                     f"the memory returns of {k}'s value when {q}'s query reads it (signed; the "
+                     "weights need not sum to 1)", number_cell(found.weight)))  # fmt: skip
+    else:
+        rows.append(("4", "weight", f"Softmax over every key word: the weight of {k} for "
+                     f"{q}{why}", number_cell(found.weight, shown=f"{100 * found.weight:.2f}% "
+                                              f"({found.weight:.6g})")))  # fmt: skip
     rows += [
-        ("4", "weight", f"Softmax over every key word: the weight of {k} for {q}{why}",
-         number_cell(found.weight, shown=f"{100 * found.weight:.2f}% ({found.weight:.6g})")),
         ("5", "value", f"Value vector of {k} (its embedding times the value matrix)",
          _vector(found.value_vector)),
         ("6", "scaled-value", "Scaled value vector: the weight times the value vector",
@@ -186,14 +198,18 @@ def trace_html(found) -> str:
     shown = found.text if found.target is None else f"{found.text} \u2192 {found.target}"
     weights = [float(w) for w in found.weights]
     keys = found.tokens
-    top = sorted(range(len(weights)), key=lambda i: -weights[i])[:8]
+    top = sorted(range(len(weights)), key=lambda i: -abs(weights[i]))[:8]
+    signed = found.linear is not None  # effective weights: signed, any size
+    most = max((abs(weights[i]) for i in top), default=1.0) or 1.0 if signed else 1.0
     row = "".join(
         f'<tr data-key="{i}"><td class="text">{escape.text(keys[i])} ({i})</td>'
-        f'<td data-value="{weights[i]!r}">{100 * weights[i]:.2f}%</td>'
-        f'<td class="text"><span class="bar" style="width:{120 * weights[i]:.1f}px"></span></td>'
-        "</tr>"
+        f'<td data-value="{weights[i]!r}">'
+        f"{f'{weights[i]:+.4f}' if signed else f'{100 * weights[i]:.2f}%'}</td>"
+        f'<td class="text"><span class="bar{" negative" if weights[i] < 0 else ""}" '
+        f'style="width:{120 * abs(weights[i]) / most:.1f}px"></span></td></tr>'
         for i in top
     )
+    kind = "effective weights (linear attention)" if signed else "weights"
     return wrapped(
         f"<h4>{q} gets context from {k}: {where}, counted from 0{chosen}</h4>"
         f"<p>{escape.text(found.source)} ({found.num_layers} layers x {found.num_heads} heads, D = "
@@ -201,7 +217,7 @@ def trace_html(found) -> str:
         f"<i>{escape.text(cut(shown, 120))}</i></p>"
         f'<table class="steps"><tr><th>step</th><th class="text">the article</th>'
         f"<th>the model's numbers</th></tr>{body}</table>"
-        f"<h4>{q}'s weights in this head, the largest first</h4>"
+        f"<h4>{q}'s {kind} in this head, the largest first</h4>"
         f'<table class="row">{row}</table>'
     )
 

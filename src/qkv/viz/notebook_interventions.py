@@ -142,6 +142,9 @@ def census_html(found) -> str:
     colored cells, the top heads first."""
     L, H = found.previous_token.shape
     parts = [f"<h4>{escape.text(found.source)}: {L} layers x {H} heads, counted from 0</h4>"]
+    effective = found.effective_words()
+    if effective is not None:
+        parts.append(f'<p class="effective">{escape.text(effective)}</p>')
     for name in SCORES:
         grid = found.scores(name)
         if bool(grid.isnan().all()):

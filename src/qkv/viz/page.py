@@ -16,6 +16,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from torch import Tensor
+
+from qkv.inspect.census import shares
 from qkv.inspect.records import why_not_redone
 from qkv.io.files import write_atomically
 from qkv.viz.page_vectors import page_trace
@@ -46,6 +49,10 @@ def attention_page(
     made without them. title, text, head and query as `render_page` takes them.
     """
     cross = seen.query_tokens is not None
+    weights, effective = drawn_weights(seen)
+    if effective is not None:
+        extra = {**(subset_note(seen) or {} if extra is None else extra),
+                 "effective weights": effective}  # fmt: skip
     scale = _one_scale(seen)
     vectors = scores = None
     if trace and scale is not None and why_not_redone(seen.records, cross=cross) is None:
@@ -58,10 +65,10 @@ def attention_page(
         title=title, text=text, extra=subset_note(seen) if extra is None else extra, head=head,
         query=query, causal=seen.causal, query_tokens=seen.query_tokens,
     )  # fmt: skip
-    page = render_page(seen.weights, seen.pieces, vectors=vectors, scale=scale, scores=scores,
+    page = render_page(weights, seen.pieces, vectors=vectors, scale=scale, scores=scores,
                        **common)  # fmt: skip
     if max_bytes is not None and len(page) > max_bytes and vectors is not None:
-        page = render_page(seen.weights, seen.pieces, **common)  # the weights alone, then
+        page = render_page(weights, seen.pieces, **common)  # the weights alone, then
     return page
 
 
@@ -76,8 +83,27 @@ def write_attention_page(out: str | Path, seen, **options) -> Path:
         return out
     check_new_folder(out)
     page = attention_page(seen, **options)
-    return report_folder(out, page, seen.weights, seen.pieces, head=options.get("head"),
+    return report_folder(out, page, drawn_weights(seen)[0], seen.pieces, head=options.get("head"),
                          query_tokens=seen.query_tokens)  # fmt: skip
+
+
+def drawn_weights(seen) -> tuple[Tensor, str | None]:
+    """The weights a picture of `seen` draws (L', H', Tq, Tk), each between 0 and 1, and the
+    words that say where they are not a softmax's (None where every layer's are): a linear
+    layer's effective weights are signed and sum to anything, so it is drawn as each row's
+    shares of its absolute effective weight, |w| / sum |w|, as the census reads it."""
+    linear = [i for i, n in enumerate(seen.layers) if seen.records[n].linear is not None]
+    if not linear:
+        return seen.weights, None
+    weights = seen.weights.clone()
+    weights[linear] = shares(weights[linear].double()).to(weights.dtype)
+    named = ", ".join(str(seen.layers[i]) for i in linear)
+    return weights, (
+        f"layer{'s' if len(linear) > 1 else ''} {named} keep a running memory (linear "
+        "attention), with no softmax: drawn as each row's shares of the absolute effective "
+        "weight, |w| / sum |w|; the signed effective weights are in the records' weights() and "
+        "qkv explain"
+    )
 
 
 def subset_note(seen) -> dict | None:

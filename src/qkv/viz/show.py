@@ -24,7 +24,7 @@ from qkv.inspect.summaries import region as region_of
 from qkv.inspect.summaries import summarize
 from qkv.models import Decoder, Encoder
 from qkv.viz.long import downsampled_grid, downsampled_heatmap, summary_page
-from qkv.viz.page import write_attention_page
+from qkv.viz.page import drawn_weights, write_attention_page
 
 LONG = 512  # tokens beyond which `show` draws summaries rather than every weight
 
@@ -58,20 +58,21 @@ def draw_attention(
     if region is not None or max(len(seen.tokens), len(seen.query_tokens or ())) > LONG:
         _draw_long(seen, out, name, text, layers, heads, layer, head, region)
         return
-    L, H = seen.weights.shape[:2]
+    weights = drawn_weights(seen)[0]  # a linear layer's as shares of |effective weight|
+    L, H = weights.shape[:2]
     for what, value, most in (("layer", layer, L), ("head", head, H)):
         if value is not None:
             check_indices(what, [value], most, name)
     chosen = (layer or 0, head or 0) if layer is not None or head is not None else None
     if out.suffix.lower() == ".png" and (layers or heads):
-        viz.model_view(seen.weights, seen.pieces, out,
+        viz.model_view(weights, seen.pieces, out,
                        layers=parse_indices(layers, "layers", L, name),
                        heads=parse_indices(heads, "heads", H, name),
                        query_tokens=seen.query_tokens)  # fmt: skip
     elif out.suffix.lower() == ".png":
         lh = chosen or (0, 0)
         kind = " cross-attention" if cross else ""
-        viz.head_heatmap(seen.weights[lh], seen.pieces, out,
+        viz.head_heatmap(weights[lh], seen.pieces, out,
                          title=f"{name}{kind} L{lh[0]} H{lh[1]}",
                          query_tokens=seen.query_tokens)  # fmt: skip
     else:  # a page, which traces a clicked pair from the q, k, v vectors
