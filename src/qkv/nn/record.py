@@ -38,6 +38,7 @@ from qkv.attention.inputs import (
     with_chunks,
     with_window,
 )
+from qkv.nn.compressed_keys import CompressedKeys
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,6 +57,8 @@ class AttentionRecord:
     are Dv wide where the layer's values differ in size from its keys (latent attention).
     made (H, Tq, Tk): every head's weights, where the layer was asked to make them with its
     output (one sequence, `MultiHeadAttention`'s record=tensor); `weights` then reads them.
+    compressed: where some keys are compressed entries (DeepSeek-V4), which are words and which
+    entries, and what chose and made each (`CompressedKeys`: `on_words`, `why_zero`).
     """
 
     q: Tensor
@@ -83,6 +86,7 @@ class AttentionRecord:
     # latent attention with absorption (DeepSeek's decoding): q, k and v are the latent ones,
     # and `out` each head's attended latent vector, before its W_uv makes the head's output
     absorbed: bool = False
+    compressed: CompressedKeys | None = None
 
     @property
     def shape(self) -> Shape:
@@ -92,7 +96,8 @@ class AttentionRecord:
     @property
     def plain(self) -> bool:
         """Whether the scores are plain scaled dot products under the causal rule or none: no
-        mask, window, chunk, soft-cap, bias, sink or temperature, no lse and no made weights."""
+        mask, window, chunk, soft-cap, bias, sink or temperature, no lse, no made weights and
+        no compressed entries."""
         return all(
             getattr(self, name) is None
             for name in (
@@ -105,6 +110,7 @@ class AttentionRecord:
                 "sinks",
                 "chunk",
                 "query_scale",
+                "compressed",
             )
         )
 
