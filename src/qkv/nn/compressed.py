@@ -289,8 +289,8 @@ class CompressedAttention(nn.Module):
             kv = torch.cat([state.keys, kv], dim=2)  # (B, 1, Tk, D)
             word_positions = torch.cat([state.positions, positions])
         if cache is not None:
-            keep = max(self.window - 1, 0)
-            cache.keys, cache.positions = kv[:, :, kv.shape[2] - keep :], word_positions[-keep:]
+            first = max(kv.shape[2] - (self.window - 1), 0)  # what a later query can see
+            cache.keys, cache.positions = kv[:, :, first:], word_positions[first:]
             cache.length += T
         distance = positions[:, None] - word_positions[None, :]  # (T, R)
         mask = ((distance >= 0) & (distance < self.window))[None, None]  # (1, 1, T, R)
