@@ -30,7 +30,8 @@ CSA, HCA, SLIDING = (
 SMALL = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, num_attention_heads=4,
              head_dim=16, q_lora_rank=24, num_experts_per_tok=2, n_routed_experts=4,
              partial_rotary_factor=0.5, o_groups=2, o_lora_rank=8, index_n_heads=8,
-             index_head_dim=12, index_topk=3, sliding_window=8, max_position_embeddings=256)  # fmt: skip
+             index_head_dim=12, index_topk=3, sliding_window=8,
+             max_position_embeddings=256)  # fmt: skip
 CASES = {
     # every attention type, hashed and top-k experts alternating, 3 streams, a clamp that bites
     "mixed": SMALL | dict(num_hidden_layers=4, layer_types=[SLIDING, CSA, HCA, CSA],

@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from qkv.io.families.checks import ConfigValueError, flag, real, whole
-from qkv.io.families.common import Family, Weight, decoder_weights, expert_weights, require
+from qkv.io.families.common import (
+    Family,
+    Weight,
+    decoder_weights,
+    expert_weights,
+    fits,
+    require,
+)
 from qkv.io.families.rotary import _scaling
 from qkv.models.deepseek_v4 import DeepseekV4Config, DeepseekV4Decoder
 from qkv.nn import BlockConfig
@@ -176,10 +183,15 @@ def config(hf: dict) -> DeepseekV4Config:
         swiglu_limit=real(hf, "swiglu_limit", 10.0, positive=True),
         mtp_layers=whole(hf, "num_nextn_predict_layers", 1, minimum=0),
         block=BlockConfig(
-            width=width, num_heads=heads, num_kv_heads=1, head_dim=head_dim, norm="rmsnorm",
-            norm_eps=real(hf, "rms_norm_eps", 1e-6, positive=True), bias=False,
+            width=width,
+            num_heads=heads,
+            num_kv_heads=1,
+            head_dim=head_dim,
+            norm="rmsnorm",
+            norm_eps=real(hf, "rms_norm_eps", 1e-6, positive=True),
+            bias=False,
             window=_given(hf, "sliding_window"),
-        ),  # fmt: skip
+        ),
     )
 
 
@@ -187,6 +199,12 @@ def hf_config(cfg: DeepseekV4Config) -> dict:
     """The config.json of a DeepSeek-V4 decoder."""
     if not isinstance(cfg, DeepseekV4Config):
         raise ValueError(f"a {NAME} config.json holds a DeepseekV4Config")
+    fits(NAME, cfg, position="rotary", embed_scale=False, lm_head_bias=False,
+         logit_softcap=None, head_scale=None, cross_attention=False, rope_scaling=None,
+         layer_types=None, local_rope_base=None, rope_layers=None, moe_layers=None,
+         block__norm="rmsnorm", block__bias=False, block__qkv_bias=None, block__kv_heads=1,
+         block__chunk=None, block__softcap=None, block__experts=None,
+         block__latent=None)  # fmt: skip
     b = cfg.block
     names = {v: k for k, v in ATTENTION.items()}
     compress: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.compress_rope_base,
@@ -226,10 +244,13 @@ def hf_config(cfg: DeepseekV4Config) -> dict:
         "rope_theta": cfg.rope_base,
         "compress_rope_theta": cfg.compress_rope_base,
         "rope_parameters": {
-            "main": {"rope_type": "default", "rope_theta": cfg.rope_base,
-                     "partial_rotary_factor": cfg.rope_dims / b.head_size},
+            "main": {
+                "rope_type": "default",
+                "rope_theta": cfg.rope_base,
+                "partial_rotary_factor": cfg.rope_dims / b.head_size,
+            },
             "compress": compress,
-        },  # fmt: skip
+        },
         "hc_mult": cfg.streams,
         "hc_sinkhorn_iters": cfg.hc_iterations,
         "hc_eps": cfg.hc_eps,
