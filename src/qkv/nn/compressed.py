@@ -31,12 +31,17 @@ from qkv.nn.rope import RopeScaling, inv_freq
 
 
 def rms(x: Tensor, eps: float, weight: Tensor | None = None) -> Tensor:
-    """x / sqrt(mean(x^2) + eps) (times the gain, in float32 as transformers' V4 norms)."""
+    """x / sqrt(mean(x^2) + eps) (times the gain), in float32 as transformers' V4 norms (float64
+    for float64 inputs)."""
+    h = x if x.dtype == torch.float64 else x.float()
     if weight is None:
-        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-    h = x.float()
+        return x * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps).to(x.dtype)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * h).to(x.dtype)
+
+
+def _precision(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Norm(nn.Module):
@@ -82,7 +87,8 @@ class InterleavedRotary(nn.Module):
         dims = cos.shape[-1]
         plain, rope = x[..., :-dims], x[..., -dims:]
         pairs = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-        turned = (rope.float() * cos + pairs.float() * sin).to(x.dtype)
+        precision = _precision(x.dtype)
+        turned = (rope.to(precision) * cos + pairs.to(precision) * sin).to(x.dtype)
         return torch.cat([plain, turned], dim=-1)
 
 
@@ -146,15 +152,17 @@ class Compressor(nn.Module):
             gate = gate[:, :usable].view(B, n, m, -1) + self.position_bias  # (B, n, m, series*D)
             if self.overlap:
                 kv, gate = self._overlapped(kv, gate, state)  # (B, n, 2m, D)
-            weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)  # (B, n, S, D)
+            # in float32 as transformers (float64 for float64 inputs)
+            precision = _precision(kv.dtype)
+            weights = gate.softmax(dim=2, dtype=precision).to(kv.dtype)  # (B, n, S, D)
             new = self.norm((kv * weights).sum(dim=2))  # (B, n, D)
             positions = (torch.arange(n, device=x.device) * m + first)[None].expand(B, -1)
             cos, sin = rotary.cos_sin(positions, new.dtype)
             new = rotary.turn(new.unsqueeze(1), cos, sin).squeeze(1)
-            coefficients = weights.float().mean(dim=-1)  # (B, n, S)
+            coefficients = weights.to(precision).mean(dim=-1)  # (B, n, S)
         else:
             new = kv.new_zeros(B, 0, D)
-            coefficients = kv.new_zeros(B, 0, self.slots, dtype=torch.float32)
+            coefficients = kv.new_zeros(B, 0, self.slots, dtype=_precision(kv.dtype))
         state.entries = new if state.entries is None else torch.cat([state.entries, new], 1)
         state.coefficients = (
             coefficients
