@@ -194,6 +194,17 @@ def test_a_padded_batch_is_refused_by_name_as_transformers_pools_padding_into_bl
         ours(path)(padded, attention_mask=mask)
 
 
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [({"hidden_states": True}, "n streams per token"), ({"positions": torch.arange(64)},
+     "positions are not taken"), ({"edits": {}}, "does not take edits")],
+)  # fmt: skip
+def test_what_the_decoder_does_not_compute_is_refused_by_name(argument, message, folders):
+    path, _ = folders("mixed")
+    with pytest.raises(ValueError, match=message):
+        ours(path)(ids_of("mixed", 1), **argument)
+
+
 def test_an_export_loads_in_transformers_with_equal_logits(folders, tmp_path):
     path, theirs = folders("mixed")
     model = ours(path)

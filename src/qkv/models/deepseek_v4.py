@@ -182,8 +182,8 @@ class DeepseekV4Decoder(Decoder):
     ) -> DecoderOutput:
         """As Decoder's, for one text or texts of one length: no padding (the compressors
         pool blocks at absolute positions, padding included, so a padded row is not the row
-        alone), no positions of the caller's own. hidden_states: every layer's streams
-        (B, T, n, C), the last collapsed and normed."""
+        alone), no positions of the caller's own, no hidden_states (between layers a token
+        is n streams, not one vector)."""
         cfg = self.config
         given = sorted(k for k, v in others.items() if v is not None and k in NOT_TAKEN)
         unknown = sorted(set(others) - set(NOT_TAKEN))
@@ -197,6 +197,10 @@ class DeepseekV4Decoder(Decoder):
                 "blocks of tokens at absolute positions, padding included, so a padded row "
                 "is not computed as the row alone; run each text on its own"
             )
+        if hidden_states:
+            raise ValueError("a DeepSeek-V4 decoder keeps n streams per token between layers "
+                             "(hyper-connections), not one vector: hidden_states are not "
+                             "given")  # fmt: skip
         offset = cache.length if cache is not None else 0
         if positions is not None:
             raise ValueError("a DeepSeek-V4 decoder places tokens after its cache itself; "
@@ -205,7 +209,7 @@ class DeepseekV4Decoder(Decoder):
         wanted = recorded_layers(layers, cfg.num_layers)
         x = self.embed(input_ids, positions)  # (B, T, C)
         streams = x.unsqueeze(2).expand(-1, -1, cfg.streams, -1).contiguous()  # (B, T, n, C)
-        out = DecoderOutput(None, x, hidden_states=[streams] if hidden_states else [])
+        out = DecoderOutput(None, x)
         for i, block in enumerate(self.blocks):
             rotary = self.rotary if cfg.attention_types[i] == "sliding" else self.compress_rotary
             streams, kept = block(streams, input_ids, rotary, positions,
@@ -213,8 +217,6 @@ class DeepseekV4Decoder(Decoder):
                                   i in wanted)  # fmt: skip
             if kept is not None:
                 out.records[i] = kept
-            if hidden_states:
-                out.hidden_states.append(streams)
         out.hidden = self.norm(self.head(streams))
         out.logits = self.project(out.hidden) if logits else None
         return out
