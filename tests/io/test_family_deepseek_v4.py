@@ -46,7 +46,7 @@ CASES = {
                                           "original_max_position_embeddings": 64}),
 }  # fmt: skip
 LENGTHS = {"mixed": 64, "wide": 180}
-PREFILL = {"mixed": 5, "wide": 100}  # then a token at a time, across the last block's end
+PREFILL = {"mixed": 18, "wide": 122}  # then a token at a time, across the last block's end
 NAMES = list(CASES)
 
 
