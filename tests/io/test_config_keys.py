@@ -232,7 +232,9 @@ def rope_of_transformers(name: str, hf: dict) -> tuple:
     """(base, kind, factor, fraction turned) of the full layers, and the sliding layers'
     base (None where they have no own), as transformers' config reads `hf`."""
     given = getattr(transformers, name).from_dict(hf).rope_parameters
-    full, local = given.get("full_attention", given), given.get("sliding_attention")
+    # DeepSeek-V4 nests its sliding layers' rotary under "main" (qkv's rope_base)
+    full = given.get("full_attention", given.get("main", given))
+    local = given.get("sliding_attention")
     fraction = full.get("partial_rotary_factor", 1.0)
     return (float(full["rope_theta"]), full.get("rope_type", "default"), full.get("factor"),
             fraction, local and float(local["rope_theta"]))  # fmt: skip

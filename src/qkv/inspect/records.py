@@ -33,6 +33,8 @@ def why_not_redone(
     assert not unknown, f"score rules are {SCORE_RULES}, not {sorted(unknown)}"
     for layer, record in sorted(records.items()):
         s = record.shape
+        if getattr(record, "compressed", None) is not None:  # its mask is the indexer's too
+            return f"layer {layer} {_late_rule(record)}"
         if record.mask is not None:
             return f"layer {layer} masks keys beyond the causal rule and the window"
         if s.B != 1:
@@ -56,10 +58,16 @@ def why_not_redone(
 def _late_rule(record) -> str | None:
     """What a record's layer does that no reader of q, k, v redoes: a learned sink, chunks,
     a temperature per query, a running memory instead of a softmax (each is in the record's own
-    `weights()` and `steps()`)."""
+    `weights()` and `steps()`), keys that are compressed entries (DeepSeek-V4's, in
+    `compressed`)."""
     if getattr(record, "linear", None) is not None:
         return ("keeps a running memory (linear attention): its weights are effective weights, "
                 "what the query reads of each value, not a softmax of q k^T")  # fmt: skip
+    compressed = getattr(record, "compressed", None)
+    if compressed is not None:
+        if compressed.chosen is not None:
+            return "attends over compressed entries chosen by an indexer"
+        return "attends over compressed entries of its words"
     if getattr(record, "sinks", None) is not None:
         return "gives part of each query's weight to a learned sink"
     if getattr(record, "chunk", None) is not None:

@@ -39,6 +39,7 @@ from qkv.attention.inputs import (
     with_window,
 )
 from qkv.attention.linear import Memory, check_rule, effective_weights
+from qkv.nn.compressed_keys import CompressedKeys
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,6 +62,8 @@ class AttentionRecord:
     memory; `weights()` gives the effective weights, `steps()` the memory's steps.
     made (H, Tq, Tk): every head's weights, where the layer was asked to make them with its
     output (one sequence, `MultiHeadAttention`'s record=tensor); `weights` then reads them.
+    compressed: where some keys are compressed entries (DeepSeek-V4), which are words and which
+    entries, and what chose and made each (`CompressedKeys`: `on_words`, `why_zero`).
     """
 
     q: Tensor
@@ -89,6 +92,7 @@ class AttentionRecord:
     # and `out` each head's attended latent vector, before its W_uv makes the head's output
     absorbed: bool = False
     linear: Memory | None = None
+    compressed: CompressedKeys | None = None
 
     @property
     def shape(self) -> Shape:
@@ -98,7 +102,8 @@ class AttentionRecord:
     @property
     def plain(self) -> bool:
         """Whether the scores are plain scaled dot products under the causal rule or none: no
-        mask, window, chunk, soft-cap, bias, sink or temperature, no lse and no made weights."""
+        mask, window, chunk, soft-cap, bias, sink or temperature, no lse, no made weights and
+        no compressed entries."""
         return all(
             getattr(self, name) is None
             for name in (
@@ -112,6 +117,7 @@ class AttentionRecord:
                 "chunk",
                 "query_scale",
                 "linear",
+                "compressed",
             )
         )
 

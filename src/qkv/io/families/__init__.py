@@ -15,6 +15,7 @@ from qkv.io.families import (
     bart,
     bert,
     deepseek,
+    deepseek_v4,
     distilbert,
     gemma,
     gemma4,
@@ -48,6 +49,7 @@ FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
 FAMILIES += [llama4.FAMILY]
 FAMILIES += [gpt_oss.FAMILY]
 FAMILIES += [deepseek.FAMILY]
+FAMILIES += [deepseek_v4.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
