@@ -176,7 +176,7 @@ def test_greedy_generation_equals_transformers(name, folders):
 
 def test_a_model_of_full_layers_only_is_refused_by_the_fast_step(folders):
     """Its output gate is what the fast step does not compute."""
-    _, family, cfg, _ = load_folder(folders("qwen3_5"), torch.float32, "eager")
+    cfg = load_folder(folders("qwen3_5"), torch.float32, "eager")[2]
     model = Decoder(replace(cfg, layer_types=("full",) * 4)).eval()
     assert "output gate" in fast_step_refusal(model, torch.device("cpu"))
 

@@ -61,15 +61,26 @@ ROUTER_INERT = ("output_router_logits", "router_aux_loss_coef")  # training only
 # the multimodal wrapper's keys of its own: text_config is read, the rest belong to images
 WRAPPER_INERT = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
                  "vision_end_token_id")  # fmt: skip
+# rotary keys of other families' spellings, which a wrapper's top level must not hold either
+OTHER_ROPE_KEYS = ("rotary_emb_base", "rotary_pct", "global_rope_theta", "local_rope_theta",
+                   "rope_local_base_freq")  # fmt: skip
 IGNORED = (r"mtp\..*", r"model\.visual\..*")  # the next-token-after-next head; the vision tower
 
 
 def text_part(hf: Mapping, family: str) -> Mapping:
     """The text model's config of a multimodal wrapper (its text_config), or hf itself. The
     wrapper's tie_word_embeddings must agree with its text model's (which ties is the text
-    model's question)."""
+    model's question); a text model's key at the wrapper's top level, which its text model
+    never reads, is refused by name."""
     if hf.get("model_type") not in ("qwen3_5", "qwen3_5_moe"):
         return hf
+    for key in (*READS, *MOE_READS, *OTHER_ROPE_KEYS, "intermediate_size"):
+        if key != "tie_word_embeddings" and hf.get(key) is not None:
+            raise ConfigValueError(
+                key,
+                f"is the {family} text model's: it belongs in "
+                "text_config (the text model does not read the wrapper's)",
+            )
     text = hf.get("text_config")
     if not isinstance(text, Mapping):
         raise ConfigValueError("text_config", f"must be an object (the {family} text model's "
