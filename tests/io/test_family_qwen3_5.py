@@ -164,6 +164,25 @@ def test_decoding_token_by_token_equals_the_full_forward(name, folders):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_the_cache_holds_transformers_memory_and_convolution_inputs(name, folders):
+    """Per linear layer and sequence, each head's memory (Dk x Dv) and the convolution's last
+    inputs: what transformers caches, whatever the text's length (`DeltaConfig.state_bytes`)."""
+    folder = folders(name)
+    model, ids = ours(folder), tokens()
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(ids, cache=cache)
+        want = theirs(folder)(ids, use_cache=True).past_key_values
+    delta = model.config.block.linear
+    assert delta.state_bytes == 4 * 8 * 6 + (2 * 16 + 24) * 3  # no T in it
+    for layer in LINEAR:
+        held, their = cache.layers[layer], want.layers[layer]
+        assert held.numel() == delta.state_bytes
+        close(held.state, their.recurrent_states[0], atol=1e-5)
+        close(held.conv, their.conv_states[0][..., -(delta.conv - 1) :], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_greedy_generation_equals_transformers(name, folders):
     folder = folders(name)
     model, ids = ours(folder), tokens(20)
