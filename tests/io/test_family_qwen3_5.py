@@ -229,6 +229,19 @@ def test_a_transformers_config_json_round_trips_through_qkv(name, folders):
     assert default.layer_types == ("linear", "linear", "linear", "full") * (default.num_layers // 4)
 
 
+@pytest.mark.parametrize("name, wrapper", [("qwen3_5", hf.Qwen3_5Config),
+                                           ("qwen3_5_moe", hf.Qwen3_5MoeConfig)])  # fmt: skip
+def test_a_multimodal_config_reads_as_its_text_config(name, wrapper):
+    config_class, _, settings = CASES[name]
+    wrapped = wrapper(text_config=settings, tie_word_embeddings=settings.get(
+        "tie_word_embeddings", False)).to_dict()  # fmt: skip
+    family = FAMILIES[name]
+    assert family_for(wrapped) is family
+    assert family.config(wrapped) == family.config(config_class(**settings).to_dict())
+    with pytest.raises(ValueError, match="rope_parameters.*belongs in text_config"):
+        family.config(wrapped | {"rope_parameters": HALF})
+
+
 def test_the_multimodal_qwen3_5_is_read_as_its_text_model(tmp_path):
     """Qwen3_5ForConditionalGeneration (the hub's Qwen3.5) on a text: qkv reads its
     text_config and model.language_model's weights, leaves the vision tower, and computes the
