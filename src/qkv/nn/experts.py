@@ -155,8 +155,8 @@ class MoE(nn.Module):
     bias: the experts have biases (gpt-oss). shared_hidden S: a shared expert, a `GatedMLP`
     of hidden size S every token goes through (DeepSeek-V3, Llama 4). shared_gate: the shared
     expert's output times sigmoid(x . w), w (C,) learned (`shared_gate`, Qwen3-Next). The
-    tensors' names and
-    shapes are in this module's docstring, with the transformers keys they are loaded from.
+    tensors' names and shapes are in this module's docstring, with the transformers keys they
+    are loaded from.
     """
 
     def __init__(
