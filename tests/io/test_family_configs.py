@@ -110,6 +110,13 @@ def _tiny_deepseek_v4() -> list[dict]:
     return [DeepseekV4Config(**case).to_dict() for case in CASES.values()]
 
 
+def _tiny_qwen3_5(name: str) -> dict:
+    from test_family_qwen3_5 import CASES
+
+    config_class, _, settings = CASES[name]
+    return config_class(**settings).to_dict()
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -151,6 +158,11 @@ ROUND_TRIPS = {
     "deepseek_v3": [FAMILY["deepseek_v3"].config(hf) for hf in _tiny_deepseek()],
     # DeepSeek-V4's, as its tiny checkpoints' configs read (more in test_family_deepseek_v4.py)
     "deepseek_v4": [FAMILY["deepseek_v4"].config(hf) for hf in _tiny_deepseek_v4()],
+    # Qwen3.5's and Qwen3-Next's, as their tiny checkpoints' read (test_family_qwen3_5.py)
+    **{
+        name: [FAMILY[name].config(_tiny_qwen3_5(name))]
+        for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+    },
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

@@ -174,3 +174,18 @@ def test_recorded_weights_of_some_heads_keep_each_heads_own_mask(mask_shape):
     torch.testing.assert_close(some, every[:, [3, 0]], rtol=0, atol=0)
     blocked = ~mask.expand(2, 4, 5, 5)
     assert (every[blocked] == 0).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_the_output_gate_scales_each_channel_of_the_heads_outputs(fused):
+    """Qwen3.5's: the concatenated heads' outputs times sigmoid(x W_g) before the projection;
+    the record's outputs are the heads' own, before the gate."""
+    torch.manual_seed(0)
+    gated = MultiHeadAttention(16, 4, num_kv_heads=2, fused_qkv=fused, output_gate=True)
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        out, record = gated(x, causal=True, record=True)
+        heads = record.out.transpose(1, 2).reshape(2, 5, 16)  # (B, T, H*D)
+        want = gated.out(heads * torch.sigmoid(gated.gate(x)))
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
+    assert MultiHeadAttention(16, 4).gate is None

@@ -16,6 +16,7 @@ from transformers import (
     Llama4TextConfig,
     MixtralConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.gemma4 import Gemma4TextConfig
@@ -24,6 +25,7 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
 from qkv.nn.experts import ExpertRecord, MoE
 from qkv.nn.routing import Routing
@@ -220,6 +222,21 @@ def gemma4() -> Pair:
     return Pair(hf, moe, lambda x: dense_of(router(x)), run)
 
 
+def qwen3_next() -> Pair:
+    """Qwen3-Next (and Qwen3.5-MoE): Qwen3-MoE's router, a shared expert gated by a sigmoid."""
+    config = Qwen3NextConfig(
+        hidden_size=C, moe_intermediate_size=HIDDEN, num_experts=E, num_experts_per_tok=K,
+        shared_expert_intermediate_size=12, norm_topk_prob=True,
+    )  # fmt: skip
+    hf = Qwen3NextSparseMoeBlock(eager(config))
+    noise(hf)
+    routing = Routing(E, K, weights_dtype="input")
+    moe = MoE(C, HIDDEN, routing, shared_hidden=12, shared_gate=True)
+    load(moe, {"router.weight": hf.gate.weight, "shared_gate.weight": hf.shared_expert_gate.weight,
+               **stacked(hf.experts), **shared(hf.shared_expert)})  # fmt: skip
+    return Pair(hf, moe, lambda x: dense_of(hf.gate(x)))
+
+
 def eager(config):
     """transformers' own loop over the experts, the one a CPU runs."""
     config._experts_implementation = "eager"
@@ -234,6 +251,7 @@ FAMILIES = {
     "deepseek_v3": deepseek_v3,
     "llama4": llama4,
     "gemma4": gemma4,
+    "qwen3_next": qwen3_next,
 }
 
 
@@ -324,7 +342,8 @@ def test_the_record_is_what_the_layer_used(family):
                 else:
                     rebuilt[b, t] += moe.expert(e, x[b, t, None])[0] * w
         if moe.shared is not None:
-            rebuilt += moe.shared(x)
+            gate = 1.0 if moe.shared_gate is None else torch.sigmoid(moe.shared_gate(x))
+            rebuilt += gate * moe.shared(x)
     torch.testing.assert_close(rebuilt, out, rtol=1e-6, atol=1e-6)  # summed in another order
     assert (record.weights[..., :-1] >= record.weights[..., 1:]).all(), "largest first"
     assert record.scores.shape == record.logits.shape == (2, 9, E)

@@ -52,7 +52,8 @@ def fast_step_refusal(model: Decoder, device: torch.device) -> str | None:
             return f"block {i} soft-caps its scores (torch's fused attention cannot)"
         late = {"learned sinks": attn.sinks is not None, "chunks": attn.chunk is not None,
                 "a temperature per query": attn.temperature is not None,
-                "an L2 QK-norm after rotary": attn.qk_norm == "l2"}  # fmt: skip
+                "an L2 QK-norm after rotary": attn.qk_norm == "l2",
+                "an output gate": attn.gate is not None}  # fmt: skip
         for name, used in late.items():
             if used:
                 return f"block {i} has {name}, which its plain step does not compute"

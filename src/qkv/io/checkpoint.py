@@ -115,6 +115,11 @@ def fill(model: nn.Module, family: Family, config, tensors: dict[str, Tensor]) -
         if weight.qkv not in targets:
             raise AssertionError(f"{family.name} weight map names unknown parameter {weight.qkv}")
         target = targets[weight.qkv]
+        if weight.rows is not None:  # the checkpoint tensor holds other parameters too
+            try:
+                value = weight.rows.take(value)
+            except ValueError as error:
+                raise ValueError(f"{found} {error} (for {weight.qkv})") from None
         value = weight.load(value)
         if value.shape != target.shape:
             raise ValueError(
@@ -180,12 +185,22 @@ def export(model: nn.Module, family: Family, config) -> dict[str, Tensor]:
     the checkpoint keeps in parts, as its parts)."""
     targets = dict(model.named_buffers()) | dict(model.named_parameters())
     out = {}
+    unwritten: dict[str, set[int]] = {}  # the rows not yet written of tensors held in rows
     for weight in family.weights(config):
         value = weight.save(targets[weight.qkv].detach())
+        if weight.rows is not None:
+            name, rows = weight.names[0], weight.rows
+            if name not in out:
+                out[name] = value.new_zeros(rows.total, *value.shape[1:])
+                unwritten[name] = set(range(rows.total))
+            out[name][rows.index] = value
+            unwritten[name] -= set(rows.index.tolist())
+            continue
         if weight.parts is None:
             out[weight.names[0]] = value.contiguous()
             continue
         split = weight.parts.split(value)
         assert len(split) == len(weight.parts.names), f"{weight.qkv} split into {len(split)}"
         out.update(zip(weight.parts.names, (t.contiguous() for t in split), strict=True))
+    assert not any(unwritten.values()), f"rows no weight writes: {unwritten}"
     return out

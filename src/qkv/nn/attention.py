@@ -79,7 +79,9 @@ class MultiHeadAttention(nn.Module):
     its position (Llama 4, Ministral 3); `qk_norm`, a norm on the queries and keys before
     rotary positions, "head" for one per head (Qwen3, Gemma 3) or "full" over all heads at
     once (OLMo 2), of kind `norm` with `norm_eps`, or "l2" after rotary positions, with no
-    weight (Llama 4).
+    weight (Llama 4); `output_gate`, the heads' concatenated outputs times sigmoid(x W_g)
+    before the output projection, W_g a matrix of its own (`gate`, as wide as the queries:
+    Qwen3.5 and Qwen3-Next, whose q_proj holds it beside each head's query matrix).
 
     >>> mha = MultiHeadAttention(width=16, num_heads=4)
     >>> out, record = mha(torch.randn(2, 5, 16), record=True)
@@ -109,6 +111,7 @@ class MultiHeadAttention(nn.Module):
         chunk: int | None = None,
         sinks: bool = False,
         temperature: Temperature | None = None,
+        output_gate: bool = False,
     ):
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
@@ -161,6 +164,8 @@ class MultiHeadAttention(nn.Module):
             self.k = nn.Linear(context_width, kv_size, bias=bias)
             self.v = nn.Linear(context_width, kv_size, bias=bias)
         self.out = nn.Linear(q_size, width, bias=bias if out_bias is None else out_bias)
+        # Qwen3.5: how much of each head's output passes, a sigmoid of x per channel
+        self.gate = nn.Linear(width, q_size, bias=bias) if output_gate else None
 
     @property
     def value_size(self) -> int:
@@ -302,6 +307,8 @@ class MultiHeadAttention(nn.Module):
         if edit is not None:
             out = edit.head_outputs(out)
         concatenated = out.transpose(1, 2).reshape(B, T, -1)  # heads side by side (B, T, H*D)
+        if self.gate is not None:  # after an edit: the gate is the layer's, not the head's
+            concatenated = concatenated * torch.sigmoid(project(self.gate, x))
         out = project(self.out, concatenated)  # (B, T, C)
         return out, kept
 

@@ -62,6 +62,9 @@ class BlockConfig:
     # with temperature_where="nope", only on layers without rotary positions (Llama 4)
     temperature: Temperature | None = None
     temperature_where: Literal["all", "nope"] = "all"
+    # the heads' outputs times a sigmoid gate made from x before the output projection
+    # (Qwen3.5, Qwen3-Next: attn_output_gate)
+    output_gate: bool = False
     # the MLP is a mixture of experts (Mixtral, Qwen3-MoE, gpt-oss, DeepSeek-V3, Llama 4)
     experts: Experts | None = None
     # the attention is DeepSeek's multi-head latent attention (keys and values made from one
@@ -149,6 +152,7 @@ class BlockConfig:
             chunk=None if cross else self.chunk,
             sinks=self.sinks and not cross,
             temperature=None if cross else self.temperature,
+            output_gate=self.output_gate and not cross,
         )
 
     def feed_forward(self) -> nn.Module:

@@ -14,6 +14,7 @@ shared expert's; gate and up are stacked as F.linear takes them, gate rows first
     gate_up (E, 2I, C): gate_up[e, :I] expert e's gate, gate_up[e, I:] its up
     gate_up_bias (E, 2I), down (E, C, I), down_bias (E, C)  (biases: gpt-oss only)
     shared.gate.weight (S, C), shared.up.weight (S, C), shared.down.weight (C, S)
+    shared_gate.weight (1, C)                               (with `shared_gate`)
 
 Where each comes from, in a transformers checkpoint (`save_pretrained`'s keys, which are the
 hub's; `layers.{n}` prefixes left off):
@@ -38,6 +39,9 @@ hub's; `layers.{n}` prefixes left off):
                  router.per_expert_scale -> router.expert_scale; experts.gate_up_proj (E, 2I, C)
                  -> gate_up, experts.down_proj (E, C, I) -> down (the dense mlp and the norms
                  around the experts are the decoder layer's)
+    Qwen3-Next   as Qwen3-MoE, and mlp.shared_expert.{gate,up,down}_proj.weight ->
+                 shared.*.weight, mlp.shared_expert_gate.weight -> shared_gate.weight
+                 (Qwen3.5-MoE: the experts stacked, mlp.experts.gate_up_proj and down_proj)
 
 >>> moe = MoE(width=16, hidden=8, routing=Routing(num_experts=4, top_k=2))
 >>> out, record = moe(torch.randn(1, 5, 16), record=True)
@@ -55,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.inputs import check_indices
-from qkv.nn.linear import linear
+from qkv.nn.linear import linear, project
 from qkv.nn.mlps import ACTIVATIONS, GatedMLP
 from qkv.nn.routing import Router, Routing
 
@@ -66,7 +70,8 @@ ExpertActivation = Literal["gelu", "gelu_tanh", "relu", "silu", "clamped_swiglu"
 class Experts:
     """A block's mixture of experts, as a config says it (`BlockConfig.experts`): the routing,
     each expert's hidden size, its activation ("clamped_swiglu": gpt-oss's), whether experts
-    have biases, a shared expert's hidden size (None: none), and gpt-oss's clamp."""
+    have biases, a shared expert's hidden size (None: none), whether the shared expert's
+    output is multiplied by a sigmoid gate of the token (Qwen3-Next), and gpt-oss's clamp."""
 
     routing: Routing
     hidden: int
@@ -75,10 +80,11 @@ class Experts:
     shared_hidden: int | None = None
     limit: float = 7.0
     alpha: float = 1.702
+    shared_gate: bool = False
 
     def module(self, width: int) -> MoE:
         return MoE(width, self.hidden, self.routing, self.activation, self.bias,
-                   self.shared_hidden, self.limit, self.alpha)  # fmt: skip
+                   self.shared_hidden, self.limit, self.alpha, self.shared_gate)  # fmt: skip
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,8 +153,10 @@ class MoE(nn.Module):
         gate clamped to at most `limit`, up to [-limit, limit], then
         (up + 1) * gate * sigmoid(alpha * gate).
     bias: the experts have biases (gpt-oss). shared_hidden S: a shared expert, a `GatedMLP`
-    of hidden size S every token goes through (DeepSeek-V3, Llama 4). The tensors' names and
-    shapes are in this module's docstring, with the transformers keys they are loaded from.
+    of hidden size S every token goes through (DeepSeek-V3, Llama 4). shared_gate: the shared
+    expert's output times sigmoid(x . w), w (C,) learned (`shared_gate`, Qwen3-Next). The
+    tensors' names and shapes are in this module's docstring, with the transformers keys they
+    are loaded from.
     """
 
     def __init__(
@@ -161,6 +169,7 @@ class MoE(nn.Module):
         shared_hidden: int | None = None,
         limit: float = 7.0,
         alpha: float = 1.702,
+        shared_gate: bool = False,
     ):
         super().__init__()
         if activation != "clamped_swiglu" and activation not in ACTIVATIONS:
@@ -168,6 +177,8 @@ class MoE(nn.Module):
             raise ValueError(f"unknown activation {activation!r}; allowed: {allowed}")
         if activation == "clamped_swiglu" and shared_hidden is not None:
             raise ValueError("a shared expert takes a plain activation, not clamped_swiglu")
+        if shared_gate and shared_hidden is None:
+            raise ValueError("shared_gate gates a shared expert: give its shared_hidden")
         for name, size in (("width", width), ("hidden", hidden), ("shared_hidden", shared_hidden)):
             if size is not None and (not isinstance(size, int) or size < 1):
                 raise ValueError(f"{name} must be a whole number of at least 1, not {size!r}")
@@ -182,6 +193,7 @@ class MoE(nn.Module):
         self.shared = None
         if shared_hidden is not None:
             self.shared = GatedMLP(width, shared_hidden, activation)  # type: ignore[arg-type]
+        self.shared_gate = nn.Linear(width, 1, bias=False) if shared_gate else None
 
     def forward(
         self, x: Tensor, record: bool = False, route_by: Tensor | None = None
@@ -197,7 +209,10 @@ class MoE(nn.Module):
         logits, scores, experts, weights = self.router(by)  # (N, E), (N, E), (N, k), (N, k)
         out = self._combine(flat, experts, weights)  # (N, C)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)  # (N, C)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(project(self.shared_gate, flat)) * shared
+            out = out + shared
         out = out.reshape(B, T, C)
         if not record:
             return out, None

@@ -32,6 +32,8 @@ from qkv.io.families import (
     olmo3,
     phi3,
     qwen,
+    qwen3_5,
+    qwen3_next,
     roberta,
     t5,
 )
@@ -50,6 +52,7 @@ FAMILIES += [llama4.FAMILY]
 FAMILIES += [gpt_oss.FAMILY]
 FAMILIES += [deepseek.FAMILY]
 FAMILIES += [deepseek_v4.FAMILY]
+FAMILIES += [qwen3_5.FAMILY, qwen3_5.MOE, qwen3_next.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 

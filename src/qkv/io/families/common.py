@@ -8,6 +8,9 @@ says how a tensor turns between the two (GPT-2's Conv1D stores its matrices tran
 Where a checkpoint keeps one qkv parameter as several tensors (Mixtral's experts: a gate, up
 and down matrix per expert, which qkv stacks into one tensor per layer), the Weight's `parts`
 say which tensors and how they join; `expert_weights` writes those of a mixture of experts.
+Where it keeps several qkv parameters in one tensor (Qwen3-Next's in_proj_qkvz: each key
+head's query, key, value and gate rows side by side), each Weight's `rows` say which rows
+are its own.
 """
 
 from __future__ import annotations
@@ -50,6 +53,31 @@ class Parts:
     split: Callable[[Tensor], list[Tensor]]
 
 
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """One parameter that is some rows of a checkpoint tensor it shares with others:
+    `index` (n,), the checkpoint rows that make the parameter's rows, in its order; `total`,
+    how many rows the checkpoint tensor has. Loading takes those rows (then the layout
+    turns them); an export puts every sharing parameter's rows back into one tensor.
+
+    >>> rows = Rows(torch.tensor([2, 0]), 3)
+    >>> rows.take(torch.tensor([10, 11, 12])).tolist()
+    [12, 10]
+    """
+
+    index: Tensor
+    total: int
+
+    def __post_init__(self):
+        assert self.index.dim() == 1 and int(self.index.max()) < self.total, self
+
+    def take(self, t: Tensor) -> Tensor:
+        if t.shape[0] != self.total:
+            raise ValueError(f"has {t.shape[0]} rows; the model built from config.json "
+                             f"reads {self.total}")  # fmt: skip
+        return t[self.index]
+
+
 def permuted_rows(order: Tensor) -> Layout:
     """A layout whose qkv rows are the checkpoint's rows in `order` (qkv row i is checkpoint
     row order[i]), for a weight or a bias alike; saving puts them back.
@@ -73,6 +101,8 @@ class Weight:
     spellings (transformers' in-memory stacked experts), read too.
     load, save: the layout turn from the checkpoint's tensor (found whole or joined from
     its parts) to qkv's, and back (before the parts are split).
+    rows: where the checkpoint tensor holds other parameters too (`Rows`): the rows that are
+    this one's, taken before `load` turns them.
     """
 
     qkv: str
@@ -80,9 +110,11 @@ class Weight:
     load: Callable[[Tensor], Tensor] = _same
     save: Callable[[Tensor], Tensor] = _same
     parts: Parts | None = None
+    rows: Rows | None = None
 
     def __post_init__(self):
         assert self.names or self.parts, f"{self.qkv} has no checkpoint name"
+        assert self.rows is None or self.parts is None, f"{self.qkv}: rows of parts"
 
     @property
     def canonical(self) -> str:
