@@ -326,10 +326,14 @@ def attribute_logit(
 
 def _head_outputs(block, record, x: Tensor, position: int) -> Tensor:
     """(H, D) float64: what each head gives the output projection at `position`. A softmax
-    layer's record keeps it; a linear layer's keeps each head's read of its memory, which
+    layer's record keeps it (times the record's output gate where the layer has one); a linear
+    layer's keeps each head's read of its memory, which
     is RMS-normalized and gated by the layer's input first (x (1, T, C): the block's input)."""
     if not isinstance(block.attn, GatedDeltaNet):
-        return record.out[0, :, position].double()
+        out = record.out[0, :, position].double()
+        if record.output_gate is not None:  # Qwen3.5's gate, between the heads and W_o
+            out = out * record.output_gate[0, :, position].double()
+        return out
     h = block.sublayer_input(x, block.attn_norm)  # what the layer read
     # the layer's own gated norm on its own read: the projection's input, (1, T, H, Dv)
     gated = block.attn._gated(record.out, h)

@@ -226,8 +226,11 @@ def trace(
                              layer, head, layout, chosen, record, steps, seen)  # fmt: skip
     D = record.shape.value_size  # each head's output: its values' size
     with torch.inference_mode():
-        # what each key word added, after the output projection's columns for this head
+        # what each key word added, after the output projection's columns for this head (and
+        # the layer's output gate before them, where it has one: Qwen3.5)
         w_out = layout.out_weight(layer)[:, head * D : (head + 1) * D].double()  # (C, D)
+        if record.output_gate is not None:
+            w_out = w_out * record.output_gate[0, head, query_index].double()
         contributions = [
             Contribution(source.tokens[p.key_index], p.key_index,
                          float(p.normalized_weight), float((w_out @ p.scaled_value_vector).norm()))

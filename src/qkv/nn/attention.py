@@ -297,18 +297,22 @@ class MultiHeadAttention(nn.Module):
             query_scale=query_scale, backend=self.backend, weights=weights_into,
         )  # fmt: skip
         out = attended.out
+        gate = None  # (B, T, H*D): what the layer multiplies its heads' outputs by (Qwen3.5)
+        if self.gate is not None:
+            gate = torch.sigmoid(project(self.gate, x))
         kept = None  # (B, H, T, D) out, and the rest, as attend saw them
         if record:
             kept = AttentionRecord(
                 q, k, v, out, mask, causal, self.scale, self.backend, attended.lse, q_plain,
                 k_plain, window, self.softcap, bias, attended.made, _detached(self.sinks),
                 chunk, start, query_scale,
+                output_gate=None if gate is None else self.split_heads(gate, self.num_heads),
             )  # fmt: skip
         if edit is not None:
             out = edit.head_outputs(out)
         concatenated = out.transpose(1, 2).reshape(B, T, -1)  # heads side by side (B, T, H*D)
-        if self.gate is not None:  # after an edit: the gate is the layer's, not the head's
-            concatenated = concatenated * torch.sigmoid(project(self.gate, x))
+        if gate is not None:  # after an edit: the gate is the layer's, not the head's
+            concatenated = concatenated * gate
         out = project(self.out, concatenated)  # (B, T, C)
         return out, kept
 

@@ -93,6 +93,10 @@ class AttentionRecord:
     absorbed: bool = False
     linear: Memory | None = None
     compressed: CompressedKeys | None = None
+    # (B, H, Tq, Dv): what the layer multiplies each head's output by after attention, before
+    # the output projection (Qwen3.5's and Qwen3-Next's output gate, sigmoid(x W_g)); `out` is
+    # before it
+    output_gate: Tensor | None = None
 
     @property
     def shape(self) -> Shape:
