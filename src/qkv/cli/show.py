@@ -53,6 +53,7 @@ def show(
     full resolution. With --transformers, MODEL (a folder or hub id) is loaded by transformers
     and run on qkv's attention (qkv.hf), so families qkv does not implement show too.
     """
+    from qkv.inspect.words import compressed_words
     from qkv.pretrained import load
     from qkv.viz.show import LONG, draw_attention
 
@@ -80,4 +81,7 @@ def show(
                        transformers=transformers, layers=layers, heads=heads, layer=layer,
                        head=head, region=region, cross=target is not None,
                        untraced=untraced)  # fmt: skip
+        spread = compressed_words(seen.records)
+        if spread is not None:  # a picture says it in no words of its own
+            typer.echo(f"({spread})", err=True)
     typer.echo(f"wrote {out}")

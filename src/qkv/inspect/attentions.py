@@ -14,7 +14,9 @@ from torch import Tensor, nn
 
 from qkv.attention.eager import compute_dtype
 from qkv.inspect.records import SCORE_RULES, why_not_redone
+from qkv.inspect.words import key_words, on_words
 from qkv.models import Decoder, Encoder
+from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.nn import AttentionRecord, ExpertRecord
 from qkv.views import Shown
 
@@ -55,7 +57,8 @@ class Attentions(Shown):
     @functools.cached_property
     def weights(self) -> Tensor:
         """(L', H', Tq, Tk) float32 for `layers` and `heads`: row i is query token i's
-        attention over the keys (T x T over one text)."""
+        attention over the keys (T x T over one text). A layer of compressed attention's are
+        on the words, its entries' weights spread over their words (`qkv.inspect.words`)."""
         out = self.made  # filled a layer at a time: never two copies of the weights at once
         for i, layer in enumerate(self.layers):
             record = self.records[layer]
@@ -63,9 +66,11 @@ class Attentions(Shown):
                 continue  # made in out[i] by the forward pass
             if out is None:
                 s = record.shape
-                out = record.q.new_empty(len(self.layers), len(self.heads), s.Tq, s.Tk,
+                out = record.q.new_empty(len(self.layers), len(self.heads), s.Tq, key_words(record),
                                          dtype=compute_dtype(record.q.dtype))  # fmt: skip
-            if record.shape.B == 1 and self.heads == list(range(record.shape.H)):
+            if record.compressed is not None:  # over its keys (words, then entries): on words
+                out[i] = on_words(record, self.heads)[0]
+            elif record.shape.B == 1 and self.heads == list(range(record.shape.H)):
                 record.weights_in(out[i])  # in place where the record is plain
             else:
                 out[i] = record.weights(self.heads)[0]  # (H', Tq, Tk)
@@ -135,6 +140,8 @@ def made_for(stack: nn.Module, weights: bool | None, L: int, heads: list[int],
     first = next(stack.parameters())
     dtype, H = compute_dtype(first.dtype), len(heads)
     if not isinstance(stack, Decoder) or first.device.type != "cpu" or weights is False:
+        return None
+    if isinstance(stack, DeepseekV4Decoder):  # its keys are words and compressed entries
         return None
     if heads != list(range(stack.config.block.num_heads)):
         return None

@@ -15,7 +15,10 @@ out: in a decoder it can attend to nothing but itself):
 
 A linear layer (a running memory, no softmax: `qkv.attention.linear`) has effective weights,
 signed and not summing to 1: its scores are read on each row's shares of the absolute
-effective weight, |w| / sum |w| (`shares`), and `effective` marks those layers.
+effective weight, |w| / sum |w| (`shares`), and `effective` marks those layers. A layer of
+compressed attention (DeepSeek-V4's) is read on the words, each entry's weight spread over its
+block by the compressor's coefficients averaged over channels (an attribution), and
+`compressed` marks those layers.
 
 `rollout` and `flow` are Abnar and Zuidema's (2020) "Quantifying Attention Flow in
 Transformers": how much each output token draws on each input token across all layers.
@@ -38,6 +41,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from qkv.inspect.words import on_words
 from qkv.models import Decoder, self_attention_stack
 from qkv.views import Shown
 
@@ -75,6 +79,8 @@ class Census(Shown):
     # per layer, True where its scores are read on effective weights (linear attention): shares
     # of each row's absolute effective weight, |w| / sum |w|, not a softmax's weights
     effective: list[bool] | None = None
+    # per layer, True where its scores are read on the words through the compressor (DeepSeek-V4)
+    compressed: list[bool] | None = None
 
     @property
     def sink_per_layer(self) -> Tensor:
@@ -83,12 +89,23 @@ class Census(Shown):
 
     def effective_words(self) -> str | None:
         """Which layers' scores are read on effective weights, in words; None where none."""
+        said = []
         layers = [n for n, linear in enumerate(self.effective or []) if linear]
-        if not layers:
-            return None
-        named = ", ".join(str(n) for n in layers)
-        return (f"layer{'s' if len(layers) > 1 else ''} {named}: effective weights (linear "
-                "attention), scores read on each row's shares |w| / sum |w|")  # fmt: skip
+        if layers:
+            named = ", ".join(str(n) for n in layers)
+            said.append(
+                f"layer{'s' if len(layers) > 1 else ''} {named}: effective weights "
+                "(linear attention), scores read on each row's shares |w| / sum |w|"
+            )
+        layers = [n for n, compressed in enumerate(self.compressed or []) if compressed]
+        if layers:
+            named = ", ".join(str(n) for n in layers)
+            said.append(
+                f"layer{'s' if len(layers) > 1 else ''} {named}: compressed entries' "
+                "weights read on their words by the compressor's coefficients, averaged "
+                "over channels (an attribution)"
+            )
+        return "; ".join(said) or None
 
     def scores(self, name: str) -> Tensor:
         """One score's (L, H) grid; window_use is NaN in layers without a window."""
@@ -223,7 +240,7 @@ def census_of(
     use_counts = torch.zeros(L, H, dtype=torch.float64)
     queries = 0  # how many queries i >= 1 the prompts have
     windows: list[int | None] = [None] * L
-    effective = [False] * L
+    effective, compressed = [False] * L, [False] * L
     with torch.inference_mode():
         for i, ids in enumerate(prompts):
             ids = torch.as_tensor(ids).reshape(1, -1)  # (1, T)
@@ -233,6 +250,7 @@ def census_of(
                 W = _weights(record)  # (1, H, T, T)
                 windows[layer] = record.window
                 effective[layer] = record.linear is not None
+                compressed[layer] = record.compressed is not None
                 rows = W[0, :, 1:]  # (H, T-1, T): queries 1..T-1
                 sums["previous_token"][layer] += W[0].diagonal(-1, -2, -1).sum(-1)
                 sums["first_token"][layer] += rows[..., 0].sum(-1)
@@ -265,6 +283,7 @@ def census_of(
         windows=windows,
         window_use=use,
         effective=effective,
+        compressed=compressed,
     )
 
 
@@ -281,9 +300,10 @@ def shares(weights: Tensor) -> Tensor:
 
 
 def _weights(record) -> Tensor:
-    """A record's weights (B, H, T, T) float64; a linear layer's as `shares` of its effective
-    weights."""
-    W = record.weights().double()
+    """A record's weights (B, H, T, T) float64 on the words (a compressed layer's entries
+    spread over their blocks, `qkv.inspect.words`); a linear layer's as `shares` of its
+    effective weights."""
+    W = on_words(record).double()
     return shares(W) if record.linear is not None else W
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.generate import Sampling, continuations, decode_steps
 from qkv.inspect import summaries
+from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.nn import AttentionRecord
 from qkv.views import Shown
 
@@ -278,6 +279,13 @@ def generate_recorded(
     """`Pretrained.generate` for one prompt ids (1, P) of a decoder, keeping the attention rows
     `recording` asks as it decodes (no second forward pass); eos: the tokens that end it."""
     cfg = model.config
+    if isinstance(model, DeepseekV4Decoder):
+        raise ValueError(
+            "recording the attention while generating keeps each step's row over every token "
+            "so far; a DeepSeek-V4 layer's cache keeps only its window's last words and its "
+            "compressed entries, so a step's record has no column for most words: generate "
+            "without record, then read the whole text's attentions() (on its words)"
+        )
     layers, heads = recording.resolve(cfg.num_layers, cfg.block.num_heads, source)
     if recording.summaries:  # a few numbers per row: the prompt's are summarized in chunks
         keeper = SummaryKeeper(layers, heads, recording.top_k)

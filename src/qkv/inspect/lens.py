@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, DecoderOutput
+from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.nn import RMSNorm
 from qkv.nn.delta import GatedDeltaNet
 from qkv.views import Shown
@@ -160,6 +161,12 @@ def lens(
         raise ValueError(
             f"the logit lens reads a decoder's next-token predictions; {pretrained.source} is "
             f"{pretrained.family.name}, not a decoder"
+        )
+    if isinstance(model, DeepseekV4Decoder):
+        raise ValueError(
+            f"the logit lens reads each layer's one vector per token; {pretrained.source} is a "
+            "DeepSeek-V4 decoder, which keeps n streams per token between layers "
+            "(hyper-connections), mixed into one only after the last layer"
         )
     encoded = pretrained.encode(text)
     token_id = None if token is None else token_id_of(pretrained, token)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from qkv.data import bank_corpus
 from qkv.inspect.bank_sentences import LABELS, SENTENCES
+from qkv.inspect.words import on_words
 from qkv.io.words import parse_word
 from qkv.models import Decoder, self_attention_stack
 from qkv.views import Shown
@@ -135,7 +136,7 @@ def probe(
             out = model(ids, attention_mask=mask, hidden_states=True, layers=layers, **extra)
             states = out.hidden_states
             for layer, record in out.records.items():
-                weights = record.weights()  # (B, H, T, T)
+                weights = on_words(record)  # (B, H, T, T)
                 for b, (first, last) in enumerate(spans[start : start + batch_size]):
                     cue_first, cue_last = cue_spans[start + b]
                     top = weights[b, :, first:last].float().mean(1).argmax(-1)  # (H,)

@@ -22,6 +22,7 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, Encoder, self_attention_stack
+from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.nn.attention import KVCache
 from qkv.nn.delta import GatedDeltaNet
 from qkv.nn.edit import Edits
@@ -38,7 +39,15 @@ TOP = 5  # next tokens shown before and after
 def stack_of(pretrained) -> Encoder | Decoder:
     """The stack interventions run on: an encoder's or a decoder's, an encoder-decoder's
     encoder (what `attentions` shows without a target)."""
-    return self_attention_stack(pretrained.model, "an intervention", pretrained.source)
+    stack = self_attention_stack(pretrained.model, "an intervention", pretrained.source)
+    if isinstance(stack, DeepseekV4Decoder):
+        raise ValueError(
+            f"hide, ablate and patch resume a run from one layer's vector per token and edit its "
+            f"heads; {pretrained.source} is a DeepSeek-V4 decoder, which keeps n streams per "
+            "token between layers (hyper-connections) and whose layers take no edits (hiding a "
+            "word inside a compressed entry would also need the entry pooled again without it)"
+        )
+    return stack
 
 
 @dataclass

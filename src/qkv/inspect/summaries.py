@@ -164,14 +164,22 @@ def chunk_weights(
 
 
 def _refuse_linear(record: AttentionRecord, what: str) -> None:
-    """A linear layer's effective weights of some query rows need every earlier write: no cut
-    of its record gives them, so a reader of rows refuses it by name."""
+    """A linear layer's effective weights of some query rows need every earlier write, and a
+    compressed layer's keys are words and entries: no cut of either record gives the rows on
+    the words, so a reader of rows refuses them by name."""
     if record.linear is not None:
         raise ValueError(
             f"{what} of a long text read the weights a chunk of query rows at a time; this layer "
             "keeps a running memory (linear attention), whose effective weights for a query need "
             "every write before it: show a text of at most a few hundred tokens, or trace a pair "
             "(qkv explain)"
+        )
+    if record.compressed is not None:
+        raise ValueError(
+            f"{what} of a long text cut a record into chunks of query rows; this layer attends "
+            "over compressed entries (DeepSeek-V4), whose weights on the words are spread "
+            "through the compressor over the whole record, which no cut of it keeps: show a "
+            "text of at most 512 tokens, or trace a pair (qkv explain)"
         )
 
 

@@ -21,7 +21,10 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
 from qkv.inspect.records import check_head_outputs, why_not_redone
+from qkv.inspect.trace_compressed import CompressedStep, compressed_steps
+from qkv.inspect.words import on_words
 from qkv.models import Decoder, Encoder, EncoderDecoder
+from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.views import Shown
 
 
@@ -144,6 +147,12 @@ class Trace(Shown):
     carried: float | None = None
     # what the query read of a memory older than the recorded tokens (decoding after a prompt)
     from_state: Tensor | None = None
+    # a layer of compressed attention (DeepSeek-V4's CSA, HCA): what the query attended to (the
+    # window's words, the entries, each a block of words) and why a word got no weight. Its
+    # `weights` are on the words: entries' weights spread by the compressor's coefficients,
+    # averaged over channels (an attribution); steps 2-6 show the key word's own key in the
+    # window, or the entry that holds the most of it
+    compressed: CompressedStep | None = None
 
     @property
     def weight(self) -> float:
@@ -209,7 +218,7 @@ def trace(
         for i in seen.layers if layer is None else [layer]:
             if i not in seen.records:
                 raise ValueError(f"the attentions given lack layer {i}; record every layer")
-            row = seen.records[i].weights(heads)[0, :, query_index, key_index]  # (len(heads),)
+            row = on_words(seen.records[i], heads)[0, :, query_index, key_index]  # (len(heads),)
             n = int(row.argmax())
             if best is None or row[n] > best[0]:
                 best = (row[n], i, heads[n])
@@ -224,6 +233,9 @@ def trace(
     if record.linear is not None:
         return _linear_trace(pretrained, text, source, query, key, query_index, key_index,
                              layer, head, layout, chosen, record, steps, seen)  # fmt: skip
+    if isinstance(getattr(pretrained, "model", None), DeepseekV4Decoder):
+        return _deepseek_v4_trace(pretrained, text, source, query, key, query_index, key_index,
+                                  layer, head, layout, chosen, record, steps, seen)  # fmt: skip
     D = record.shape.value_size  # each head's output: its values' size
     with torch.inference_mode():
         # what each key word added, after the output projection's columns for this head (and
@@ -328,6 +340,26 @@ def _linear_trace(
         experts=None if found is None else found.describe(0, query_index),
         linear="channel" if fades else "head", write_strength=beta, fade=fade, carried=carried,
         from_state=None if record.linear.state is None else steps.from_state,
+    )  # fmt: skip
+
+
+def _deepseek_v4_trace(pretrained, text, source, query, key, query_index, key_index, layer,
+                       head, layout, chosen, record, steps, seen) -> Trace:  # fmt: skip
+    """A DeepSeek-V4 layer's trace (`qkv.inspect.trace_compressed`): weights on the words,
+    and in a compressed layer what the query attended to."""
+    found = compressed_steps(pretrained.model, record, layer, head, query_index, key_index, steps)
+    shares = zip(source.tokens, found.pop("contributions"), strict=True)  # (weight, size)
+    contributions = [Contribution(token, i, w, size) for i, (token, (w, size)) in enumerate(shares)]
+    experts = getattr(seen, "experts", {}).get(layer)
+    return Trace(
+        source=pretrained.source, text=text, tokens=list(source.tokens), query=query, key=key,
+        query_index=query_index, key_index=key_index, layer=layer, head=head, kv_head=0,
+        num_layers=layout.num_layers, num_heads=record.shape.H, num_kv_heads=record.shape.Hkv,
+        head_dim=record.shape.D, width=layout.width, causal=True, chosen=chosen,
+        query_vector=steps.query_vector, scale=record.scale,
+        contextualized=steps.contextualized, model_output=record.out[0, head, query_index].double(),
+        contributions=contributions, anatomy=layout.anatomy(layer),
+        experts=None if experts is None else experts.describe(0, query_index), **found,
     )  # fmt: skip
 
 

@@ -52,6 +52,12 @@ class AttentionAnswer(BaseModel):
     format: Literal["lists", "base64"]
     encoding: str
     weights: list = Field(description="[layer][head]: a T x T matrix, or its base64 string")
+    on_words: str | None = Field(
+        None,
+        description="where some layers attend over compressed entries (DeepSeek-V4): "
+        "which, and that their entries' weights are shown on the words by the compressor's "
+        "coefficients (an attribution); null elsewhere",
+    )
 
 
 class ContributionItem(BaseModel):

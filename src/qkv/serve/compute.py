@@ -29,6 +29,7 @@ from qkv.inspect import census
 from qkv.inspect.hide import hide
 from qkv.inspect.probe import probe
 from qkv.inspect.trace import trace
+from qkv.inspect.words import compressed_words
 from qkv.serve.held import Served
 from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
@@ -100,6 +101,7 @@ def attention(
         "shape": list(weights.shape),
         "format": fmt,
         "encoding": FLOAT32 if fmt == "base64" else "lists of floats: [layer][head][query][key]",
+        "on_words": compressed_words(seen.records),  # entries' weights spread on their words
     }
     return (json.dumps(answer)[:-1] + ', "weights": [' + ", ".join(rows) + "]}").encode()
 

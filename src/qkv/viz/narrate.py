@@ -7,6 +7,7 @@ import math
 from torch import Tensor
 
 from qkv.inspect.trace import Trace
+from qkv.viz.narrate_compressed import compressed_steps
 
 
 def vector(t: Tensor, n: int = 4) -> str:
@@ -65,7 +66,7 @@ def narrate(trace: Trace) -> str:
         f"1. Query vector: {q}'s vector entering the layer, times the query matrix "
         f"({t.width} -> {D} numbers):",
         f"     {vector(t.query_vector)}",
-        f"2. Key vector: {k}'s vector times the key matrix:",
+        f"2. Key vector: {_key_of(t)} times the key matrix:",
         f"     {vector(t.key_vector)}",
     ]
     lines += _qk_norm_lines(t)
@@ -78,6 +79,8 @@ def narrate(trace: Trace) -> str:
         lines += _rotary_lines(t)
     if t.linear is not None:  # no softmax: a running memory
         return "\n".join(lines + _linear_steps(t))
+    if t.compressed is not None:  # a window's words and compressed entries
+        return "\n".join(lines + compressed_steps(t, shown, vector, roundoff))
     lines += [
         f"3. Attention scalar: query . key = {t.attention_scalar:+.4f}  (how much {q} should "
         f"attend to {k})",
@@ -120,6 +123,19 @@ def narrate(trace: Trace) -> str:
     return "\n".join(lines)
 
 
+def _key_of(t: Trace) -> str:
+    """Whose key step 2 shows: the key word's vector, or (compressed attention) the entry's
+    pooled vector where the key word is outside the window."""
+    c = t.compressed
+    if c is None or c.key_entry is None:
+        return f'"{t.key}"\'s vector'
+    e = next(e for e in c.entries if e.entry == c.key_entry)
+    return (
+        f"entry {e.entry}'s vector (the compressor's pool of words {e.first}..{e.last}, "
+        f'which holds "{t.key}")'
+    )
+
+
 def _value_words(t: Trace) -> str:
     a = t.anatomy
     if a is None or a.latent_rank is None:
@@ -160,6 +176,11 @@ def contributions(trace: Trace, top: int = 4) -> str:
             ]
         )
     by_weight = sorted(trace.contributions, key=lambda c: -c.weight)[:top]
+    spread = [] if trace.compressed is None else [
+        "  (on the words: an entry's weight and scaled value spread over its block by the "
+        "compressor's",
+        "   coefficients, averaged over channels: an attribution)",
+    ]  # fmt: skip
     return "\n".join(
         [
             f'What added most to "{trace.query}" in this head:',
@@ -169,6 +190,7 @@ def contributions(trace: Trace, top: int = 4) -> str:
             + ", ".join(f"{shown(c.token)} {c.size:.3f}" for c in by_size),
             "  (the length of output matrix x weighted value vector: a large weight on a small",
             "   value vector can add less than a modest weight on a large one)",
+            *spread,
         ]
     )
 

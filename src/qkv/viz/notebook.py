@@ -210,6 +210,9 @@ def trace_html(found) -> str:
         for i in top
     )
     kind = "effective weights (linear attention)" if signed else "weights"
+    if found.compressed is not None:  # a compressed layer's, spread from its entries
+        kind = ("weights on the words (each compressed entry's spread over its block by the "
+                "compressor's coefficients, averaged over channels: an attribution)")  # fmt: skip
     return wrapped(
         f"<h4>{q} gets context from {k}: {where}, counted from 0{chosen}</h4>"
         f"<p>{escape.text(found.source)} ({found.num_layers} layers x {found.num_heads} heads, D = "

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from qkv.inspect.census import shares
 from qkv.inspect.records import why_not_redone
+from qkv.inspect.words import compressed_words
 from qkv.io.files import write_atomically
 from qkv.viz.page_vectors import page_trace
 from qkv.viz.report import check_new_folder, render_page, report_folder
@@ -53,6 +54,9 @@ def attention_page(
     if effective is not None:
         extra = {**(subset_note(seen) or {} if extra is None else extra),
                  "effective weights": effective}  # fmt: skip
+    spread = compressed_words(seen.records)  # entries' weights drawn on their words
+    if spread is not None:
+        extra = {**(subset_note(seen) or {} if extra is None else extra), "on words": spread}
     scale = _one_scale(seen)
     vectors = scores = None
     if trace and scale is not None and why_not_redone(seen.records, cross=cross) is None:
