@@ -20,6 +20,7 @@ from qkv.io.families import (
     gemma4,
     gpt2,
     gpt_oss,
+    kimi_linear,
     llama,
     llama4,
     marian,
@@ -48,6 +49,7 @@ FAMILIES += [moe.MIXTRAL, moe.QWEN3_MOE]
 FAMILIES += [llama4.FAMILY]
 FAMILIES += [gpt_oss.FAMILY]
 FAMILIES += [deepseek.FAMILY]
+FAMILIES += [kimi_linear.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
