@@ -38,7 +38,6 @@ from qkv.io.families.common import (
     expert_weights,
     fits,
 )
-from qkv.io.families.llama import check_fits
 from qkv.models import Decoder, DecoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.delta import DeltaConfig
@@ -277,11 +276,15 @@ def hf_config(cfg: DecoderConfig) -> dict:
         raise ValueError(f"a {NAME} config.json holds latent attention, linear attention and "
                          f"experts; this model has latent={latent!r}, linear={linear!r}, "
                          f"experts={experts!r}")  # fmt: skip
-    check_fits(NAME, cfg, position="none", rope_layers=None, dense_mlp_hidden=None,
-               tie_embeddings=False, block__num_kv_heads=None,
-               block__head_dim=latent.qk_head_dim, block__bias=False, block__qkv_bias=None,
-               block__window=None, block__qk_norm=None, block__chunk=None, block__sinks=False,
-               block__temperature=None)  # fmt: skip
+    fits(NAME, cfg, position="none", type_vocab_size=0, embed_norm=False, embed_scale=False,
+         has_final_norm=True, lm_head_bias=False, cross_attention=False, logit_softcap=None,
+         tie_embeddings=False, dense_mlp_hidden=None, block__norm="rmsnorm",
+         block__norm_position="pre", block__sublayer_norm=False, block__parallel=False,
+         block__fused_qkv=False, block__fused_mlp=False, block__mlp="swiglu",
+         block__attn_scale=None, block__softcap=None, block__num_kv_heads=None,
+         block__head_dim=latent.qk_head_dim, block__bias=False, block__qkv_bias=None,
+         block__window=None, block__qk_norm=None, block__chunk=None, block__sinks=False,
+         block__temperature=None)  # fmt: skip
     D = linear.key_size
     fits(NAME, cfg, block__latent__width=block.width, block__latent__num_heads=block.num_heads,
          block__latent__norm_eps=LATENT_NORM_EPS, block__latent__scale=None,
