@@ -103,6 +103,13 @@ def _tiny_deepseek() -> list[dict]:
     return [DeepseekV3Config(**case).to_dict() for case in CASES.values()]
 
 
+def _tiny_kimi_linear() -> list[dict]:
+    from test_family_kimi_linear import CASES
+    from transformers import KimiLinearConfig
+
+    return [KimiLinearConfig(**case).to_dict() for case in CASES.values()]
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -142,6 +149,8 @@ ROUND_TRIPS = {
     "gemma4": [FAMILY["gemma4"].config(_tiny_gemma4(name)) for name in ("plain", "all")],
     # DeepSeek-V3's, as its tiny checkpoints' configs read (more in test_family_deepseek.py)
     "deepseek_v3": [FAMILY["deepseek_v3"].config(hf) for hf in _tiny_deepseek()],
+    # Kimi Linear's, as its tiny checkpoints' configs read (more in test_family_kimi_linear.py)
+    "kimi_linear": [FAMILY["kimi_linear"].config(hf) for hf in _tiny_kimi_linear()],
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

@@ -102,70 +102,85 @@ def kinds(model: Decoder, kind: type) -> list[int]:
     return [i for i, block in enumerate(model.blocks) if isinstance(block.attn, kind)]
 
 
+@pytest.fixture(scope="module")
+def references(folders):
+    """transformers' run of each tiny model on tokens(T, 2), once (its rule is slow): logits,
+    the full layers' attentions, and each MoE layer's router output."""
+    made = {}
+
+    def reference(name: str):
+        if name not in made:
+            model, chosen = theirs(folders(name)), {}
+            for i, layer in enumerate(model.model.layers):
+                if isinstance(layer.mlp, theirs_module.KimiLinearMoE):
+                    layer.mlp.gate.register_forward_hook(
+                        lambda _, __, out, i=i: chosen.__setitem__(i, out)
+                    )  # fmt: skip
+            with torch.no_grad():
+                out = model(tokens(T, 2), output_attentions=True)
+            made[name] = out.logits, out.attentions, chosen
+        return made[name]
+
+    return reference
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_logits_equal_transformers(name, backend, folders):
+def test_logits_equal_transformers(name, backend, folders, references):
     folder = folders(name)
     model = ours(folder, backend)
     assert family_for(json.loads((folder / "config.json").read_text())) is FAMILY
     assert len(kinds(model, GatedDeltaNet)) == 2 and len(kinds(model, LatentAttention)) == 1
-    ids = tokens(T, 2)
     with torch.no_grad():
-        close(model(ids).logits, theirs(folder)(ids).logits)
+        close(model(tokens(T, 2)).logits, references(name)[0])
 
 
-def test_transformers_in_memory_names_load_too(folders, tmp_path):
+def test_transformers_in_memory_names_load_too(folders, references, tmp_path):
     """The names of transformers' modules (conv1d, forget_gate, mlp.experts.gate_up_proj),
     as a state dict saved as it is holds them, are read as the hub's."""
     folder = folders("hub")
-    reference = theirs(folder)
-    save_file(reference.state_dict(), tmp_path / "model.safetensors", metadata={"format": "pt"})
+    state = theirs(folder).state_dict()
+    assert "model.layers.0.self_attn.forget_gate.A_log" in state
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
-    ids = tokens()
     with torch.no_grad():
-        close(ours(tmp_path)(ids).logits, reference(ids).logits)
+        close(ours(tmp_path)(tokens(T, 2)).logits, references("hub")[0])
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_experts_chosen_are_transformers_routers_choice(name, folders):
-    folder = folders(name)
-    reference, chosen = theirs(folder), {}
-    for i, layer in enumerate(reference.model.layers):
-        if isinstance(layer.mlp, theirs_module.KimiLinearMoE):
-            layer.mlp.gate.register_forward_hook(lambda _, __, out, i=i: chosen.__setitem__(i, out))
-    ids = tokens()
+def test_the_experts_chosen_are_transformers_routers_choice(name, folders, references):
+    chosen = references(name)[2]
     with torch.no_grad():
-        reference(ids)
-        out = ours(folder)(ids, layers="all")
+        out = ours(folders(name))(tokens(T, 2), layers="all")
     assert set(out.experts) == set(chosen) and len(chosen) == 2, "one record per MoE layer"
     for layer, (_, weights, experts) in chosen.items():
         record = out.experts[layer]
-        mine, order = record.experts[0].sort(-1)  # (T, k), by expert index
-        theirs_sorted, their_order = experts.sort(-1)
+        mine, order = record.experts.sort(-1)  # (B, T, k), by expert index
+        theirs_sorted, their_order = experts.view(mine.shape).sort(-1)
         assert torch.equal(mine, theirs_sorted), f"layer {layer} chose other experts"
         # weights near routed_scaling_factor, from layers below equal within rounding
-        close(record.weights[0].gather(-1, order), weights.gather(-1, their_order), atol=1e-5)
+        close(record.weights.gather(-1, order), weights.view(mine.shape).gather(-1, their_order),
+              atol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("absorb", [False, True])
-def test_full_layers_weights_equal_transformers_attentions(name, absorb, folders):
-    folder = folders(name)
-    model = ours(folder)
+def test_full_layers_weights_equal_transformers_attentions(name, folders, references):
+    """With every head's keys and values expanded, and with them absorbed into the queries
+    (attention over the latent vectors): the weights are transformers'."""
+    model, want = ours(folders(name)), references(name)[1]  # the full layers' only
     full = kinds(model, LatentAttention)
-    for layer in full:
-        model.blocks[layer].attn.absorb = absorb
-    ids = tokens()
-    with torch.no_grad():
-        want = theirs(folder)(ids, output_attentions=True).attentions  # the full layers only
-        records = model(ids, layers=full).records
     assert len(want) == len(full) == 1
-    for layer, attentions in zip(full, want, strict=True):
-        record = records[layer]
-        close(record.weights(), attentions, atol=1e-6)
-        for head, query in [(0, T - 1), (3, T // 2)]:
-            step = record.steps(head, query)
-            close(step.contextualized.float(), record.out[0, head, query], atol=1e-6)
+    for absorb in (False, True):
+        for layer in full:
+            model.blocks[layer].attn.absorb = absorb
+        with torch.no_grad():
+            records = model(tokens(T, 2), layers=full).records
+        for layer, attentions in zip(full, want, strict=True):
+            record = records[layer]
+            close(record.weights(), attentions, atol=1e-6)
+            for head, query in [(0, T - 1), (3, T // 2)]:
+                step = record.steps(head, query)
+                close(step.contextualized.float(), record.out[0, head, query], atol=1e-6)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -238,16 +253,17 @@ def test_a_left_padded_row_equals_the_row_alone(name, folders):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_decoding_token_by_token_equals_the_full_forward(name, folders):
-    """A prompt past one chunk, then a token at a time: each KDA layer keeps its memory and
-    its convolution's last inputs, whatever the length; each full layer its latent vectors."""
-    model = ours(folders(name))
-    ids, prompt, pad = tokens(T, 2), 70, 3
-    mask = torch.ones(2, T, dtype=torch.long)
+    """A prompt past one chunk, then ten tokens one at a time: each KDA layer keeps its
+    memory and its convolution's last inputs, whatever the length; each full layer its latent
+    vectors."""
+    model, length = ours(folders(name)), 80
+    ids, prompt, pad = tokens(length, 2), 70, 3
+    mask = torch.ones(2, length, dtype=torch.long)
     mask[1, :pad] = 0
     cache = model.new_cache()
     with torch.no_grad():
         steps = [model(ids[:, :prompt], attention_mask=mask[:, :prompt], cache=cache).logits]
-        for t in range(prompt, T):
+        for t in range(prompt, length):
             steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1],
                                cache=cache).logits)  # fmt: skip
         decoded = torch.cat(steps, 1)
@@ -256,7 +272,7 @@ def test_decoding_token_by_token_equals_the_full_forward(name, folders):
     linear = model.config.block.linear
     for layer in kinds(model, GatedDeltaNet):
         held = cache.layers[layer]
-        assert isinstance(held, MemoryCache) and held.length == T
+        assert isinstance(held, MemoryCache) and held.length == length
         assert held.numel() == 2 * linear.state_bytes  # two rows, whatever the length
 
 
@@ -300,7 +316,7 @@ HUB = {
     "num_expert_group": 1, "num_experts": 256, "num_experts_per_token": 8,
     "num_hidden_layers": 27, "num_key_value_heads": 32, "num_nextn_predict_layers": 0,
     "num_shared_experts": 1, "q_lora_rank": None, "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
+    "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
     "routed_scaling_factor": 2.446, "tie_word_embeddings": False, "topk_group": 1,
     "use_grouped_topk": True, "v_head_dim": 128, "vocab_size": 163840,
 }  # fmt: skip
