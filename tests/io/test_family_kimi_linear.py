@@ -19,8 +19,11 @@ import pytest
 import torch
 import transformers as hf
 from safetensors.torch import save_file
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, pre_tokenizers
 from transformers.models.kimi_linear import modeling_kimi_linear as theirs_module
 
+import qkv
 from qkv.io.checkpoint import export, read_checkpoint
 from qkv.io.families import family_for
 from qkv.io.families.kimi_linear import FAMILY, config
@@ -442,3 +445,29 @@ def test_a_model_the_config_json_cannot_hold_is_refused_by_name():
         FAMILY.hf_config(
             with_routing(score="softmax", groups=1, groups_chosen=1, correction_bias=False)(cfg)
         )
+
+
+WORDS = ["[UNK]", "the", "bank", "of", "river", "was", "wide", "and", "deep"]
+WORDS += [f"word{i}" for i in range(len(WORDS), 100)]  # one per id the model can choose
+TEXT = "the bank of the river was wide and deep"
+
+
+def test_inspection_runs_on_a_loaded_folder(folders, tmp_path):
+    """qkv.load of a folder; a trace through a full layer, every layer's weights (a KDA
+    layer's effective ones), the lens, generation."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for path in folders("hub").iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(folder / "tokenizer.json"))
+    model = qkv.load(folder)
+    assert model.family is FAMILY
+    traced = qkv.trace(model, TEXT, "river", "bank", layer=1, head=2)
+    weights = model.attentions(TEXT).weights  # (L, H, T, T)
+    assert float(traced.weight) == pytest.approx(float(weights[1, 2, 4, 1]), abs=1e-6)
+    assert torch.allclose(weights[1].sum(-1), torch.ones(1))  # the full layer's softmax
+    assert (weights[0] < 0).any()  # a KDA layer's effective weights: signed
+    assert qkv.lens(model, TEXT).attribution.remainder == pytest.approx(0, abs=1e-4)
+    assert model.generate("the bank of", max_new_tokens=4)
