@@ -108,7 +108,7 @@ def kinds(model: Decoder, kind: type) -> list[int]:
 @pytest.fixture(scope="module")
 def references(folders):
     """transformers' run of each tiny model on tokens(T, 2), once (its rule is slow): logits,
-    the full layers' attentions, and each MoE layer's router output."""
+    the full layers' attentions, each MoE layer's router output, and its cache."""
     made = {}
 
     def reference(name: str):
@@ -120,8 +120,8 @@ def references(folders):
                         lambda _, __, out, i=i: chosen.__setitem__(i, out)
                     )  # fmt: skip
             with torch.no_grad():
-                out = model(tokens(T, 2), output_attentions=True)
-            made[name] = out.logits, out.attentions, chosen
+                out = model(tokens(T, 2), output_attentions=True, use_cache=True)
+            made[name] = out.logits, out.attentions, chosen, out.cache
         return made[name]
 
     return reference
@@ -277,6 +277,25 @@ def test_decoding_token_by_token_equals_the_full_forward(name, folders):
         held = cache.layers[layer]
         assert isinstance(held, MemoryCache) and held.length == length
         assert held.numel() == 2 * linear.state_bytes  # two rows, whatever the length
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_cache_holds_what_transformers_caches(name, folders, references):
+    """A KDA layer: each head's memory (Dk x Dv) and the convolution's last inputs
+    (transformers keeps conv tokens, qkv the conv - 1 earlier ones a next token reads); a
+    full layer: the normed latent vector and the unturned shared key, per token."""
+    model, want = ours(folders(name)), references(name)[3]
+    cache = model.new_cache()
+    with torch.no_grad():
+        model(tokens(T, 2), cache=cache)
+    for layer, held in enumerate(cache.layers):
+        if isinstance(held, MemoryCache):
+            close(held.state, want.get_recurrent_state(layer), atol=1e-5)
+            close(held.conv, want.get_conv_state(layer)[..., 1:], atol=1e-5)
+        else:
+            c, k_pe = held.stored()  # normed: rounding from the layers below, magnified
+            close(c, want.layers[layer].keys)
+            close(k_pe, want.layers[layer].values)
 
 
 @pytest.mark.parametrize("name", NAMES)
