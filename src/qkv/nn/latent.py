@@ -163,8 +163,8 @@ class LatentAttention(nn.Module):
 
     rotary: a RotaryEmbedding of qk_rope_head_dim dimensions, or None for a layer without
     positions (Kimi Linear's): q_pe and k_pe then stay as made, k_pe one more part of every
-    head's key that all heads share. absorb: attend over the latent
-    vectors (see the module's text); forward's absorb overrides it for one call.
+    head's key that all heads share, and the scale is qk_head_dim**-0.5. absorb: attend over
+    the latent vectors (see the module's text); forward's absorb overrides it for one call.
 
     >>> config = LatentConfig(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
     ...                       v_head_dim=3)
@@ -196,7 +196,7 @@ class LatentAttention(nn.Module):
         self.config, self.rotary, self.backend, self.absorb = cfg, rotary, backend, absorb
         self.scale = cfg.scale
         if self.scale is None:  # DeepSeek's: with YaRN's mscale**2 where the rotary has one
-            self.scale = softmax_scale(cfg.qk_head_dim, rotary and rotary.scaling)
+            self.scale = softmax_scale(cfg.qk_head_dim, None if rotary is None else rotary.scaling)
         H = cfg.num_heads
         if cfg.q_lora_rank is None:
             self.q = nn.Linear(cfg.width, H * cfg.qk_head_dim, bias=False)
