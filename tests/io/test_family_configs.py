@@ -117,6 +117,13 @@ def _tiny_qwen3_5(name: str) -> dict:
     return config_class(**settings).to_dict()
 
 
+def _tiny_kimi_linear() -> list[dict]:
+    from test_family_kimi_linear import CASES
+    from transformers import KimiLinearConfig
+
+    return [KimiLinearConfig(**case).to_dict() for case in CASES.values()]
+
+
 ROUND_TRIPS = {
     "bert": [BERT, replace(BERT, mlm_head=True)],
     "gpt2": [GPT2, replace(GPT2, tie_embeddings=False)],
@@ -163,6 +170,8 @@ ROUND_TRIPS = {
         name: [FAMILY[name].config(_tiny_qwen3_5(name))]
         for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
     },
+    # Kimi Linear's, as its tiny checkpoints' configs read (more in test_family_kimi_linear.py)
+    "kimi_linear": [FAMILY["kimi_linear"].config(hf) for hf in _tiny_kimi_linear()],
     # more of each in tests/io/test_family_seq2seq.py
     "marian": [replace(BART, position="sinusoidal", sinusoid_layout="halves", embed_norm=False)],
     "t5": [

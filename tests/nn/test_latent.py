@@ -204,6 +204,26 @@ def test_weights_into_is_left_alone_and_edits_act_on_the_model_heads():
     assert not torch.allclose(edited, out)
 
 
+@pytest.mark.parametrize("absorb", [False, True])
+def test_without_rotary_nothing_turns(absorb):
+    """A layer without positions (Kimi Linear's): what a rotary layer computes with every
+    token at position 0 (no turn), its scale qk_head_dim**-0.5, its cache the same."""
+    ours, _, _ = pair()
+    plain = LatentAttention(ours.config, None, absorb=absorb)
+    plain.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 7, 32)
+    cache = LatentCache()
+    with torch.no_grad():
+        want, _ = ours(x, positions=torch.zeros(7, dtype=torch.long), absorb=absorb)
+        got, record = plain(x, record=True)
+        stepped = [plain(x[:, t : t + 1], cache=cache)[0] for t in range(7)]
+        turned, _ = ours(x, absorb=absorb)
+    assert plain.scale == 12**-0.5 and record.q.shape[-1] == (12 + 4 if absorb else 8 + 4)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(torch.cat(stepped, 1), got, atol=1e-5, rtol=0)
+    assert not torch.allclose(got, turned, atol=1e-3)
+
+
 def test_bad_layers_are_refused():
     config = LatentConfig(32, 4, **SIZES)
     with pytest.raises(ValueError, match="qk_rope_head_dim=4"):

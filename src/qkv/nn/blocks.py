@@ -130,8 +130,8 @@ class BlockConfig:
                 raise ValueError("linear attention is self-attention (a memory of the text)")
             return GatedDeltaNet(self.linear, backend=self.backend)
         if self.latent is not None:
-            if cross or rotary is None:
-                raise ValueError("latent attention is self-attention with rotary positions")
+            if cross:  # without rotary positions nothing turns (Kimi Linear's layers)
+                raise ValueError("latent attention is self-attention")
             return LatentAttention(self.latent, rotary, backend=self.backend)
         return MultiHeadAttention(
             self.width,

@@ -161,8 +161,10 @@ class LatentAttention(nn.Module):
     pairs (rope_interleave, DeepSeek's default) has its rows reordered once, at load time, by
     `from_transformers`, which is exact (a permutation of a product's rows).
 
-    rotary: a RotaryEmbedding of qk_rope_head_dim dimensions. absorb: attend over the latent
-    vectors (see the module's text); forward's absorb overrides it for one call.
+    rotary: a RotaryEmbedding of qk_rope_head_dim dimensions, or None for a layer without
+    positions (Kimi Linear's): q_pe and k_pe then stay as made, k_pe one more part of every
+    head's key that all heads share, and the scale is qk_head_dim**-0.5. absorb: attend over
+    the latent vectors (see the module's text); forward's absorb overrides it for one call.
 
     >>> config = LatentConfig(16, 2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2,
     ...                       v_head_dim=3)
@@ -175,7 +177,7 @@ class LatentAttention(nn.Module):
     def __init__(
         self,
         config: LatentConfig,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         *,
         backend: str = "auto",
         absorb: bool = False,
@@ -184,7 +186,9 @@ class LatentAttention(nn.Module):
         cfg = config
         if backend not in backend_names():
             raise ValueError(f"unknown attention backend {backend!r}; allowed: {backend_names()}")
-        if rotary.head_dim != cfg.qk_rope_head_dim or rotary.dims != rotary.head_dim:
+        if rotary is not None and (
+            rotary.head_dim != cfg.qk_rope_head_dim or rotary.dims != rotary.head_dim
+        ):
             raise ValueError(
                 f"the rotary embedding must turn all of qk_rope_head_dim={cfg.qk_rope_head_dim} "
                 f"dimensions, got head_dim={rotary.head_dim}, dims={rotary.dims}"
@@ -192,7 +196,7 @@ class LatentAttention(nn.Module):
         self.config, self.rotary, self.backend, self.absorb = cfg, rotary, backend, absorb
         self.scale = cfg.scale
         if self.scale is None:  # DeepSeek's: with YaRN's mscale**2 where the rotary has one
-            self.scale = softmax_scale(cfg.qk_head_dim, rotary.scaling)
+            self.scale = softmax_scale(cfg.qk_head_dim, None if rotary is None else rotary.scaling)
         H = cfg.num_heads
         if cfg.q_lora_rank is None:
             self.q = nn.Linear(cfg.width, H * cfg.qk_head_dim, bias=False)
@@ -280,16 +284,19 @@ class LatentAttention(nn.Module):
         q_plain = self.queries(x)  # (B, H, T, nope + rope)
         q_nope, q_pe = q_plain.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         latents, k_pe = self.latents(x)
-        if rotation is None:
-            if positions is None:
-                positions = positions_for(T, cache.length if cache else 0, x.device)
-            rotation = self.rotary.rotation(positions, q_plain.dtype)
-        elif rotation.cos.shape[-1] != cfg.qk_rope_head_dim:
-            raise ValueError(
-                f"the rotation turns {rotation.cos.shape[-1]} dimensions; this layer's rotary "
-                f"part has qk_rope_head_dim={cfg.qk_rope_head_dim}"
-            )
-        q_pe_turned, k_pe_turned = rotation.apply(q_pe), rotation.apply(k_pe)
+        if self.rotary is None and rotation is None:  # no positions (Kimi): nothing turns
+            q_pe_turned, k_pe_turned = q_pe, k_pe
+        else:
+            if rotation is None:
+                if positions is None:
+                    positions = positions_for(T, cache.length if cache else 0, x.device)
+                rotation = self.rotary.rotation(positions, q_plain.dtype)
+            elif rotation.cos.shape[-1] != cfg.qk_rope_head_dim:
+                raise ValueError(
+                    f"the rotation turns {rotation.cos.shape[-1]} dimensions; this layer's "
+                    f"rotary part has qk_rope_head_dim={cfg.qk_rope_head_dim}"
+                )
+            q_pe_turned, k_pe_turned = rotation.apply(q_pe), rotation.apply(k_pe)
         if absorb:
             w_uk, w_uv = self._kv_b_halves()
             q_latent = q_nope @ w_uk  # (B, H, T, kv_lora_rank): the query in c's space

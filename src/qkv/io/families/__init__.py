@@ -21,6 +21,7 @@ from qkv.io.families import (
     gemma4,
     gpt2,
     gpt_oss,
+    kimi_linear,
     llama,
     llama4,
     marian,
@@ -53,6 +54,7 @@ FAMILIES += [gpt_oss.FAMILY]
 FAMILIES += [deepseek.FAMILY]
 FAMILIES += [deepseek_v4.FAMILY]
 FAMILIES += [qwen3_5.FAMILY, qwen3_5.MOE, qwen3_next.FAMILY]
+FAMILIES += [kimi_linear.FAMILY]
 
 bert_hf_config = bert.hf_config  # the name tests and older callers use
 
