@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qkv.attention.linear import delta_rule, effective_weights
+from qkv.attention.linear import delta_rule, effective_row, effective_weights
 from qkv.attention.loop_memory import remember
 
 
@@ -200,3 +200,12 @@ def test_bad_inputs_are_refused_by_name(change, message):
     options = dict(beta=torch.rand(1, 1, 4), decay=-torch.rand(1, 1, 4)) | change
     with pytest.raises(ValueError, match=message):
         delta_rule(q, k, torch.randn(1, 1, 4, 3), **options)
+
+
+def test_one_querys_row_walked_back_is_the_last_row_of_the_effective_weights():
+    gen = torch.Generator().manual_seed(6)
+    for per_channel in (False, True):
+        q, k, _, beta, decay = _inputs(gen, 2, 3, 20, 8, 4, per_channel)
+        weights = effective_weights(q, k, beta=beta, decay=decay, scale=0.3)
+        row = effective_row(q[:, :, -1], k, beta=beta, decay=decay, scale=0.3)
+        torch.testing.assert_close(row, weights[:, :, -1], atol=1e-12, rtol=0)

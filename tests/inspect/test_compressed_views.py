@@ -10,6 +10,7 @@ import torch
 
 import qkv
 from deepseek_v4_models import TEXT, deepseek_v4
+from qkv.generate.fast_step import fast_step_refusal
 from qkv.inspect.census import heads
 from qkv.inspect.summaries import chunk_weights
 from qkv.inspect.words import compressed_words, on_words
@@ -126,3 +127,15 @@ def test_the_page_and_the_census_say_the_words_are_reached_through_the_compresso
 def test_what_cannot_be_done_exactly_is_refused_by_name(model, ask, message):
     with pytest.raises(ValueError, match=message):
         ask(model)
+
+
+def test_generation_runs_the_models_own_forward_with_its_cache(model):
+    """The fast step is Decoder's; DeepSeek-V4's forward is its own, so generation must take
+    the plain path: greedy tokens equal the argmax of one whole forward after each."""
+    ids = list(model.tokenizer.encode(TEXT).ids)
+    text = model.generate(TEXT, 4)
+    assert fast_step_refusal(model.model, torch.device("cpu")).startswith("the model is a Deep")
+    with torch.no_grad():
+        for _ in range(4):
+            ids.append(int(model.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert text == model.tokenizer.decode(ids[-4:])

@@ -152,3 +152,19 @@ def test_the_census_reads_shares_of_the_effective_weights_and_says_so(model):
     assert census.to_dict()["effective_weights"] == [True, True, False]
     with pytest.raises(ValueError, match="layer 0 keeps a running memory"):
         text_rollout(model, TEXT)
+
+
+@pytest.mark.parametrize("fade", ["head", "channel"])
+def test_generating_keeps_each_new_tokens_effective_weights_over_every_token(fade):
+    """A linear layer's record while decoding holds the new token alone (the rest is in its
+    memory); the rows kept must still be what one forward over the whole text gives."""
+    model = linear_model(fade)
+    seen = model.generate("the bank of the river", 5, record="all", temperature=1.0, seed=2)
+    whole = model.model(torch.tensor([seen.ids[:-1]]), layers="all").records
+    P = seen.prompt_length
+    for j in range(1, seen.generated):
+        row = seen.row(j)  # (L, H, P + j): the row of the query at P + j - 1
+        for layer in range(3):
+            want = whole[layer].weights()[0, :, P + j - 1, : P + j]
+            torch.testing.assert_close(row[layer], want, atol=1e-5, rtol=0)
+    assert (seen.row(seen.generated - 1)[0] < 0).any()  # signed: effective weights

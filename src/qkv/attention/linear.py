@@ -211,6 +211,26 @@ def effective_weights(
     return _with_mask(run, rule)[0]
 
 
+def effective_row(
+    q: Tensor, k: Tensor, *, beta: Tensor, decay: Tensor, scale: float | None = None
+) -> Tensor:
+    """(B, H, T) float64: one query's effective weights over the T keys written up to and at
+    it, q (B, H, Dk) being the last key's token's query (decoding: each new token's row, from
+    the keys, write strengths and fades of every token so far). The walk back of
+    `loop_memory.remember` on whole tensors: O(T Dk) per head, no memory of Dk x Dv."""
+    B, H, T, Dk = k.shape
+    scale = Dk**-0.5 if scale is None else scale
+    u = q.double() * scale  # what the query asks of the memory just after token j
+    k, beta, fade = k.double(), beta.double(), decay.double().exp()
+    if fade.dim() == 3:
+        fade = fade[..., None]  # (B, H, T, 1): one factor per head
+    row = u.new_zeros(B, H, T)
+    for j in reversed(range(T)):
+        row[:, :, j] = beta[:, :, j] * (k[:, :, j] * u).sum(-1)
+        u = fade[:, :, j] * (u - row[:, :, j, None] * k[:, :, j])
+    return row
+
+
 def _with_mask(run, rule: Rule) -> tuple[Tensor, Tensor]:
     """`run` (the recurrent or chunked form) under the rule's mask. A key hidden from every query
     that could read it (padding) is not written at all: one run. Pairs hidden from some queries

@@ -36,6 +36,8 @@ def fast_step_refusal(model: Decoder, device: torch.device) -> str | None:
     """Why FastStep cannot run this model's steps exactly as Decoder.forward does, or None."""
     if device.type != "cpu":
         return "FastStep runs on the CPU (a GPU's own kernels choose the attention there)"
+    if type(model) is not Decoder:
+        return f"the model is a {type(model).__name__}, whose forward is its own"
     if model.config.cross_attention:
         return "the decoder has cross-attention"
     if model.relative is not None:

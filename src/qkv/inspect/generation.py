@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from qkv.attention.inputs import check_indices
+from qkv.attention.linear import compute_dtype, effective_row
 from qkv.generate import Sampling, continuations, decode_steps
 from qkv.inspect import summaries
 from qkv.models.deepseek_v4 import DeepseekV4Decoder
@@ -124,13 +125,35 @@ class RowKeeper:
         self.layers, self.heads = layers, heads
         self.prompt: Tensor | None = None
         self.steps: list[Tensor] = []
+        # a linear layer's record while decoding holds the new token alone (the rest is in its
+        # memory): its keys, write strengths and fades so far, to walk each new row back over
+        self.written: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
     def __call__(self, records: dict[int, AttentionRecord]) -> None:
-        rows = torch.stack([records[n].weights(self.heads)[0] for n in self.layers])
+        rows = torch.stack([self._rows(n, records[n]) for n in self.layers])
         if self.prompt is None:
             self.prompt = rows  # (L', H', P, P)
         else:
             self.steps.append(rows[:, :, -1])  # (L', H', Tk): the fed-back token's row
+
+    def _rows(self, layer: int, record: AttentionRecord) -> Tensor:
+        """(H', Tq, Tk): the layer's rows of this forward pass over every token so far."""
+        if record.linear is None:
+            return record.weights(self.heads)[0]
+        index = torch.tensor(self.heads, device=record.q.device)
+        k, beta, decay = (t.index_select(1, index) for t in
+                          (record.k, record.linear.beta, record.linear.decay))  # fmt: skip
+        if layer in self.written:
+            k, beta, decay = (
+                torch.cat([old, new], dim=2)
+                for old, new in zip(self.written[layer], (k, beta, decay), strict=True)
+            )
+        self.written[layer] = (k, beta, decay)
+        if self.prompt is None:
+            return record.weights(self.heads)[0]
+        q = record.q.index_select(1, index)[:, :, -1]  # (B, H', Dk): the fed-back token's
+        row = effective_row(q, k, beta=beta, decay=decay, scale=record.scale)
+        return row[0, :, None, :].to(compute_dtype(record.q.dtype))  # (H', 1, Tk)
 
 
 class SummaryKeeper:
