@@ -11,6 +11,8 @@ import torch
 import qkv
 from deepseek_v4_models import TEXT, deepseek_v4
 from qkv.generate.fast_step import fast_step_refusal
+from qkv.inspect.anatomy import anatomy as model_anatomy
+from qkv.inspect.anatomy import cache_bytes_per_token
 from qkv.inspect.census import heads
 from qkv.inspect.summaries import chunk_weights
 from qkv.inspect.words import compressed_words, on_words
@@ -139,3 +141,24 @@ def test_generation_runs_the_models_own_forward_with_its_cache(model):
         for _ in range(4):
             ids.append(int(model.model(torch.tensor([ids])).logits[0, -1].argmax()))
     assert text == model.tokenizer.decode(ids[-4:])
+
+
+def test_qkv_models_tells_compressed_attention_and_counts_the_entries_a_cache_grows_by(model):
+    """The cache per token is what the layers' caches really grow by: an entry per block of
+    tokens (and an indexer key per CSA entry), the window's keys a fixed size."""
+    config = model.model.config
+    anatomy = model_anatomy(config)
+    assert "compressed keys in 2 of 3 layers beside a window" in anatomy.attention
+    assert anatomy.mlp.startswith(f"{config.num_experts} experts, {config.experts_per_token} a")
+
+    def stored(cache) -> int:
+        kept = [(layer.compressor.entries, layer.indexer.entries) for layer in cache.layers]
+        return sum(t.shape[1] * t.shape[2] for pair in kept for t in pair if t is not None)
+
+    counts = []
+    for length in (32, 64):
+        cache = model.model.new_cache()
+        with torch.no_grad():
+            model.model(torch.zeros(1, length, dtype=torch.long), cache=cache)
+        counts.append(stored(cache))
+    assert cache_bytes_per_token(config) == 2 * (counts[1] - counts[0]) / 32

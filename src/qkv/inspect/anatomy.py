@@ -204,7 +204,16 @@ def _attention(config) -> str:
         c = block.latent
         parts.append(f"latent keys and values (one {c.kv_lora_rank}-number vector per token, "
                      f"{c.qk_rope_head_dim} rotary)")  # fmt: skip
-    if block.sinks:
+    kinds = getattr(config, "attention_types", None)  # DeepSeek-V4's
+    if kinds is not None:
+        csa, hca = kinds.count("csa"), kinds.count("hca")
+        parts.append(
+            f"compressed keys in {csa + hca} of {L} layers beside a window: entries of "
+            f"{config.csa_rate} tokens, the indexer's top {config.index_top_k} (CSA), in {csa}; "
+            f"entries of {config.hca_rate} tokens, all (HCA), in {hca}; a learned sink per head; "
+            f"{config.streams} residual streams (hyper-connections)"
+        )
+    elif block.sinks:
         parts.append("a learned sink per head takes part of each query's weight")
     if block.chunk is not None:
         chunked = sum(config.layer_type(i) == "chunked" for i in range(L))
@@ -230,6 +239,12 @@ def _mlp(config) -> str:
     beside = getattr(config, "experts", None)  # Gemma 4's: beside each layer's dense MLP
     if beside is not None:
         return f"dense + {experts_words(beside)} beside it"
+    hashed = getattr(config, "hashed_layers", None)  # DeepSeek-V4's
+    if hashed is not None:
+        by_id = f"chosen by the token's id in {sum(hashed)} of {len(hashed)} layers"
+        return (
+            f"{config.num_experts} experts, {config.experts_per_token} a token + 1 shared; {by_id}"
+        )
     if block.experts is None:
         return "dense"
     words = experts_words(block.experts)
@@ -242,11 +257,17 @@ def cache_bytes_per_token(config, element_size: int = 2) -> int:
     """Bytes the decoder's self-attention cache holds per token over every layer, at
     `element_size` bytes a number (2: bfloat16): each layer's keys and values, or a latent
     layer's compressed vector and rotary key (DeepSeek-V3: 576 numbers where its 128 heads'
-    keys and values would be 40,960). Encoders cache nothing: 0."""
+    keys and values would be 40,960); DeepSeek-V4's compressed layers one entry (and an
+    indexer key in CSA) per block of tokens, its window a fixed size. Encoders cache nothing."""
     if isinstance(config, EncoderDecoderConfig):
         config = config.decoder()
     if not isinstance(config, DecoderConfig):
         return 0
+    kinds = getattr(config, "attention_types", None)
+    if kinds is not None:  # DeepSeek-V4: a window of fixed size, and compressed entries
+        head = config.block.head_size  # one key head, its own value
+        csa = kinds.count("csa") * (head + config.index_head_dim) / config.csa_rate
+        return round((csa + kinds.count("hca") * head / config.hca_rate) * element_size)
     total = 0
     for layer in range(config.num_layers):
         block = config.block_for(layer)
