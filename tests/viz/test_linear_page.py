@@ -4,11 +4,14 @@ redone from q and k (refused by name), and the notebook's trace says no softmax 
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
 import qkv
-from linear_models import linear_model
+from linear_models import linear_model, wide_linear_model
 from qkv.inspect.summaries import summarize
 from qkv.viz.notebook import trace_html
 from qkv.viz.page import attention_page, drawn_weights
@@ -53,3 +56,26 @@ def test_the_notebooks_trace_says_no_softmax(model):
 def test_summaries_of_a_long_text_refuse_a_linear_layer_by_name(model):
     with pytest.raises(ValueError, match="keeps a running memory \\(linear attention\\)"):
         summarize(model.attentions(TEXT))
+
+
+def test_a_layer_of_fewer_heads_has_its_missing_heads_marked_absent(tmp_path):
+    wide = wide_linear_model()  # linear layers of 4 heads, a full layer of 2
+    seen = wide.attentions(TEXT)
+    weights, _ = drawn_weights(seen)
+    assert bool(weights[2, 2:].isnan().all()) and not bool(weights[:2].isnan().any())
+    torch.testing.assert_close(weights[2, :2], seen.weights[2, :2])
+    page = attention_page(seen, title="wide", text=TEXT).decode()
+    data = json.loads(re.search(r'id="qkv-data">(.*?)</script>', page, re.S).group(1))
+    assert data["absent"] == [[False] * 4, [False] * 4, [False, False, True, True]]
+    assert data["weights"]["heads"][2][3] is None and data["weights"]["heads"][0][3] is not None
+    assert "function fitHead()" in page
+    with pytest.raises(ValueError, match="layer 2 has no head 3 on this page: it has 2 heads"):
+        attention_page(seen, title="wide", head=(2, 3))
+    with pytest.raises(ValueError, match="layer 2 of tiny has 2 heads"):
+        draw_attention(
+            seen, tmp_path / "page.html", name="tiny", text=TEXT, layer=2, head=3, model=wide.model
+        )
+    draw_attention(
+        seen, tmp_path / "page.html", name="tiny", text=TEXT, layer=0, head=3, model=wide.model
+    )
+    assert (tmp_path / "page.html").exists()
