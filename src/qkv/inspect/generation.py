@@ -18,6 +18,7 @@ from torch import Tensor
 from qkv.attention.inputs import check_indices
 from qkv.generate import Sampling, continuations, decode_steps
 from qkv.inspect import summaries
+from qkv.inspect.layer_heads import check_heads, heads_per_layer, weights_of
 from qkv.nn import AttentionRecord
 from qkv.views import Shown
 
@@ -67,13 +68,18 @@ class Recording:
             return cls(**record)
         return cls(layers=list(record) if isinstance(record, Sequence | range) else record)
 
-    def resolve(self, num_layers: int, num_heads: int, owner: str) -> tuple[list[int], list[int]]:
-        """The layers and heads asked, sorted, each checked against the model's counts."""
+    def resolve(self, num_layers: int, num_heads: int | Sequence[int],
+                owner: str) -> tuple[list[int], list[int]]:  # fmt: skip
+        """The layers and heads asked, sorted, each checked against the model's counts:
+        num_heads, or each layer's own (`heads_per_layer`: a head some layer asked has)."""
         every = isinstance(self.layers, str) and self.layers == "all"
         if isinstance(self.layers, str) and not every:
             raise ValueError(f"record's layers are 'all' or indices, not {self.layers!r}")
         layers = check_indices("layer", None if every else self.layers, num_layers, owner)
-        heads = check_indices("head", self.heads, num_heads, owner)
+        if isinstance(num_heads, int):
+            heads = check_indices("head", self.heads, num_heads, owner)
+        else:  # layers of different head counts (Qwen3.5's)
+            heads = check_heads(self.heads, layers, num_heads, owner) if layers else []
         if type(self.summaries) is not bool:
             raise ValueError(f"record's summaries is True or False, not {self.summaries!r}")
         if type(self.top_k) is not int or self.top_k < 1:
@@ -125,7 +131,8 @@ class RowKeeper:
         self.steps: list[Tensor] = []
 
     def __call__(self, records: dict[int, AttentionRecord]) -> None:
-        rows = torch.stack([records[n].weights(self.heads)[0] for n in self.layers])
+        # NaN for a head a layer lacks (layers of different head counts)
+        rows = torch.stack([weights_of(records[n], self.heads) for n in self.layers])
         if self.prompt is None:
             self.prompt = rows  # (L', H', P, P)
         else:
@@ -278,7 +285,7 @@ def generate_recorded(
     """`Pretrained.generate` for one prompt ids (1, P) of a decoder, keeping the attention rows
     `recording` asks as it decodes (no second forward pass); eos: the tokens that end it."""
     cfg = model.config
-    layers, heads = recording.resolve(cfg.num_layers, cfg.block.num_heads, source)
+    layers, heads = recording.resolve(cfg.num_layers, heads_per_layer(model), source)
     if recording.summaries:  # a few numbers per row: the prompt's are summarized in chunks
         keeper = SummaryKeeper(layers, heads, recording.top_k)
     else:
