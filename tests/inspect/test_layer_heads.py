@@ -13,6 +13,7 @@ import torch
 import qkv
 from linear_models import wide_linear_model
 from qkv.inspect.layer_heads import heads_per_layer
+from qkv.inspect.probe import probe
 from variant_models import TEXT
 
 LACKS = "layer 2 of tiny has 2 heads"
@@ -125,3 +126,14 @@ def test_a_trace_checks_the_head_against_its_layer(model):
     assert full.num_heads == 2 and full.linear is None
     best = qkv.trace(model, TEXT, "deep", "bank", layer=2)
     assert best.head in (0, 1)
+
+
+def test_the_probes_cue_attention_has_each_layers_own_heads(model):
+    sentences = ["the river bank was wide", "the bank was deep and wide", "river and the bank",
+                 "the deep bank"]  # fmt: skip
+    found = probe(model, "bank", sentences, ["a", "b", "a", "b"],
+                  cues=["river", "deep", "river", "deep"])  # fmt: skip
+    nan_only_where_lacking(found.cue_attention)
+    layer, head, share = found.cue_head
+    assert share == share and head < heads_per_layer(model.model)[layer]
+    assert found.to_dict()["cue_attention"][2][3] is None
