@@ -137,3 +137,12 @@ def test_the_probes_cue_attention_has_each_layers_own_heads(model):
     layer, head, share = found.cue_head
     assert share == share and head < heads_per_layer(model.model)[layer]
     assert found.to_dict()["cue_attention"][2][3] is None
+
+
+def test_recording_while_generating_takes_the_heads_of_the_layers_asked(model):
+    with pytest.raises(ValueError, match="layer 0 keeps a running memory"):
+        model.generate("the bank of", max_new_tokens=2, record="all")
+    found = model.generate("the bank of", max_new_tokens=2, record={"layers": [2]})
+    assert found.layers == [2] and found.heads == [0, 1]
+    with pytest.raises(ValueError, match=LACKS):
+        model.generate("the bank of", max_new_tokens=2, record={"layers": [2], "heads": [3]})

@@ -19,6 +19,7 @@ from qkv.attention.inputs import check_indices
 from qkv.generate import Sampling, continuations, decode_steps
 from qkv.inspect import summaries
 from qkv.inspect.layer_heads import check_heads, heads_per_layer, weights_of
+from qkv.inspect.runs import linear_layers
 from qkv.nn import AttentionRecord
 from qkv.views import Shown
 
@@ -286,6 +287,14 @@ def generate_recorded(
     `recording` asks as it decodes (no second forward pass); eos: the tokens that end it."""
     cfg = model.config
     layers, heads = recording.resolve(cfg.num_layers, heads_per_layer(model), source)
+    linear = [n for n in linear_layers(model) if n in layers]
+    if linear:
+        raise ValueError(
+            f"layer {linear[0]} keeps a running memory (linear attention): while decoding, its "
+            "record holds each new token's read of the memory, not weights over the earlier "
+            "keys; record the softmax layers (record={'layers': [...]}), or trace the text "
+            "with qkv.trace"
+        )
     if recording.summaries:  # a few numbers per row: the prompt's are summarized in chunks
         keeper = SummaryKeeper(layers, heads, recording.top_k)
     else:
