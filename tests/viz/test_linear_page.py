@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import qkv
+from browser import offline
 from linear_models import linear_model, wide_linear_model
 from qkv.inspect.summaries import summarize
 from qkv.viz.notebook import trace_html
-from qkv.viz.page import attention_page, drawn_weights
+from qkv.viz.page import attention_page, drawn_weights, write_attention_page
 from qkv.viz.show import draw_attention
 from variant_models import TEXT
 
@@ -79,3 +80,16 @@ def test_a_layer_of_fewer_heads_has_its_missing_heads_marked_absent(tmp_path):
         seen, tmp_path / "page.html", name="tiny", text=TEXT, layer=0, head=3, model=wide.model
     )
     assert (tmp_path / "page.html").exists()
+
+
+def test_the_pages_head_picker_offers_each_layer_its_own_heads(tmp_path):
+    seen = wide_linear_model().attentions(TEXT)
+    path = write_attention_page(tmp_path / "wide.html", seen, title="wide", text=TEXT, head=(0, 3))
+    with offline(path) as page:
+        page.select_option("#layer", "2")  # a layer of 2 heads: head 3 is not one of its own
+        page.wait_for_function("document.querySelector('#head').value === '0'")
+        disabled = page.eval_on_selector_all("#head option", "os => os.map(o => o.disabled)")
+        assert disabled == [False, False, True, True]
+        page.select_option("#layer", "1")
+        disabled = page.eval_on_selector_all("#head option", "os => os.map(o => o.disabled)")
+        assert disabled == [False] * 4
