@@ -22,6 +22,7 @@ from qkv.generate import Sampling, continuations, decode_steps, end_ids, seq2seq
 from qkv.generate.precision import FourBits, int4_loaded
 from qkv.inspect.attentions import Attentions, check_weights_option, self_attentions
 from qkv.inspect.generation import GenerationAttention, Recording, generate_recorded
+from qkv.inspect.layer_heads import check_heads, heads_per_layer
 from qkv.io.families import Family
 from qkv.io.hf_folder import Pooling, save_folder
 from qkv.io.load import load_source
@@ -321,10 +322,12 @@ class Pretrained:
             stack = self.model.decoder
         else:
             stack = self_attention_stack(self.model, "attentions", self.source)
-        L, H = stack.config.num_layers, stack.config.block.num_heads
+        L = stack.config.num_layers
         every = layers is None or (isinstance(layers, str) and layers == "all")
         layers = check_indices("layer", None if every else layers, L, self.source)
-        heads = check_indices("head", heads, H, self.source)
+        # each layer's own head count (Qwen3.5's linear layers have more); cross-attention's
+        counts = heads_per_layer(stack) if target is None else [stack.config.block.num_heads] * L
+        heads = check_heads(heads, layers, counts, self.source) if layers else []
         if not layers or not heads:
             raise ValueError("no layer or no head asked for; leave layers and heads out for all")
         encoded = self.encode(text)

@@ -13,10 +13,12 @@ from qkv.cli.options import Backend, Heads, Json, Layers, Model, Png
 
 
 def _shape(pretrained, verb: str, model: str) -> tuple[int, int]:
-    """(layers, heads) of the stack `qkv VERB` changes."""
-    from qkv.models import self_attention_stack, stack_shape
+    """(layers, heads) of the stack `qkv VERB` changes: heads, the most a layer has."""
+    from qkv.inspect.layer_heads import heads_per_layer  # the library, loaded when run
+    from qkv.models import self_attention_stack
 
-    return stack_shape(self_attention_stack(pretrained.model, f"qkv {verb}", model))
+    stack = self_attention_stack(pretrained.model, f"qkv {verb}", model)
+    return stack.config.num_layers, max(heads_per_layer(stack))
 
 
 def hide(
@@ -76,6 +78,8 @@ def ablate(
     from qkv.attention.index_text import parse_indices
     from qkv.attention.inputs import check_indices
     from qkv.inspect.ablate import ablate as run_ablate
+    from qkv.inspect.layer_heads import check_heads, heads_per_layer
+    from qkv.inspect.runs import stack_of
     from qkv.pretrained import load
     from qkv.viz.lines import ablate_lines
 
@@ -86,7 +90,11 @@ def ablate(
         L, H = _shape(pretrained, "ablate", model)
         chosen_layers = check_indices("layer", parse_indices(layers, "layers", L, model), L, model)
         chosen_heads = check_indices("head", parse_indices(heads, "heads", H, model), H, model)
-        pairs = [(n, h) for n in chosen_layers for h in chosen_heads]
+        # each layer's own heads (layers may differ: Qwen3.5's); one no layer asked has is
+        # refused by its layer's count
+        counts = heads_per_layer(stack_of(pretrained))
+        check_heads(chosen_heads, chosen_layers, counts, model)
+        pairs = [(n, h) for n in chosen_layers for h in chosen_heads if h < counts[n]]
         result = run_ablate(pretrained, text, pairs, mode=mode)
         if out is not None:
             from qkv.viz.grids import grid_plot

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from qkv.attention.inputs import check_indices
+from qkv.inspect.layer_heads import check_layer_head, heads_per_layer
 from qkv.inspect.runs import (
     NextTokens,
     changed,
@@ -50,7 +51,8 @@ class Ablated(Shown):
 
     `states` has every head asked ablated at once, `clean_states` none. `effect` (L, H) is
     each head ablated alone: the mean over every token of 1 - cosine between its final
-    vector with and without (NaN for heads not asked); `total` the same with all at once.
+    vector with and without (NaN for heads not asked, and where a layer has fewer heads
+    than H, the most any layer has); `total` the same with all at once.
     """
 
     view: ClassVar[str] = "ablated"  # drawn by qkv.viz.notebook_interventions
@@ -89,22 +91,21 @@ class Ablated(Shown):
 
 def head_pairs(stack, heads, source: str) -> list[tuple[int, int]]:
     """(layer, head) pairs from "all", a list of pairs, or a list of layers (all their heads)."""
-    L, H = stack.config.num_layers, stack.config.block.num_heads
+    L, counts = stack.config.num_layers, heads_per_layer(stack)  # each layer's own count
     if isinstance(heads, str):
         if heads != "all":
             raise ValueError(f"heads must be 'all' or (layer, head) pairs, got {heads!r}")
-        return [(n, h) for n in range(L) for h in range(H)]
+        return [(n, h) for n in range(L) for h in range(counts[n])]
     pairs = []
     for item in heads:
         if isinstance(item, int):
             (n,) = check_indices("layer", [item], L, source)
-            pairs.extend((n, h) for h in range(H))
+            pairs.extend((n, h) for h in range(counts[n]))
             continue
         if not isinstance(item, Sequence) or len(item) != 2:
             raise ValueError(f"a head is a (layer, head) pair, got {item!r}")
         (n,) = check_indices("layer", [item[0]], L, source)
-        (h,) = check_indices("head", [item[1]], H, source)
-        pairs.append((n, h))
+        pairs.append((n, check_layer_head(n, item[1], counts, source)))
     pairs = sorted(set(pairs))
     if not pairs:
         raise ValueError("no head asked for; give (layer, head) pairs, or 'all'")
@@ -151,13 +152,15 @@ def ablate(
     pairs = head_pairs(stack, heads, pretrained.source)
     encoded = pretrained.encode(text)
     ids = torch.tensor([encoded.ids])
-    T, L, H = ids.shape[1], stack.config.num_layers, stack.config.block.num_heads
+    T, L, counts = ids.shape[1], stack.config.num_layers, heads_per_layer(stack)
     # each head's output, per layer (DeepSeek's: its values' size; Gemma 4's by layer type)
-    values = [torch.zeros(H, head_size(block.attn)) for block in stack.blocks]
+    values = [
+        torch.zeros(H, head_size(block.attn)) for H, block in zip(counts, stack.blocks, strict=True)
+    ]
     if mode == "mean":
         values = mean_head_outputs(pretrained, stack, REFERENCE if reference is None else reference)
     causal = isinstance(stack, Decoder)
-    effect = torch.full((L, H), float("nan"), dtype=torch.float64)
+    effect = torch.full((L, max(counts)), float("nan"), dtype=torch.float64)
     by_head = effect.clone() if causal else None
     with torch.inference_mode():
         clean = run(stack, ids)
@@ -166,7 +169,7 @@ def ablate(
         clean_logprobs = clean.logits[-1].double().log_softmax(-1) if causal else None
         for layer in sorted({n for n, _ in pairs}):
             chosen = [h for n, h in pairs if n == layer]
-            which = torch.zeros(len(chosen), H, 1, 1, dtype=torch.bool)
+            which = torch.zeros(len(chosen), counts[layer], 1, 1, dtype=torch.bool)
             which[range(len(chosen)), chosen] = True
             edit = Edit(heads=which, head_values=values[layer])
             states = resumed(stack, clean, layer, {layer: edit}, len(chosen))
@@ -177,7 +180,9 @@ def ablate(
                 by_head[layer, chosen] = logprobs[:, top] - clean_logprobs[top]
         edits = {}
         for n, h in pairs:
-            which = edits[n].heads if n in edits else torch.zeros(1, H, 1, 1, dtype=torch.bool)
+            which = (
+                edits[n].heads if n in edits else torch.zeros(1, counts[n], 1, 1, dtype=torch.bool)
+            )
             which[0, h] = True
             edits[n] = Edit(heads=which, head_values=values[n])
         states = resumed(stack, clean, min(edits), edits, 1)

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention.eager import compute_dtype
+from qkv.inspect.layer_heads import heads_per_layer, weights_of
 from qkv.inspect.records import SCORE_RULES, why_not_redone
 from qkv.inspect.words import key_words, on_words
 from qkv.models import Decoder, Encoder
@@ -57,7 +58,8 @@ class Attentions(Shown):
     @functools.cached_property
     def weights(self) -> Tensor:
         """(L', H', Tq, Tk) float32 for `layers` and `heads`: row i is query token i's
-        attention over the keys (T x T over one text). A layer of compressed attention's are
+        attention over the keys (T x T over one text); NaN in a layer with fewer heads
+        than the head asked (`qkv.inspect.layer_heads`). A layer of compressed attention's are
         on the words, its entries' weights spread over their words (`qkv.inspect.words`)."""
         out = self.made  # filled a layer at a time: never two copies of the weights at once
         for i, layer in enumerate(self.layers):
@@ -72,8 +74,8 @@ class Attentions(Shown):
                 out[i] = on_words(record, self.heads)[0]
             elif record.shape.B == 1 and self.heads == list(range(record.shape.H)):
                 record.weights_in(out[i])  # in place where the record is plain
-            else:
-                out[i] = record.weights(self.heads)[0]  # (H', Tq, Tk)
+            else:  # NaN for heads this layer lacks (layers may differ: Qwen3.5's)
+                out[i] = weights_of(record, self.heads)  # (H', Tq, Tk)
         return out
 
     @property
@@ -143,8 +145,8 @@ def made_for(stack: nn.Module, weights: bool | None, L: int, heads: list[int],
         return None
     if isinstance(stack, DeepseekV4Decoder):  # its keys are words and compressed entries
         return None
-    if heads != list(range(stack.config.block.num_heads)):
-        return None
+    if any(heads != list(range(H)) for H in heads_per_layer(stack)):
+        return None  # some heads only, or layers of different head counts
     size = L * H * T * T * torch.finfo(dtype).bits // 8
     if weights is None and size > MADE_MAX_BYTES:
         return None

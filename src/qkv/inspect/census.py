@@ -41,6 +41,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from qkv.inspect.layer_heads import heads_per_layer, nan_grid
 from qkv.inspect.words import on_words
 from qkv.models import Decoder, self_attention_stack
 from qkv.views import Shown
@@ -60,7 +61,8 @@ FLOW_MAX_TOKENS = 16  # flow is T^2 max-flows over an (L+1) x T graph: 16 tokens
 
 @dataclass(repr=False)
 class Census(Shown):
-    """Per (layer, head) scores (L, H), float64, layers and heads counted from 0."""
+    """Per (layer, head) scores (L, H), float64, layers and heads counted from 0; H is the
+    most heads any layer has, and a layer with fewer has NaN in the rest (None in JSON)."""
 
     view: ClassVar[str] = "census"  # drawn by qkv.viz.notebook_interventions
 
@@ -85,7 +87,7 @@ class Census(Shown):
     @property
     def sink_per_layer(self) -> Tensor:
         """(L,) each layer's first-token mass, the mean over its heads."""
-        return self.first_token.mean(1)
+        return self.first_token.nanmean(1)
 
     def effective_words(self) -> str | None:
         """Which layers' scores are read on effective weights, in words; None where none."""
@@ -138,6 +140,7 @@ class Census(Shown):
             "source": self.source,
             "layers": L,
             "heads": H,
+            "heads_per_layer": [int((~row.isnan()).sum()) for row in self.previous_token],
             "prompts": list(self.prompts),
             "induction": {
                 "rows": self.induction_rows,
@@ -146,12 +149,12 @@ class Census(Shown):
             },
             "windows": list(self.windows),
             "scores": {
-                "previous_token": self.previous_token.tolist(),
-                "induction": self.induction.tolist(),
-                "first_token": self.first_token.tolist(),
-                "self": self.self_attention.tolist(),
-                "entropy": self.entropy.tolist(),
-                "window_use": [None if use is None else use.tolist() for use in self.window_use],
+                "previous_token": _listed(self.previous_token),
+                "induction": _listed(self.induction),
+                "first_token": _listed(self.first_token),
+                "self": _listed(self.self_attention),
+                "entropy": _listed(self.entropy),
+                "window_use": [None if use is None else _listed(use) for use in self.window_use],
             },
             "effective_weights": list(self.effective or [False] * L),
             "first_token_per_layer": self.sink_per_layer.tolist(),
@@ -235,8 +238,9 @@ def census_of(
         raise ValueError("the second half of each repeated row must equal its first half")
     if isinstance(prompts, Tensor | str) or not prompts:
         raise ValueError("prompts must be a non-empty list of token id lists")
-    L, H = stack.config.num_layers, stack.config.block.num_heads
-    sums = {name: torch.zeros(L, H, dtype=torch.float64) for name in SCORES}
+    L, counts = stack.config.num_layers, heads_per_layer(stack)  # each layer's own count
+    H = max(counts)
+    sums = {name: nan_grid(counts) for name in SCORES}  # NaN where a layer has fewer heads
     use_counts = torch.zeros(L, H, dtype=torch.float64)
     queries = 0  # how many queries i >= 1 the prompts have
     windows: list[int | None] = [None] * L
@@ -247,24 +251,25 @@ def census_of(
             if ids.shape[1] < 2:
                 raise ValueError(f"prompt {i} has {ids.shape[1]} token; give 2 or more")
             for layer, record in _records(stack, ids).items():
-                W = _weights(record)  # (1, H, T, T)
+                W = _weights(record)  # (1, H_layer, T, T)
+                own = slice(0, W.shape[1])  # the layer's heads
                 windows[layer] = record.window
                 effective[layer] = record.linear is not None
                 compressed[layer] = record.compressed is not None
                 rows = W[0, :, 1:]  # (H, T-1, T): queries 1..T-1
-                sums["previous_token"][layer] += W[0].diagonal(-1, -2, -1).sum(-1)
-                sums["first_token"][layer] += rows[..., 0].sum(-1)
-                sums["self"][layer] += W[0].diagonal(0, -2, -1)[:, 1:].sum(-1)
-                sums["entropy"][layer] -= torch.special.xlogy(rows, rows).sum((-1, -2))
+                sums["previous_token"][layer, own] += W[0].diagonal(-1, -2, -1).sum(-1)
+                sums["first_token"][layer, own] += rows[..., 0].sum(-1)
+                sums["self"][layer, own] += W[0].diagonal(0, -2, -1)[:, 1:].sum(-1)
+                sums["entropy"][layer, own] -= torch.special.xlogy(rows, rows).sum((-1, -2))
                 if record.window is not None:
                     use, counted = _window_use(W[0], record.allowed[0])
-                    sums["window_use"][layer] += use
-                    use_counts[layer] += counted
+                    sums["window_use"][layer, own] += use
+                    use_counts[layer, own] += counted
             queries += ids.shape[1] - 1
         q = torch.arange(start + length, start + 2 * length)  # the second half's queries
         for layer, record in _records(stack, repeated).items():
-            W = _weights(record)  # (B, H, T, T)
-            sums["induction"][layer] = W[:, :, q, q - length + 1].mean((0, 2))
+            W = _weights(record)  # (B, H_layer, T, T)
+            sums["induction"][layer, : W.shape[1]] = W[:, :, q, q - length + 1].mean((0, 2))
     scores = {name: sums[name] / queries for name in SCORES if name != "induction"}
     # a window of 1 lets each query see only itself: no distance to use, so None as well
     use = [None if windows[n] is None or not use_counts[n].any()
@@ -285,6 +290,12 @@ def census_of(
         effective=effective,
         compressed=compressed,
     )
+
+
+def _listed(scores: Tensor) -> list:
+    """Scores as lists, None where a layer has no such head (NaN)."""
+    return [_listed(row) for row in scores] if scores.dim() > 1 else [
+        None if v != v else v for v in scores.tolist()]  # fmt: skip
 
 
 def shares(weights: Tensor) -> Tensor:
@@ -370,7 +381,7 @@ def _with_residual(weights: Tensor) -> Tensor:
     if not isinstance(weights, Tensor) or weights.dim() not in (3, 4):
         raise ValueError("weights must be (L, T, T) or (L, H, T, T) attention weights")
     W = weights.double()
-    W = W.mean(1) if W.dim() == 4 else W  # (L, T, T)
+    W = W.nanmean(1) if W.dim() == 4 else W  # (L, T, T); NaN: heads a layer lacks
     if W.shape[-1] != W.shape[-2]:
         raise ValueError(f"weights must be square (self-attention), got {tuple(W.shape[-2:])}")
     A = 0.5 * W + 0.5 * torch.eye(W.shape[-1], dtype=W.dtype)

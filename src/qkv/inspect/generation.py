@@ -19,6 +19,7 @@ from qkv.attention.inputs import check_indices
 from qkv.attention.linear import compute_dtype, effective_row
 from qkv.generate import Sampling, continuations, decode_steps
 from qkv.inspect import summaries
+from qkv.inspect.layer_heads import check_heads, heads_per_layer, weights_of
 from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.nn import AttentionRecord
 from qkv.views import Shown
@@ -69,13 +70,18 @@ class Recording:
             return cls(**record)
         return cls(layers=list(record) if isinstance(record, Sequence | range) else record)
 
-    def resolve(self, num_layers: int, num_heads: int, owner: str) -> tuple[list[int], list[int]]:
-        """The layers and heads asked, sorted, each checked against the model's counts."""
+    def resolve(self, num_layers: int, num_heads: int | Sequence[int],
+                owner: str) -> tuple[list[int], list[int]]:  # fmt: skip
+        """The layers and heads asked, sorted, each checked against the model's counts:
+        num_heads, or each layer's own (`heads_per_layer`: a head some layer asked has)."""
         every = isinstance(self.layers, str) and self.layers == "all"
         if isinstance(self.layers, str) and not every:
             raise ValueError(f"record's layers are 'all' or indices, not {self.layers!r}")
         layers = check_indices("layer", None if every else self.layers, num_layers, owner)
-        heads = check_indices("head", self.heads, num_heads, owner)
+        if isinstance(num_heads, int):
+            heads = check_indices("head", self.heads, num_heads, owner)
+        else:  # layers of different head counts (Qwen3.5's)
+            heads = check_heads(self.heads, layers, num_heads, owner) if layers else []
         if type(self.summaries) is not bool:
             raise ValueError(f"record's summaries is True or False, not {self.summaries!r}")
         if type(self.top_k) is not int or self.top_k < 1:
@@ -138,9 +144,21 @@ class RowKeeper:
 
     def _rows(self, layer: int, record: AttentionRecord) -> Tensor:
         """(H', Tq, Tk): the layer's rows of this forward pass over every token so far."""
-        if record.linear is None:
-            return record.weights(self.heads)[0]
-        index = torch.tensor(self.heads, device=record.q.device)
+        if record.linear is None or self.prompt is None:
+            if record.linear is not None:  # its keys, write strengths and fades so far
+                self._written(layer, record)
+            return weights_of(record, self.heads)  # NaN for a head the layer lacks
+        row = self._written(layer, record)
+        mine = [i for i, h in enumerate(self.heads) if h < record.shape.H]
+        out = row.new_full((len(self.heads), 1, row.shape[-1]), float("nan"))
+        out[mine] = row
+        return out
+
+    def _written(self, layer: int, record: AttentionRecord) -> Tensor:
+        """A linear layer's keys, write strengths and fades so far (of the asked heads it
+        has), kept; and the row (H'', 1, Tk) of its newest query over them."""
+        have = [h for h in self.heads if h < record.shape.H]
+        index = torch.tensor(have, device=record.q.device, dtype=torch.long)
         k, beta, decay = (t.index_select(1, index) for t in
                           (record.k, record.linear.beta, record.linear.decay))  # fmt: skip
         if layer in self.written:
@@ -149,11 +167,9 @@ class RowKeeper:
                 for old, new in zip(self.written[layer], (k, beta, decay), strict=True)
             )
         self.written[layer] = (k, beta, decay)
-        if self.prompt is None:
-            return record.weights(self.heads)[0]
-        q = record.q.index_select(1, index)[:, :, -1]  # (B, H', Dk): the fed-back token's
+        q = record.q.index_select(1, index)[:, :, -1]  # (B, H'', Dk): the newest token's
         row = effective_row(q, k, beta=beta, decay=decay, scale=record.scale)
-        return row[0, :, None, :].to(compute_dtype(record.q.dtype))  # (H', 1, Tk)
+        return row[0, :, None, :].to(compute_dtype(record.q.dtype))  # (H'', 1, Tk)
 
 
 class SummaryKeeper:
@@ -309,7 +325,7 @@ def generate_recorded(
             "compressed entries, so a step's record has no column for most words: generate "
             "without record, then read the whole text's attentions() (on its words)"
         )
-    layers, heads = recording.resolve(cfg.num_layers, cfg.block.num_heads, source)
+    layers, heads = recording.resolve(cfg.num_layers, heads_per_layer(model), source)
     if recording.summaries:  # a few numbers per row: the prompt's are summarized in chunks
         keeper = SummaryKeeper(layers, heads, recording.top_k)
     else:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.inspect.layer_heads import heads_per_layer
 from qkv.inspect.probe import leave_one_out_accuracy, same_sense, sentences_and_labels
 from qkv.inspect.runs import (
     NextTokens,
@@ -54,8 +55,9 @@ class Hidden(Shown):
     in every (layer, head) asked, and without. `effect` (L, H) is the change of the query
     word's final vector (the mean over its tokens) when the key is hidden in that head
     alone: 1 - cosine; with no query, the mean of that change over every token. NaN where
-    not asked. `distance` is the same as a Euclidean distance; `total` and `total_distance`
-    the change with the key hidden everywhere asked at once.
+    not asked, and where a layer has fewer heads (H: the most any layer has). `distance` is
+    the same as a Euclidean distance; `total` and `total_distance` the change with the key
+    hidden everywhere asked at once.
     """
 
     view: ClassVar[str] = "hidden"  # drawn by qkv.viz.notebook_interventions
@@ -158,7 +160,7 @@ def hide(
                 "a word that comes earlier"
             )
     ids = torch.tensor([encoded.ids])
-    T, H = ids.shape[1], stack.config.block.num_heads
+    T, counts = ids.shape[1], heads_per_layer(stack)  # each layer's own number of heads
     rows = slice(None) if query_span is None else slice(*query_span)
 
     def measure(states: Tensor) -> tuple[Tensor, Tensor]:
@@ -171,7 +173,7 @@ def hide(
 
     position = (T if query_span is None else query_span[1]) - 1  # the next token after it
     L = stack.config.num_layers
-    effect = torch.full((L, H), float("nan"), dtype=torch.float64)
+    effect = torch.full((L, max(counts)), float("nan"), dtype=torch.float64)
     distance, by_head = effect.clone(), effect.clone() if causal else None
     # a decoder's positions before the first one hiding can change keep their clean vectors
     start = 0
@@ -189,8 +191,9 @@ def hide(
     with torch.inference_mode():
         clean_run = run(stack, ids)
         for layer in layers if table else []:
-            for part in batches(len(heads), H * (T - start) * T):
-                chosen = heads[part]
+            H, own = counts[layer], [h for h in heads if h < counts[layer]]
+            for part in batches(len(own), H * (T - start) * T):
+                chosen = own[part]
                 hidden = torch.cat([hide_mask(T, H, key_spans, query_span, [h]) for h in chosen])
                 edits = {layer: edit(layer, hidden[:, :, start:])}
                 states = resumed(stack, clean_run, layer, edits, len(chosen), start)
@@ -200,8 +203,9 @@ def hide(
                     clean = clean_run.logits[position].double().log_softmax(-1)
                     top = int(clean.argmax())
                     by_head[layer, chosen] = logprobs[:, top] - clean[top]
-        everywhere = hide_mask(T, H, key_spans, query_span, heads)[:, :, start:]
-        edits = {layer: edit(layer, everywhere) for layer in layers}
+        edits = {layer: edit(layer, hide_mask(
+            T, counts[layer], key_spans, query_span, [h for h in heads if h < counts[layer]]
+        )[:, :, start:]) for layer in layers}  # fmt: skip
         states = resumed(stack, clean_run, min(layers), edits, 1, start)
         total, total_distance = measure(states)
         after = decoder_logits(stack, states[0, position]) if causal else None

@@ -29,6 +29,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from qkv.inspect.layer_heads import heads_per_layer, nan_grid
 from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, DecoderOutput
 from qkv.models.deepseek_v4 import DeepseekV4Decoder
@@ -41,7 +42,7 @@ from qkv.views import Shown
 class Attribution:
     """One token's logit at one position, split into the direct contribution of each part.
 
-    logit = embeddings + heads.sum() + attention_bias.sum() + mlps.sum() + remainder, where
+    logit = embeddings + heads.nansum() + attention_bias.sum() + mlps.sum() + remainder, where
     each term is that part's output through the final norm (its scale frozen at its value
     on the final residual stream), the LM head's row of the token and the head scale.
     """
@@ -51,7 +52,9 @@ class Attribution:
     position: int
     logit: float  # the model's own logit of the token at the position
     embeddings: float  # the token (and position) embeddings' contribution
-    heads: Tensor  # (L, H) float64: each head's output through its slice of the output matrix
+    # (L, H) float64: each head's output through its slice of the output matrix; H is the most
+    # heads any layer has, NaN in a layer with fewer
+    heads: Tensor
     attention_bias: Tensor  # (L,) float64: each layer's output-projection bias (0 if none)
     mlps: Tensor  # (L,) float64: block output - block input - attention output
     # the logit minus every term above: what the final norm's shift and the LM head's bias add
@@ -62,7 +65,7 @@ class Attribution:
     @property
     def total(self) -> float:
         """Every term plus the remainder: the logit, up to rounding."""
-        parts = self.heads.sum() + self.attention_bias.sum() + self.mlps.sum()
+        parts = self.heads.nansum() + self.attention_bias.sum() + self.mlps.sum()
         return float(self.embeddings + parts + self.remainder)
 
     def terms(self) -> list[tuple[str, float]]:
@@ -71,7 +74,11 @@ class Attribution:
         named = [("embeddings", self.embeddings)]
         L, H = self.heads.shape
         for layer in range(L):
-            named += [(f"layer {layer} head {h}", float(self.heads[layer, h])) for h in range(H)]
+            named += [
+                (f"layer {layer} head {h}", float(self.heads[layer, h]))
+                for h in range(H)
+                if self.heads[layer, h] == self.heads[layer, h]
+            ]  # a head it has
             if self.attention_bias[layer] != 0:
                 named.append((f"layer {layer} attention bias", float(self.attention_bias[layer])))
             named.append((f"layer {layer} mlp", float(self.mlps[layer])))
@@ -84,7 +91,7 @@ class Attribution:
             "position": self.position,
             "logit": self.logit,
             "embeddings": self.embeddings,
-            "heads": self.heads.tolist(),
+            "heads": [[None if v != v else v for v in row] for row in self.heads.tolist()],
             "attention_bias": self.attention_bias.tolist(),
             "mlps": self.mlps.tolist(),
             "remainder": self.remainder,
@@ -305,15 +312,15 @@ def attribute_logit(
     final = states[-1]
     direction, scale, explicit = _readout(model, final, token_id)  # (C,): logit = c . direction
     L = model.config.num_layers
-    H = model.config.block.num_heads
-    heads = torch.zeros(L, H, dtype=torch.float64)
+    heads = nan_grid(heads_per_layer(model))  # NaN where a layer has fewer heads
     biases = torch.zeros(L, dtype=torch.float64)
     mlps = torch.zeros(L, dtype=torch.float64)
     for layer, block in enumerate(model.blocks):
         head_out = _head_outputs(block, out.records[layer], out.hidden_states[layer], position)
         W_o = block.attn.out.weight.double()  # (C, H*D)
+        H = head_out.shape[0]  # this layer's heads
         read = (W_o.T @ direction).view(H, -1)  # (H, D): each head's slice, read out
-        heads[layer] = (head_out * read).sum(-1)
+        heads[layer, :H] = (head_out * read).sum(-1)
         attended = W_o @ head_out.reshape(-1)  # (C,) the attention output, bias apart
         if block.attn.out.bias is not None:
             bias = block.attn.out.bias.double()
@@ -323,7 +330,7 @@ def attribute_logit(
         mlps[layer] = mlp_out @ direction
     embeddings = float(states[0] @ direction)
     logit = float(out.logits[0, position, token_id])
-    remainder = logit - float(embeddings + heads.sum() + biases.sum() + mlps.sum())
+    remainder = logit - float(embeddings + heads.nansum() + biases.sum() + mlps.sum())
     return Attribution(
         token_id=token_id, token=token, position=position, logit=logit, embeddings=embeddings,
         heads=heads, attention_bias=biases, mlps=mlps, remainder=remainder,

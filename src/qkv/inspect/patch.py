@@ -14,6 +14,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from qkv.inspect.layer_heads import heads_per_layer, nan_grid
 from qkv.inspect.runs import (
     Token,
     batches,
@@ -95,7 +96,8 @@ class Patched(Shown):
     """Activation patching: the clean run's activations copied, one at a time, into the
     corrupted run, and the metric of the corrupted run's next token measured.
 
-    `heads` (L, H): the metric with that head's output patched in; `residual` (L, T): with
+    `heads` (L, H): the metric with that head's output patched in (NaN where a layer has
+    fewer heads than H, the most any layer has); `residual` (L, T): with
     the residual stream after that layer's block patched in at that position. `clean` and
     `corrupt` are the metric unpatched; `restored(grid)` is (metric - corrupt) / (clean -
     corrupt): 1 where a patch restores the clean metric, 0 where it changes nothing.
@@ -170,9 +172,9 @@ def patch(pretrained, clean: str, corrupt: str, metric) -> Patched:
             f"so give texts of equal token length (clean: {list(clean_encoded.tokens)}, "
             f"corrupted: {list(corrupt_encoded.tokens)})"
         )
-    L, H = stack.config.num_layers, stack.config.block.num_heads
+    L, counts = stack.config.num_layers, heads_per_layer(stack)  # each layer's own count
     T = len(clean_encoded.ids)
-    heads = torch.empty(L, H, dtype=torch.float64)
+    heads = nan_grid(counts)  # NaN where a layer has fewer heads than the most
     residual = torch.empty(L, T, dtype=torch.float64)
     with torch.inference_mode():
         source = run(stack, torch.tensor([clean_encoded.ids]))
@@ -182,6 +184,7 @@ def patch(pretrained, clean: str, corrupt: str, metric) -> Patched:
             return metric.score(decoder_logits(stack, states[:, -1]), ids_of_metric)
 
         for layer in range(L):
+            H = counts[layer]
             values = source.head_outputs[layer][None]  # (1, H, T, D)
             for part in batches(H, H * T * T):
                 which = torch.eye(H, dtype=torch.bool)[part, :, None, None]  # row h: head h

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from qkv.data import bank_corpus
 from qkv.inspect.bank_sentences import LABELS, SENTENCES
+from qkv.inspect.layer_heads import heads_per_layer, nan_grid
 from qkv.inspect.words import on_words
 from qkv.io.words import parse_word
 from qkv.models import Decoder, self_attention_stack
@@ -63,7 +64,7 @@ class Probe(Shown):
         often; None without cues."""
         if self.cue_attention is None:
             return None
-        best = int(self.cue_attention.argmax())
+        best = int(self.cue_attention.nan_to_num(-1.0).argmax())  # NaN: a head a layer lacks
         layer, head = divmod(best, self.cue_attention.shape[1])
         return layer, head, float(self.cue_attention[layer, head])
 
@@ -79,7 +80,9 @@ class Probe(Shown):
             "accuracy": self.accuracy,
             "separation": self.separation,
             "cues": None if self.cues is None else list(self.cues),
-            "cue_attention": None if self.cue_attention is None else self.cue_attention.tolist(),
+            "cue_attention": None
+            if self.cue_attention is None
+            else [[None if v != v else v for v in row] for row in self.cue_attention.tolist()],
             "cue_head": None
             if self.cue_head is None
             else dict(zip(("layer", "head", "share"), self.cue_head, strict=True)),
@@ -123,9 +126,10 @@ def probe(
     spans = _spans(pretrained, word, sentences)
     cue_spans = _cue_spans(pretrained, sentences, cues) if cues is not None else None
 
-    L, H = len(model.blocks), model.config.block.num_heads
+    L = len(model.blocks)
     layers = "all" if cues else None  # the cue attention reads every layer's record
-    hits = torch.zeros(L, H)  # sentences in which the word attends most to its cue
+    # sentences in which the word attends most to its cue; NaN where a layer has fewer heads
+    hits = nan_grid(heads_per_layer(model), torch.float32)
     depths: list[list[Tensor]] = [[] for _ in range(L + 1)]  # per depth, (C,) per sentence
     with torch.inference_mode():
         for start in range(0, len(sentences), batch_size):
@@ -140,7 +144,7 @@ def probe(
                 for b, (first, last) in enumerate(spans[start : start + batch_size]):
                     cue_first, cue_last = cue_spans[start + b]
                     top = weights[b, :, first:last].float().mean(1).argmax(-1)  # (H,)
-                    hits[layer] += (cue_first <= top) & (top < cue_last)
+                    hits[layer, : len(top)] += (cue_first <= top) & (top < cue_last)
             assert len(states) == L + 1, "a model must return the embeddings and every layer"
             for depth, hidden in enumerate(states):  # hidden: (B, T, C)
                 for b, (first, last) in enumerate(spans[start : start + batch_size]):

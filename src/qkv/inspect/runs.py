@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qkv.attention.inputs import check_indices
+from qkv.inspect.layer_heads import check_heads, heads_per_layer
 from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, Encoder, self_attention_stack
 from qkv.models.deepseek_v4 import DeepseekV4Decoder
@@ -142,10 +143,10 @@ def changed(before: Tensor, after: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def layers_heads(stack, layers, heads, source: str) -> tuple[list[int], list[int]]:
-    """The layers and heads asked for (every one for None), each checked, neither empty."""
-    L, H = stack.config.num_layers, stack.config.block.num_heads
-    layers = check_indices("layer", layers, L, source)
-    heads = check_indices("head", heads, H, source)
+    """The layers and heads asked for (every one for None), each checked, neither empty: a
+    head is one that some layer asked has (each layer's own count, `heads_per_layer`)."""
+    layers = check_indices("layer", layers, stack.config.num_layers, source)
+    heads = check_heads(heads, layers, heads_per_layer(stack), source) if layers else []
     if not layers or not heads:
         raise ValueError("no layer or no head asked for; leave layers and heads out for all")
     return layers, heads

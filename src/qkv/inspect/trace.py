@@ -20,6 +20,7 @@ from torch import Tensor
 
 from qkv.attention.inputs import check_indices
 from qkv.inspect.anatomy import LayerAnatomy, layer_anatomy
+from qkv.inspect.layer_heads import check_heads, heads_per_layer
 from qkv.inspect.records import check_head_outputs, why_not_redone
 from qkv.inspect.trace_compressed import CompressedStep, compressed_steps
 from qkv.inspect.words import on_words
@@ -36,11 +37,18 @@ class Layout:
     `qkv.hf`) gives its own from an `attention_layout()` method."""
 
     num_layers: int
-    num_heads: int
+    num_heads: int  # the most heads a layer has
     width: int
     cross: bool  # an encoder-decoder's cross-attention
     out_weight: Callable[[int], Tensor]
     anatomy: Callable[[int], LayerAnatomy | None]
+    # each layer's own number of heads where layers differ (Qwen3.5's linear layers have
+    # more); None: every layer has num_heads
+    layer_heads: tuple[int, ...] | None = None
+
+    def heads_in(self, layer: int) -> int:
+        """How many heads `layer` has."""
+        return self.num_heads if self.layer_heads is None else self.layer_heads[layer]
 
 
 def layout_of(pretrained) -> Layout:
@@ -57,9 +65,12 @@ def layout_of(pretrained) -> Layout:
     def attn(layer: int):
         return stack.blocks[layer].cross_attn if cross else stack.blocks[layer].attn
 
-    return Layout(stack.config.num_layers, stack.config.block.num_heads,
-                  stack.config.block.width, cross, lambda layer: attn(layer).out.weight,
-                  lambda layer: layer_anatomy(stack.config, layer, cross=cross))  # fmt: skip
+    counts = [stack.config.block.num_heads] * stack.config.num_layers if cross else (
+        heads_per_layer(stack))  # fmt: skip
+    return Layout(stack.config.num_layers, max(counts), stack.config.block.width, cross,
+                  lambda layer: attn(layer).out.weight,
+                  lambda layer: layer_anatomy(stack.config, layer, cross=cross),
+                  tuple(counts))  # fmt: skip
 
 
 @dataclass
@@ -93,7 +104,7 @@ class Trace(Shown):
     head: int
     kv_head: int  # with grouped-query attention, the key/value head this query head reads
     num_layers: int
-    num_heads: int
+    num_heads: int  # this layer's
     num_kv_heads: int
     head_dim: int
     width: int
@@ -202,22 +213,26 @@ def trace(
     else:
         query_index, query_tokens = source.find(query)[0], None
     key_index = source.find(key)[0]
-    L, H = layout.num_layers, layout.num_heads
+    L = layout.num_layers
+    counts = [layout.heads_in(n) for n in range(L)]
     if layer is not None:
         check_indices("layer", [layer], L, pretrained.source)
-    if head is not None:
-        check_indices("head", [head], H, pretrained.source)
+    if head is not None:  # one that the layer asked has (each layer its own count)
+        check_heads([head], list(range(L)) if layer is None else [layer], counts,
+                    pretrained.source)  # fmt: skip
 
     seen = attentions if attentions is not None else pretrained.attentions(text, target=target)
     if seen.tokens != list(source.tokens) or seen.query_tokens != query_tokens:
         raise ValueError("the attentions given are of another text; pass those of this one")
     chosen = "asked"
     if layer is None or head is None:  # the first (layer, head) where the pair's weight peaks
-        heads = list(range(H)) if head is None else [head]
         best = None
         for i in seen.layers if layer is None else [layer]:
             if i not in seen.records:
                 raise ValueError(f"the attentions given lack layer {i}; record every layer")
+            heads = list(range(counts[i])) if head is None else [head]
+            if head is not None and head >= counts[i]:
+                continue  # a layer of fewer heads (Qwen3.5's full layers beside linear ones)
             row = on_words(seen.records[i], heads)[0, :, query_index, key_index]  # (len(heads),)
             n = int(row.argmax())
             if best is None or row[n] > best[0]:
@@ -262,7 +277,7 @@ def trace(
     return Trace(
         source=pretrained.source, text=text, tokens=list(source.tokens), query=query,
         key=key, query_index=query_index, key_index=key_index, layer=layer, head=head,
-        kv_head=kv_head, num_layers=L, num_heads=H, num_kv_heads=record.shape.Hkv,
+        kv_head=kv_head, num_layers=L, num_heads=record.shape.H, num_kv_heads=record.shape.Hkv,
         head_dim=record.shape.D, width=layout.width, causal=record.causal, chosen=chosen,
         query_vector=steps.query_vector, key_vector=pair.key_vector,
         attention_scalar=float(pair.attention_scalar), scale=record.scale,

@@ -17,7 +17,10 @@ class ModelInfo(BaseModel):
     kind: Literal["encoder", "decoder"]
     family: str
     num_layers: int
-    num_heads: int
+    num_heads: int = Field(description="the most heads a layer has")
+    heads_per_layer: list[int] = Field(
+        description="each layer's own number of heads (Qwen3.5's linear layers have more)"
+    )
     num_kv_heads: int
     head_dim: int
     width: int
@@ -51,12 +54,24 @@ class AttentionAnswer(BaseModel):
     shape: list[int] = Field(description="[layers, heads, T, T]")
     format: Literal["lists", "base64"]
     encoding: str
-    weights: list = Field(description="[layer][head]: a T x T matrix, or its base64 string")
+    weights: list = Field(
+        description="[layer][head]: a T x T matrix, or its base64 string; "
+        "null for a head its layer does not have"
+    )
     on_words: str | None = Field(
         None,
         description="where some layers attend over compressed entries (DeepSeek-V4): "
         "which, and that their entries' weights are shown on the words by the compressor's "
         "coefficients (an attribution); null elsewhere",
+    )
+    effective: str | None = Field(
+        None,
+        description="where some layers keep a running memory (linear attention): their "
+        "effective weights are signed and sum to anything, so they are sent as each row's "
+        "shares of |w|, and this says so; null where every layer is a softmax",
+    )
+    effective_layers: list[int] = Field(
+        default_factory=list, description="the layers sent as such shares"
     )
 
 

@@ -33,6 +33,7 @@ from qkv.inspect.words import compressed_words
 from qkv.serve.held import Served
 from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
+from qkv.viz.page import drawn_weights
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
 
@@ -75,7 +76,8 @@ def attention(
     for name, chosen in (("layer", layers), ("head", heads)):
         if chosen is not None and not chosen:
             raise ValueError(f"{name}s is empty; leave it out for every {name}")
-    layers, heads = served.choose("layer", layers), served.choose("head", heads)
+    layers = served.choose("layer", layers)
+    heads = served.choose_heads(heads, layers)  # each layer's own count (Qwen3.5's differ)
     size = len(layers) * len(heads) * T * T
     if size > limits.max_weights:
         raise TooLarge(
@@ -85,11 +87,13 @@ def attention(
         )
     going(stop)
     seen = served.pretrained.attentions(text, layers=layers, heads=heads)
-    weights = seen.weights[[seen.layers.index(layer) for layer in layers]]  # (L', H', T, T)
+    # a linear layer's signed effective weights as each row's shares of |w|, as the page draws
+    drawn, effective = drawn_weights(seen)
+    weights = drawn[[seen.layers.index(layer) for layer in layers]]  # (L', H', T, T)
     rows = []  # one layer's JSON at a time: the slow part of a large answer, so it can stop
     for row in weights.numpy():  # (H', T, T)
         going(stop)
-        rows.append(json.dumps([pack_float32(m) for m in row] if fmt == "base64" else row.tolist()))
+        rows.append(json.dumps([matrix_json(m, fmt) for m in row]))
     answer = {
         "model": served.name,
         "text": text,
@@ -102,8 +106,19 @@ def attention(
         "format": fmt,
         "encoding": FLOAT32 if fmt == "base64" else "lists of floats: [layer][head][query][key]",
         "on_words": compressed_words(seen.records),  # entries' weights spread on their words
+        # where some layers keep a running memory (linear attention): what their weights are
+        "effective": effective,
+        "effective_layers": [n for n in layers if seen.records[n].linear is not None],
     }
     return (json.dumps(answer)[:-1] + ', "weights": [' + ", ".join(rows) + "]}").encode()
+
+
+def matrix_json(matrix: np.ndarray, fmt: str):
+    """One head's (T, T) weights as the answer sends them; None for a head its layer does not
+    have (all NaN: layers of different head counts, as Qwen3.5's)."""
+    if np.isnan(matrix).all():
+        return None
+    return pack_float32(matrix) if fmt == "base64" else matrix.tolist()
 
 
 def words(encoded) -> list[dict]:
@@ -143,7 +158,7 @@ def contributions(
     ranked by softmax weight and by size after the output projection."""
     encode(served, limits, text)
     served.check_index("layer", layer)
-    served.check_index("head", head)
+    served.check_pair(layer, head)  # a head this layer has
     going(stop)
     # the query word as its own key: always a word it sees
     traced = trace(served.pretrained, text, query, query, layer=layer, head=head)
@@ -301,13 +316,17 @@ def hide_word(
     from the clean run there; a test checks the answer equals one `hide` call's.
     """
     encode(served, limits, text)
-    layers, heads = served.choose("layer", layers), served.choose("head", heads)
+    layers = served.choose("layer", layers)
+    heads = served.choose_heads(heads, layers)  # each layer's own count (Qwen3.5's differ)
     going(stop)
     hidden = hide(served.pretrained, text, key, query=query, layers=layers, heads=heads,
                   table=False)  # fmt: skip
     for layer in layers if table else []:
+        own = served.own_heads(heads, layer)
+        if not own:
+            continue  # none of the heads asked is this layer's
         going(stop)
-        row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=heads)
+        row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=own)
         for name in ("effect", "distance", "next_by_head"):
             if getattr(hidden, name) is not None:
                 getattr(hidden, name)[layer] = getattr(row, name)[layer]

@@ -22,6 +22,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from qkv.attention.inputs import check_indices
+from qkv.inspect.layer_heads import check_heads, check_layer_head, heads_per_layer
 from qkv.models import Decoder, Encoder
 from qkv.serve.long_reading import read
 from qkv.serve.long_texts import LongTexts
@@ -53,12 +54,15 @@ class Served:
         """What the page and clients need to know to ask about this model."""
         config = self.pretrained.config
         block = config.block
+        counts = heads_per_layer(self.pretrained.model)
         return {
             "name": self.name,
             "kind": "decoder" if self.decoder else "encoder",
             "family": self.pretrained.family.name,
             "num_layers": config.num_layers,
-            "num_heads": block.num_heads,
+            "num_heads": max(counts),  # the most a layer has
+            # each layer's own count: Qwen3.5's linear layers have more heads than its full ones
+            "heads_per_layer": counts,
             "num_kv_heads": block.kv_heads,
             "head_dim": block.head_dim or block.width // block.num_heads,
             "width": block.width,
@@ -70,12 +74,26 @@ class Served:
         """The layers or heads ("layer" or "head") asked for, None for every one, counted from
         0: `check_indices`, whose ValueError names the range or the repeat."""
         config = self.pretrained.config
-        most = config.num_layers if name == "layer" else config.block.num_heads
-        return check_indices(name, values, most, self.name)
+        if name == "layer":
+            return check_indices(name, values, config.num_layers, self.name)
+        return check_indices(name, values, max(heads_per_layer(self.pretrained.model)), self.name)
 
     def check_index(self, name: str, value: int) -> None:
         """ValueError naming the range when a layer or head is out of it (counted from 0)."""
         self.choose(name, [value])
+
+    def choose_heads(self, heads, layers: list[int]) -> list[int]:
+        """The heads asked of `layers` (None: every head of the layer with most), each one
+        that some layer asked has; a head none has is refused naming a layer's count."""
+        return check_heads(heads, layers, heads_per_layer(self.pretrained.model), self.name)
+
+    def own_heads(self, heads: list[int], layer: int) -> list[int]:
+        """Of `heads`, those `layer` has."""
+        return [h for h in heads if h < heads_per_layer(self.pretrained.model)[layer]]
+
+    def check_pair(self, layer: int, head: int) -> None:
+        """ValueError naming the layer's own count when `head` is not one of its heads."""
+        check_layer_head(layer, head, heads_per_layer(self.pretrained.model), self.name)
 
 
 def served_models(models: dict) -> dict[str, Served]:

@@ -101,7 +101,7 @@ def head_of(
 ) -> dict:  # fmt: skip
     """POST /api/long/head: one head's max-downsampled heatmap and per-query summaries."""
     served.check_index("layer", layer)
-    served.check_index("head", head)
+    served.check_pair(layer, head)  # a head this layer has
     s = kept(served, limits, text).summaries
     n, h = s.layers.index(layer), s.heads.index(head)
     heatmap = s.heatmap[n, h]  # (Rq, Rk)
@@ -130,7 +130,7 @@ def region_of(
     """POST /api/long/region: every weight of queries q0..q1-1 over keys k0..k1-1 of one head,
     `region` of the kept record; at most max_region weights, checked before any work."""
     served.check_index("layer", layer)
-    served.check_index("head", head)
+    served.check_pair(layer, head)  # a head this layer has
     run = kept(served, limits, text)
     (q0, q1), (k0, k1) = queries, keys
     ranges = 0 <= q0 < q1 <= run.T and 0 <= k0 < k1 <= run.T  # else `region` says which

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from qkv.attention.index_text import parse_indices
 from qkv.inspect.generation import Recording, check_recording_size
-from qkv.models import Decoder, stack_shape
+from qkv.inspect.layer_heads import heads_per_layer
+from qkv.models import Decoder
 from qkv.viz.generation import check_page_size
 
 
@@ -26,10 +27,10 @@ def page_recording(
     layers, heads: as written on the command line ('0,2,5', '0-3'; all if None)."""
     if not isinstance(pretrained.model, Decoder):
         raise ValueError(f"--attention shows a decoder's self-attention; {name} is not a decoder")
-    L, H = stack_shape(pretrained.model)
+    L, counts = len(pretrained.model.blocks), heads_per_layer(pretrained.model)
     recording = Recording(parse_indices(layers, "layers", L, name) or "all",
-                          parse_indices(heads, "heads", H, name))  # fmt: skip
-    kept_layers, kept_heads = recording.resolve(L, H, name)
+                          parse_indices(heads, "heads", max(counts), name))  # fmt: skip
+    kept_layers, kept_heads = recording.resolve(L, counts, name)  # each layer's own count
     text = pretrained.chat_prompt(prompt, system) if chat else prompt
     P = len(pretrained.tokenizer.encode(text, add_special_tokens=not chat).ids)
     check_recording_size(len(kept_layers), len(kept_heads), P, new)

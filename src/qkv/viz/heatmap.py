@@ -281,8 +281,12 @@ def _float_array(weights) -> np.ndarray:
 def _check_values(array: np.ndarray) -> np.ndarray:
     if array.size == 0:
         raise ValueError(f"weights have shape {tuple(array.shape)}: no layer or head to draw")
-    if not np.isfinite(array).all():
-        raise ValueError("weights contain NaN or infinity; attention weights are finite")
+    finite = np.isfinite(array)
+    if array.ndim == 4:  # a head a layer does not have (layers may differ: Qwen3.5's) is NaN
+        finite |= np.isnan(array).all(axis=(2, 3), keepdims=True)
+    if not finite.all():
+        raise ValueError("weights contain NaN or infinity; attention weights are finite (a "
+                         "whole head of NaN marks a head its layer does not have)")  # fmt: skip
     return array
 
 

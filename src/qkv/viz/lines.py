@@ -184,7 +184,10 @@ def census_lines(census: Census, k: int = 5) -> str:
     """The census for people: the top k heads of each score, then each layer's first-token
     mass (the mean over its heads) with a bar."""
     L, H = census.previous_token.shape
-    lines = [f"{census.source}: {L} layers x {H} heads (counted from 0), each score the mean "
+    counts = [int((~row.isnan()).sum()) for row in census.previous_token]  # each layer's own
+    heads = f"{H} heads" if set(counts) == {H} else (
+        f"up to {H} heads ({', '.join(map(str, counts))} by layer)")  # fmt: skip
+    lines = [f"{census.source}: {L} layers x {heads} (counted from 0), each score the mean "
              "over queries i >= 1"]  # fmt: skip
     effective = census.effective_words()
     if effective is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from qkv.inspect.census import shares
@@ -59,7 +60,13 @@ def attention_page(
         extra = {**(subset_note(seen) or {} if extra is None else extra), "on words": spread}
     scale = _one_scale(seen)
     vectors = scores = None
-    if trace and scale is not None and why_not_redone(seen.records, cross=cross) is None:
+    one_count = len({seen.records[n].shape.H for n in seen.layers}) == 1  # vectors stack
+    if (
+        trace
+        and one_count
+        and scale is not None
+        and why_not_redone(seen.records, cross=cross) is None
+    ):
         vectors, scores = page_trace(seen.records, bias_is_distance=bias_is_distance, cross=cross)
         heads = list(seen.heads)  # the heads shown, of every head a record holds
         vectors = [array[:, heads] for array in vectors]  # 3 x (L', H', T, D)
@@ -100,7 +107,8 @@ def drawn_weights(seen) -> tuple[Tensor, str | None]:
     if not linear:
         return seen.weights, None
     weights = seen.weights.clone()
-    weights[linear] = shares(weights[linear].double()).to(weights.dtype)
+    some = weights[linear].double()  # NaN: a head the layer does not have, kept so
+    weights[linear] = torch.where(some.isnan(), some, shares(some)).to(weights.dtype)
     named = ", ".join(str(seen.layers[i]) for i in linear)
     return weights, (
         f"layer{'s' if len(linear) > 1 else ''} {named} keep a running memory (linear "
@@ -113,7 +121,7 @@ def drawn_weights(seen) -> tuple[Tensor, str | None]:
 def subset_note(seen) -> dict | None:
     """The page counts the layers and heads it holds from 0: say which of the model's they are
     when they are not all of them."""
-    H = next(iter(seen.records.values())).shape.H
+    H = max(record.shape.H for record in seen.records.values())  # layers may differ
     layers, heads = seen.layers, list(seen.heads)
     if layers == list(range(len(layers))) and heads == list(range(H)):
         return None

@@ -205,6 +205,7 @@ def strongest_head(weights, *, cross: bool = False) -> tuple[int, int]:
     if hasattr(weights, "detach"):
         weights = weights.detach().float().cpu().numpy()
     stack = np.asarray(weights, dtype=np.float32)  # (L, H, T, T)
+    stack = np.where(np.isnan(stack), -np.inf, stack)  # NaN: a head the layer does not have
     L, H, T = stack.shape[0], stack.shape[1], stack.shape[-1]
     if cross:
         return divmod(int(stack.reshape(L * H, -1).max(axis=1).argmax()), H)
@@ -254,7 +255,9 @@ def render_page(
     queries = [str(token) for token in query_tokens] if cross else tokens
     stack = _check_stack(weights, tokens, queries if cross else None)  # (L, H, Tq, Tk)
     L, H, Tq, T = stack.shape[0], stack.shape[1], len(queries), len(tokens)
-    low, high = float(stack.min()), float(stack.max())
+    # a head a layer does not have (layers of different head counts: Qwen3.5's) is all NaN
+    absent = np.isnan(stack).all(axis=(2, 3))  # (L, H)
+    low, high = float(np.nanmin(stack)), float(np.nanmax(stack))
     if low < -1e-6 or high > 1 + 1e-6:
         raise ValueError(
             f"weights must lie between 0 and 1 (each row a softmax); these run {low:.4g} to "
@@ -263,6 +266,9 @@ def render_page(
     layer, chosen = head if head is not None else strongest_head(stack, cross=cross)
     check_indices("layer", [layer], L, "the page")
     check_indices("head", [chosen], H, "the page")
+    if absent[layer, chosen]:
+        raise ValueError(f"layer {layer} has no head {chosen} on this page: it has "
+                         f"{int((~absent[layer]).sum())} heads")  # fmt: skip
     if query is not None:
         check_indices("target token" if cross else "token", [query], Tq, "the page")
     if extra is not None and not isinstance(extra, dict):
@@ -309,8 +315,14 @@ def render_page(
         "num_heads": H,
         "weights": {
             "encoding": CROSS_ENCODING if cross else ENCODING,
-            "heads": [[pack(matrix) for matrix in heads] for heads in stored],
+            # null: a head the layer does not have
+            "heads": [
+                [None if gone else pack(matrix) for matrix, gone in zip(heads, lost, strict=True)]
+                for heads, lost in zip(stored, absent, strict=True)
+            ],
         },
+        # per layer, the heads it does not have; null where every layer has every head
+        "absent": absent.tolist() if absent.any() else None,
         "selected": {"layer": int(layer), "head": int(chosen), "query": _maybe_int(query)},
         "causal": bool(causal),
         "vectors": None if kept is None else vectors_data(kept, scale, rules),

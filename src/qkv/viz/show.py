@@ -19,6 +19,7 @@ from torch import nn
 from qkv import viz
 from qkv.attention.index_text import parse_indices
 from qkv.attention.inputs import check_indices
+from qkv.inspect.layer_heads import check_layer_head
 from qkv.inspect.records import why_not_redone
 from qkv.inspect.summaries import region as region_of
 from qkv.inspect.summaries import summarize
@@ -64,6 +65,9 @@ def draw_attention(
         if value is not None:
             check_indices(what, [value], most, name)
     chosen = (layer or 0, head or 0) if layer is not None or head is not None else None
+    if chosen is not None:  # a head its layer has (layers may differ: Qwen3.5's)
+        counts = [seen.records[n].shape.H for n in seen.layers]
+        check_layer_head(chosen[0], chosen[1], counts, name)
     if out.suffix.lower() == ".png" and (layers or heads):
         viz.model_view(weights, seen.pieces, out,
                        layers=parse_indices(layers, "layers", L, name),

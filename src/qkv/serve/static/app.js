@@ -38,6 +38,17 @@ function clearError() {
 }
 
 const info = () => state.models.find((m) => m.name === state.model);
+
+// A layer of fewer heads (Qwen3.5's full layers beside its linear ones): only its own heads.
+function fitHead() {
+  const model = info();
+  const count = model.heads_per_layer ? model.heads_per_layer[state.layer] : model.num_heads;
+  Array.from($("head").options).forEach((o) => { o.disabled = Number(o.value) >= count; });
+  if (state.head >= count) {
+    state.head = count - 1;
+    $("head").value = String(state.head);
+  }
+}
 const weights = (layer = state.layer, head = state.head) => state.seen.weights[layer][head];
 
 function options(select, count, chosen, first) {
@@ -60,7 +71,8 @@ async function show() {  // the attention of every layer and head of the text
     const seen = await post("/api/attention", { model: state.model, text, format: "base64" });
     if (ticket !== shows) return;
     leaveLong();
-    seen.weights = seen.weights.map((row) => row.map(unpack));  // [layer][head]: T * T
+    // [layer][head]: T * T; null for a head its layer does not have
+    seen.weights = seen.weights.map((row) => row.map((m) => (m === null ? null : unpack(m))));
     seen.tokens = seen.pieces;  // each token's text as its decoder writes it, not its name
     seen.wordOf = seen.tokens.map(() => null);
     seen.words.forEach((w) => { for (let t = w.tokens[0]; t < w.tokens[1]; t++) seen.wordOf[t] = w; });
@@ -72,6 +84,11 @@ async function show() {  // the attention of every layer and head of the text
     state.cursor = [0, 0];
     options($("layer"), model.num_layers, state.layer, "the first layer");
     options($("head"), model.num_heads, state.head, "the first head");
+    fitHead();
+    // linear layers' effective weights are drawn as each row's shares of |w|: say so
+    $("effective").hidden = !seen.effective;
+    $("effective").textContent = seen.effective
+      ? `Effective weights (linear attention): ${seen.effective}` : "";
     $("tokens").replaceChildren(...seen.tokens.map((t, i) => make("button",
       { type: "button", class: `token${seen.wordOf[i] ? "" : " special"}`, "data-index": i },
       shown(t))));
@@ -103,6 +120,8 @@ async function showLongText(ticket, text, why) {  // over max_tokens: the long v
   state.head = Math.min(state.head, model.num_heads - 1);
   options($("layer"), model.num_layers, state.layer, "the first layer");
   options($("head"), model.num_heads, state.head, "the first head");
+  fitHead();
+  $("effective").hidden = true;
   $("status").textContent = "";
   try {
     const read = await showLong({ api, model: state.model, text, why,
@@ -128,7 +147,7 @@ function render() {  // the selected head's views
   if (!seen) return;
   drawHeatmap($("heatmap"), weights(), seen.tokens, state);
   const heads = state.overlay
-    ? seen.heads.map((h) => ({ w: weights(state.layer, h), head: h }))
+    ? seen.heads.map((h) => ({ w: weights(state.layer, h), head: h })).filter((v) => v.w)
     : [{ w: weights(), head: state.head }];
   drawHeadView($("headview"), heads, seen.tokens, state);
   drawRow($("row"), $("row-title"), weights(), seen.tokens, state);
@@ -364,7 +383,11 @@ function wire() {
   });
   const chosen = () => (longActive() ? chooseLongHead(state.layer, state.head)
     : select(state.query, state.key));
-  $("layer").addEventListener("change", (e) => { state.layer = Number(e.target.value); chosen(); });
+  $("layer").addEventListener("change", (e) => {
+    state.layer = Number(e.target.value);
+    fitHead();
+    chosen();
+  });
   $("head").addEventListener("change", (e) => { state.head = Number(e.target.value); chosen(); });
   $("text").addEventListener("keydown", (e) => {  // Enter shows; Shift+Enter is a new line
     if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); $("text-form").requestSubmit(); }

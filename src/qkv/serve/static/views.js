@@ -141,6 +141,10 @@ export function drawGrid(box, weights, tokens, layers, heads, state) {
     parts.push(`<span class="label">layer ${l}</span>`);
     heads.forEach((h) => {
       const selected = l === state.layer && h === state.head ? " selected" : "";
+      if (weights[l][h] === null) {  // a head its layer lacks (layers of different counts)
+        parts.push(`<span class="label">no head ${h}</span>`);
+        return;
+      }
       parts.push(`<button type="button" class="thumb${selected}" data-layer="${l}"`
         + ` data-head="${h}" aria-label="layer ${l}, head ${h}"><canvas></canvas></button>`);
     });
