@@ -10,6 +10,7 @@ reads back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -20,7 +21,7 @@ from qkv.io.linear_layers import linear_family, with_linear_layers
 from qkv.io.run_config import RunConfig
 from qkv.models import DecoderConfig, EncoderConfig, EncoderDecoderConfig
 from qkv.nn import BlockConfig
-from qkv.nn.delta import DeltaConfig
+from qkv.nn.delta import DeltaConfig, GatedDeltaNet
 
 
 def model_config(config: RunConfig, vocab_size: int):
@@ -106,4 +107,22 @@ def build_model(config: RunConfig, hf: dict) -> tuple[nn.Module, Family, object]
     block = replace(model_config.block, dropout=config.model.dropout, backend=config.model.backend)
     model_config = replace(model_config, block=block)
     torch.manual_seed(config.train.seed)
-    return family.model(model_config), family, model_config
+    model = family.model(model_config)
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet):
+            init_memory(module)
+    return model, family, model_config
+
+
+def init_memory(layer: GatedDeltaNet) -> None:
+    """A linear layer's fade as flash-linear-attention's Gated DeltaNet starts it (Mamba's
+    initialization): each head's rate A uniform in [1, 16] and its step dt log-uniform in
+    [0.001, 0.1] (the bias is softplus's inverse of dt), so that at first every head fades by
+    about exp(-A dt) per word, 0.85 to 0.999, and remembers many words back. (qkv's layer
+    starts at A = 1 and dt = softplus(1), a fade of 0.27 a word: a memory of two words.)"""
+    with torch.no_grad():
+        heads = layer.fade_log_rate.shape[0]
+        layer.fade_log_rate.copy_(torch.empty(heads).uniform_(1, 16).log())
+        low, high = math.log(1e-3), math.log(1e-1)
+        step = torch.empty(layer.fade_bias.shape).uniform_(low, high).exp()
+        layer.fade_bias.copy_(step + torch.log(-torch.expm1(-step)))
