@@ -102,11 +102,14 @@ def write(out: Path, run: Path) -> None:
         tokens, linear, softmax, guess = records(model, tokenizer, text)
         check = (linear.weights().float() @ linear.v - linear.out).abs().max().item()
         parts[sense] = (tokens, linear, softmax, guess, check)
-    tokens, linear, _, _, _ = parts["river"]
+    tokens, linear, softmax, _, _ = parts["river"]
     bank, cue = tokens.index("bank"), tokens.index("reeds")
-    memory = linear.weights()[0, :, bank]
-    strongest = int(memory[:, cue].abs().argmax())
-    negative = int((memory[:, : bank + 1] < 0).sum())
+    memory = linear.weights()[0, :, bank]  # (H, T)
+    weights = softmax.weights()[0, :, bank]
+    head, word = divmod(int(memory.abs().argmax()), memory.shape[1])
+    sums = memory.sum(-1)
+    cue_top = int((weights.argmax(-1) == cue).sum())
+    cue_memory_top = int((memory.abs().argmax(-1) == cue).sum())
     toy_state = delta.state_bytes
     toy_kv = 2 * config.block.width  # a softmax layer keeps a key and a value per token
     qwen_state = QWEN.state_bytes
@@ -118,10 +121,19 @@ def write(out: Path, run: Path) -> None:
         after=f"{right['after'][0]} of {right['after'][1]}",
         heads=delta.heads,
         dk=delta.key_size,
-        strongest=strongest,
-        cue_weight=f"{memory[strongest, cue].item():+.2f}",
-        negative=negative,
-        river_sum=f"{memory[strongest].sum().item():+.2f}",
+        largest=f"{memory[head, word].item():+.2f}",
+        largest_word=tokens[word],
+        largest_head=head,
+        cue_low=f"{memory[:, cue].min().item():+.2f}",
+        cue_high=f"{memory[:, cue].max().item():+.2f}",
+        negative=int((memory[:, : bank + 1] < 0).sum()),
+        pairs=memory.shape[0] * (bank + 1),
+        sum_low=f"{sums.min().item():+.2f}",
+        sum_high=f"{sums.max().item():+.2f}",
+        cue_top=cue_top,
+        cue_memory_top=cue_memory_top,
+        cue_softmax_low=f"{weights[:, cue].min().item():.2f}",
+        cue_softmax_high=f"{weights[:, cue].max().item():.2f}",
         toy_state=f"{toy_state:,}",
         toy_even=f"{toy_state / toy_kv:.1f}",
         qwen_state=f"{qwen_state:,}",
@@ -230,10 +242,23 @@ the effective weights of the memory (layer 0) beside the softmax weights (layer 
 
 <!-- money -->
 
-In the river sentence, head {strongest} of the memory gives the cue "reeds" {cue_weight};
-{negative} of the memory's weights for "bank" are negative (over all heads), and that head's
-weights sum to {river_sum}, not 1. The words after "bank" get exactly 0 from the memory: it
-has not read them yet. The softmax weights are all positive and each column sums to 1.
+What the numbers say, in the river sentence:
+
+- the memory's weights for "bank" are small and signed: the largest is {largest} (head
+  {largest_head}, on "{largest_word}"), {negative} of the {pairs} weights on "bank" and the
+  words before it are negative, and each head's weights sum to between {sum_low} and
+  {sum_high}, not 1. Small is not little: each head's read is RMS-normalized before the
+  layer's output, so only their proportions count (a softmax would have made them sum to 1);
+- the memory gives the cue "reeds" between {cue_low} and {cue_high}, its largest weight by
+  size in {cue_memory_top} of its {heads} heads; the softmax layer gives the cue
+  {cue_softmax_low} to {cue_softmax_high}, the most of any word in {cue_top} of its heads;
+- the words after "bank" get exactly 0 from the memory: it has not read them yet. The
+  softmax weights are all positive and each head's sum to 1.
+
+The same query in the money sentence reads the same frame; only the cue's row and the
+sense predicted change. `record.weights()` gives these numbers for any linear layer
+(`qkv.attention.linear.effective_weights`), and `record.steps(head, query)` the memory's
+work word by word (`qkv.attention.loop_memory`).
 
 ## The memory against a KV cache
 

@@ -3,11 +3,13 @@ saves its memory's sizes in config.toml and config.json, reloads equal and resum
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 
 import pytest
 import torch
-from conftest import qkv_command, tiny, write_toml
+from conftest import REPO, qkv_command, tiny, write_toml
 
 import qkv
 from qkv.nn.delta import GatedDeltaNet
@@ -67,3 +69,21 @@ def test_layer_types_that_cannot_be_built_are_refused_by_name():
         tiny("bert", "bank", model={"layer_types": ["linear", "sliding"]})
     with pytest.raises(ValueError, match=r"needs arch gpt2, llama or bert: bart's decoder"):
         tiny("bart", "swap", model=HYBRID)
+
+
+def test_the_linear_page_shows_a_runs_own_effective_weights(tmp_path):
+    """docs/make_linear.py writes docs/linear.md from a run's records (the page's run is the
+    bank preset trained in full; here one of 2 steps)."""
+    spec = importlib.util.spec_from_file_location("make_linear", REPO / "docs" / "make_linear.py")
+    page = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page)
+    config = tiny("bert", "bank", model=HYBRID, train={"steps": 2, "eval_every": 0})
+    train(config, tmp_path / "run", quiet=True)
+    page.write(tmp_path / "linear.md", tmp_path / "run")
+    text = (tmp_path / "linear.md").read_text()
+    assert not re.search(r"\{[a-z_]+\}", text)  # every number filled in
+    assert text.count("| *sum* |") == 2 and "Trained 2 steps" in text
+    differences = [float(d) for d in re.findall(r"largest difference ([0-9.e+-]+)\.", text)]
+    assert len(differences) == 2 and max(differences) < 1e-5
+    rows = [line for line in text.splitlines() if line.startswith("| reeds |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 2 + 1 + 2 * 2  # 2 heads a layer
