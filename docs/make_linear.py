@@ -194,9 +194,9 @@ scaled to length 1). Then, word by word, in order:
 No score, no softmax, and nothing grows with the text: the memory has the same size at the
 first word and the ten-thousandth. `qkv.attention.linear.delta_rule` computes it three ways
 (a loop over words in these words, a recurrence, and the chunked form of the papers, chunks
-of 64 words each solved at once); they agree to float32's rounding, and transformers' own
-code agrees with the chunked form to the last bit on the same inputs
-(benchmarks/results/linear_attention.txt).
+of 64 words each solved at once); they agree to float32's rounding. On the same inputs
+transformers' own torch code gives the chunked form's output to the last bit for Gated
+DeltaNet, and to float32's rounding for KDA (benchmarks/results/linear_attention.txt).
 
 ## Effective weights: signed, not summing to 1
 
@@ -255,8 +255,10 @@ What the numbers say, in the river sentence:
 - the words after "bank" get exactly 0 from the memory: it has not read them yet. The
   softmax weights are all positive and each head's sum to 1.
 
-The same query in the money sentence reads the same frame; only the cue's row and the
-sense predicted change. `record.weights()` gives these numbers for any linear layer
+In the money sentence every row of the memory changes a little, not only the cue's: a
+word's effective weight depends on every write after it, the cue's among them (and the
+convolution mixes each word's query, key and value with the 3 words before it).
+`record.weights()` gives these numbers for any linear layer
 (`qkv.attention.linear.effective_weights`), and `record.steps(head, query)` the memory's
 work word by word (`qkv.attention.loop_memory`).
 
@@ -272,7 +274,8 @@ keeps its memory and the convolution's last 3 inputs, whatever the length
 
 The memory equals the cache at {toy_even} words in the toy and {qwen_even} words at Qwen3.5's
 sizes; at 32,768 words a full layer's cache is {qwen_ratio} times a linear layer's memory.
-That is why three of every four layers of Qwen3.5 are linear: the memory is the cache.
+This is what a linear layer buys (three of every four layers in Qwen3.5): its memory is
+its whole cache.
 
 ## DeepSeek-V4: compressed and sparse attention
 
@@ -280,7 +283,7 @@ DeepSeek-V4's attention keeps the softmax but not every key:
 
 - a **compressor** turns each block of m words (4 in CSA, 128 in HCA) into one compressed key
   and value entry, a weighted sum of the block's words with coefficients the compressor
-  computes (a softmax over the block's positions);
+  computes from them;
 - a **lightning indexer** scores every compressed entry for each query and keeps the top k;
 - the query's softmax runs over the entries kept, the last few words themselves (a sliding
   window) and a learned sink (an extra score with no value).
@@ -289,8 +292,10 @@ Its weights on the **words** follow from the same sum: a weight on a compressed 
 over the words of its block by the compressor's coefficients (a word's weight is the entry's
 weight times its coefficient), and the window's words keep their own weights. A word whose
 block the indexer did not pick has weight exactly 0 for that query; the record says why (not
-chosen by the indexer, its rank among the entries) rather than showing a small number. The
-weights on the words then sum to 1 minus the sink's weight.
+chosen by the indexer, its rank among the entries) rather than showing a small number.
+qkv's DeepSeek-V4 layer (being built beside this page) keeps the indexer's choice, the
+compressed entries, the window and the sink in its record, so these weights come from the
+model's own numbers as the memory's do.
 
 ## Speed
 
