@@ -266,11 +266,8 @@ def _chunked(rule: Rule, size: int = CHUNK) -> tuple[Tensor, Tensor]:
     k_beta = k * beta
     lower, on_or_below = _triangles(size, q.device)
     L, Aqk = _pairs(q, k, k_beta, G_in, lower, on_or_below)  # (B, H, n, C, C) each
-    # one triangular solve for both right-hand sides: batched small solves cost per call
-    UW = torch.linalg.solve_triangular(
-        L, torch.cat([v * beta, k_beta * G_in.exp()], dim=-1), upper=False, unitriangular=True
-    )
-    U, W = UW.split([Dv, Dk], dim=-1)
+    U = torch.linalg.solve_triangular(L, v * beta, upper=False, unitriangular=True)
+    W = torch.linalg.solve_triangular(L, k_beta * G_in.exp(), upper=False, unitriangular=True)
     q_faded = q * G_in.exp()  # what each query reads of the state the chunk began with
     G_last = G_in[:, :, :, -1:]  # (B, H, n, 1, G)
     k_to_end = k * (G_last - G_in).exp()  # each key faded to the chunk's end
