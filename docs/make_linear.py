@@ -206,7 +206,8 @@ weight** a_tj of key word j for query word t is
 
     a_tj = beta_j k_j . [ M_(j+1) ... M_t q_t ],   M_i = g_i (I - beta_i k_i k_i^T)
 
-(with the query's scale): what j wrote, faded and partly overwritten by every later write,
+(with the query's scale; g_i is a number in Gated DeltaNet, a diagonal matrix of the
+channels' fades in KDA): what j wrote, faded and partly overwritten by every later write,
 then read by t's query. qkv computes every a_tj by running the memory on the rows of the
 identity as values (the read is linear in the values, so the identity's rows come back as
 the weights), never building a T x T x Dk x Dv tensor; `weights @ v` gives the layer's read
