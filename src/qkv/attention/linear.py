@@ -39,7 +39,8 @@ from torch import Tensor
 Form = Literal["auto", "loop", "recurrent", "chunked"]
 FORMS = ("loop", "recurrent", "chunked")
 CHUNK = 64  # tokens per chunk in the chunked form: the size flash-linear-attention uses too
-_PAIR_BUDGET = 1 << 24  # elements of a (chunks, C, C, Dk) tensor of per-channel pair decays
+_PAIR_BUDGET = 1 << 24  # elements of a (chunks, SUB, SUB, Dk) tensor of per-channel pair decays
+SUB = 16  # tokens per sub-chunk whose pairs' per-channel fades are made one by one
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ def _chunked(rule: Rule, size: int = CHUNK) -> tuple[Tensor, Tensor]:
     q, k, v, beta, g = rule.q * rule.scale, rule.k, rule.v, rule.beta, rule.g
     B, H, T, Dk = k.shape
     Dv = v.shape[3]
+    size = min(size, T)  # a short text is one chunk of its own length, not padded to 64
     pad = -T % size
     if pad:
         q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
@@ -318,26 +320,43 @@ def _pairs(q, k, k_beta, G_in, lower, on_or_below) -> tuple[Tensor, Tensor]:
     """Within each chunk, for token i and an earlier token j (faded from j to i):
     L[i, j] = beta_i k_i . k_j (strictly below the diagonal) and Aqk[i, j] = q_i . k_j (on or
     below it). A per-head fade is one factor per pair; a per-channel fade weighs each channel of
-    the dot product, computed a few chunks at a time to keep the (C, C, Dk) factors bounded."""
+    the dot product: within a sub-chunk of SUB tokens every pair's (Dk,) fades are made (a few
+    chunks at a time, so the (SUB, SUB, Dk) factors stay bounded); a pair across sub-chunks
+    fades from j to the later sub-chunk's first token, then on to i, two factors of at most 1
+    each (never a large one times a small one), so it is a matrix product."""
     if G_in.shape[-1] == 1:
         G = G_in[..., 0]
         fade = (G[..., :, None] - G[..., None, :]).masked_fill(~on_or_below, -torch.inf).exp()
         L = (k_beta @ k.transpose(-1, -2)) * fade * lower
         return L, (q @ k.transpose(-1, -2)) * fade
     B, H, n, C, Dk = k.shape
-    L, Aqk = k.new_empty(B, H, n, C, C), k.new_empty(B, H, n, C, C)
-    step = max(1, _PAIR_BUDGET // (B * H * C * C * Dk))
+    L, Aqk = k.new_zeros(B, H, n, C, C), k.new_zeros(B, H, n, C, C)
+    step = max(1, _PAIR_BUDGET // (B * H * SUB * SUB * Dk))
     for s in range(0, n, step):
-        G = G_in[:, :, s : s + step]  # (B, H, m, C, Dk)
-        diff = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(
-            ~on_or_below[..., None], -torch.inf
-        )  # (B, H, m, C, C, Dk)
-        fade = diff.exp()
-        kk = k[:, :, s : s + step]
-        L[:, :, s : s + step] = (
-            torch.einsum("bhmid,bhmjd,bhmijd->bhmij", k_beta[:, :, s : s + step], kk, fade) * lower
-        )
-        Aqk[:, :, s : s + step] = torch.einsum(
-            "bhmid,bhmjd,bhmijd->bhmij", q[:, :, s : s + step], kk, fade
-        )
+        m = slice(s, s + step)
+        G, qs, ks, kb = G_in[:, :, m], q[:, :, m], k[:, :, m], k_beta[:, :, m]
+        for first in range(0, C, SUB):
+            rows = slice(first, min(first + SUB, C))
+            # pairs within the sub-chunk: every channel's fade from j to i, (m, c, c, Dk)
+            Gd = G[..., rows, :]
+            diff = (Gd[..., :, None, :] - Gd[..., None, :, :]).masked_fill(
+                ~on_or_below[rows, rows, None], -torch.inf
+            )
+            fade = diff.exp()
+            L[:, :, m, rows, rows] = (
+                torch.einsum("bhmid,bhmjd,bhmijd->bhmij", kb[..., rows, :], ks[..., rows, :], fade)
+                * lower[rows, rows]
+            )
+            Aqk[:, :, m, rows, rows] = torch.einsum(
+                "bhmid,bhmjd,bhmijd->bhmij", qs[..., rows, :], ks[..., rows, :], fade
+            )
+            if first == 0:
+                continue
+            # earlier sub-chunks: the fade from j to i is the fade from j to the sub-chunk's
+            # first token times the fade from there to i, each at most 1, so one product
+            start = G[..., first : first + 1, :]  # (m, 1, Dk)
+            to_i = (Gd - start).exp()
+            from_j = ks[..., :first, :] * (start - G[..., :first, :]).exp()
+            L[:, :, m, rows, :first] = (kb[..., rows, :] * to_i) @ from_j.transpose(-1, -2)
+            Aqk[:, :, m, rows, :first] = (qs[..., rows, :] * to_i) @ from_j.transpose(-1, -2)
     return L, Aqk

@@ -19,6 +19,13 @@ def train(
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="change one key, e.g. train.lr=1e-3")
     ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            help="each layer's attention, e.g. linear,full: a Gated DeltaNet memory "
+            "(linear) or a softmax (full); sets model.layers and model.layer_types"
+        ),
+    ] = None,
     resume: Annotated[bool, typer.Option(help="continue the run in --out")] = False,
     quiet: Annotated[bool, typer.Option(help="no progress bar")] = False,
 ) -> None:
@@ -47,10 +54,19 @@ def train(
             )
         if config is not None:
             base = RunConfig.from_toml(config, base)
-        settings = base.override(set_ or []).check()
+        settings = base.override(_layer_settings(layers) + (set_ or [])).check()
         result = run_training(settings, out, resume=resume, quiet=quiet)
         if result.checkpoint is not None:  # only the first process writes and reports
             typer.echo(summary(result, settings))
+
+
+def _layer_settings(layers: str | None) -> list[str]:
+    """--layers linear,full as the --set entries it stands for."""
+    if layers is None:
+        return []
+    kinds = [kind.strip() for kind in layers.split(",")]
+    listed = ", ".join(f'"{kind}"' for kind in kinds)
+    return [f"model.layers={len(kinds)}", f"model.layer_types=[{listed}]"]
 
 
 def plot(

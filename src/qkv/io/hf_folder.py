@@ -19,6 +19,7 @@ from qkv.io.families import Family, family_for
 from qkv.io.families.checks import check_weight_bytes, family_config
 from qkv.io.files import write_folder_atomically
 from qkv.io.json_file import read_json
+from qkv.io.linear_layers import with_linear_layers
 
 # what a model needs from a hub repository; everything else there is left alone
 HUB_FILES = ["*.json", "*.safetensors", "pytorch_model.bin", "1_Pooling/*", "*.txt"]
@@ -150,7 +151,7 @@ def save_folder(
 def load_folder(folder: Path, dtype: torch.dtype, backend: str | None):
     """(model, family, qkv config, Hugging Face config) from a Hugging Face folder."""
     hf_config = read_config(folder)
-    family = family_for(hf_config)
+    family = with_linear_layers(family_for(hf_config), hf_config)
     config = with_backend(family_config(family, hf_config, Path(folder) / "config.json"), backend)
     check_weight_bytes(config, weight_bytes(folder), Path(folder) / "config.json")
     model = build(family, config, read_checkpoint(folder), dtype)

@@ -48,6 +48,10 @@ class ModelSpec:
     context: int = 128  # the longest sequence the model reads (its position table)
     dropout: float = 0.0
     backend: str = "auto"  # the attention backend
+    # per layer, "full" (softmax attention) or "linear" (a Gated DeltaNet memory, read left
+    # to right, with the heads' sizes); None: every layer is full. Not for bart, whose decoder
+    # also attends to the encoder.
+    layer_types: tuple[str, ...] | None = None
 
     def check(self) -> None:
         _one_of("model.arch", self.arch, ARCHS)
@@ -61,6 +65,17 @@ class ModelSpec:
             raise ValueError("model.kv_heads needs arch 'llama' and must divide model.heads")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.layers:
+                raise ValueError(f"model.layer_types names {len(self.layer_types)} layers, "
+                                 f"model.layers is {self.layers}")  # fmt: skip
+            for kind in self.layer_types:
+                _one_of("model.layer_types", kind, ("full", "linear"))
+            if self.arch == "bart" and "linear" in self.layer_types:
+                raise ValueError(
+                    "model.layer_types 'linear' needs arch gpt2, llama or bert: bart's decoder "
+                    "also attends to the encoder's words, which a memory of its own text is not"
+                )
 
 
 @dataclass(frozen=True)

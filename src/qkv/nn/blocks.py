@@ -245,10 +245,14 @@ class EncoderBlock(_Block):
         record, weights_into: as MultiHeadAttention's.
         """
         h = self.sublayer_input(x, self.attn_norm)
-        attended, kept = self.attn(
-            h, mask=mask, rotation=rotation, bias=bias, edit=edit, record=record,
-            weights_into=weights_into,
-        )  # fmt: skip
+        if isinstance(self.attn, GatedDeltaNet):  # a memory read left to right: causal
+            padding = None if mask is None else mask[:, 0, 0, :]  # (B, 1, 1, T) -> (B, T)
+            attended, kept = self.attn(h, key_padding_mask=padding, edit=edit, record=record)
+        else:
+            attended, kept = self.attn(
+                h, mask=mask, rotation=rotation, bias=bias, edit=edit, record=record,
+                weights_into=weights_into,
+            )  # fmt: skip
         if self.parallel:
             return _edited(self.feed_forward(x, attended), edit), kept
         x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)

@@ -10,25 +10,47 @@ reads back.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 from torch import nn
 
 from qkv.io.families import Family, family_for, family_named
+from qkv.io.linear_layers import linear_family, with_linear_layers
 from qkv.io.run_config import RunConfig
 from qkv.models import DecoderConfig, EncoderConfig, EncoderDecoderConfig
 from qkv.nn import BlockConfig
+from qkv.nn.delta import DeltaConfig, GatedDeltaNet
 
 
 def model_config(config: RunConfig, vocab_size: int):
-    """The qkv config of the run's model for a vocabulary of `vocab_size` tokens.
+    """The qkv config of the run's model for a vocabulary of `vocab_size` tokens, with layers
+    of linear attention where model.layer_types names them (each head a Gated DeltaNet memory
+    of the softmax heads' sizes).
 
     >>> from qkv.train import preset
     >>> cfg = model_config(preset("bank"), 100)
     >>> type(cfg).__name__, cfg.mlm_head, cfg.block.norm_position
     ('EncoderConfig', True, 'post')
+    >>> two = preset("bank").override(["model.layer_types=['linear', 'full']"])
+    >>> hybrid = model_config(two, 100)
+    >>> hybrid.layer_types, hybrid.block.linear.key_size
+    (('linear', 'full'), 16)
     """
+    model = _softmax_config(config, vocab_size)
+    types = config.model.layer_types
+    if types is None or "linear" not in types:
+        return model
+    m = config.model
+    size = m.width // m.heads
+    linear = DeltaConfig(width=m.width, heads=m.heads, key_heads=m.heads, key_size=size,
+                         value_size=size)  # fmt: skip
+    return replace(model, layer_types=tuple(types), block=replace(model.block, linear=linear))
+
+
+def _softmax_config(config: RunConfig, vocab_size: int):
+    """The run's model with every layer's attention a softmax."""
     m = config.model
     shared = {"width": m.width, "num_heads": m.heads, "mlp_hidden": m.mlp or 4 * m.width,
               "dropout": m.dropout, "backend": m.backend}  # fmt: skip
@@ -65,7 +87,7 @@ def hf_config(config: RunConfig, tokenizer) -> dict:
     """The config.json of the run's model, for a tokenizer of `tokenizer.vocab_size`: the
     family's, with the tokenizer's special ids (BERT's pad only; BART starts decoding at
     its end-of-sequence token)."""
-    family = family_named(config.model.arch)
+    family = linear_family(family_named(config.model.arch))
     hf = family.hf_config(model_config(config, tokenizer.vocab_size))
     if config.model.arch == "bert":
         return {**hf, "pad_token_id": tokenizer.pad_id}
@@ -80,9 +102,27 @@ def build_model(config: RunConfig, hf: dict) -> tuple[nn.Module, Family, object]
     """A freshly initialized model (seeded by train.seed), its family and qkv config, read
     back from `hf` as `qkv.load` will read the checkpoints; dropout and the attention
     backend are the run's (config.json does not decide them)."""
-    family = family_for(hf)
+    family = with_linear_layers(family_for(hf), hf)
     model_config = family.config(hf)
     block = replace(model_config.block, dropout=config.model.dropout, backend=config.model.backend)
     model_config = replace(model_config, block=block)
     torch.manual_seed(config.train.seed)
-    return family.model(model_config), family, model_config
+    model = family.model(model_config)
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNet):
+            init_memory(module)
+    return model, family, model_config
+
+
+def init_memory(layer: GatedDeltaNet) -> None:
+    """A linear layer's fade as flash-linear-attention's Gated DeltaNet starts it (Mamba's
+    initialization): each head's rate A uniform in [1, 16] and its step dt log-uniform in
+    [0.001, 0.1] (the bias is softplus's inverse of dt), so that at first every head fades by
+    about exp(-A dt) per word, 0.85 to 0.999, and remembers many words back. (qkv's layer
+    starts at A = 1 and dt = softplus(1), a fade of 0.27 a word: a memory of two words.)"""
+    with torch.no_grad():
+        heads = layer.fade_log_rate.shape[0]
+        layer.fade_log_rate.copy_(torch.empty(heads).uniform_(1, 16).log())
+        low, high = math.log(1e-3), math.log(1e-1)
+        step = torch.empty(layer.fade_bias.shape).uniform_(low, high).exp()
+        layer.fade_bias.copy_(step + torch.log(-torch.expm1(-step)))
