@@ -209,3 +209,18 @@ def test_one_querys_row_walked_back_is_the_last_row_of_the_effective_weights():
         weights = effective_weights(q, k, beta=beta, decay=decay, scale=0.3)
         row = effective_row(q[:, :, -1], k, beta=beta, decay=decay, scale=0.3)
         torch.testing.assert_close(row, weights[:, :, -1], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("strength", [1.0, 30.0])
+def test_per_channel_fades_across_sub_chunks_equal_the_recurrence(strength):
+    """A chunk longer than a sub-chunk pairs its tokens across sub-chunks as matrix products,
+    the fade split at the later sub-chunk's start: exact in float64 even where fades are so
+    strong that a fade from the chunk's start would underflow."""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, beta, decay = _inputs(gen, 1, 2, 150, 8, 4, True)
+    decay = decay * strength
+    want = delta_rule(q, k, v, beta=beta, decay=decay, form="recurrent")
+    for size in (64, 37):
+        got = delta_rule(q, k, v, beta=beta, decay=decay, form="chunked", chunk_size=size)
+        torch.testing.assert_close(got.out, want.out, atol=1e-10, rtol=0)
+        torch.testing.assert_close(got.state, want.state, atol=1e-10, rtol=0)
