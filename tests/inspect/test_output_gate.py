@@ -20,7 +20,7 @@ def test_the_lens_reads_each_head_through_the_layers_output_gate():
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.4)
-    model = model.double().eval()
+    model = model.double().eval().requires_grad_(False)
     ids = torch.randint(0, 30, (1, 9), generator=torch.Generator().manual_seed(1))
     out = model(ids, layers="all", hidden_states=True)
     record = out.records[1]
