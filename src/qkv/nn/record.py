@@ -167,17 +167,21 @@ class AttentionRecord:
     def _effective_weights(self, chosen: list[int]) -> Tensor:
         """A linear layer's effective weights (B, len(chosen), Tq, Tk): signed, summing to
         anything, zero above the diagonal and where a mask hid a pair; weights @ v is `out`
-        less what the queries read of a memory older than the record's first token."""
-        index = torch.tensor(chosen, device=self.q.device)
-        memory, mask = self.linear, self.mask
+        less what the queries read of a memory older than the record's first token. One head
+        at a time, so that the float64 work beside the result is one head's."""
+        s, memory = self.shape, self.linear
+        mask = self.mask
         if mask is not None:
-            mask = mask.expand(-1, self.shape.H, -1, -1).index_select(1, index)
-        weights = effective_weights(
-            self.q.index_select(1, index), self.k.index_select(1, index),
-            beta=memory.beta.index_select(1, index), decay=memory.decay.index_select(1, index),
-            scale=self.scale, mask=mask,
-        )  # fmt: skip
-        return weights.to(compute_dtype(self.q.dtype))
+            mask = mask.expand(s.B, s.H, -1, -1)
+        out = self.q.new_empty(s.B, len(chosen), s.Tq, s.Tk, dtype=compute_dtype(self.q.dtype))
+        for n, head in enumerate(chosen):
+            one = slice(head, head + 1)
+            out[:, n : n + 1] = effective_weights(
+                self.q[:, one], self.k[:, one], beta=memory.beta[:, one],
+                decay=memory.decay[:, one], scale=self.scale,
+                mask=None if mask is None else mask[:, one],
+            )  # fmt: skip
+        return out
 
     def sink_weights(self, heads: Sequence[int] | None = None) -> Tensor:
         """(B, len(heads), Tq): the weight each head's learned sink took from each query (what
