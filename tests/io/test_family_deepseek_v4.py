@@ -301,6 +301,7 @@ REFUSED = [
     ({"rope_parameters": {"main": {"rope_type": "yarn", "factor": 2.0}, "compress": {}}},
      "rope_parameters"),
     ({"partial_rotary_factor": 2.0}, "partial_rotary_factor"),
+    ({"hc_sinkhorn_iters": 10**12}, "at most 1000 Sinkhorn steps"),
 ]  # fmt: skip
 
 

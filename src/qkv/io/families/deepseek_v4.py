@@ -53,6 +53,19 @@ def _given(hf: Mapping, key: str) -> Any:
     return whole(hf, key, DEFAULTS[key])
 
 
+# Sinkhorn's steps a hyper-connection takes per token and layer: the checkpoints use 20; a
+# config may not make every forward pass loop without bound
+MAX_SINKHORN_STEPS = 1000
+
+
+def _sinkhorn_steps(hf: Mapping) -> int:
+    steps = _given(hf, "hc_sinkhorn_iters")
+    if steps > MAX_SINKHORN_STEPS:
+        limit = f"{MAX_SINKHORN_STEPS} Sinkhorn steps (DeepSeek-V4 uses 20)"
+        raise ConfigValueError("hc_sinkhorn_iters", f"is {steps}; qkv takes at most {limit}")
+    return steps
+
+
 def _types(hf: Mapping, key: str, layers: int, default: list, allowed) -> list[str]:
     given = hf.get(key)
     given = default if given is None else given
@@ -172,7 +185,7 @@ def config(hf: dict) -> DeepseekV4Config:
         index_head_dim=_given(hf, "index_head_dim"),
         index_top_k=_given(hf, "index_topk"),
         streams=_given(hf, "hc_mult"),
-        hc_iterations=_given(hf, "hc_sinkhorn_iters"),
+        hc_iterations=_sinkhorn_steps(hf),
         hc_eps=real(hf, "hc_eps", 1e-6, positive=True),
         num_experts=experts,
         experts_per_token=top_k,
