@@ -102,19 +102,19 @@ def test_patching_a_linear_heads_read_swaps_that_read_alone(model):
     patched = qkv.patch(model, TEXT, corrupt, "diff: river, wide")
     attn = model.model.blocks[0].attn
     clean_read = model.attentions(TEXT).records[0].out  # (1, H, T, Dv)
-    gated = attn._gated
+    gated = attn.gated_read
 
     def swapped(out, x):  # the corrupt run, head 1's read replaced by the clean run's
         out = out.clone()
         out[:, 1] = clean_read[:, 1]
         return gated(out, x)
 
-    attn._gated = swapped
+    attn.gated_read = swapped
     try:
         with torch.no_grad():
             logits = model.model(torch.tensor([model.encode(corrupt).ids])).logits[0, -1]
     finally:
-        del attn._gated
+        del attn.gated_read
     logprobs = logits.double().log_softmax(-1)
     river, wide = (model.tokenizer.token_to_id(w) for w in ("river", "wide"))
     expected = float(logprobs[river] - logprobs[wide])

@@ -144,21 +144,10 @@ class RowKeeper:
 
     def _rows(self, layer: int, record: AttentionRecord) -> Tensor:
         """(H', Tq, Tk): the layer's rows of this forward pass over every token so far."""
-        if record.linear is None or self.prompt is None:
-            if record.linear is not None:  # its keys, write strengths and fades so far
-                self._written(layer, record)
+        if record.linear is None:
             return weights_of(record, self.heads)  # NaN for a head the layer lacks
-        row = self._written(layer, record)
-        mine = [i for i, h in enumerate(self.heads) if h < record.shape.H]
-        out = row.new_full((len(self.heads), 1, row.shape[-1]), float("nan"))
-        out[mine] = row
-        return out
-
-    def _written(self, layer: int, record: AttentionRecord) -> Tensor:
-        """A linear layer's keys, write strengths and fades so far (of the asked heads it
-        has), kept; and the row (H'', 1, Tk) of its newest query over them."""
-        have = [h for h in self.heads if h < record.shape.H]
-        index = torch.tensor(have, device=record.q.device, dtype=torch.long)
+        have = [i for i, h in enumerate(self.heads) if h < record.shape.H]
+        index = torch.tensor([self.heads[i] for i in have], device=record.q.device)
         k, beta, decay = (t.index_select(1, index) for t in
                           (record.k, record.linear.beta, record.linear.decay))  # fmt: skip
         if layer in self.written:
@@ -166,10 +155,14 @@ class RowKeeper:
                 torch.cat([old, new], dim=2)
                 for old, new in zip(self.written[layer], (k, beta, decay), strict=True)
             )
-        self.written[layer] = (k, beta, decay)
+        self.written[layer] = (k, beta, decay)  # every token's so far, of the heads it has
+        if self.prompt is None:  # the prompt's forward pass: its record has every row
+            return weights_of(record, self.heads)
         q = record.q.index_select(1, index)[:, :, -1]  # (B, H'', Dk): the newest token's
-        row = effective_row(q, k, beta=beta, decay=decay, scale=record.scale)
-        return row[0, :, None, :].to(compute_dtype(record.q.dtype))  # (H'', 1, Tk)
+        row = effective_row(q, k, beta=beta, decay=decay, scale=record.scale)  # (B, H'', Tk)
+        out = row.new_full((len(self.heads), 1, row.shape[-1]), float("nan"))
+        out[have] = row[0, :, None, :]
+        return out.to(compute_dtype(record.q.dtype))
 
 
 class SummaryKeeper:

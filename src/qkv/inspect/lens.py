@@ -350,7 +350,7 @@ def _head_outputs(block, record, x: Tensor, position: int) -> Tensor:
         return out
     h = block.sublayer_input(x, block.attn_norm)  # what the layer read
     # the layer's own gated norm on its own read: the projection's input, (1, T, H, Dv)
-    gated = block.attn._gated(record.out, h)
+    gated = block.attn.gated_read(record.out, h)
     return gated[0, position].double()
 
 

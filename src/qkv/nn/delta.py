@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
             cache.length += T
         if edit is not None:
             out = edit.head_outputs(out)
-        return project(self.out, self._gated(out, x).reshape(B, T, c.value_width)), kept
+        return project(self.out, self.gated_read(out, x).reshape(B, T, c.value_width)), kept
 
     def _convolved(self, mixed: Tensor, cache: MemoryCache | None) -> Tensor:
         """Each channel's causal convolution over its last `conv` tokens, then SiLU; a cache's
@@ -228,7 +228,7 @@ class GatedDeltaNet(nn.Module):
         raw = raw.view(B, T, c.heads, c.key_size)
         return (-rate[:, None] * F.softplus(raw)).permute(0, 2, 1, 3)
 
-    def _gated(self, out: Tensor, x: Tensor) -> Tensor:
+    def gated_read(self, out: Tensor, x: Tensor) -> Tensor:
         """Each head's read RMS-normalized (float32), times its weight and the gate of x:
         (B, H, T, Dv) -> (B, T, H, Dv)."""
         c, (B, T, _) = self.config, x.shape
