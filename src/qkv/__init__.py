@@ -23,7 +23,7 @@ __all__ = [
 _DEFINED_IN = {
     "load": "qkv.pretrained", "Pretrained": "qkv.pretrained", "trace": "qkv.inspect.trace",
     "hide": "qkv.inspect.hide", "ablate": "qkv.inspect.ablate", "patch": "qkv.inspect.patch",
-    "lens": "qkv.inspect.lens", "heads": "qkv.inspect.census",
+    "lens": "qkv.inspect.lens", "heads": "qkv.inspect.census", "why": "qkv.inspect.why",
 }  # fmt: skip
 
 # How each result of qkv.inspect shows itself (`repr`, and `_repr_html_` in a notebook): the
@@ -32,7 +32,7 @@ _DEFINED_IN = {
 views.DRAWN_BY.update(
     {name: "qkv.viz.notebook" for name in ("attentions", "generation", "probe", "trace")}
     | {name: "qkv.viz.notebook_interventions"
-       for name in ("ablated", "census", "hidden", "lens", "patched")}
+       for name in ("ablated", "census", "hidden", "lens", "patched", "why")}
 )  # fmt: skip
 
 

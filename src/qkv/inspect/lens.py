@@ -31,10 +31,10 @@ from torch import Tensor, nn
 
 from qkv.inspect.layer_heads import heads_per_layer, nan_grid
 from qkv.inspect.records import check_head_outputs
+from qkv.inspect.residual import head_writes
 from qkv.models import Decoder, DecoderOutput
 from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.nn import RMSNorm
-from qkv.nn.delta import GatedDeltaNet
 from qkv.views import Shown
 
 
@@ -316,7 +316,7 @@ def attribute_logit(
     biases = torch.zeros(L, dtype=torch.float64)
     mlps = torch.zeros(L, dtype=torch.float64)
     for layer, block in enumerate(model.blocks):
-        head_out = _head_outputs(block, out.records[layer], out.hidden_states[layer], position)
+        head_out = head_writes(block, out.records[layer], out.hidden_states[layer], position)
         W_o = block.attn.out.weight.double()  # (C, H*D)
         H = head_out.shape[0]  # this layer's heads
         read = (W_o.T @ direction).view(H, -1)  # (H, D): each head's slice, read out
@@ -336,22 +336,6 @@ def attribute_logit(
         heads=heads, attention_bias=biases, mlps=mlps, remainder=remainder,
         remainder_explicit=explicit, norm_scale=scale,
     )  # fmt: skip
-
-
-def _head_outputs(block, record, x: Tensor, position: int) -> Tensor:
-    """(H, D) float64: what each head gives the output projection at `position`. A softmax
-    layer's record keeps it (times the record's output gate where the layer has one); a linear
-    layer's keeps each head's read of its memory, which
-    is RMS-normalized and gated by the layer's input first (x (1, T, C): the block's input)."""
-    if not isinstance(block.attn, GatedDeltaNet):
-        out = record.out[0, :, position].double()
-        if record.output_gate is not None:  # Qwen3.5's gate, between the heads and W_o
-            out = out * record.output_gate[0, :, position].double()
-        return out
-    h = block.sublayer_input(x, block.attn_norm)  # what the layer read
-    # the layer's own gated norm on its own read: the projection's input, (1, T, H, Dv)
-    gated = block.attn.gated_read(record.out, h)
-    return gated[0, position].double()
 
 
 def _readout(model: Decoder, final: Tensor, token_id: int) -> tuple[Tensor, float, float]:

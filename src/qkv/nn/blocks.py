@@ -194,21 +194,27 @@ class _Block(nn.Module):
         x = x + self.dropout(out)
         return norm(x) if self.position == "post" else x
 
-    def feed_forward(self, x: Tensor, attended: Tensor | None = None) -> Tensor:
+    def feed_forward(
+        self, x: Tensor, attended: Tensor | None = None, edit: Edit | None = None
+    ) -> Tensor:
         """The MLP's part of the block. A parallel block passes its input x and attention's
-        output `attended`, not yet added: both sub-layers read x and add to it."""
-        return self.feed_forward_recorded(x, attended)[0]
+        output `attended`, not yet added: both sub-layers read x and add to it. edit: its
+        `mlp` zeroes the MLP's output at those positions."""
+        return self.feed_forward_recorded(x, attended, edit=edit)[0]
 
     def feed_forward_recorded(
-        self, x: Tensor, attended: Tensor | None = None, record: bool = False
-    ) -> tuple[Tensor, ExpertRecord | None]:
+        self, x: Tensor, attended: Tensor | None = None, record: bool = False,
+        edit: Edit | None = None,
+    ) -> tuple[Tensor, ExpertRecord | None]:  # fmt: skip
         """`feed_forward`, and the experts' record where the MLP is a mixture of experts and
         `record` asks for it (None otherwise)."""
         if self.parallel:
             mlp, kept = self._mlp(self.mlp_norm(x), record)
+            mlp = mlp if edit is None else edit.mlp_output(mlp)
             return x + self.dropout(attended) + self.dropout(mlp), kept
         h = self.sublayer_input(x, self.mlp_norm)
         mlp, kept = self._mlp(h, record)
+        mlp = mlp if edit is None else edit.mlp_output(mlp)
         return self.residual(x, mlp, self.mlp_norm, self.mlp_out_norm), kept
 
     def _mlp(self, h: Tensor, record: bool) -> tuple[Tensor, ExpertRecord | None]:
@@ -254,9 +260,9 @@ class EncoderBlock(_Block):
                 weights_into=weights_into,
             )  # fmt: skip
         if self.parallel:
-            return _edited(self.feed_forward(x, attended), edit), kept
+            return _edited(self.feed_forward(x, attended, edit), edit), kept
         x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
-        return _edited(self.feed_forward(x), edit), kept
+        return _edited(self.feed_forward(x, edit=edit), edit), kept
 
 
 class DecoderBlock(_Block):
@@ -311,7 +317,7 @@ class DecoderBlock(_Block):
             weights_into=weights_into,
         )  # fmt: skip
         if self.parallel:
-            x, experts = self.feed_forward_recorded(x, attended, record)
+            x, experts = self.feed_forward_recorded(x, attended, record, edit)
             return _edited(x, edit), kept, None, experts
         x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
         kept_cross = None
@@ -324,7 +330,7 @@ class DecoderBlock(_Block):
                 record=record_cross,
             )  # fmt: skip
             x = self.residual(x, attended, self.cross_norm, self.cross_out_norm)
-        x, experts = self.feed_forward_recorded(x, record=record)
+        x, experts = self.feed_forward_recorded(x, record=record, edit=edit)
         return _edited(x, edit), kept, kept_cross, experts
 
 

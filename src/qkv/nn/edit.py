@@ -12,6 +12,8 @@ layer applies its own where the article's steps happen, so an edit runs on every
   output patches it in.
 - `positions` and `residual`: the residual stream after the block replaced at those
   positions (activation patching of the residual).
+- `mlp`: the MLP's output zeroed at those positions, before it joins the stream (what
+  `qkv.why` removes to check an MLP's part of a score).
 
 The record a layer returns keeps what `attend` received and returned: a hidden pair is in
 its mask (so `weights()` shows the hiding); a replaced head output is not in its `out`.
@@ -44,6 +46,7 @@ class Edit:
     head_values: broadcastable to (B, H, Tq, D): what replaces them; None means zeros.
     positions: boolean, broadcastable to (B, T): positions of the block's output to replace.
     residual: broadcastable to (B, T, C): what replaces them.
+    mlp: boolean, broadcastable to (B, T): positions whose MLP output is zeroed (True).
     """
 
     hide: Tensor | None = None
@@ -51,9 +54,10 @@ class Edit:
     head_values: Tensor | None = None
     positions: Tensor | None = None
     residual: Tensor | None = None
+    mlp: Tensor | None = None
 
     def __post_init__(self):
-        for name in ("hide", "heads", "positions"):
+        for name in ("hide", "heads", "positions", "mlp"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, Tensor) or value.dtype != torch.bool):
                 raise ValueError(f"Edit.{name} must be a boolean tensor (True = changed)")
@@ -76,6 +80,12 @@ class Edit:
         values = self.head_values
         values = out.new_zeros(()) if values is None else values.to(out.dtype)
         return torch.where(self.heads, values, out)
+
+    def mlp_output(self, out: Tensor) -> Tensor:
+        """An MLP's output (B, T, C) with the chosen positions' zeroed."""
+        if self.mlp is None:
+            return out
+        return torch.where(self.mlp[..., None], out.new_zeros(()), out)
 
     def block_output(self, x: Tensor) -> Tensor:
         """A block's output (B, T, C) with the chosen positions' replaced."""

@@ -256,6 +256,8 @@ class Gemma4Block(DecoderBlock):
         if self.moe is not None:  # the router reads the residual stream x itself
             routed, experts = self.moe(self.moe_norm(x), record=record, route_by=x)
             mlp = self.dense_out_norm(mlp) + self.moe_out_norm(routed)
+        if edit is not None:
+            mlp = edit.mlp_output(mlp)
         x = x + self.mlp_out_norm(mlp)
         if self.per_layer_gate is not None:
             if per_layer_input is None:
