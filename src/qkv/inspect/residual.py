@@ -126,16 +126,20 @@ def check_walkable(stack: Encoder | Decoder, source: str, what: str) -> None:
     """Refuse, by name, a stack whose stream is not a sum of its parts under frozen norms."""
     name = type(stack).__name__
     if name == "DeepseekV4Decoder":
-        raise ValueError(f"{what} splits one vector per word; {source} is a DeepSeek-V4 decoder, "
-                         "which keeps n streams per word between layers (hyper-connections)")
+        raise ValueError(
+            f"{what} splits one vector per word; {source} is a DeepSeek-V4 decoder, "
+            "which keeps n streams per word between layers (hyper-connections)"
+        )
     if name == "Gemma4Decoder":
         raise ValueError(f"{what} splits the stream into its parts; {source} is a Gemma 4 "
                          "decoder, whose layers add a per-layer input and scale the whole stream "
                          "by a learned scalar, which qkv does not split yet")  # fmt: skip
     for layer, block in enumerate(stack.blocks):
         if type(block.attn.out) is not nn.Linear:
-            raise ValueError(f"{what} reads each head's slice of the output matrix; {source}'s "
-                             f"layer {layer} is packed (int4): load it without int4")
+            raise ValueError(
+                f"{what} reads each head's slice of the output matrix; {source}'s "
+                f"layer {layer} is packed (int4): load it without int4"
+            )
 
 
 def walk(stack: Encoder | Decoder, out, layer: int, positions: list[int]) -> Stream:

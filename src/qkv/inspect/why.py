@@ -33,6 +33,7 @@ from torch import Tensor
 from qkv.inspect.records import check_head_outputs
 from qkv.inspect.residual import check_walkable, walk
 from qkv.inspect.score_parts import Side, pieces_of_head, read
+from qkv.models import Decoder
 from qkv.models.stacks import self_attention_stack
 from qkv.nn import LatentAttention
 from qkv.nn.delta import GatedDeltaNet
@@ -195,7 +196,10 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, s
     L = stack.config.num_layers
     if layer is not None and (type(layer) is not int or not 0 <= layer < L):
         raise ValueError(f"layer {layer!r} is out of range: {source} has layers 0..{L - 1}")
-    out = stack(ids, layers="all", hidden_states=True)
+    if layer is None:
+        out = stack(ids, layers="all", hidden_states=True)
+    else:  # the layers after the one asked are not needed
+        out = stack(ids, layers=list(range(layer + 1)), hidden_states=True, stop=layer + 1)
     chosen = "asked"
     if layer is None or head is None:
         layer, head = _best(stack, out, query_index, key_index, layer, head)
@@ -288,22 +292,31 @@ def _check_sum(found: Why, record) -> None:
 
 
 def _notes(found: Why, stack) -> list[str]:
-    notes = ["every norm's scale is held at its value in this forward pass (one number per word):"
-             " the terms are exact for this text, and removing a part changes that scale too"]
+    notes = [
+        "every norm's scale is held at its value in this forward pass (one number per word):"
+        " the terms are exact for this text, and removing a part changes that scale too"
+    ]
     if found.softcap is not None:
-        notes.append(f"the layer caps its scores: score = {found.softcap:g} * tanh(pre-cap / "
-                     f"{found.softcap:g}); the terms split the pre-cap score")
+        notes.append(
+            f"the layer caps its scores: score = {found.softcap:g} * tanh(pre-cap / "
+            f"{found.softcap:g}); the terms split the pre-cap score"
+        )
     if found.bias is not None:
-        notes.append(f"T5's relative-position bias adds {found.bias:.4g} to the score, a term "
-                     "of its own")
+        notes.append(
+            f"T5's relative-position bias adds {found.bias:.4g} to the score, a term of its own"
+        )
     if found.sink is not None:
-        notes.append(f"the head's sink is one more score ({found.sink:.4g}) in the softmax: it "
-                     "takes part of the weight and no value")
+        notes.append(
+            f"the head's sink is one more score ({found.sink:.4g}) in the softmax: it "
+            "takes part of the weight and no value"
+        )
     if found.temperature is not None:
         notes.append(f"the query's temperature {found.temperature:.4g} multiplies every term")
     if found.content is not None:
-        notes.append("content is each term with both words turned as if at the same position "
-                     "(distance 0); position is the rest")
+        notes.append(
+            "content is each term with both words turned as if at the same position "
+            "(distance 0); position is the rest"
+        )
     return notes  # fmt: skip
 
 
@@ -311,7 +324,8 @@ def _carried(stack, out, stream, q: Side, k: Side, factor, spell, found: Why, to
     """The top head parts of each side, split over the words each head read."""
     carried = []
     for side, mine, other, n, position in (
-        ("query", q, k, 0, found.query_index), ("key", k, q, 1, found.key_index)
+        ("query", q, k, 0, found.query_index),
+        ("key", k, q, 1, found.key_index),
     ):
         for part, value in found.by_part(side):
             if len(carried) == top * (1 + (side == "key")):
@@ -336,9 +350,11 @@ def _checks(stack, out, ids, found: Why, q: Side, k: Side, steps, factor, top) -
     """Each of the top removable parts of each side zeroed at its word, the model rerun."""
     made = []
     T = ids.shape[1]
+    # a decoder's words after the pair change nothing of it: the reruns leave them out
+    end = max(found.query_index, found.key_index) + 1 if isinstance(stack, Decoder) else T
     keys = out.records[found.layer].k[0, found.kv_head].double()  # (T, D) as the layer used
-    for side, n, position in (("query", 0, found.query_index), ("key", 1, found.key_index)):
-        names = (found.parts_q if side == "query" else found.parts_k)
+    for side, position in (("query", found.query_index), ("key", found.key_index)):
+        names = found.parts_q if side == "query" else found.parts_k
         taken = 0
         for part, value in found.by_part(side):
             if taken == top:
@@ -348,24 +364,29 @@ def _checks(stack, out, ids, found: Why, q: Side, k: Side, steps, factor, top) -
                 continue  # the embedding and the biases are not removed
             taken += 1
             m = int((head or mlp)[1])
-            at = torch.zeros(1, T, dtype=torch.bool)
+            at = torch.zeros(1, end, dtype=torch.bool)
             at[0, position] = True
             if head is not None:
-                heads = torch.zeros(1, stack.blocks[m].attn.num_heads, T, 1, dtype=torch.bool)
+                heads = torch.zeros(1, stack.blocks[m].attn.num_heads, end, 1, dtype=torch.bool)
                 heads[0, int(head[2]), position] = True
                 edit = Edit(heads=heads)
             else:
                 edit = Edit(mlp=at)
-            rerun = stack(ids, layers=[found.layer], resume=(m, out.hidden_states[m]),
-                          edits={m: edit})
+            rerun = stack(
+                ids[:, :end],
+                layers=[found.layer],
+                edits={m: edit},
+                resume=(m, out.hidden_states[m][:, :end]),
+                stop=found.layer + 1,
+            )
             real = rerun.records[found.layer].steps(found.head, found.query_index)
             pair = real.pairs[found.key_index]
             # the linear prediction: this query's pre-cap scores without the part's terms
             if side == "key":
-                change = torch.zeros(T, dtype=torch.float64)
+                change = torch.zeros(end, dtype=torch.float64)
                 change[found.key_index] = -value
             else:
-                change = -factor * keys @ q.vectors[names.index(part)]
+                change = -factor * keys[:end] @ q.vectors[names.index(part)]
             score, weight = _predicted(steps, found, change)
             made.append(Check(side, part, position, score, float(pair.score), weight,
                               float(pair.normalized_weight)))  # fmt: skip
@@ -377,7 +398,7 @@ def _predicted(steps, found: Why, change: Tensor) -> tuple[float, float]:
     temperature = 1.0 if found.temperature is None else found.temperature
     scores, allowed = [], []
     for j, pair in enumerate(steps.pairs):
-        s = float(pair.scaled_scalar) * temperature + float(change[j])
+        s = float(pair.scaled_scalar) * temperature + (float(change[j]) if j < len(change) else 0.0)
         if found.softcap is not None:
             s = found.softcap * float(torch.tanh(torch.tensor(s / found.softcap)))
         s += float(pair.score) - _capped(float(pair.scaled_scalar) * temperature, found.softcap)

@@ -338,6 +338,17 @@ def check_resume(
     return layer, x.expand(expected)
 
 
+def check_stop(stop: int | None, first: int, num_layers: int) -> int:
+    """The block after the last one a forward's `stop=` runs: all of them for None; else a
+    layer after the first one run (`resume`) and at most the model's count."""
+    if stop is None:
+        return num_layers
+    if type(stop) is not int or not first < stop <= num_layers:
+        raise ValueError(f"stop must be a whole number in {first + 1}..{num_layers} (the blocks "
+                         f"before it run), got {stop!r}")  # fmt: skip
+    return stop
+
+
 def key_padding(attention_mask: Tensor | None) -> Tensor | None:
     """A (B, T) mask of 1/True for real tokens, 0/False for padding, as booleans."""
     if attention_mask is None:

@@ -12,6 +12,7 @@ from qkv.models.config import (
     Layers,
     Rotaries,
     check_resume,
+    check_stop,
     init_weights,
     key_padding,
     mask_positions,
@@ -132,6 +133,7 @@ class Decoder(nn.Module):
         edits: Edits | None = None,
         resume: tuple[int, Tensor] | None = None,
         weights: Tensor | None = None,
+        stop: int | None = None,
     ) -> DecoderOutput:
         """input_ids (B, T): the new tokens (after the cached ones, if a cache is given).
 
@@ -156,6 +158,9 @@ class Decoder(nn.Module):
           with its output, in one pass over the scores, where its attention allows (one
           sequence of plain causal scores: see MultiHeadAttention's `weights_into`); its record's
           `made` says whether it did.
+        stop: run the blocks before this one only (a reader of one layer's record needs
+          none after it); `hidden` is then the last one's output, with no final norm and no
+          logits.
         """
         cfg = self.config
         wanted = recorded_layers(layers, cfg.num_layers)
@@ -164,6 +169,7 @@ class Decoder(nn.Module):
             raise ValueError("cross_layers needs a decoder with cross-attention")
         edits = check_edits(edits, cfg.num_layers)
         first, x = check_resume(resume, input_ids, cfg)
+        last = check_stop(stop, first, cfg.num_layers)
         if positions is None and attention_mask is not None and not bool(attention_mask.all()):
             positions = mask_positions(attention_mask, input_ids.shape[1])
         offset = cache.length if cache is not None else 0
@@ -183,7 +189,7 @@ class Decoder(nn.Module):
             raise ValueError(f"weights holds {len(weights)} layers' weights; {len(place)} are "
                              "recorded")  # fmt: skip
         out = DecoderOutput(None, x, hidden_states=[x] if hidden_states else [])
-        for layer in range(first, cfg.num_layers):
+        for layer in range(first, last):
             x, kept, kept_cross, experts = self.blocks[layer](
                 x,
                 context,
@@ -207,6 +213,9 @@ class Decoder(nn.Module):
                 out.experts[layer] = experts
             if hidden_states:
                 out.hidden_states.append(x)
+        if stop is not None:
+            out.hidden = x
+            return out
         out.hidden = x if self.norm is None else self.norm(x)
         out.logits = self.project(out.hidden) if logits else None
         return out

@@ -11,6 +11,7 @@ from qkv.models.config import (
     Layers,
     Rotaries,
     check_resume,
+    check_stop,
     init_weights,
     key_padding,
     recorded_layers,
@@ -138,6 +139,7 @@ class Encoder(nn.Module):
         logits: bool = False,
         edits: Edits | None = None,
         resume: tuple[int, Tensor] | None = None,
+        stop: int | None = None,
     ) -> EncoderOutput:
         """attention_mask (B, T): 1 for real tokens, 0 for padding, which no token attends to.
 
@@ -148,6 +150,8 @@ class Encoder(nn.Module):
         resume: (layer, x): start at that block with x (B, T, C) as its input, the blocks
           before it skipped (x is their output, e.g. an earlier run's hidden_states[layer]);
           hidden_states then starts at x.
+        stop: run the blocks before this one only; the output is then the last one's, with
+          no final norm and no logits.
         """
         if logits and self.mlm is None:
             raise ValueError(
@@ -157,6 +161,9 @@ class Encoder(nn.Module):
         wanted = recorded_layers(layers, self.config.num_layers)
         edits = check_edits(edits, self.config.num_layers)
         first, x = check_resume(resume, input_ids, self.config)
+        last = check_stop(stop, first, len(self.blocks))
+        if logits and stop is not None:
+            raise ValueError("logits need every block: leave stop out")
         if self.config.position_padding is None:
             positions = positions_for(input_ids.shape[1], device=input_ids.device)  # (T,)
         else:
@@ -170,7 +177,7 @@ class Encoder(nn.Module):
         bias = None if self.relative is None else self.relative(T, T).to(x.dtype)  # (1, H, T, T)
         records: dict[int, AttentionRecord] = {}
         states = [x] if hidden_states else []
-        for layer in range(first, len(self.blocks)):
+        for layer in range(first, last):
             rotation = self.rotary.rotation_for(rotations, layer)
             x, kept = self.blocks[layer](
                 x, mask=mask, rotation=rotation, bias=bias, edit=edits.get(layer),
@@ -180,7 +187,7 @@ class Encoder(nn.Module):
                 records[layer] = kept
             if hidden_states:
                 states.append(x)
-        if self.norm is not None:
+        if self.norm is not None and stop is None:
             x = self.norm(x)
         scores = self.mlm(x) if logits else None  # (B, T, vocab)
         return EncoderOutput(x, records, states, scores)
