@@ -52,6 +52,7 @@ class Carried:
     part: str  # "L2.H5"
     value: float  # the part's whole share of the score, against the other side's whole vector
     words: list[tuple[str, int, float, float]]  # (token, index, the head's weight, share)
+    whole: float  # every word's share summed: `value` again, up to rounding
 
 
 @dataclass
@@ -143,7 +144,8 @@ class Why(Shown):
             "position": self.position,
             "carried": [{"side": c.side, "part": c.part, "value": c.value,
                          "words": [{"token": t, "index": i, "weight": w, "value": v}
-                                   for t, i, w, v in c.words]} for c in self.carried],
+                                   for t, i, w, v in c.words], "whole": c.whole}
+                        for c in self.carried],
             "checks": [vars(c) for c in self.checks],
             "notes": list(self.notes),
         }  # fmt: skip
@@ -242,7 +244,8 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, s
     found.notes += _notes(found, stack)
     found.carried = _carried(stack, out, stream, q, k, factor, spell, found)
     if checks:
-        found.checks = _checks(stack, out, ids, found, q, k, steps, factor, checks)
+        k_at_query = read(stack, layer, stream, 0, "key", head, T)
+        found.checks = _checks(stack, out, ids, found, (q, k, k_at_query), steps, factor, checks)
     return found
 
 
@@ -327,8 +330,9 @@ def _carried(stack, out, stream, q: Side, k: Side, factor, spell, found: Why, to
         ("query", q, k, 0, found.query_index),
         ("key", k, q, 1, found.key_index),
     ):
+        split_here = 0
         for part, value in found.by_part(side):
-            if len(carried) == top * (1 + (side == "key")):
+            if split_here == top:
                 break
             match = HEAD.match(part)
             if match is None:
@@ -337,26 +341,32 @@ def _carried(stack, out, stream, q: Side, k: Side, factor, spell, found: Why, to
             split = pieces_of_head(stack, out, m, h, position)
             if split is None:
                 continue
+            split_here += 1
             weights, pieces = split
             shares = factor * mine.linear(stream.carry(pieces, m, n)) @ other.total
             order = [j for j in shares.abs().argsort(descending=True).tolist() if weights[j] > 0]
             order = order[:words]  # the words the head read, by their share
             carried.append(Carried(side, part, value, [
-                (spell[j], j, float(weights[j]), float(shares[j])) for j in order]))  # fmt: skip
+                (spell[j], j, float(weights[j]), float(shares[j])) for j in order],
+                float(shares.sum())))  # fmt: skip
     return carried
 
 
-def _checks(stack, out, ids, found: Why, q: Side, k: Side, steps, factor, top) -> list[Check]:
-    """Each of the top removable parts of each side zeroed at its word, the model rerun."""
+def _checks(stack, out, ids, found: Why, sides, steps, factor, top) -> list[Check]:
+    """Each of the top removable parts of each side zeroed at its word, the model rerun.
+
+    sides: the query at the query word, the key at the key word and the key at the query word
+    (a word is a key of its own query too). The prediction holds everything but the part: the
+    query's scores where the part's vectors leave the query and the keys at its word."""
+    q, k, k_at_query = sides
     made = []
     T = ids.shape[1]
     # a decoder's words after the pair change nothing of it: the reruns leave them out
     end = max(found.query_index, found.key_index) + 1 if isinstance(stack, Decoder) else T
-    keys = out.records[found.layer].k[0, found.kv_head].double()  # (T, D) as the layer used
+    keys = out.records[found.layer].k[0, found.kv_head, :end].double()  # (end, D)
     for side, position in (("query", found.query_index), ("key", found.key_index)):
-        names = found.parts_q if side == "query" else found.parts_k
         taken = 0
-        for part, value in found.by_part(side):
+        for part, _ in found.by_part(side):
             if taken == top:
                 break
             head, mlp = HEAD.match(part), MLP.match(part)
@@ -381,12 +391,15 @@ def _checks(stack, out, ids, found: Why, q: Side, k: Side, steps, factor, top) -
             )
             real = rerun.records[found.layer].steps(found.head, found.query_index)
             pair = real.pairs[found.key_index]
-            # the linear prediction: this query's pre-cap scores without the part's terms
-            if side == "key":
-                change = torch.zeros(end, dtype=torch.float64)
-                change[found.key_index] = -value
+            # the linear prediction: the part's vectors taken out where it was removed
+            i = found.parts_q.index(part)
+            query, changed = q.total, keys.clone()
+            if position == found.query_index:
+                query = query - q.vectors[i]
+                changed[position] -= k_at_query.vectors[i]
             else:
-                change = -factor * keys[:end] @ q.vectors[names.index(part)]
+                changed[position] -= k.vectors[i]
+            change = factor * (changed @ query - keys @ q.total)  # (end,) pre-cap
             score, weight = _predicted(steps, found, change)
             made.append(Check(side, part, position, score, float(pair.score), weight,
                               float(pair.normalized_weight)))  # fmt: skip
