@@ -23,6 +23,7 @@ True
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -240,7 +241,7 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, s
         weight=float(pair.normalized_weight), scale=record.scale, temperature=temperature,
         parts_q=list(stream.names), parts_k=list(stream.names), terms=terms, content=content,
     )  # fmt: skip
-    _check_sum(found, record)
+    _check_sum(found, record, stack.blocks[layer].attn.qk_norm == "l2")
     found.notes += _notes(found, stack)
     found.carried = _carried(stack, out, stream, q, k, factor, spell, found)
     if checks:
@@ -281,12 +282,19 @@ def _best(stack, out, query_index, key_index, layer, head) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def _check_sum(found: Why, record) -> None:
-    """The terms must sum to the score the layer computed: 1e-9 of it in float64, 1e-5 in
-    float32 (and lower precisions), else the decomposition has missed a part: refuse."""
-    tolerance = 1e-9 if record.q.dtype == torch.float64 else 1e-5
-    if record.q.dtype in (torch.float16, torch.bfloat16):
-        tolerance = 1e-2
+def tolerance_of(dtype: torch.dtype, l2: bool = False) -> float:
+    """How near the terms' sum must be to the layer's score, relative: 1e-9 in float64 (1e-5
+    where the layer has Llama 4's L2 norm, which the model computes in float32 whatever its
+    dtype, as transformers does), 1e-5 in float32, 1e-2 in 16-bit floats."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 1e-2
+    return 1e-9 if dtype == torch.float64 and not l2 else 1e-5
+
+
+def _check_sum(found: Why, record, l2: bool) -> None:
+    """The terms must sum to the score the layer computed (within `tolerance_of`), else the
+    decomposition has missed a part: refuse."""
+    tolerance = tolerance_of(record.q.dtype, l2)
     gap = abs(found.total - found.pre_cap)
     if gap > tolerance * max(1.0, abs(found.pre_cap)):
         raise ValueError(f"the terms sum to {found.total:.9g}, the layer's score before any cap "
@@ -377,7 +385,7 @@ def _checks(stack, out, ids, found: Why, sides, steps, factor, top) -> list[Chec
             at = torch.zeros(1, end, dtype=torch.bool)
             at[0, position] = True
             if head is not None:
-                heads = torch.zeros(1, stack.blocks[m].attn.num_heads, end, 1, dtype=torch.bool)
+                heads = torch.zeros(1, out.records[m].shape.H, end, 1, dtype=torch.bool)
                 heads[0, int(head[2]), position] = True
                 edit = Edit(heads=heads)
             else:
@@ -413,7 +421,7 @@ def _predicted(steps, found: Why, change: Tensor) -> tuple[float, float]:
     for j, pair in enumerate(steps.pairs):
         s = float(pair.scaled_scalar) * temperature + (float(change[j]) if j < len(change) else 0.0)
         if found.softcap is not None:
-            s = found.softcap * float(torch.tanh(torch.tensor(s / found.softcap)))
+            s = found.softcap * math.tanh(s / found.softcap)
         s += float(pair.score) - _capped(float(pair.scaled_scalar) * temperature, found.softcap)
         scores.append(s)
         allowed.append(pair.allowed)
@@ -426,4 +434,4 @@ def _predicted(steps, found: Why, change: Tensor) -> tuple[float, float]:
 
 
 def _capped(s: float, cap: float | None) -> float:
-    return s if cap is None else cap * float(torch.tanh(torch.tensor(s / cap)))
+    return s if cap is None else cap * math.tanh(s / cap)
