@@ -142,46 +142,48 @@ def check_walkable(stack: Encoder | Decoder, source: str, what: str) -> None:
             )
 
 
-def walk(stack: Encoder | Decoder, out, layer: int, positions: list[int]) -> Stream:
+def walk(stack: Encoder | Decoder, out, layer: int, positions: list[int], *,
+         into: bool = False) -> Stream:  # fmt: skip
     """The stream entering `layer` at `positions`, taken apart, from `out`: the stack's
-    forward with every earlier layer's record and hidden_states=True."""
+    forward with every earlier layer's record (and cross-attention record, in a decoder that
+    has cross-attention) and hidden_states=True. into: the stream `layer`'s cross-attention
+    reads instead, after the layer's own self-attention."""
     states = out.hidden_states
-    N = len(positions)
     where = torch.tensor(positions)
     x0 = states[0][0, where].double()  # (N, C)
-    names, parts = ["embedding", "bias"], [x0, torch.zeros_like(x0)]
+    names = ["embedding", "bias"]
+    stream = torch.stack([x0, torch.zeros_like(x0)])  # (P, N, C)
     maps: dict[int, tuple[Frozen | None, list[Frozen]]] = {}
-    for m in range(layer):
-        block, record = stack.blocks[m], out.records[m]
-        x = states[m]
-        writes = head_writes(block, record, x, where)  # (H, N, Dv)
-        if writes.dim() == 2:
-            writes = writes[:, None]
-        H, _, Dv = writes.shape
-        W_o = block.attn.out.weight.double().view(-1, H, Dv)  # (C, H, Dv)
-        heads = torch.einsum("hnd,chd->hnc", writes, W_o)  # (H, N, C)
-        bias = torch.zeros_like(x0)
-        if block.attn.out.bias is not None:
-            bias = bias + block.attn.out.bias.double()
-        attended = heads.sum(0) + bias  # (N, C): the attention's output
-        own = freeze(block.attn_out_norm, attended, f"layer {m}'s attention output norm")
-        if own is not None:  # Gemma 2 and 3, OLMo 2: the output normalized before the sum
-            heads, bias = own(heads), own(bias)
-            if own.shift is not None:
-                bias = bias + own.shift
-            attended = heads.sum(0) + bias
-        names += [f"L{m}.H{h}" for h in range(H)]
-        parts += list(heads)
-        parts[1] = parts[1] + bias
-        after: list[Frozen] = []
-        stream = torch.stack(parts)  # (P, N, C)
-        x_here = x[0, where].double()
-        if block.position == "post":  # the original transformer, BERT: norm(x + attention)
-            frozen = freeze(block.attn_norm, x_here + attended, f"layer {m}'s attention norm")
-            stream = _through(frozen, stream)
+    for m in range(layer + 1 if into else layer):
+        block = stack.blocks[m]
+        writes = head_writes(block, out.records[m], states[m], where)  # (H, N, Dv)
+        post = block.attn_norm if block.position == "post" else None
+        stream, own, frozen = _attention(stream, names, writes, block.attn.out,
+                                         block.attn_out_norm, post, f"L{m}.H", m)  # fmt: skip
+        after = [frozen] if frozen is not None else []
+        maps[m] = (own, after)
+        if m == layer:
+            break  # into: the stream the layer's cross-attention reads
+        if getattr(block, "cross_attn", None) is not None:
+            writes = out.cross_records[m].out[0, :, where].double()
+            post = block.cross_norm if block.position == "post" else None
+            stream, _, frozen = _attention(
+                stream,
+                names,
+                writes,
+                block.cross_attn.out,
+                block.cross_out_norm,
+                post,
+                f"L{m}.cross.H",
+                m,
+            )
             after += [frozen] if frozen is not None else []
+        names.append(f"L{m}.mlp")
+        if block.position == "post":  # norm(x + mlp(x))
             mid = stream.sum(0)  # the MLP's input, (N, C)
-            mlp, _ = block._mlp(mid.to(x.dtype)[None], False)
+            mlp, _ = block._mlp(mid.to(states[m].dtype)[None], False)
+            if block.mlp_out_norm is not None:
+                mlp = block.mlp_out_norm(mlp)
             mlp = mlp[0].double()
             frozen = freeze(block.mlp_norm, mid + mlp, f"layer {m}'s MLP norm")
             stream = _through(frozen, torch.cat([stream, mlp[None]]))
@@ -189,12 +191,37 @@ def walk(stack: Encoder | Decoder, out, layer: int, positions: list[int]) -> Str
         else:  # the MLP's part is what the block added beyond the attention's
             mlp = states[m + 1][0, where].double() - stream.sum(0)
             stream = torch.cat([stream, mlp[None]])
-        names.append(f"L{m}.mlp")
-        parts = list(stream)
-        maps[m] = (own, after)
-    actual = states[layer][0, where].double()
-    return Stream(layer, list(positions), names, torch.stack(parts).reshape(-1, N, x0.shape[-1]),
-                  actual, maps)  # fmt: skip
+    actual = stream.sum(0) if into else states[layer][0, where].double()
+    return Stream(layer, list(positions), names, stream, actual, maps)
+
+
+def _attention(
+    stream: Tensor, names: list[str], writes: Tensor, out: nn.Linear, own_norm, post_norm,
+    label: str, m: int,
+) -> tuple[Tensor, Frozen | None, Frozen | None]:  # fmt: skip
+    """The stream (P, N, C) with one attention's heads added as parts (named label + head):
+    writes (H, N, Dv) through each head's slice of `out`, its bias joining "bias"; own_norm
+    on the attention's output (sublayer_norm), post_norm on the sum (a post-norm block), each
+    frozen and returned (None where there is none)."""
+    H, _, Dv = writes.shape
+    W_o = out.weight.double().view(-1, H, Dv)  # (C, H, Dv)
+    heads = torch.einsum("hnd,chd->hnc", writes, W_o)  # (H, N, C)
+    bias = torch.zeros_like(stream[0])
+    if out.bias is not None:
+        bias = bias + out.bias.double()
+    attended = heads.sum(0) + bias  # (N, C): the attention's output
+    own = freeze(own_norm, attended, f"layer {m}'s attention output norm")
+    if own is not None:  # Gemma 2 and 3, OLMo 2: the output normalized before the sum
+        heads, bias = own(heads), own(bias)
+        if own.shift is not None:
+            bias = bias + own.shift
+        attended = heads.sum(0) + bias
+    before = stream.sum(0)
+    names += [f"{label}{h}" for h in range(H)]
+    stream = torch.cat([stream, heads])
+    stream[1] = stream[1] + bias
+    post = freeze(post_norm, before + attended, f"layer {m}'s attention norm")
+    return _through(post, stream), own, post
 
 
 def _through(frozen: Frozen | None, stream: Tensor) -> Tensor:

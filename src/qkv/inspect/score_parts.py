@@ -44,11 +44,15 @@ class Side:
         return v
 
 
-def read(stack, layer: int, stream: Stream, n: int, role: str, head: int, T: int) -> Side:
+def read(
+    attn, norm, rotation: Rotation | None, stream: Stream, n: int, role: str, head: int,
+    layer: int,
+) -> Side:  # fmt: skip
     """The chain from the stream at word n (of `stream.positions`) to the vector head `head`'s
-    dot product reads there: role "query" (the query head) or "key" (its key head)."""
-    block = stack.blocks[layer]
-    attn = block.attn
+    dot product reads there: role "query" (the query head) or "key" (its key head). norm: the
+    norm the layer reads the stream through (a pre-norm block's; an encoder's final norm for
+    cross-attention's keys), or None; rotation: the layer's rotation of every position, or
+    None where it turns nothing."""
     position = stream.positions[n]
     D = attn.head_dim
     g = head if role == "query" else head // (attn.num_heads // attn.num_kv_heads)
@@ -61,21 +65,18 @@ def read(stack, layer: int, stream: Stream, n: int, role: str, head: int, T: int
         stages.append((name, fn, shift))
         total = fn(total) if shift is None else fn(total) + shift
 
-    if block.position == "pre":  # the layer reads its normalized input
-        add_norm(add, freeze(block.attn_norm, total, f"layer {layer}'s attention norm"), "norm")
+    add_norm(add, freeze(norm, total, f"layer {layer}'s attention norm"), "norm")
     add("projection", lambda v: v @ W.T, b)
-    norm = getattr(attn, "q_norm" if role == "query" else "k_norm", None)
+    qk_norm = getattr(attn, "q_norm" if role == "query" else "k_norm", None)
     if attn.qk_norm == "full":  # OLMo 2: over every head at once
-        add_norm(add, freeze(norm, total, f"layer {layer}'s QK-norm"), "qk-norm")
+        add_norm(add, freeze(qk_norm, total, f"layer {layer}'s QK-norm"), "qk-norm")
     add("head", lambda v: v[..., g * D : (g + 1) * D], None)
     if attn.qk_norm == "head":  # Qwen3, Gemma 3: over each head alone
-        add_norm(add, freeze(norm, total, f"layer {layer}'s QK-norm"), "qk-norm")
-    rotation = _rotation(stack, layer, T)
-    turn = plain_turn = None
+        add_norm(add, freeze(qk_norm, total, f"layer {layer}'s QK-norm"), "qk-norm")
+    plain_turn = None
     if rotation is not None:
-        turn = _turn(rotation, position)
+        add("rotation", _turn(rotation, position), None)
         plain_turn = _turn(rotation, 0)
-        add("rotation", turn, None)
     if attn.qk_norm == "l2":  # Llama 4: no weight, after the rotation
         scale = torch.rsqrt(total.pow(2).mean(-1) + attn.norm_eps)
         add("l2-norm", Frozen(scale, None, False, None), None)
@@ -85,6 +86,13 @@ def read(stack, layer: int, stream: Stream, n: int, role: str, head: int, T: int
         swapped = [(s[0], plain_turn, s[2]) if s[0] == "rotation" else s for s in stages]
         plain = _run(swapped, stream.vectors[:, n], stream.index("bias"))
     return Side(role, vectors, plain, total, stages)
+
+
+def read_self(stack, layer: int, stream: Stream, n: int, role: str, head: int, T: int) -> Side:
+    """`read` for a stack's own self-attention at `layer`, over a text of T tokens."""
+    block = stack.blocks[layer]
+    norm = block.attn_norm if block.position == "pre" else None  # the layer reads it normed
+    return read(block.attn, norm, _rotation(stack, layer, T), stream, n, role, head, layer)
 
 
 def add_norm(add, frozen: Frozen | None, name: str) -> None:

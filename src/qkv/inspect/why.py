@@ -33,7 +33,7 @@ from torch import Tensor
 
 from qkv.inspect.records import check_head_outputs
 from qkv.inspect.residual import check_walkable, walk
-from qkv.inspect.score_parts import Side, pieces_of_head, read
+from qkv.inspect.score_parts import Side, pieces_of_head, read_self
 from qkv.models import Decoder
 from qkv.models.stacks import self_attention_stack
 from qkv.nn import LatentAttention
@@ -220,8 +220,8 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, s
                          f"{key_index}) in layer {layer}: the layer's mask hides it, so no score "
                          "of the pair reaches the softmax")  # fmt: skip
     stream = walk(stack, out, layer, [query_index, key_index])
-    q = read(stack, layer, stream, 0, "query", head, T)
-    k = read(stack, layer, stream, 1, "key", head, T)
+    q = read_self(stack, layer, stream, 0, "query", head, T)
+    k = read_self(stack, layer, stream, 1, "key", head, T)
     temperature = None
     factor = record.scale
     if record.query_scale is not None:
@@ -245,7 +245,7 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, s
     found.notes += _notes(found, stack)
     found.carried = _carried(stack, out, stream, q, k, factor, spell, found)
     if checks:
-        k_at_query = read(stack, layer, stream, 0, "key", head, T)
+        k_at_query = read_self(stack, layer, stream, 0, "key", head, T)
         found.checks = _checks(stack, out, ids, found, (q, k, k_at_query), steps, factor, checks)
     return found
 
