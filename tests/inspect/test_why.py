@@ -145,8 +145,6 @@ def test_a_hidden_pair_and_a_linear_layer_are_refused_by_name():
                            block=BlockConfig(width=16, num_heads=2))  # fmt: skip
     with pytest.raises(ValueError, match="does not see the key word"):
         qkv.why(tiny(config), TEXT, "bank", "river", layer=0, head=0)  # river comes later
-    with pytest.raises(ValueError, match="cross-attention"):
-        qkv.why(tiny(config), TEXT, "river", "bank", target="x")
     with pytest.raises(ValueError, match="layer 3 is out of range"):
         qkv.why(tiny(config), TEXT, "river", "bank", layer=3)
 
@@ -168,3 +166,33 @@ def test_minilm_bank_and_river_in_float32():
     assert why.content is None  # learned positions: nothing turns
     assert set(why.parts_q) >= {"embedding", "bias", "L0.H0", "L2.H11", "L2.mlp"}
     assert all(c.whole == pytest.approx(c.value, rel=1e-4, abs=1e-6) for c in why.carried)
+
+
+def test_an_encoder_decoders_cross_attention_through_qkv_why(tmp_path):
+    """A tiny random BART (transformers builds it) with a word-level tokenizer: the target's
+    word asks, the source's word answers, as qkv.trace reads them."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
+
+    from qkv.io.hf_folder import load_folder
+    from qkv.io.tokenizer import Tokenizer
+    from tiny_models import save_tiny
+
+    save_tiny("bart", tmp_path)
+    model, family, config, hf_config = load_folder(tmp_path, torch.float32, None)
+    words = ["[UNK]", "the", "bank", "on", "side", "of", "river", "la", "rive", "banque"]
+    backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    bart = qkv.Pretrained(model, Tokenizer(backend), config, family=family,
+                          hf_config=hf_config, source="tiny-bart")  # fmt: skip
+    text, target = "the bank of the river", "la banque"
+    why = qkv.why(bart, text, "banque", "river", target=target)
+    traced = qkv.trace(bart, text, "banque", "river", target=target)
+    assert (why.layer, why.head) == (traced.layer, traced.head)
+    assert why.query_tokens == ["bank", "la", "banque"] and why.query_index == 2
+    assert why.tokens[why.key_index] == "river"
+    assert why.weight == pytest.approx(float(traced.weights[why.key_index]), abs=1e-6)
+    assert why.total == pytest.approx(why.pre_cap, rel=1e-5, abs=1e-6)
+    assert why.to_dict()["query_tokens"] == why.query_tokens
+    with pytest.raises(ValueError, match="encoder-decoder models' cross-attention"):
+        qkv.why(marker_model(), TEXT, "bank", "river", target="x")

@@ -14,7 +14,8 @@ import torch
 
 from qkv.attention import backend_names
 from qkv.inspect.layer_heads import heads_per_layer
-from qkv.inspect.why import stack_why, tolerance_of
+from qkv.inspect.why import cross_why, stack_why
+from qkv.inspect.why_parts import tolerance_of
 from qkv.io.build import with_backend
 from qkv.models.stacks import self_attention_stack
 from qkv.nn.delta import GatedDeltaNet
@@ -96,3 +97,23 @@ def test_every_backend_gives_terms_that_sum_to_its_score():
         assert why.total == pytest.approx(why.pre_cap, rel=1e-5, abs=1e-6), backend
         scores[backend] = why.score
     assert max(scores.values()) - min(scores.values()) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["bart", "marian", "t5"])
+def test_cross_attention_terms_sum_to_the_score(name):
+    """The query's parts are the decoder's (earlier cross-attention heads among them), the
+    key's the encoder's, through its final norm."""
+    torch.manual_seed(0)
+    model = FAMILY[name].model(ROUND_TRIPS[name][0]).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(4.0)
+    source = torch.randint(1, 50, (1, 6), generator=torch.Generator().manual_seed(3))
+    target = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(4))
+    for layer in range(model.config.decoder_layers):
+        why = cross_why(model, source, target, 4, 2, layer=layer, head=3, checks=2)
+        assert why.total == pytest.approx(why.pre_cap, rel=1e-9, abs=1e-9)
+        assert why.parts_k[0] == "enc.embedding" and why.parts_q[0] == "embedding"
+        assert any(p.startswith("enc.L1.") for p in why.parts_k)  # the encoder's last layer
+        assert {c.side for c in why.checks} == {"query", "key"}
+        assert all(c.whole == pytest.approx(c.value, rel=1e-7, abs=1e-9) for c in why.carried)

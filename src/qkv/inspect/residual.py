@@ -101,6 +101,7 @@ class Stream:
     # layer -> (the norm on that layer's attention output alone, the norms on the whole stream
     # after it: attention's post-norm, the MLP's post-norm)
     maps: dict[int, tuple[Frozen | None, list[Frozen]]] = field(default_factory=dict)
+    into: bool = False  # the stream after `layer`'s own self-attention (its cross-attention's)
     _index: dict[str, int] = field(default_factory=dict)
 
     def index(self, name: str) -> int:
@@ -113,7 +114,7 @@ class Stream:
         `positions`), before any norm of that layer, as they arrive here: through the same
         frozen norms the head's output passed."""
         vectors = vectors.double()
-        for m in range(layer, self.layer):
+        for m in range(layer, self.layer + self.into):
             own, after = self.maps[m]
             if m == layer and own is not None:
                 vectors = own.at(n)(vectors)
@@ -192,7 +193,7 @@ def walk(stack: Encoder | Decoder, out, layer: int, positions: list[int], *,
             mlp = states[m + 1][0, where].double() - stream.sum(0)
             stream = torch.cat([stream, mlp[None]])
     actual = stream.sum(0) if into else states[layer][0, where].double()
-    return Stream(layer, list(positions), names, stream, actual, maps)
+    return Stream(layer, list(positions), names, stream, actual, maps, into)
 
 
 def _attention(

@@ -23,133 +23,20 @@ True
 
 from __future__ import annotations
 
-import math
-import re
-from dataclasses import dataclass, field
-from typing import ClassVar
-
 import torch
 from torch import Tensor
 
 from qkv.inspect.records import check_head_outputs
 from qkv.inspect.residual import check_walkable, walk
-from qkv.inspect.score_parts import Side, pieces_of_head, read_self
-from qkv.models import Decoder
+from qkv.inspect.score_parts import read, read_self
+from qkv.inspect.why_parts import Why, Word, carried, check_sum, checks, notes
+from qkv.models import Decoder, EncoderDecoder
 from qkv.models.stacks import self_attention_stack
 from qkv.nn import LatentAttention
 from qkv.nn.delta import GatedDeltaNet
 from qkv.nn.edit import Edit
-from qkv.views import Shown
 
-HEAD = re.compile(r"L(\d+)\.H(\d+)$")
-MLP = re.compile(r"L(\d+)\.mlp$")
-
-
-@dataclass
-class Carried:
-    """A head's part of one side, split over the words that head read (its weights)."""
-
-    side: str  # "query" or "key": whose part
-    part: str  # "L2.H5"
-    value: float  # the part's whole share of the score, against the other side's whole vector
-    words: list[tuple[str, int, float, float]]  # (token, index, the head's weight, share)
-    whole: float  # every word's share summed: `value` again, up to rounding
-
-
-@dataclass
-class Check:
-    """One part removed for real: its output zeroed at its word, the model rerun from its layer."""
-
-    side: str
-    part: str
-    position: int
-    predicted_score: float  # the linear prediction: the score without the part's terms
-    real_score: float
-    predicted_weight: float  # the softmax with only this query's scores changed
-    real_weight: float
-
-
-@dataclass(repr=False)
-class Why(Shown):
-    """The score of one (query word, key word) pair in one head, taken apart."""
-
-    view: ClassVar[str] = "why"
-
-    source: str
-    text: str
-    tokens: list[str]
-    query: str
-    key: str
-    query_index: int
-    key_index: int
-    layer: int
-    head: int
-    kv_head: int
-    chosen: str  # "asked", or why this layer and head
-    score: float  # what the softmax read
-    pre_cap: float  # scale * temperature * q . k: what `terms` sums to
-    softcap: float | None  # score = softcap * tanh(pre_cap / softcap) + bias
-    bias: float | None  # T5's relative-position bias on the pair: a term of its own
-    sink: float | None  # the head's learned sink: one more score in the softmax
-    weight: float  # the pair's weight after the softmax
-    scale: float  # on every dot product (1 / sqrt(D) unless the model says otherwise)
-    temperature: float | None  # the query's temperature (Llama 4, Ministral 3)
-    parts_q: list[str]
-    parts_k: list[str]
-    terms: Tensor  # (len(parts_q), len(parts_k)) float64
-    content: Tensor | None  # (same) each term at distance 0, in a rotary layer; None elsewhere
-    carried: list[Carried] = field(default_factory=list)
-    checks: list[Check] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def total(self) -> float:
-        """Every term summed: the pre-cap score, up to rounding."""
-        return float(self.terms.sum())
-
-    @property
-    def position(self) -> float | None:
-        """What the words' distance adds: the score minus its content (rotary layers)."""
-        return None if self.content is None else self.total - float(self.content.sum())
-
-    def by_part(self, side: str) -> list[tuple[str, float]]:
-        """Each part of one side ("query" or "key") against the whole other side, largest first."""
-        names, sums = ((self.parts_q, self.terms.sum(1)) if side == "query"
-                       else (self.parts_k, self.terms.sum(0)))  # fmt: skip
-        return sorted(zip(names, sums.tolist(), strict=True), key=lambda t: -abs(t[1]))
-
-    def ranked(self, top: int = 10) -> list[tuple[str, str, float]]:
-        """The `top` largest terms: (query part, key part, value), largest in size first."""
-        flat = self.terms.flatten()
-        order = flat.abs().argsort(descending=True)[:top].tolist()
-        K = len(self.parts_k)
-        return [(self.parts_q[i // K], self.parts_k[i % K], float(flat[i])) for i in order]
-
-    def to_dict(self, top: int = 20) -> dict:
-        """JSON-ready; the full grid of terms as nested lists."""
-        share = max(abs(self.total), 1e-12)
-        return {
-            "source": self.source, "text": self.text, "tokens": list(self.tokens),
-            "query": self.query, "key": self.key, "query_index": self.query_index,
-            "key_index": self.key_index, "layer": self.layer, "head": self.head,
-            "kv_head": self.kv_head, "chosen": self.chosen, "score": self.score,
-            "pre_cap": self.pre_cap, "total": self.total, "softcap": self.softcap,
-            "bias": self.bias, "sink": self.sink, "weight": self.weight, "scale": self.scale,
-            "temperature": self.temperature, "parts_q": list(self.parts_q),
-            "parts_k": list(self.parts_k), "terms": self.terms.tolist(),
-            "ranked": [{"query_part": q, "key_part": k, "value": v, "share": v / share}
-                       for q, k, v in self.ranked(top)],
-            "by_query_part": [{"part": p, "value": v} for p, v in self.by_part("query")[:top]],
-            "by_key_part": [{"part": p, "value": v} for p, v in self.by_part("key")[:top]],
-            "content": None if self.content is None else float(self.content.sum()),
-            "position": self.position,
-            "carried": [{"side": c.side, "part": c.part, "value": c.value,
-                         "words": [{"token": t, "index": i, "weight": w, "value": v}
-                                   for t, i, w, v in c.words], "whole": c.whole}
-                        for c in self.carried],
-            "checks": [vars(c) for c in self.checks],
-            "notes": list(self.notes),
-        }  # fmt: skip
+__all__ = ["Why", "cross_why", "stack_why", "why"]
 
 
 def why(
@@ -161,13 +48,12 @@ def why(
     layer, head: counted from 0; by default the pair where the query word attends to the key
     word most (as `qkv.trace`). Words are as `Encoded.find` takes them: "bank", or "bank#2"
     (the first token of each word stands for it). checks: how many top parts of each side to
-    remove for real (0: none). target: encoder-decoder cross-attention is not taken apart yet,
-    and is refused by name.
+    remove for real (0: none). Encoder-decoder models take cross-attention apart with a
+    `target`: the key word is in `text` (the source, read by the encoder), the query word in
+    `target` (read by the decoder), as `qkv.trace` reads them.
     """
     if target is not None:
-        raise ValueError("qkv.why takes self-attention apart; an encoder-decoder's "
-                         "cross-attention (target=) is not split yet: leave target out for its "
-                         "encoder's self-attention")  # fmt: skip
+        return _cross(pretrained, text, target, query, key, layer, head, checks)
     stack = self_attention_stack(pretrained.model, "qkv.why", pretrained.source)
     encoded = pretrained.encode(text)
     query_index, key_index = encoded.find(query)[0], encoded.find(key)[0]
@@ -189,16 +75,13 @@ def stack_why(
         return _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, source)
 
 
-def _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, source) -> Why:
+def _stack_why(stack, ids, query_index, key_index, layer, head, top, spell, source) -> Why:
     check_walkable(stack, source, "qkv.why")
     T = ids.shape[1]
-    for name, index in (("query", query_index), ("key", key_index)):
-        if not 0 <= index < T:
-            raise ValueError(f"the {name} position {index} is outside the text's {T} tokens")
+    _check_position("query", query_index, T)
+    _check_position("key", key_index, T)
     spell = spell if spell is not None else [str(i) for i in ids[0].tolist()]
-    L = stack.config.num_layers
-    if layer is not None and (type(layer) is not int or not 0 <= layer < L):
-        raise ValueError(f"layer {layer!r} is out of range: {source} has layers 0..{L - 1}")
+    _check_layer_index(layer, stack.config.num_layers, source)
     if layer is None:
         out = stack(ids, layers="all", hidden_states=True)
     else:  # the layers after the one asked are not needed
@@ -209,8 +92,7 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, s
         chosen = "where the query word attends most to the key word"
     _check_layer(stack, layer, source)
     H = stack.blocks[layer].attn.num_heads
-    if type(head) is not int or not 0 <= head < H:
-        raise ValueError(f"head {head!r} is out of range: layer {layer} has heads 0..{H - 1}")
+    _check_head(head, H, layer)
     check_head_outputs({m: out.records[m] for m in range(layer + 1)}, "qkv.why")
     record = out.records[layer]
     steps = record.steps(head, query_index)
@@ -241,13 +123,40 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, checks, spell, s
         weight=float(pair.normalized_weight), scale=record.scale, temperature=temperature,
         parts_q=list(stream.names), parts_k=list(stream.names), terms=terms, content=content,
     )  # fmt: skip
-    _check_sum(found, record, stack.blocks[layer].attn.qk_norm == "l2")
-    found.notes += _notes(found, stack)
-    found.carried = _carried(stack, out, stream, q, k, factor, spell, found)
-    if checks:
+    check_sum(found, record, stack.blocks[layer].attn.qk_norm == "l2")
+    found.notes += notes(found)
+    words = (Word(stack, out, stream, 0, query_index, spell),
+             Word(stack, out, stream, 1, key_index, spell))  # fmt: skip
+    found.carried = carried(found, words, (q, k), factor)
+    if top:
+        # a decoder's words after the pair change nothing of it: the reruns leave them out
+        end = max(query_index, key_index) + 1 if isinstance(stack, Decoder) else T
+
+        def rerun(side: str, m: int, h: int | None, position: int):
+            edit = _zeroed(out.records[m].shape.H, end, h, position)
+            again = stack(ids[:, :end], layers=[layer], edits={m: edit},
+                          resume=(m, out.hidden_states[m][:, :end]), stop=layer + 1)  # fmt: skip
+            return again.records[layer]
+
         k_at_query = read_self(stack, layer, stream, 0, "key", head, T)
-        found.checks = _checks(stack, out, ids, found, (q, k, k_at_query), steps, factor, checks)
+        keys = record.k[0, found.kv_head, :end].double()
+        found.checks = checks(found, words, (q, k, k_at_query), keys, steps, factor, top, rerun)
     return found
+
+
+def _check_position(name: str, index: int, T: int) -> None:
+    if type(index) is not int or not 0 <= index < T:
+        raise ValueError(f"the {name} position {index} is outside the text's {T} tokens")
+
+
+def _check_layer_index(layer: int | None, L: int, source: str) -> None:
+    if layer is not None and (type(layer) is not int or not 0 <= layer < L):
+        raise ValueError(f"layer {layer!r} is out of range: {source} has layers 0..{L - 1}")
+
+
+def _check_head(head: int, H: int, layer: int) -> None:
+    if type(head) is not int or not 0 <= head < H:
+        raise ValueError(f"head {head!r} is out of range: layer {layer} has heads 0..{H - 1}")
 
 
 def _check_layer(stack, layer: int, source: str) -> None:
@@ -282,156 +191,121 @@ def _best(stack, out, query_index, key_index, layer, head) -> tuple[int, int]:
     return best[1], best[2]
 
 
-def tolerance_of(dtype: torch.dtype, l2: bool = False) -> float:
-    """How near the terms' sum must be to the layer's score, relative: 1e-9 in float64 (1e-5
-    where the layer has Llama 4's L2 norm, which the model computes in float32 whatever its
-    dtype, as transformers does), 1e-5 in float32, 1e-2 in 16-bit floats."""
-    if dtype in (torch.float16, torch.bfloat16):
-        return 1e-2
-    return 1e-9 if dtype == torch.float64 and not l2 else 1e-5
+def _zeroed(H: int, T: int, head: int | None, position: int) -> Edit:
+    """An Edit that zeroes one head's output (or, head None, the MLP's) at one position."""
+    if head is None:
+        return Edit(mlp=torch.arange(T)[None] == position)
+    heads = torch.zeros(1, H, T, 1, dtype=torch.bool)
+    heads[0, head, position] = True
+    return Edit(heads=heads)
 
 
-def _check_sum(found: Why, record, l2: bool) -> None:
-    """The terms must sum to the score the layer computed (within `tolerance_of`), else the
-    decomposition has missed a part: refuse."""
-    tolerance = tolerance_of(record.q.dtype, l2)
-    gap = abs(found.total - found.pre_cap)
-    if gap > tolerance * max(1.0, abs(found.pre_cap)):
-        raise ValueError(f"the terms sum to {found.total:.9g}, the layer's score before any cap "
-                         f"was {found.pre_cap:.9g}: the parts miss {gap:.3g}, which qkv does not "
-                         "hide; please report the model")  # fmt: skip
+def _cross(pretrained, text, target, query, key, layer, head, top) -> Why:
+    model = pretrained.model
+    if not isinstance(model, EncoderDecoder):
+        raise ValueError(f"a target text is for encoder-decoder models' cross-attention; "
+                         f"{pretrained.source} is not one")  # fmt: skip
+    encoded = pretrained.encode(text)
+    targets, query_tokens, queries = pretrained.decoder_input(target)
+    query_index = 1 + queries.find(query)[0]  # the decoder reads its start token first
+    key_index = encoded.find(key)[0]
+    found = cross_why(model, torch.tensor([encoded.ids]), targets, query_index, key_index,
+                      layer=layer, head=head, checks=top, spell=list(encoded.tokens),
+                      query_spell=list(query_tokens), source=pretrained.source)  # fmt: skip
+    found.text, found.query, found.key = text, query, key
+    return found
 
 
-def _notes(found: Why, stack) -> list[str]:
-    notes = [
-        "every norm's scale is held at its value in this forward pass (one number per word):"
-        " the terms are exact for this text, and removing a part changes that scale too"
-    ]
-    if found.softcap is not None:
-        notes.append(
-            f"the layer caps its scores: score = {found.softcap:g} * tanh(pre-cap / "
-            f"{found.softcap:g}); the terms split the pre-cap score"
-        )
-    if found.bias is not None:
-        notes.append(
-            f"T5's relative-position bias adds {found.bias:.4g} to the score, a term of its own"
-        )
-    if found.sink is not None:
-        notes.append(
-            f"the head's sink is one more score ({found.sink:.4g}) in the softmax: it "
-            "takes part of the weight and no value"
-        )
-    if found.temperature is not None:
-        notes.append(f"the query's temperature {found.temperature:.4g} multiplies every term")
-    if found.content is not None:
-        notes.append(
-            "content is each term with both words turned as if at the same position "
-            "(distance 0); position is the rest"
-        )
-    return notes  # fmt: skip
+def cross_why(
+    model: EncoderDecoder, source_ids: Tensor, target_ids: Tensor, query_index: int,
+    key_index: int, *, layer: int | None = None, head: int | None = None, checks: int = 3,
+    spell: list[str] | None = None, query_spell: list[str] | None = None,
+    source: str = "the model",
+) -> Why:  # fmt: skip
+    """`why` of an encoder-decoder's cross-attention: the query at token `query_index` of
+    target_ids (1, Tt), read by the decoder, the key at `key_index` of source_ids (1, S). The
+    query's parts are the decoder's (its earlier cross-attention heads "L2.cross.H3" among
+    them), the key's the encoder's ("enc.L4.H1"), carried through its final norm."""
+    with torch.inference_mode():
+        return _cross_why(model, source_ids, target_ids, query_index, key_index, layer, head,
+                          checks, spell, query_spell, source)  # fmt: skip
 
 
-def _carried(stack, out, stream, q: Side, k: Side, factor, spell, found: Why, top=2, words=5):
-    """The top head parts of each side, split over the words each head read."""
-    carried = []
-    for side, mine, other, n, position in (
-        ("query", q, k, 0, found.query_index),
-        ("key", k, q, 1, found.key_index),
-    ):
-        split_here = 0
-        for part, value in found.by_part(side):
-            if split_here == top:
-                break
-            match = HEAD.match(part)
-            if match is None:
-                continue
-            m, h = int(match[1]), int(match[2])
-            split = pieces_of_head(stack, out, m, h, position)
-            if split is None:
-                continue
-            split_here += 1
-            weights, pieces = split
-            shares = factor * mine.linear(stream.carry(pieces, m, n)) @ other.total
-            order = [j for j in shares.abs().argsort(descending=True).tolist() if weights[j] > 0]
-            order = order[:words]  # the words the head read, by their share
-            carried.append(Carried(side, part, value, [
-                (spell[j], j, float(weights[j]), float(shares[j])) for j in order],
-                float(shares.sum())))  # fmt: skip
-    return carried
+def _cross_why(model, src, tgt, query_index, key_index, layer, head, top, spell, query_spell,
+               source) -> Why:  # fmt: skip
+    encoder, decoder = model.encoder, model.decoder
+    check_walkable(encoder, source, "qkv.why")
+    check_walkable(decoder, source, "qkv.why")
+    S, T = src.shape[1], tgt.shape[1]
+    _check_position("query", query_index, T)
+    _check_position("key", key_index, S)
+    spell = spell if spell is not None else [str(i) for i in src[0].tolist()]
+    query_spell = query_spell if query_spell is not None else [str(i) for i in tgt[0].tolist()]
+    L = decoder.config.num_layers
+    _check_layer_index(layer, L, source)
+    enc = encoder(src, layers="all", hidden_states=True)
+    dec = decoder(tgt, context=enc.hidden, layers="all", cross_layers="all", hidden_states=True,
+                  logits=False)  # fmt: skip
+    chosen = "asked"
+    if layer is None or head is None:
+        layer, head = _best_cross(dec, query_index, key_index, layer, head)
+        chosen = "where the query word attends most to the key word"
+    block = decoder.blocks[layer]
+    _check_head(head, block.cross_attn.num_heads, layer)
+    check_head_outputs(dict(enumerate(enc.records.values())), "qkv.why")
+    record = dec.cross_records[layer]
+    steps = record.steps(head, query_index)
+    pair = steps.pairs[key_index]
+    q_stream = walk(decoder, dec, layer, [query_index], into=True)
+    k_stream = walk(encoder, enc, encoder.config.num_layers, [key_index])
+    norm = block.cross_norm if block.position == "pre" else None
+    q = read(block.cross_attn, norm, None, q_stream, 0, "query", head, layer)
+    k = read(block.cross_attn, encoder.norm, None, k_stream, 0, "key", head, layer)
+    factor = record.scale
+    found = Why(
+        source=source, text="", tokens=spell, query="", key="", query_index=query_index,
+        key_index=key_index, layer=layer, head=head, kv_head=head // record.shape.group,
+        chosen=chosen, score=float(pair.score), pre_cap=float(pair.scaled_scalar),
+        softcap=record.softcap, bias=None, sink=None, weight=float(pair.normalized_weight),
+        scale=record.scale, temperature=None, parts_q=list(q_stream.names),
+        parts_k=[f"enc.{name}" for name in k_stream.names],
+        terms=factor * q.vectors @ k.vectors.T, content=None, query_tokens=query_spell,
+    )  # fmt: skip
+    check_sum(found, record, False)
+    found.notes += notes(found)
+    found.notes.append(
+        "cross-attention: the query's parts are the decoder's, up to this layer's own "
+        "self-attention; the key's are the encoder's (enc.), through its final norm"
+    )
+    words = (Word(decoder, dec, q_stream, 0, query_index, query_spell),
+             Word(encoder, enc, k_stream, 0, key_index, spell, "enc."))  # fmt: skip
+    found.carried = carried(found, words, (q, k), factor)
+    if top:
 
-
-def _checks(stack, out, ids, found: Why, sides, steps, factor, top) -> list[Check]:
-    """Each of the top removable parts of each side zeroed at its word, the model rerun.
-
-    sides: the query at the query word, the key at the key word and the key at the query word
-    (a word is a key of its own query too). The prediction holds everything but the part: the
-    query's scores where the part's vectors leave the query and the keys at its word."""
-    q, k, k_at_query = sides
-    made = []
-    T = ids.shape[1]
-    # a decoder's words after the pair change nothing of it: the reruns leave them out
-    end = max(found.query_index, found.key_index) + 1 if isinstance(stack, Decoder) else T
-    keys = out.records[found.layer].k[0, found.kv_head, :end].double()  # (end, D)
-    for side, position in (("query", found.query_index), ("key", found.key_index)):
-        taken = 0
-        for part, _ in found.by_part(side):
-            if taken == top:
-                break
-            head, mlp = HEAD.match(part), MLP.match(part)
-            if head is None and mlp is None:
-                continue  # the embedding and the biases are not removed
-            taken += 1
-            m = int((head or mlp)[1])
-            at = torch.zeros(1, end, dtype=torch.bool)
-            at[0, position] = True
-            if head is not None:
-                heads = torch.zeros(1, out.records[m].shape.H, end, 1, dtype=torch.bool)
-                heads[0, int(head[2]), position] = True
-                edit = Edit(heads=heads)
+        def rerun(side: str, m: int, h: int | None, position: int):
+            if side == "query":
+                edit = _zeroed(dec.records[m].shape.H, T, h, position)
+                context, first, edits = enc.hidden, (m, dec.hidden_states[m]), {m: edit}
             else:
-                edit = Edit(mlp=at)
-            rerun = stack(
-                ids[:, :end],
-                layers=[found.layer],
-                edits={m: edit},
-                resume=(m, out.hidden_states[m][:, :end]),
-                stop=found.layer + 1,
-            )
-            real = rerun.records[found.layer].steps(found.head, found.query_index)
-            pair = real.pairs[found.key_index]
-            # the linear prediction: the part's vectors taken out where it was removed
-            i = found.parts_q.index(part)
-            query, changed = q.total, keys.clone()
-            if position == found.query_index:
-                query = query - q.vectors[i]
-                changed[position] -= k_at_query.vectors[i]
-            else:
-                changed[position] -= k.vectors[i]
-            change = factor * (changed @ query - keys @ q.total)  # (end,) pre-cap
-            score, weight = _predicted(steps, found, change)
-            made.append(Check(side, part, position, score, float(pair.score), weight,
-                              float(pair.normalized_weight)))  # fmt: skip
-    return made
+                edit = _zeroed(enc.records[m].shape.H, S, h, position)
+                context = encoder(src, edits={m: edit}, resume=(m, enc.hidden_states[m])).hidden
+                first, edits = None, None
+            return decoder(tgt, context=context, cross_layers=[layer], edits=edits, resume=first,
+                           stop=layer + 1, logits=False).cross_records[layer]  # fmt: skip
+
+        keys = record.k[0, found.kv_head].double()
+        found.checks = checks(found, words, (q, k, None), keys, steps, factor, top, rerun)
+    return found
 
 
-def _predicted(steps, found: Why, change: Tensor) -> tuple[float, float]:
-    """The pair's score and weight when this query's pre-cap scores change by `change` (T,)."""
-    temperature = 1.0 if found.temperature is None else found.temperature
-    scores, allowed = [], []
-    for j, pair in enumerate(steps.pairs):
-        s = float(pair.scaled_scalar) * temperature + (float(change[j]) if j < len(change) else 0.0)
-        if found.softcap is not None:
-            s = found.softcap * math.tanh(s / found.softcap)
-        s += float(pair.score) - _capped(float(pair.scaled_scalar) * temperature, found.softcap)
-        scores.append(s)
-        allowed.append(pair.allowed)
-    row = torch.tensor(scores, dtype=torch.float64)
-    row = row.masked_fill(~torch.tensor(allowed), float("-inf"))
-    if found.sink is not None:
-        row = torch.cat([row, torch.tensor([found.sink], dtype=torch.float64)])
-    weights = row.softmax(0)
-    return float(row[found.key_index]), float(weights[found.key_index])
-
-
-def _capped(s: float, cap: float | None) -> float:
-    return s if cap is None else cap * math.tanh(s / cap)
+def _best_cross(dec, query_index, key_index, layer, head) -> tuple[int, int]:
+    best = None
+    for m, record in sorted(dec.cross_records.items()):
+        if layer is not None and m != layer:
+            continue
+        heads = list(range(record.shape.H)) if head is None else [head]
+        row = record.weights(heads)[0, :, query_index, key_index]
+        n = int(row.argmax())
+        if best is None or row[n] > best[0]:
+            best = (float(row[n]), m, heads[n])
+    return best[1], best[2]
