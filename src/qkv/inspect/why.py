@@ -29,14 +29,14 @@ from torch import Tensor
 from qkv.inspect.records import check_head_outputs
 from qkv.inspect.residual import check_walkable, walk
 from qkv.inspect.score_parts import read, read_self
-from qkv.inspect.why_parts import Why, Word, carried, check_sum, checks, notes
+from qkv.inspect.why_parts import Carried, Check, Why, Word, carried, check_sum, checks, notes
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.stacks import self_attention_stack
 from qkv.nn import LatentAttention
 from qkv.nn.delta import GatedDeltaNet
 from qkv.nn.edit import Edit
 
-__all__ = ["Why", "cross_why", "stack_why", "why"]
+__all__ = ["Carried", "Check", "Why", "cross_why", "stack_why", "why"]
 
 
 def why(
