@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.inspect.residual import Frozen, Stream, freeze
+from qkv.nn import LatentAttention
 from qkv.nn.position import Rotation
 
 Stage = tuple[str, Callable[[Tensor], Tensor], Tensor | None]  # (name, linear map, shift)
@@ -54,9 +55,6 @@ def read(
     cross-attention's keys), or None; rotation: the layer's rotation of every position, or
     None where it turns nothing."""
     position = stream.positions[n]
-    D = attn.head_dim
-    g = head if role == "query" else head // (attn.num_heads // attn.num_kv_heads)
-    W, b = _projection(attn, role, layer)
     stages: list[Stage] = []
     total = stream.actual[n]  # (C,) the model's own stream at the word
 
@@ -65,19 +63,20 @@ def read(
         stages.append((name, fn, shift))
         total = fn(total) if shift is None else fn(total) + shift
 
+    def current() -> Tensor:
+        return total
+
     add_norm(add, freeze(norm, total, f"layer {layer}'s attention norm"), "norm")
-    add("projection", lambda v: v @ W.T, b)
-    qk_norm = getattr(attn, "q_norm" if role == "query" else "k_norm", None)
-    if attn.qk_norm == "full":  # OLMo 2: over every head at once
-        add_norm(add, freeze(qk_norm, total, f"layer {layer}'s QK-norm"), "qk-norm")
-    add("head", lambda v: v[..., g * D : (g + 1) * D], None)
-    if attn.qk_norm == "head":  # Qwen3, Gemma 3: over each head alone
-        add_norm(add, freeze(qk_norm, total, f"layer {layer}'s QK-norm"), "qk-norm")
+    start = 0  # where the turned dimensions of the head's vector begin
+    if isinstance(attn, LatentAttention):
+        start = _latent(attn, role, head, layer, add, current)
+    else:
+        _multi_head(attn, role, head, layer, add, current)
     plain_turn = None
     if rotation is not None:
-        add("rotation", _turn(rotation, position), None)
-        plain_turn = _turn(rotation, 0)
-    if attn.qk_norm == "l2":  # Llama 4: no weight, after the rotation
+        add("rotation", _turn(rotation, position, start), None)
+        plain_turn = _turn(rotation, 0, start)
+    if getattr(attn, "qk_norm", None) == "l2":  # Llama 4: no weight, after the rotation
         scale = torch.rsqrt(total.pow(2).mean(-1) + attn.norm_eps)
         add("l2-norm", Frozen(scale, None, False, None), None)
     vectors = _run(stages, stream.vectors[:, n], stream.index("bias"))
@@ -86,6 +85,62 @@ def read(
         swapped = [(s[0], plain_turn, s[2]) if s[0] == "rotation" else s for s in stages]
         plain = _run(swapped, stream.vectors[:, n], stream.index("bias"))
     return Side(role, vectors, plain, total, stages)
+
+
+def _multi_head(attn, role: str, head: int, layer: int, add, current) -> None:
+    """MultiHeadAttention's stages: its matrix, a QK-norm over all heads or one, the head
+    (a query head's key head where heads share keys)."""
+    D = attn.head_dim
+    g = head if role == "query" else head // (attn.num_heads // attn.num_kv_heads)
+    W, b = _projection(attn, role, layer)
+    add("projection", lambda v: v @ W.T, b)
+    qk_norm = getattr(attn, "q_norm" if role == "query" else "k_norm", None)
+    if attn.qk_norm == "full":  # OLMo 2: over every head at once
+        add_norm(add, freeze(qk_norm, current(), f"layer {layer}'s QK-norm"), "qk-norm")
+    add("head", lambda v: v[..., g * D : (g + 1) * D], None)
+    if attn.qk_norm == "head":  # Qwen3, Gemma 3: over each head alone
+        add_norm(add, freeze(qk_norm, current(), f"layer {layer}'s QK-norm"), "qk-norm")
+
+
+def _latent(attn, role: str, head: int, layer: int, add, current) -> int:
+    """Latent attention's stages (DeepSeek-V3): a query from x (or through a low-rank step and
+    its norm); a key [k_nope, k_pe] from kv_a's [c, k_pe], c normed and expanded by the head's
+    W_uk. Returns where the rotary part begins (qk_nope_head_dim)."""
+    cfg = attn.config
+    nope, rope, R = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+    _packed(attn, layer)
+    if role == "query":
+        if cfg.q_lora_rank is None:
+            add("projection", _matrix(attn.q.weight), _bias(attn.q))
+        else:
+            add("low rank", _matrix(attn.q_a.weight), _bias(attn.q_a))
+            add_norm(add, freeze(attn.q_a_norm, current(), f"layer {layer}'s q_a norm"), "norm")
+            add("projection", _matrix(attn.q_b.weight), _bias(attn.q_b))
+        size = nope + rope
+        add("head", lambda v: v[..., head * size : (head + 1) * size], None)
+        return nope
+    add("compression", _matrix(attn.kv_a.weight), _bias(attn.kv_a))
+    frozen = freeze(attn.kv_a_norm, current()[..., :R], f"layer {layer}'s kv_a norm")
+    add("latent norm", lambda v: torch.cat([frozen(v[..., :R]), v[..., R:]], -1), None)
+    W_uk = attn.kv_b.weight.double().view(cfg.num_heads, nope + cfg.v_head_dim, R)[head, :nope]
+    add("head", lambda v: torch.cat([v[..., :R] @ W_uk.T, v[..., R:]], -1), None)
+    return nope
+
+
+def _matrix(weight: Tensor) -> Callable[[Tensor], Tensor]:
+    W = weight.double()
+    return lambda v: v @ W.T
+
+
+def _bias(linear: nn.Linear) -> Tensor | None:
+    return None if linear.bias is None else linear.bias.double()
+
+
+def _packed(attn, layer: int) -> None:
+    matrices = [getattr(attn, name, None) for name in ("q", "q_a", "q_b", "kv_a", "kv_b")]
+    if any(m is not None and type(m) is not nn.Linear for m in matrices):
+        raise ValueError(f"taking a score apart reads the query and key matrices; layer {layer}'s "
+                         "are packed (int4): load the model without int4")  # fmt: skip
 
 
 def read_self(stack, layer: int, stream: Stream, n: int, role: str, head: int, T: int) -> Side:
@@ -134,9 +189,13 @@ def _rotation(stack, layer: int, T: int) -> Rotation | None:
     return stack.rotary.rotation_for(made, layer)
 
 
-def _turn(rotation: Rotation, position: int) -> Callable[[Tensor], Tensor]:
+def _turn(rotation: Rotation, position: int, start: int = 0) -> Callable[[Tensor], Tensor]:
+    """The rotation of one position, applied to a head's vectors from dimension `start` on (a
+    latent head turns its rotary part, after the unturned one)."""
     one = Rotation(rotation.cos[position].double(), rotation.sin[position].double())
-    return one.apply
+    if not start:
+        return one.apply
+    return lambda v: torch.cat([v[..., :start], one.apply(v[..., start:])], -1)
 
 
 def pieces_of_head(stack, out, m: int, h: int, position: int) -> tuple[Tensor, Tensor] | None:

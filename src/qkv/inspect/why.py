@@ -32,7 +32,6 @@ from qkv.inspect.score_parts import read, read_self
 from qkv.inspect.why_parts import Carried, Check, Why, Word, carried, check_sum, checks, notes
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.stacks import self_attention_stack
-from qkv.nn import LatentAttention
 from qkv.nn.delta import GatedDeltaNet
 from qkv.nn.edit import Edit
 
@@ -123,7 +122,7 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, top, spell, sour
         weight=float(pair.normalized_weight), scale=record.scale, temperature=temperature,
         parts_q=list(stream.names), parts_k=list(stream.names), terms=terms, content=content,
     )  # fmt: skip
-    check_sum(found, record, stack.blocks[layer].attn.qk_norm == "l2")
+    check_sum(found, record, getattr(stack.blocks[layer].attn, "qk_norm", None) == "l2")
     found.notes += notes(found)
     words = (Word(stack, out, stream, 0, query_index, spell),
              Word(stack, out, stream, 1, key_index, spell))  # fmt: skip
@@ -164,10 +163,6 @@ def _check_layer(stack, layer: int, source: str) -> None:
     if isinstance(attn, GatedDeltaNet):
         raise ValueError(f"layer {layer} of {source} is linear attention (a running memory): it "
                          "computes no score between two words to take apart")  # fmt: skip
-    if isinstance(attn, LatentAttention):
-        raise ValueError(f"layer {layer} of {source} is latent attention (keys and values made "
-                         "from one compressed vector per word); qkv.why does not split its "
-                         "scores yet")  # fmt: skip
 
 
 def _best(stack, out, query_index, key_index, layer, head) -> tuple[int, int]:
@@ -177,7 +172,7 @@ def _best(stack, out, query_index, key_index, layer, head) -> tuple[int, int]:
     layers = range(stack.config.num_layers) if layer is None else [layer]
     for m in layers:
         attn = stack.blocks[m].attn
-        if isinstance(attn, GatedDeltaNet | LatentAttention):
+        if isinstance(attn, GatedDeltaNet):
             continue
         heads = list(range(attn.num_heads)) if head is None else [head]
         if head is not None and head >= attn.num_heads:
