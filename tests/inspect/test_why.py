@@ -196,3 +196,17 @@ def test_an_encoder_decoders_cross_attention_through_qkv_why(tmp_path):
     assert why.to_dict()["query_tokens"] == why.query_tokens
     with pytest.raises(ValueError, match="encoder-decoder models' cross-attention"):
         qkv.why(marker_model(), TEXT, "bank", "river", target="x")
+
+
+def test_carried_words_are_the_same_in_blocks_of_two(monkeypatch):
+    from qkv.inspect import why_parts
+
+    whole = qkv.why(marker_model(norm="pre", mlp=True, noise=0.3), TEXT, "bank", "river",
+                    layer=1, head=0, checks=0)  # fmt: skip
+    monkeypatch.setattr(why_parts, "CARRIED_BLOCK", 2)
+    blocks = qkv.why(marker_model(norm="pre", mlp=True, noise=0.3), TEXT, "bank", "river",
+                     layer=1, head=0, checks=0)  # fmt: skip
+    for mine, theirs in zip(blocks.carried, whole.carried, strict=True):
+        assert [w[:3] for w in mine.words] == [w[:3] for w in theirs.words]
+        assert [w[3] for w in mine.words] == pytest.approx([w[3] for w in theirs.words])
+    assert len(whole.carried) == 4 and all(len(c.words) >= 2 for c in whole.carried)

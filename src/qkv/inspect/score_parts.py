@@ -198,20 +198,23 @@ def _turn(rotation: Rotation, position: int, start: int = 0) -> Callable[[Tensor
     return lambda v: torch.cat([v[..., :start], one.apply(v[..., start:])], -1)
 
 
-def pieces_of_head(stack, out, m: int, h: int, position: int) -> tuple[Tensor, Tensor] | None:
+def pieces_of_head(
+    stack, out, m: int, h: int, position: int
+) -> tuple[Tensor, Tensor, Tensor] | None:
     """What head h of layer m wrote at `position`, split over the words it read: (weights (T,),
-    pieces (T, C) float64: weight * value * output gate through the head's slice of W_o, which
-    sum to the head's output there), or None where the head's output is not such a sum (a
-    linear layer's memory, compressed entries)."""
+    written (T, Dv): weight * value * output gate, W_o (C, Dv): the head's slice of the output
+    matrix; written @ W_o.T sums over the words to the head's output there), or None where the
+    head's output is not such a sum (a linear layer's memory, compressed entries). The weights
+    are the query's row by the `loop` backend: never the layer's whole (T, T)."""
     record = out.records[m]
     if record.linear is not None or getattr(record, "compressed", None) is not None:
         return None
     s = record.shape
-    weights = record.weights([h])[0, 0, position].double()  # (Tk,)
+    weights = record.steps(h, position).weights.double()  # (Tk,)
     values = record.v[0, h // s.group].double()  # (Tk, Dv)
     written = weights[:, None] * values
     if record.output_gate is not None:
         written = written * record.output_gate[0, h, position].double()
     Dv = values.shape[-1]
     W_o = stack.blocks[m].attn.out.weight.double()[:, h * Dv : (h + 1) * Dv]  # (C, Dv)
-    return weights, written @ W_o.T
+    return weights, written, W_o

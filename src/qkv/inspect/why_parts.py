@@ -204,6 +204,9 @@ class Word:
         return None if match is None else int(match[1])
 
 
+CARRIED_BLOCK = 512  # words carried to the score at once
+
+
 def carried(found: Why, words: tuple[Word, Word], sides: tuple[Side, Side], factor: float,
             top: int = 2, shown: int = 5) -> list[Carried]:  # fmt: skip
     """The top head parts of each side, split over the words each head read."""
@@ -220,9 +223,10 @@ def carried(found: Why, words: tuple[Word, Word], sides: tuple[Side, Side], fact
             if pieces is None:
                 continue
             split += 1
-            weights, written = pieces
-            arrived = word.stream.carry(written, head[0], word.n)
-            shares = factor * mine.linear(arrived) @ other.total  # (Tk,)
+            weights, written, W_o = pieces
+            shares = torch.cat([  # in blocks of words: a long text's (Tk, C) is never held
+                factor * mine.linear(word.stream.carry(block @ W_o.T, head[0], word.n))
+                @ other.total for block in written.split(CARRIED_BLOCK)])  # fmt: skip
             order = [j for j in shares.abs().argsort(descending=True).tolist() if weights[j] > 0]
             listed = [(word.spell[j], j, float(weights[j]), float(shares[j]))
                       for j in order[:shown]]  # fmt: skip
