@@ -164,7 +164,7 @@ def test_minilm_bank_and_river_in_float32():
     assert why.score == pytest.approx(float(seen.pairs[why.key_index].score), rel=1e-6)
     assert why.total == pytest.approx(why.pre_cap, rel=1e-5)
     assert why.content is None  # learned positions: nothing turns
-    assert set(why.parts_q) >= {"embedding", "bias", "L0.H0", "L2.H11", "L2.mlp"}
+    assert set(why.parts_q) >= {"embedding", "position", "segment", "bias", "L0.H0", "L2.mlp"}
     assert all(c.whole == pytest.approx(c.value, rel=1e-4, abs=1e-6) for c in why.carried)
 
 

@@ -22,8 +22,10 @@ import torch
 from torch import Tensor, nn
 
 from qkv.models import Decoder, Encoder
+from qkv.models.encoder import padded_positions
 from qkv.nn import RMSNorm
 from qkv.nn.delta import GatedDeltaNet
+from qkv.nn.position import positions_for
 
 
 @dataclass(frozen=True)
@@ -144,16 +146,19 @@ def check_walkable(stack: Encoder | Decoder, source: str, what: str) -> None:
 
 
 def walk(stack: Encoder | Decoder, out, layer: int, positions: list[int], *,
-         into: bool = False) -> Stream:  # fmt: skip
+         into: bool = False, ids: Tensor | None = None) -> Stream:  # fmt: skip
     """The stream entering `layer` at `positions`, taken apart, from `out`: the stack's
     forward with every earlier layer's record (and cross-attention record, in a decoder that
     has cross-attention) and hidden_states=True. into: the stream `layer`'s cross-attention
-    reads instead, after the layer's own self-attention."""
+    reads instead, after the layer's own self-attention. ids (1, T): the forward's tokens,
+    to split the embedding into the token's ("embedding"), the learned or sinusoidal
+    position's ("position") and the segment's ("segment"); without them it is one part."""
     states = out.hidden_states
     where = torch.tensor(positions)
     x0 = states[0][0, where].double()  # (N, C)
-    names = ["embedding", "bias"]
-    stream = torch.stack([x0, torch.zeros_like(x0)])  # (P, N, C)
+    names, stream = ["embedding", "bias"], torch.stack([x0, torch.zeros_like(x0)])  # (P, N, C)
+    if ids is not None and (stack.embed.positions is not None or stack.embed.types is not None):
+        names, stream = _embedding_parts(stack, ids, where)
     maps: dict[int, tuple[Frozen | None, list[Frozen]]] = {}
     for m in range(layer + 1 if into else layer):
         block = stack.blocks[m]
@@ -194,6 +199,31 @@ def walk(stack: Encoder | Decoder, out, layer: int, positions: list[int], *,
             stream = torch.cat([stream, mlp[None]])
     actual = stream.sum(0) if into else states[layer][0, where].double()
     return Stream(layer, list(positions), names, stream, actual, maps, into)
+
+
+def _embedding_parts(stack, ids: Tensor, where: Tensor) -> tuple[list[str], Tensor]:
+    """The embedding at the words `where` as parts: the token's (times the model's scale), the
+    position's and the segment's (segment 0, as the forward without token types), through the
+    embedding's norm held (its shift joins "bias")."""
+    embed, T = stack.embed, ids.shape[1]
+    scale = embed.scale
+    if embed.round_scale:  # as Embeddings.forward: the scale in the weights' dtype first
+        scale = float(torch.tensor(scale, dtype=torch.float32).to(embed.tokens.weight.dtype))
+    names = ["embedding", "bias"]
+    tokens = embed.tokens.weight[ids[0, where]].double() * scale  # (N, C)
+    parts = [tokens, torch.zeros_like(tokens)]
+    if embed.positions is not None:
+        padding = getattr(stack.config, "position_padding", None)
+        at = positions_for(T, device=ids.device) if padding is None else (
+            padded_positions(ids, padding)[0])  # fmt: skip
+        names.append("position")
+        parts.append(embed.positions(at[where]).double())
+    if embed.types is not None:
+        names.append("segment")
+        parts.append(embed.types.weight[0].double().expand_as(tokens))
+    stream = torch.stack(parts)
+    frozen = freeze(embed.norm, stream.sum(0), "the embeddings' norm")
+    return names, _through(frozen, stream)
 
 
 def _attention(

@@ -100,7 +100,7 @@ def _stack_why(stack, ids, query_index, key_index, layer, head, top, spell, sour
         raise ValueError(f"the query word (token {query_index}) does not see the key word (token "
                          f"{key_index}) in layer {layer}: the layer's mask hides it, so no score "
                          "of the pair reaches the softmax")  # fmt: skip
-    stream = walk(stack, out, layer, [query_index, key_index])
+    stream = walk(stack, out, layer, [query_index, key_index], ids=ids)
     q = read_self(stack, layer, stream, 0, "query", head, T)
     k = read_self(stack, layer, stream, 1, "key", head, T)
     temperature = None
@@ -251,8 +251,8 @@ def _cross_why(model, src, tgt, query_index, key_index, layer, head, top, spell,
     record = dec.cross_records[layer]
     steps = record.steps(head, query_index)
     pair = steps.pairs[key_index]
-    q_stream = walk(decoder, dec, layer, [query_index], into=True)
-    k_stream = walk(encoder, enc, encoder.config.num_layers, [key_index])
+    q_stream = walk(decoder, dec, layer, [query_index], into=True, ids=tgt)
+    k_stream = walk(encoder, enc, encoder.config.num_layers, [key_index], ids=src)
     norm = block.cross_norm if block.position == "pre" else None
     q = read(block.cross_attn, norm, None, q_stream, 0, "query", head, layer)
     k = read(block.cross_attn, encoder.norm, None, k_stream, 0, "key", head, layer)
