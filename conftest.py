@@ -29,16 +29,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-# The files whose work takes longest, first: `make test` hands whole files to two processes
-# (--dist loadfile) in the order collected, and a 100 s file handed out near the end would
-# leave one process running it alone while the other has nothing left.
-LONGEST_FIRST = ("tests/test_walkthrough.py", "tests/io/test_gguf.py")
-
-
-def pytest_collection_modifyitems(items):
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONGEST_FIRST)  # stable
-
-
 @pytest.fixture(scope="session")
 def minilm():
     """The embedded MiniLM, loaded once for the whole run: tests only read it."""
