@@ -209,6 +209,7 @@ def test_the_openapi_page_describes_every_endpoint_from_local_files(client):
         "/api/models",
         "/api/attention",
         "/api/trace",
+        "/api/why",
         "/api/contributions",
         "/api/probe",
         "/api/next",

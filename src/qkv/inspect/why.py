@@ -35,7 +35,7 @@ from qkv.models.stacks import self_attention_stack
 from qkv.nn.delta import GatedDeltaNet
 from qkv.nn.edit import Edit
 
-__all__ = ["Carried", "Check", "Why", "cross_why", "stack_why", "why"]
+__all__ = ["Carried", "Check", "Why", "cross_why", "encoded_why", "stack_why", "why"]
 
 
 def why(
@@ -53,14 +53,29 @@ def why(
     """
     if target is not None:
         return _cross(pretrained, text, target, query, key, layer, head, checks)
-    stack = self_attention_stack(pretrained.model, "qkv.why", pretrained.source)
     encoded = pretrained.encode(text)
     query_index, key_index = encoded.find(query)[0], encoded.find(key)[0]
-    ids = torch.tensor([encoded.ids])
-    spell = list(encoded.tokens)
-    found = stack_why(stack, ids, query_index, key_index, layer=layer, head=head, checks=checks,
-                      spell=spell, source=pretrained.source)  # fmt: skip
+    found = encoded_why(pretrained.model, encoded, query_index, key_index, layer=layer,
+                        head=head, checks=checks, source=pretrained.source)  # fmt: skip
     found.text, found.query, found.key = text, query, key
+    return found
+
+
+def encoded_why(
+    model, encoded, query_index: int, key_index: int, *, layer: int | None = None,
+    head: int | None = None, checks: int = 3, source: str = "the model",
+) -> Why:  # fmt: skip
+    """`why` at token positions of an `Encoded` text, as a page knows a clicked pair: the same
+    numbers as `why` of the words at those tokens. Its `query` and `key` are the words' names
+    ("bank#2") where the positions are words' first tokens, else the tokens'."""
+    stack = self_attention_stack(model, "qkv.why", source)
+    found = stack_why(stack, torch.tensor([encoded.ids]), query_index, key_index, layer=layer,
+                      head=head, checks=checks, spell=list(encoded.tokens),
+                      source=source)  # fmt: skip
+    named = {word.token_span[0]: word.name for word in encoded.words()}
+    found.text = encoded.text
+    found.query = named.get(query_index, encoded.tokens[query_index])
+    found.key = named.get(key_index, encoded.tokens[key_index])
     return found
 
 

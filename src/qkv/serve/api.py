@@ -54,6 +54,7 @@ from qkv.serve.schemas import (
     NextRequest,
     ProbeRequest,
     TraceRequest,
+    WhyRequest,
 )
 
 ERRORS = {
@@ -111,6 +112,29 @@ async def trace(body: TraceRequest, request: Request) -> dict:
         body.key,
         body.layer,
         body.head,
+    )
+
+
+@router.post("/why", summary="Why a query token attends to a key token: the score taken apart")
+async def why(body: WhyRequest, request: Request) -> dict:
+    """`qkv.why(...).to_dict(top)` of the pair at these token positions: the score the softmax
+    read as a sum of terms, (query part, key part), each part of the stream entering the layer
+    (the embedding, each earlier head, each MLP, biases) with every norm's scale held; the
+    largest terms, each side's parts, a rotary layer's content and position, the words the top
+    heads carried, and the top parts removed for real (checks). `pieces`: each token as the
+    page shows it. Fields: `qkv.inspect.why_parts.Why.to_dict`."""
+    return await answer(
+        request,
+        body,
+        compute.why_pair,
+        body.text,
+        body.query_index,
+        body.key_index,
+        body.layer,
+        body.head,
+        body.checks,
+        body.top,
+        body.grid,
     )
 
 

@@ -37,6 +37,7 @@ from qkv.version import __version__
 
 log = logging.getLogger("qkv.serve")
 STATIC = files("qkv.serve") / "static"
+WHY_PANEL = files("qkv.viz") / "why_panel.js"
 
 
 @dataclass
@@ -114,6 +115,10 @@ def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
     long_routes = {path: long_body for path in ("/api/long", "/api/long/head", "/api/long/region")}
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes, routes=long_routes)
     _add_error_handlers(app)
+
+    @app.get("/static/why.js", include_in_schema=False)
+    async def why_panel():  # one panel for both pages: the file qkv show's page inlines
+        return FileResponse(str(WHY_PANEL), media_type="text/javascript")
 
     app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")
     swagger = StaticFiles(directory=str(swagger_ui_bundle.swagger_ui_path))

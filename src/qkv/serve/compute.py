@@ -29,6 +29,7 @@ from qkv.inspect import census
 from qkv.inspect.hide import hide
 from qkv.inspect.probe import probe
 from qkv.inspect.trace import trace
+from qkv.inspect.why import encoded_why
 from qkv.inspect.words import compressed_words
 from qkv.serve.held import Served
 from qkv.serve.jobs import in_thread
@@ -143,6 +144,39 @@ def trace_pair(
     going(stop)
     traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
     return {"model": served.name, **traced.to_dict()}
+
+
+def why_pair(
+    served: Served,
+    limits: Limits,
+    text: str,
+    query_index: int,
+    key_index: int,
+    layer: int | None,
+    head: int | None,
+    checks: int,
+    top: int,
+    grid: bool,
+    stop: threading.Event | None = None,
+) -> dict:
+    """`qkv.why(...).to_dict(top)` of the pair at token positions (query_index, key_index), as
+    the page knows a clicked cell: the score taken apart (`qkv.inspect.why`), with `pieces` (each
+    token as the page shows it). The full grid of terms only with `grid` (SmolLM2's is about
+    300 x 300 parts); null otherwise."""
+    encoded = encode(served, limits, text)
+    if layer is not None:
+        served.check_index("layer", layer)
+        if head is not None:
+            served.check_pair(layer, head)  # a head this layer has
+    elif head is not None:
+        served.check_index("head", head)
+    going(stop)
+    found = encoded_why(served.pretrained.model, encoded, query_index, key_index, layer=layer,
+                        head=head, checks=checks, source=served.name)  # fmt: skip
+    answer = found.to_dict(top)
+    if not grid:
+        answer["terms"] = None
+    return {"model": served.name, "pieces": encoded.pieces, **answer}
 
 
 def contributions(

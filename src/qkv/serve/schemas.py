@@ -145,6 +145,25 @@ class TraceRequest(Request):
     head: Head | None = Field(None, description="default: where query attends most to key")
 
 
+Position = Annotated[int, Field(ge=0, description="a token position, from 0"), WHOLE]
+
+
+class WhyRequest(Request):
+    model: ModelName = None
+    text: Annotated[Text, Field(examples=["I sat by the river bank"])]
+    query_index: Position = Field(examples=[6])
+    key_index: Position = Field(examples=[5])
+    layer: Layer | None = Field(None, description="default: where query attends most to key")
+    head: Head | None = Field(None, description="default: where query attends most to key")
+    checks: Annotated[int, Field(ge=0, le=5), WHOLE] = Field(
+        3, description="how many top parts of each side to remove for real (0: none)"
+    )
+    top: Annotated[int, Field(ge=1, le=50), WHOLE] = Field(
+        10, description="how many of the largest terms and parts to list"
+    )
+    grid: bool = Field(False, description="send every term, the full parts x parts grid")
+
+
 class ContributionsRequest(Request):
     model: ModelName = None
     text: Annotated[Text, Field(examples=["The bank on the side of the river"])]

@@ -38,6 +38,7 @@ def attention_page(
     bias_is_distance: bool = False,
     trace: bool = True,
     max_bytes: int | None = None,
+    whys: dict | None = None,
 ) -> bytes:
     """The page (UTF-8 HTML) of `seen`: an `Attentions` (`weights`, `pieces`, `records`,
     `layers`, `heads`, `causal`, `scale`, `query_tokens`), self-attention over one text or an
@@ -48,7 +49,8 @@ def attention_page(
     layers' score bias is T5's relative positions (the page says so). `extra` (a JSON-able
     dict shown as a list) is, by default, which of the model's layers and heads the page holds
     when it is not all of them. max_bytes: where the page with the vectors is larger, it is
-    made without them. title, text, head and query as `render_page` takes them.
+    made without them. title, text, head and query as `render_page` takes them; whys: the
+    pairs taken apart ahead for the "why" panel (`qkv.viz.page_why.page_whys`), none if None.
     """
     cross = seen.query_tokens is not None
     weights, effective = drawn_weights(seen)
@@ -74,7 +76,7 @@ def attention_page(
                   for s in scores]  # fmt: skip
     common = dict(
         title=title, text=text, extra=subset_note(seen) if extra is None else extra, head=head,
-        query=query, causal=seen.causal, query_tokens=seen.query_tokens,
+        query=query, causal=seen.causal, query_tokens=seen.query_tokens, whys=whys,
     )  # fmt: skip
     page = render_page(weights, seen.pieces, vectors=vectors, scale=scale, scores=scores,
                        **common)  # fmt: skip

@@ -79,6 +79,10 @@ from qkv.viz.paths import html_path
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
 CROSS_ENCODING = "float32, little-endian, row-major Tq x Tk, zlib, base64; one per head"
 CROSS_HEADER = "cross-attention: target (queries) down, source (keys) across"
+WHY_SECTION = (
+    '<section id="why" class="panel"><h2>Why this score?</h2><p class="note">Click a cell to '
+    "see its score taken apart (qkv.why).</p></section>"
+)
 
 
 def write_html(
@@ -247,9 +251,12 @@ def render_page(
     scale: float | None = None,
     scores: Sequence[LayerScores] | None = None,
     query_tokens: Sequence[str] | None = None,
+    whys: dict | None = None,
 ) -> bytes:
     """The page's HTML, UTF-8 encoded; every argument is checked before anything is built.
-    With `query_tokens`, cross-attention: (L, H, Tq, Tk) weights, target rows, source columns."""
+    With `query_tokens`, cross-attention: (L, H, Tq, Tk) weights, target rows, source columns.
+    `whys`: the pairs taken apart ahead for the "why" panel (`qkv.viz.page_why.page_whys`);
+    without them the page has no such panel."""
     tokens = [str(token) for token in tokens]
     cross = query_tokens is not None
     queries = [str(token) for token in query_tokens] if cross else tokens
@@ -327,6 +334,7 @@ def render_page(
         "causal": bool(causal),
         "vectors": None if kept is None else vectors_data(kept, scale, rules),
         "extra": extra,
+        "whys": whys,
     }
     slots = {
         "version": __version__,
@@ -348,6 +356,8 @@ def render_page(
         ),
         "extra": _extra_section(extra),
         "trace_note": escape.text(trace_note),
+        "why_section": "" if whys is None else WHY_SECTION,
+        "why_script": "" if whys is None else _why_script(),
         "data": escape.script_json(page_json(data, separators=(",", ":"))),
     }
     template = (files("qkv.viz") / "report.html").read_text(encoding="utf-8")
@@ -364,6 +374,13 @@ def _check_stack(weights, tokens: Sequence[str], query_tokens: Sequence[str] | N
     if query_tokens is None:
         return check_weights(weights, tokens, ndim=4)
     return check_cross_weights(weights, query_tokens, tokens, ndim=4)
+
+
+def _why_script() -> str:
+    """The why panel's script (one file for this page and `qkv serve`'s), as a <script>."""
+    script = (files("qkv.viz") / "why_panel.js").read_text(encoding="utf-8")
+    assert "</" not in script, "an inline script must not hold '</'"  # our own file
+    return f"<script>\n{script}</script>"
 
 
 def _cross_header(queries: list[str], tokens: list[str]) -> str:

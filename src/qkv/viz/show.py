@@ -26,6 +26,8 @@ from qkv.inspect.summaries import summarize
 from qkv.models import Decoder, Encoder
 from qkv.viz.long import downsampled_grid, downsampled_heatmap, summary_page
 from qkv.viz.page import drawn_weights, write_attention_page
+from qkv.viz.page_why import PAGE_WHYS, page_whys
+from qkv.viz.report import strongest_head
 
 LONG = 512  # tokens beyond which `show` draws summaries rather than every weight
 
@@ -45,6 +47,7 @@ def draw_attention(
     region: str | None = None,
     cross: bool = False,
     untraced: Callable[[str], None] | None = None,
+    whys: int = PAGE_WHYS,
 ) -> None:
     """Draw `seen` (the attentions of `model`, called `name`, over `text`) to `out`.
 
@@ -54,7 +57,9 @@ def draw_attention(
     cross: `seen` is an encoder-decoder's cross-attention; transformers: `model` was loaded
     by transformers onto qkv's attention. A page traces a clicked pair from the records'
     q, k, v where they allow it; where they do not, `untraced` is told why before the page
-    is written (the page then traces no pair, rather than redo one with wrong numbers).
+    is written (the page then traces no pair, rather than redo one with wrong numbers). A
+    page of qkv's own self-attention takes apart ahead, for its "why" panel, each of the first
+    `whys` query tokens with its strongest key in the head it opens on (`page_whys`; 0: none).
     """
     if region is not None or max(len(seen.tokens), len(seen.query_tokens or ())) > LONG:
         _draw_long(seen, out, name, text, layers, heads, layer, head, region)
@@ -84,6 +89,9 @@ def draw_attention(
         if why is not None and untraced is not None:  # the page would redo pairs wrongly
             untraced(why)
         relative = getattr(getattr(model, "config", None), "position", None) == "relative"
+        taken = None
+        if whys and not cross and isinstance(model, Encoder | Decoder):
+            taken = page_whys(model, seen, chosen or strongest_head(weights), count=whys)
         write_attention_page(
             out,
             seen,
@@ -92,6 +100,7 @@ def draw_attention(
             head=chosen,
             bias_is_distance=relative and not cross,
             trace=cross or transformers or isinstance(model, Encoder | Decoder),
+            whys=taken,
         )
 
 

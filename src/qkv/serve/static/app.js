@@ -9,7 +9,7 @@ const state = {
   layer: 0, head: 0, query: null, key: null, cursor: [0, 0], overlay: false,
   hidden: null,  // the /api/hide answer of the pair shown
 };
-let shows = 0, traces = 0, hides = 0, censuses = 0, generation = null;
+let shows = 0, traces = 0, hides = 0, whys = 0, censuses = 0, generation = null;
 const HIDE_NOTE = "<h2>What if the key were hidden?</h2><p class=\"note\">Choose a pair of "
   + "words (as for the article's steps) to see, in every layer and head, how much the query "
   + "word changes when it may not attend to the key.</p>";
@@ -161,6 +161,7 @@ function render() {  // the selected head's views
 function resetTrace() {
   traces++;
   resetHide();
+  resetWhy();
   delete $("trace").dataset.pair;
   $("trace").innerHTML = "<h2>The article's steps for one pair</h2><p class=\"note\">Click a "
     + "heatmap cell, or a query token and then a key in its list, to follow the article's "
@@ -191,6 +192,33 @@ async function trace() {  // the article's steps for (query, key) in this layer 
     drawTrace($("trace"), t, `Computed by qkv.trace with the model's own vectors.${first(q, query)}${first(k, key)}`);
   } catch (error) {
     if (ticket === traces) fail(error);
+  }
+}
+
+const WHY_NOTE = "Choose a pair (as for the article's steps) to see its score taken apart: "
+  + "which parts of the query token's vector and of the key token's make it large.";
+function resetWhy(note = WHY_NOTE) {
+  whys++;
+  delete $("why").dataset.pair;
+  $("why").replaceChildren(make("h2", {}, "Why this score?"), make("p", { class: "note" }, note));
+}
+
+// the pair's score taken apart (qkv.why), at the tokens clicked: words or not
+async function why() {
+  const { seen, query, key } = state, started = performance.now();
+  resetWhy(`Taking apart the score of token ${query} over token ${key}…`);
+  const ticket = whys;  // resetWhy's: a newer pair, head or text takes another
+  try {
+    const w = await post("/api/why", { model: state.model, text: seen.text, query_index: query,
+      key_index: key, layer: state.layer, head: state.head });
+    if (ticket !== whys) return;
+    const ms = Math.round(performance.now() - started);
+    drawWhy($("why"), w, seen.tokens.map(shown), "Computed by qkv.why with the model's own "
+      + `vectors, every norm's scale held at its value in this pass (answered in ${ms} ms).`);
+  } catch (error) {  // e.g. a decoder's key after its query: said in the panel
+    if (ticket !== whys) return;
+    $("why").replaceChildren(make("h2", {}, "Why this score?"),
+      make("p", { class: "masked", id: "why-error" }, error.message));
   }
 }
 
@@ -264,8 +292,12 @@ function select(query, key = null) {
   state.key = key;
   if (query !== null) state.cursor = [query, key ?? state.cursor[1]];
   render();
-  if (query !== null && key !== null) trace();
-  else resetTrace();
+  if (query !== null && key !== null) {
+    trace();
+    why();
+  } else {
+    resetTrace();
+  }
 }
 
 async function nextTokens(text) {
