@@ -95,8 +95,10 @@ class Circuits(Shown):
         name = f"L{layer}.H{head}"
         if name not in self.names:
             if not 0 <= layer < self.num_layers:
-                raise ValueError(f"layer {layer} is out of range: {self.source} has "
-                                 f"{self.num_layers} layers (0..{self.num_layers - 1})")  # fmt: skip
+                raise ValueError(
+                    f"layer {layer} is out of range: {self.source} has {self.num_layers} "
+                    f"layers (0..{self.num_layers - 1})"
+                )
             if layer in self.skipped:
                 raise ValueError(f"layer {layer} of {self.source} is linear attention: its "
                                  "heads have no softmax QK circuit")  # fmt: skip
@@ -193,9 +195,11 @@ def check_circuits(stack, source: str) -> None:
     for layer, block in enumerate(stack.blocks):
         attn = block.attn
         if isinstance(attn, LatentAttention):
-            raise ValueError(f"qkv.circuits reads a head's W_Q^T W_K; {source}'s layer {layer} "
-                             "is latent attention, whose query and key pass through norms of "
-                             "their own low-rank steps, so no one matrix gives its scores")  # fmt: skip
+            raise ValueError(
+                f"qkv.circuits reads a head's W_Q^T W_K; {source}'s layer {layer} is latent "
+                "attention, whose query and key pass through norms of their own low-rank "
+                "steps, so no one matrix gives its scores"
+            )
         if isinstance(attn, GatedDeltaNet):
             continue
         if getattr(attn, "gate", None) is not None:
@@ -240,8 +244,8 @@ def _stack_circuits(stack, source: str) -> Circuits:
             skipped.append(m)
             continue
         rotary |= attn.rotary is not None
-        biased |= any(getattr(x, "bias", None) is not None
-                      for x in (getattr(attn, n, None) for n in ("q", "k", "v", "qkv", "out")))  # fmt: skip
+        linears = [getattr(attn, n, None) for n in ("q", "k", "v", "qkv", "out")]
+        biased |= any(getattr(x, "bias", None) is not None for x in linears)
         W = head_matrices(block)
         group = attn.num_heads // attn.num_kv_heads
         # the triangles of each factor's QR (the orthonormal sides are never needed)
@@ -276,8 +280,10 @@ def _stack_circuits(stack, source: str) -> Circuits:
     if any(getattr(b.attn, "qk_norm", None) == "l2" for b in stack.blocks):
         notes.append("an L2 QK-norm (no weight) divides each query and key by its size")
     if stack.blocks[0].position == "post":
-        notes.append("post-norm blocks: composition scores are refused (a head's output "
-                     "passes through every later sum's norm before a later head reads it)")  # fmt: skip
+        notes.append(
+            "post-norm blocks: composition scores are refused (a head's output passes "
+            "through every later sum's norm before a later head reads it)"
+        )
     return Circuits(
         source=source, num_layers=len(stack.blocks), num_heads=max(heads) + 1, names=names,
         layer=layers, head=heads, kv_head=kv_heads, qk_singular=torch.cat(qk_sv),
