@@ -32,6 +32,7 @@ from qkv.nn import RMSNorm
 from qkv.nn.position import Rotation
 
 _ROWS = 2048  # query tokens per block of the QK table: (rows, V) float64 at a time
+DISTANCES = (0, 1, 2, 4, 8, 16, 32, 64, 128)  # where a rotary head's top pairs are read again
 
 
 @dataclass
@@ -42,7 +43,9 @@ class HeadCircuit:
     (pair_ids their ids); eigenvalues (D,) complex128, the nonzero eigenvalues of its OV
     circuit through the embedding and unembedding, largest in size first; copying their
     sum / sum of sizes; copied: the top (token, copy score) of the circuit's diagonal (None,
-    like the eigenvalues, where the model has no LM head)."""
+    like the eigenvalues, where the model has no LM head). A rotary layer's top three pairs
+    again at each of `distances` (the key that many positions before the query): by_distance
+    (3, len(distances)); empty where nothing turns."""
 
     source: str
     layer: int
@@ -55,6 +58,8 @@ class HeadCircuit:
     copying: float | None
     copied: list[tuple[str, float]] | None
     copied_ids: list[int] | None
+    distances: list[int] = field(default_factory=list)
+    by_distance: list[list[float]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -70,6 +75,7 @@ class HeadCircuit:
             "copied": None if self.copied is None else [
                 {"token": t, "score": s, "id": i}
                 for (t, s), i in zip(self.copied, self.copied_ids, strict=True)],
+            "distances": list(self.distances), "by_distance": self.by_distance,
             "notes": list(self.notes),
         }  # fmt: skip
 
@@ -142,10 +148,14 @@ def _head_circuit(stack, layer, head, top, spell, source) -> HeadCircuit:
     q = _l2(attn, read(stack, layer, head, E, "query")) * attn.scale  # (V, D)
     k = _l2(attn, read(stack, layer, head, E, "key"))
     ids, scores = top_pairs(q, k, top)
-    notes = []
+    notes, distances, by_distance = [], [], []
     if attn.rotary is not None:
         notes.append("the QK table reads each pair at distance 0 (the same position); "
                      "qk_by_distance turns them apart")  # fmt: skip
+        distances = list(DISTANCES)
+        for a, b in ids[:3]:
+            turned = _qk_by_distance(stack, layer, head, a, b, distances)
+            by_distance.append(turned.tolist())
     if attn.softcap is not None:
         notes.append(f"scores before the layer's soft-cap ({attn.softcap})")
     if attn.temperature is not None:
@@ -168,7 +178,7 @@ def _head_circuit(stack, layer, head, top, spell, source) -> HeadCircuit:
         kv_head=head // (attn.num_heads // attn.num_kv_heads), distance=0,
         pairs=[(spell(a), spell(b), s) for (a, b), s in zip(ids, scores, strict=True)],
         pair_ids=ids, eigenvalues=eigenvalues, copying=copying, copied=copied,
-        copied_ids=copied_ids, notes=notes,
+        copied_ids=copied_ids, distances=distances, by_distance=by_distance, notes=notes,
     )  # fmt: skip
 
 
@@ -240,20 +250,25 @@ def qk_by_distance(stack, layer: int, head: int, query_id: int, key_id: int,
     if not distances or any(type(d) is not int for d in distances):
         raise ValueError(f"distances must be a list of whole numbers, got {distances!r}")
     with torch.no_grad():
-        attn = stack.blocks[layer].attn
-        E = embeddings(stack, torch.tensor([query_id, key_id]))
-        q = read(stack, layer, head, E[:1], "query")[0]  # (D,)
-        k = read(stack, layer, head, E[1:], "key")[0]
-        placed = [(max(0, -d) + d, max(0, -d)) for d in distances]  # (query, key) positions
-        turn = _turner(stack, layer, max(max(p) for p in placed) + 1)
-        scores = []
-        for at_q, at_k in placed:
-            qd, kd = _l2(attn, turn(q, at_q)), _l2(attn, turn(k, at_k))
-            score = attn.scale * float(qd @ kd)
-            if attn.temperature is not None:
-                score *= float(attn.temperature.of(torch.tensor([at_q])).double()[0])
-            scores.append(score)
-        return torch.tensor(scores, dtype=torch.float64)
+        return _qk_by_distance(stack, layer, head, query_id, key_id, distances)
+
+
+def _qk_by_distance(stack, layer, head, query_id, key_id, distances) -> Tensor:
+    """`qk_by_distance` once its arguments are checked, without a gradient."""
+    attn = stack.blocks[layer].attn
+    E = embeddings(stack, torch.tensor([query_id, key_id]))
+    q = read(stack, layer, head, E[:1], "query")[0]  # (D,)
+    k = read(stack, layer, head, E[1:], "key")[0]
+    placed = [(max(0, -d) + d, max(0, -d)) for d in distances]  # (query, key) positions
+    turn = _turner(stack, layer, max(max(p) for p in placed) + 1)
+    scores = []
+    for at_q, at_k in placed:
+        qd, kd = _l2(attn, turn(q, at_q)), _l2(attn, turn(k, at_k))
+        score = attn.scale * float(qd @ kd)
+        if attn.temperature is not None:
+            score *= float(attn.temperature.of(torch.tensor([at_q])).double()[0])
+        scores.append(score)
+    return torch.tensor(scores, dtype=torch.float64)
 
 
 def _turner(stack, layer: int, T: int):
