@@ -42,14 +42,15 @@ def head_lines(head) -> str:
     lines = [
         f"L{head.layer}.H{head.head} (key and value head {head.kv_head}): the QK circuit "
         f"through the embedding, at distance {head.distance}",
-        f"  {'query token':>16}  {'key token':>16}  score",
+        f"  {'pair':>4}  {'query token':>16}  {'key token':>16}  score",
     ]
-    lines += [f"  {q!r:>16}  {k!r:>16}  {s:.4f}" for q, k, s in head.pairs]
+    lines += [f"  {'#' + str(i):>4}  {q!r:>16}  {k!r:>16}  {s:.4f}"
+              for i, (q, k, s) in enumerate(head.pairs, 1)]  # fmt: skip
     if head.by_distance:
         lines.append("the top pairs' score by distance (the key that many tokens before):")
         lines.append("  " + " ".join(f"{d:>8}" for d in ["pair", *head.distances]))
-        for (q, k, _), row in zip(head.pairs, head.by_distance, strict=False):
-            lines.append(f"  {cut(q + ' ' + k, 8):>8} " + " ".join(f"{v:>8.3f}" for v in row))
+        for rank, row in enumerate(head.by_distance, 1):
+            lines.append(f"  {'#' + str(rank):>8} " + " ".join(f"{v:>8.3f}" for v in row))
     if head.copying is None:
         lines.append("OV circuit: no LM head to read it through")
     else:
