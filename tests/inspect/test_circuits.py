@@ -248,3 +248,15 @@ def test_words_of_a_pretrained_model_are_its_tokens():
     assert all(isinstance(q, str) and isinstance(k, str) for q, k, _ in head.pairs)
     assert found.qk_by_distance(0, 1, "bank", "river", [2]).shape == (1,)
     assert found.to_dict(2)["strongest"]["v"][0]["sender"].startswith("L0.H")
+
+
+def test_top_pairs_screened_in_float32_keep_the_float64_order_of_near_ties(monkeypatch):
+    monkeypatch.setattr(circuit_tokens, "_ROWS", 5)
+    torch.manual_seed(0)
+    q = torch.randn(40, 8, dtype=torch.float64)
+    # 30 keys that float32 cannot tell apart: only the float64 pass orders them
+    k = torch.randn(1, 8, dtype=torch.float64) + 1e-10 * torch.randn(30, 8, dtype=torch.float64)
+    ids, scores = circuit_tokens.top_pairs(q, k, 12)
+    full = (q @ k.T).flatten().topk(12)
+    assert ids == [(i // 30, i % 30) for i in full.indices.tolist()]
+    assert max(abs(a - b) for a, b in zip(scores, full.values.tolist(), strict=True)) < 1e-12
