@@ -26,10 +26,11 @@ taken through the factors: ||A B^T W_OV_s||_F = ||R_A (B^T Y_s)||_F, R_A the tri
 and Y_s (C x D) the sender's OV with its orthonormal side dropped; D x D products only.
 
 >>> import qkv
->>> found = qkv.circuits(qkv.load("smollm2"))
->>> sender, receiver, score = found.strongest("k", top=1)[0]
->>> int(sender[1:].split(".")[0]) < int(receiver[1:].split(".")[0])
-True
+>>> found = qkv.circuits(qkv.load("smollm2"))  # 30 layers of 9 query heads, 3 key heads
+>>> found.names[:2], tuple(found.qk_singular.shape), found.kv_head[:4]
+(['L0.H0', 'L0.H1'], (270, 64), [0, 0, 0, 1])
+
+`found.strongest("k")` then lists the pairs whose K-composition is largest (docs/circuits.md).
 """
 
 from __future__ import annotations
