@@ -156,6 +156,12 @@ def _head_circuit(stack, layer, head, top, spell, source) -> HeadCircuit:
         for a, b in ids[:3]:
             turned = _qk_by_distance(stack, layer, head, a, b, distances)
             by_distance.append(turned.tolist())
+    if stack.embed.positions is not None or stack.embed.types is not None:
+        notes.append("each token's embedding alone: the position (and segment) embeddings, "
+                     "which the stream also holds, are left out")  # fmt: skip
+    if attn.window is not None:
+        notes.append(f"the layer hides keys {attn.window} or more positions away; "
+                     "qk_by_distance scores them all the same")  # fmt: skip
     if attn.softcap is not None:
         notes.append(f"scores before the layer's soft-cap ({attn.softcap})")
     if attn.temperature is not None:
