@@ -67,9 +67,9 @@ class Circuits(Shown):
     names[i] ("L2.H5") names head i, in the order layer by layer; layer[i], head[i], kv_head[i]
     its place; qk_singular and ov_singular (N, D) float64 the singular values of its W_QK and
     W_OV, largest first. `composition(kind)` (L, H, L, H): the score of sender (l, h) and
-    receiver (m, g), NaN unless l < m; `strongest(kind)` the top pairs; `head(l, h)` one head's
-    circuits through the embedding and unembedding; `qk_by_distance` its QK for a pair of tokens
-    as a function of their distance (rotary layers)."""
+    receiver (m, g), NaN unless l < m; `strongest(kind)` the top pairs; `head_circuit(l, h)`
+    one head's circuits through the embedding and unembedding; `qk_by_distance` its QK for a
+    pair of tokens as a function of their distance (rotary layers)."""
 
     view: ClassVar[str] = "circuits"
 
