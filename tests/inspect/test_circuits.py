@@ -231,6 +231,13 @@ def test_refusals_name_what_cannot_be_read_from_the_weights():
                           v_head_dim=6)  # fmt: skip
     with pytest.raises(ValueError, match="latent attention"):
         qkv.circuits(tiny(decoder(latent=latent)))
+    packed = tiny(decoder())
+    packed.model.blocks[1].attn.k = torch.nn.Identity()  # stands for an Int4Linear: no matrix
+    with pytest.raises(ValueError, match=r"layer 1 is packed \(int4\): load it without int4"):
+        qkv.circuits(packed)
+    packed.model.blocks[0].attn.out = torch.nn.Identity()
+    with pytest.raises(ValueError, match=r"layer 0 is packed \(int4\)"):
+        qkv.circuits(packed)
     post = tiny(decoder(norm_position="post"))
     found = qkv.circuits(post)
     assert any("post-norm" in note for note in found.notes)
