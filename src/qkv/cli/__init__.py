@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import typer
 
+from qkv.cli.circuits import circuits
 from qkv.cli.demo import demo
 from qkv.cli.embed import embed
 from qkv.cli.explain import explain, probe
@@ -34,7 +35,7 @@ def _root() -> None:
 
 
 for verb in (version, backends, models, generate, embed, explain, probe, show, train, plot,
-             hide, ablate, patch, demo, serve, lens):  # fmt: skip
+             hide, ablate, patch, demo, serve, lens, circuits):  # fmt: skip
     app.command()(verb)
 app.command("heads")(heads_census)
 
