@@ -32,7 +32,8 @@ _DEFINED_IN = {
 views.DRAWN_BY.update(
     {name: "qkv.viz.notebook" for name in ("attentions", "generation", "probe", "trace")}
     | {name: "qkv.viz.notebook_interventions"
-       for name in ("ablated", "census", "hidden", "lens", "patched", "why")}
+       for name in ("ablated", "census", "hidden", "lens", "patched")}
+    | {"why": "qkv.viz.notebook_why"}
 )  # fmt: skip
 
 
