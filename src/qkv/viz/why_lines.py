@@ -130,6 +130,9 @@ def why_lines(why: Why, top: int = 10) -> str:
     if why.checks:
         lines += ["", "Removed for real (the part zeroed at its word, the model rerun from its "
                   "layer), predicted -> real:"]  # fmt: skip
+    else:
+        lines += ["", "Removed for real: nothing (--checks 0, or no head or MLP writes before "
+                  "this layer)"]  # fmt: skip
     for c in why.checks:
         word = why.query if c.side == "query" else why.key
         lines.append(
