@@ -148,13 +148,14 @@ def why_step(why: Why, top: int = 3) -> list[str]:
     """`qkv explain`'s step "Why this scalar", after step 3: the `top` terms in words, the
     content / position split and the score they sum to."""
     P, K = len(why.parts_q), len(why.parts_k)
+    q, k = f'"{why.query}"', f'"{why.key}"'
     lines = [
-        f"   Why this scalar: the vector entering layer {why.layer} is a sum of parts (the "
-        "embeddings, each earlier head's and MLP's output, biases), so, each norm's scale held,",
-        f'   the scaled scalar is a sum of {P * K} terms, one per (part of "{why.query}"\'s query,'
-        f' part of "{why.key}"\'s key); the largest:',
+        f"   Why this scalar: each norm's scale held, the vector entering layer {why.layer} is",
+        "   a sum of parts (the embeddings, each earlier head's and MLP's output, biases), so the",
+        f"   score is a sum of {P * K} terms, one per (part of {q}'s query, part of {k}'s key).",
+        f"   The largest {min(top, P * K)}:",
     ]
     lines += [f"     {v:+.4f}  {pair_words(why, a, b)}" for a, b, v in why.ranked(top)]
     lines += split_lines(why, "   ")
-    lines.append(f"   All {P * K} terms sum to {why.total:+.4f}; `qkv why` takes it further.")
+    lines.append(f"   All {P * K} terms sum to {why.total:+.4f} (`qkv why` takes it further).")
     return lines
