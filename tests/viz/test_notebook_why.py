@@ -44,8 +44,9 @@ def test_the_view_holds_the_librarys_numbers(found):
     listed = re.findall(r'<tr data-query-part="([^"]+)" data-key-part="([^"]+)">'
                         r'<td data-value="([^"]+)">', shown)  # fmt: skip
     assert [(a, b, float(v)) for a, b, v in listed] == found.ranked(10)
-    checks = re.findall(r'<tr data-part="([^"]+)" data-side="(\w+)"><td class="text">[^<]*</td>'
-                        r'<td data-value="([^"]+)">[^<]*</td><td data-value="([^"]+)">', shown)  # fmt: skip
+    row = (r'<tr data-part="([^"]+)" data-side="(\w+)"><td class="text">[^<]*</td>'
+           r'<td data-value="([^"]+)">[^<]*</td><td data-value="([^"]+)">')  # fmt: skip
+    checks = re.findall(row, shown)
     assert [(p, s, float(a), float(b)) for p, s, a, b in checks] == [
         (c.part, c.side, c.predicted_score, c.real_score) for c in found.checks
     ]
