@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 import qkv
 import qkv.pretrained
 from qkv.cli import app
-from qkv.viz.why_lines import why_lines, why_step
+from qkv.viz.why_lines import pair_words, why_lines, why_step
 
 TEXT = "I sat by the river bank"
 
@@ -46,6 +46,7 @@ def test_why_prints_the_librarys_terms_and_writes_the_grid(minilm, tmp_path):
     assert done.stdout == why_lines(expected, 5) + f"\nwrote {picture}\n"
     (a, b, value), *_ = expected.ranked(1)
     assert f"{value:+9.4f}" in done.stdout and f"Score {expected.score:+.4f}" in done.stdout
+    assert f"  {pair_words(expected, a, b)}\n" in done.stdout
     c = expected.checks[0]
     assert f"score {c.predicted_score:+.4f} -> {c.real_score:+.4f}" in done.stdout
     width, height = png_size(picture.read_bytes())
@@ -119,5 +120,5 @@ def test_explain_tells_why_this_scalar_after_step_3(minilm, run):
     traced = qkv.trace(minilm, TEXT, "bank", "river", layer=2, head=11)
     assert expected.total == pytest.approx(traced.scaled_scalar, rel=1e-5)
     for a, b, value in expected.ranked(3):
-        assert f"     {value:+.4f}  " in step and (a, b) != ("", "")
+        assert f"     {value:+.4f}  {pair_words(expected, a, b)}\n" in done.stdout
     assert f"All 900 terms sum to {expected.total:+.4f}" in step
