@@ -5,7 +5,7 @@ split, the words the heads carried, the causal checks and the notes. What `qkv w
 >>> part_words("L0.H2", "bank")
 "head L0.H2's output in bank"
 >>> part_words("enc.position", "river")
-"the encoder's river's position embedding"
+"river's position embedding (encoder)"
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ WORDS = {
 def part_words(part: str, word: str) -> str:
     """A part of a word's stream ("L3.H5", "L3.mlp", "embedding", "enc.bias") in words."""
     if part.startswith("enc."):  # an encoder's part, read by a decoder's cross-attention
-        return "the encoder's " + part_words(part.removeprefix("enc."), word)
+        return part_words(part.removeprefix("enc."), word) + " (encoder)"
     if part in WORDS:
         return WORDS[part].format(word)
     if HEAD.match(part):
