@@ -33,8 +33,8 @@ _DEFINED_IN = {
 views.DRAWN_BY.update(
     {name: "qkv.viz.notebook" for name in ("attentions", "generation", "probe", "trace")}
     | {name: "qkv.viz.notebook_interventions"
-       for name in ("ablated", "census", "hidden", "lens", "patched", "why")}
-    | {"circuits": "qkv.viz.notebook_circuits"}
+       for name in ("ablated", "census", "hidden", "lens", "patched")}
+    | {"why": "qkv.viz.notebook_why", "circuits": "qkv.viz.notebook_circuits"}
 )  # fmt: skip
 
 

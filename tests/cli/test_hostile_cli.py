@@ -72,6 +72,19 @@ def png_under_a_file(tmp: Path):
     return ["probe", "bank", "--out", out], ["cannot write", str(out), "not a folder"]
 
 
+def why_png_under_a_file(tmp: Path):  # refused before the model loads: no work lost
+    (tmp / "notes.txt").write_text("a file, not a folder\n")
+    out = tmp / "notes.txt" / "x.png"
+    args = ["why", "the river bank", "--query", "bank", "--key", "river", "--out", out]
+    return args, ["cannot write", str(out), "not a folder"]
+
+
+def why_word_twice(tmp: Path):
+    args = ["why", "the bank by the bank", "--query", "bank", "--key", "the"]
+    args += ["--out", tmp / "x.png"]
+    return args, ["'bank' occurs 2 times in the text", "bank#1"]
+
+
 def sentences_too_big_for_memory(tmp: Path):
     huge = tmp / "huge.txt"
     with open(huge, "wb") as file:
@@ -149,7 +162,8 @@ CASES = {
     case.__name__: case
     for case in (
         model_config_is_a_folder, model_folder_unreadable, out_folder_read_only, out_in_proc,
-        png_in_a_folder_that_cannot_be_made, png_under_a_file, sentences_too_big_for_memory,
+        png_in_a_folder_that_cannot_be_made, png_under_a_file, why_png_under_a_file,
+        why_word_twice, sentences_too_big_for_memory,
         model_too_big_for_memory, layers_range_of_a_billion, heads_range_backwards,
         heads_repeated, layers_overlapping,
         serve_without_its_extra, generate_an_empty_prompt, sentences_is_a_folder,

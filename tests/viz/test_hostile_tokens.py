@@ -111,6 +111,10 @@ def notebook_views(model, bart) -> dict[str, str]:
         # the same text clean and corrupted: nothing to restore, every cell "not computed"
         "Patched": qkv.patch(model, TEXT, TEXT, f"diff: {first}, {second}")._repr_html_(),
         "Lens": qkv.lens(model, TEXT)._repr_html_(),
+        "Why": qkv.why(model, TEXT, second, first)._repr_html_(),
+        "Why (cross)": qkv.why(
+            bart, source, first, second, target=f"{first} the river"
+        )._repr_html_(),
         "Census": heads(model, prompts=[TEXT], rows=1, length=8)._repr_html_(),
         "Probe": probe(
             model, first, senses, [second, second, HOSTILE[2], HOSTILE[2]], cues=[second] * 4

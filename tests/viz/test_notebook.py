@@ -63,15 +63,17 @@ def test_the_notebook_is_committed_without_outputs():
 def test_the_notebook_runs_and_its_outputs_show_the_models_numbers(executed, minilm):
     errors = [o for c in executed.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert errors == []
-    for cell_id in ("attentions", "trace", "probe", "hide"):
+    for cell_id in ("attentions", "trace", "why", "probe", "hide"):
         (plain,) = [o.data["text/plain"] for o in outputs(executed, cell_id)]
         assert len(plain) < 200 and "\n" not in plain, plain
     seen = minilm.attentions(TEXT)
     step = qkv.trace(minilm, TEXT, "bank", "river", attentions=seen)
     hidden = qkv.hide(minilm, TEXT, "river", query="bank")
+    why = qkv.why(minilm, "I sat by the river bank", "bank", "river", layer=2, head=11)
     senses = probe(minilm, "bank")
     other = minilm.attentions("The bank lent me money")  # a second page in the same document
-    sections = {name: html_of(executed, name) for name in ("attentions", "trace", "probe", "hide")}
+    names = ("attentions", "trace", "why", "probe", "hide")
+    sections = {name: html_of(executed, name) for name in names}
     sections["second"] = other._repr_html_()
     document = "".join(f'<section data-cell="{n}">{h}</section>' for n, h in sections.items())
     page_file = ARTIFACTS / "notebook.html"
@@ -116,6 +118,9 @@ def test_the_notebook_runs_and_its_outputs_show_the_models_numbers(executed, min
                 "trace": value("trace", "tr[data-step='weight'] td[data-value]"),
                 "scalar": value("trace", "tr[data-step='scalar'] td[data-value]"),
                 "total": value("hide", ".total"),
+                "why": value("why", ".score"),
+                "why total": value("why", ".total"),
+                "why top": value("why", "table.terms tr[data-query-part] td[data-value]"),
                 "separation": value("probe", f"tr[data-depth='{last}'] td:nth-child(3)"),
                 "cell": value("hide", grid_cell),
                 "title": value("hide", grid_cell, "title"),
@@ -134,6 +139,9 @@ def test_the_notebook_runs_and_its_outputs_show_the_models_numbers(executed, min
     assert float(shown["trace"]) == pytest.approx(step.weight, abs=1e-6)
     assert float(shown["scalar"]) == pytest.approx(step.attention_scalar, rel=1e-6)
     assert float(shown["total"]) == pytest.approx(hidden.total, abs=1e-6)
+    assert float(shown["why"]) == pytest.approx(why.score, rel=1e-6)
+    assert float(shown["why total"]) == pytest.approx(why.total, rel=1e-6)
+    assert float(shown["why top"]) == pytest.approx(why.ranked(1)[0][2], rel=1e-6)
     assert float(shown["cell"]) == pytest.approx(effect, abs=1e-6)
     assert shown["title"].startswith(f"layer {layer}, head {head}: change ")
     assert float(shown["separation"]) == pytest.approx(senses.separation[-1], abs=1e-6)
@@ -160,12 +168,15 @@ def results(minilm) -> dict:
             small, "the bank of the river", "the river of the bank", "diff: river, bank"
         ),
         "Lens": qkv.lens(small, TINY_TEXT),
+        "Why": qkv.why(minilm, TEXT, "bank", "river", layer=2, checks=1),
+        "Why (decoder)": qkv.why(small, TINY_TEXT, "deep", "bank", checks=1),
         "Census": heads(minilm, prompts=["The bank of the river."], rows=1, length=8),
     }
 
 
 NAMES = ["Attentions", "Attentions (some heads)", "Attentions (decoder)", "Trace", "Probe",
-         "Hidden", "Hidden (decoder)", "Ablated", "Patched", "Lens", "Census"]  # fmt: skip
+         "Hidden", "Hidden (decoder)", "Ablated", "Patched", "Lens", "Why", "Why (decoder)",
+         "Census"]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -21,6 +21,7 @@ from qkv.cli.lens import heads_census, lens
 from qkv.cli.serve import serve
 from qkv.cli.show import show
 from qkv.cli.train import plot, train
+from qkv.cli.why import why
 
 app = typer.Typer(
     help="qkv: the transformer's self-attention mechanism, real, fast and inspectable.",
@@ -34,7 +35,7 @@ def _root() -> None:
     """Keeps `qkv VERB` a group of verbs even while there are few of them."""
 
 
-for verb in (version, backends, models, generate, embed, explain, probe, show, train, plot,
+for verb in (version, backends, models, generate, embed, explain, why, probe, show, train, plot,
              hide, ablate, patch, demo, serve, lens, circuits):  # fmt: skip
     app.command()(verb)
 app.command("heads")(heads_census)

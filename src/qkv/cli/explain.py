@@ -39,8 +39,24 @@ def explain(
     if as_json:
         typer.echo(json.dumps(traced.to_dict()))
         return
-    for part in (tokens_line, narrate, contributions, heads_and_layers):
+    typer.echo(tokens_line(traced) + "\n")
+    typer.echo(narrate(traced, _why(pretrained, traced, text, target)) + "\n")
+    for part in (contributions, heads_and_layers):
         typer.echo(part(traced) + "\n")
+
+
+def _why(pretrained, traced, text: str, target: str | None):
+    """The traced pair's score taken apart (`qkv.why`, no reruns: explain stays fast), or why
+    it cannot be: None where the layer computes no score the softmax reads for the pair."""
+    from qkv.inspect.why import why
+
+    if traced.linear is not None or traced.compressed is not None or traced.masked:
+        return None
+    try:
+        return why(pretrained, text, traced.query, traced.key, layer=traced.layer,
+                   head=traced.head, target=target, checks=0)  # fmt: skip
+    except ValueError as refused:  # a model qkv.why refuses by name: explain still tells 1-7
+        return " ".join(str(refused).split())
 
 
 def probe(

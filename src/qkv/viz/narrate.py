@@ -7,7 +7,9 @@ import math
 from torch import Tensor
 
 from qkv.inspect.trace import Trace
+from qkv.inspect.why_parts import Why
 from qkv.viz.narrate_compressed import compressed_steps
+from qkv.viz.why_lines import why_step
 
 
 def vector(t: Tensor, n: int = 4) -> str:
@@ -46,8 +48,9 @@ def tokens_line(trace: Trace) -> str:
     )
 
 
-def narrate(trace: Trace) -> str:
-    """Steps 1-7 of the article for the trace's pair, then what contributed most."""
+def narrate(trace: Trace, why: Why | str | None = None) -> str:
+    """Steps 1-7 of the article for the trace's pair, then what contributed most. why: the same
+    pair's `qkv.why`, told after step 3 ("Why this scalar"), or why it could not be had."""
     t, q, k = trace, f'"{trace.query}"', f'"{trace.key}"'
     D = t.head_dim
     kind = " (decoder cross-attention)" if t.query_tokens is not None else ""
@@ -88,6 +91,10 @@ def narrate(trace: Trace) -> str:
     ]
     lines += _score_lines(t)
     lines += _hidden_lines(t)
+    if isinstance(why, str):
+        lines.append(f"   Why this scalar: not taken apart here: {why}")
+    elif why is not None:
+        lines += why_step(why)
     pairs = zip(t.tokens, t.weights.tolist(), strict=True)
     row = "  ".join(f"{shown(tok)} {percent(w)}" for tok, w in pairs)
     changed = t.softcap is not None or t.bias is not None or t.temperature is not None

@@ -1,5 +1,6 @@
-"""PNG plots of inspection results: the sense probe's similarity across depths and the
-census's scatter of heads. Each is a matplotlib Figure of its own, written whole or not at all."""
+"""PNG plots of inspection results: the sense probe's similarity across depths, the
+census's scatter of heads and the grid of terms of one score (`qkv.why`). Each is a matplotlib
+Figure of its own, written whole or not at all."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import torch
 
 from qkv.inspect.census import Census
 from qkv.inspect.probe import Probe
+from qkv.inspect.why_parts import Why
 from qkv.io.files import write_atomically
+from qkv.viz.heatmap import token_label
 from qkv.viz.paths import png_path
+from qkv.viz.why_lines import terms_grid
 
 
 def probe_plot(probe: Probe, path: str | os.PathLike[str], layer: int | None = None) -> Path:
@@ -99,5 +103,42 @@ def census_plot(census: Census, path) -> Path:
     ax.grid(alpha=0.3)
     figure.colorbar(dots, ax=ax, label="layer (from 0)")
 
+    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
+    return path
+
+
+def why_plot(why: Why, path, most: int = 16) -> Path:
+    """A PNG heatmap at `path` of the score's terms: the query word's parts down, the key
+    word's across, each side's `most` largest parts and "every other part" (`terms_grid`), red
+    above 0 and blue below, each term written in its cell. Written whole or not at all.
+    Returns the path."""
+    path = png_path(path, existing_folder=True)
+    from matplotlib.figure import (
+        Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
+    )
+
+    rows, columns, values = terms_grid(why, most)
+    query, key = token_label(why.query, 24), token_label(why.key, 24)
+    grid = torch.tensor(values, dtype=torch.float64).numpy()  # (rows, columns)
+    span = float(abs(grid).max()) or 1.0
+    figure = Figure(figsize=(2.5 + 0.55 * len(columns), 2.0 + 0.4 * len(rows)),
+                    layout="constrained")  # fmt: skip
+    ax = figure.subplots()
+    image = ax.imshow(grid, cmap="RdBu_r", vmin=-span, vmax=span, aspect="auto")
+    for i, row in enumerate(values):
+        for j, value in enumerate(row):
+            ink = "white" if abs(value) > 0.6 * span else "black"
+            ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=6, color=ink)
+    ax.set_xticks(range(len(columns)), columns, rotation=90, fontsize=7)
+    ax.set_yticks(range(len(rows)), rows, fontsize=7)
+    ax.set_xlabel(f"part of {key}'s key")
+    ax.set_ylabel(f"part of {query}'s query")
+    ax.set_title(
+        f"{token_label(why.source, 40)}: why '{query}' attends to '{key}', layer {why.layer} head "
+        f"{why.head}\nscore {why.score:+.4f}, weight {100 * why.weight:.2f}%; the terms sum to "
+        f"{why.total:+.4f}",
+        fontsize=9,
+    )
+    figure.colorbar(image, ax=ax, shrink=0.8, label="term (scaled query part . key part)")
     write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
     return path
