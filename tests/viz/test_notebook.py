@@ -63,7 +63,7 @@ def test_the_notebook_is_committed_without_outputs():
 def test_the_notebook_runs_and_its_outputs_show_the_models_numbers(executed, minilm):
     errors = [o for c in executed.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert errors == []
-    for cell_id in ("attentions", "trace", "why", "probe", "hide"):
+    for cell_id in ("attentions", "trace", "why", "circuits", "probe", "hide"):
         (plain,) = [o.data["text/plain"] for o in outputs(executed, cell_id)]
         assert len(plain) < 200 and "\n" not in plain, plain
     seen = minilm.attentions(TEXT)
@@ -71,8 +71,9 @@ def test_the_notebook_runs_and_its_outputs_show_the_models_numbers(executed, min
     hidden = qkv.hide(minilm, TEXT, "river", query="bank")
     why = qkv.why(minilm, "I sat by the river bank", "bank", "river", layer=2, head=11)
     senses = probe(minilm, "bank")
+    found = qkv.circuits(minilm)
     other = minilm.attentions("The bank lent me money")  # a second page in the same document
-    names = ("attentions", "trace", "why", "probe", "hide")
+    names = ("attentions", "trace", "why", "circuits", "probe", "hide")
     sections = {name: html_of(executed, name) for name in names}
     sections["second"] = other._repr_html_()
     document = "".join(f'<section data-cell="{n}">{h}</section>' for n, h in sections.items())
@@ -121,6 +122,7 @@ def test_the_notebook_runs_and_its_outputs_show_the_models_numbers(executed, min
                 "why": value("why", ".score"),
                 "why total": value("why", ".total"),
                 "why top": value("why", "table.terms tr[data-query-part] td[data-value]"),
+                "singular": value("circuits", "table tr:nth-child(2) td[data-value]"),
                 "separation": value("probe", f"tr[data-depth='{last}'] td:nth-child(3)"),
                 "cell": value("hide", grid_cell),
                 "title": value("hide", grid_cell, "title"),
@@ -142,6 +144,7 @@ def test_the_notebook_runs_and_its_outputs_show_the_models_numbers(executed, min
     assert float(shown["why"]) == pytest.approx(why.score, rel=1e-6)
     assert float(shown["why total"]) == pytest.approx(why.total, rel=1e-6)
     assert float(shown["why top"]) == pytest.approx(why.ranked(1)[0][2], rel=1e-6)
+    assert float(shown["singular"]) == pytest.approx(float(found.qk_singular[0, 0]), rel=1e-5)
     assert float(shown["cell"]) == pytest.approx(effect, abs=1e-6)
     assert shown["title"].startswith(f"layer {layer}, head {head}: change ")
     assert float(shown["separation"]) == pytest.approx(senses.separation[-1], abs=1e-6)
