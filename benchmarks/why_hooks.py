@@ -115,10 +115,12 @@ def hook_terms(model, ids: torch.Tensor, query: int, key: int, layer: int, head:
         block = base.layers[m]
         handles.append(block.self_attn.o_proj.register_forward_pre_hook(save_input(f"L{m}.o")))
         handles.append(block.mlp.register_forward_hook(save(f"L{m}.mlp")))
-    handles.append(base.layers[layer].input_layernorm.register_forward_pre_hook(
-        lambda module, args: captured.__setitem__("stream", args[0][0, where].double())))
-    handles.append(base.layers[layer].self_attn.register_forward_pre_hook(stop,
-                                                                          with_kwargs=True))
+    handles.append(
+        base.layers[layer].input_layernorm.register_forward_pre_hook(
+            lambda module, args: captured.__setitem__("stream", args[0][0, where].double())
+        )
+    )
+    handles.append(base.layers[layer].self_attn.register_forward_pre_hook(stop, with_kwargs=True))
     try:
         with contextlib.suppress(Stop):
             base(ids)
@@ -191,10 +193,10 @@ def main() -> int:
     T = ids.shape[1]
     assert ids[0, QUERY] == ids[0, K]
     peer = load_peer()
+    pair = (stack, ids, QUERY, KEY)
     fns = {
-        "qkv.why, checks=3": partial(stack_why, stack, ids, QUERY, KEY, layer=LAYER, head=HEAD),
-        "qkv.why, checks=0": partial(stack_why, stack, ids, QUERY, KEY, layer=LAYER, head=HEAD,
-                                     checks=0),  # fmt: skip
+        "qkv.why, checks=3": partial(stack_why, *pair, layer=LAYER, head=HEAD),
+        "qkv.why, checks=0": partial(stack_why, *pair, layer=LAYER, head=HEAD, checks=0),
         "hooks": partial(hook_terms, peer, ids, QUERY, KEY, LAYER, HEAD),
     }
     found, _ = fns["qkv.why, checks=3"](), fns["qkv.why, checks=0"]()
