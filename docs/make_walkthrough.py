@@ -320,7 +320,8 @@ for q, k, value in why.ranked(3):
             ),
             "The key's largest part by far is layer 16 head 0's, the strongest previous-token "
             "head: it carried the token before the key, which is the query's own token, into "
-            "the key. The query's largest is layer 0's MLP, which reads the token itself. The "
+            "the key (\u0120 is a space before a token). The query's largest is layer 0's MLP, "
+            "the first thing written into the query word after its embedding. The "
             "checks agree that both matter and disagree on how much: zeroing the query's layer "
             "0 MLP takes the weight to 0, but zeroing layer 16 head 0 at the key leaves about "
             "half of it, where the linear prediction leaves none: the rerun recomputes layers "
