@@ -237,8 +237,10 @@ import qkv
 
 minilm = qkv.load("minilm")
 why = qkv.why(minilm, "I sat by the river bank", "bank", "river", layer=2, head=11)
-print(f"score {why.score:.2f} (weight {why.weight:.2f}); {len(why.parts_q)} parts a side, "
-      f"{why.terms.numel()} terms summing to {why.total:.2f}")
+print(
+    f"score {why.score:.2f} (weight {why.weight:.2f}); {len(why.parts_q)} parts a side, "
+    f"{why.terms.numel()} terms summing to {why.total:.2f}"
+)
 for q, k, value in why.ranked(5):
     print(f"  {q:>8} x {k:<8} {value:+.2f}")
 for side in ("query", "key"):
@@ -256,11 +258,15 @@ for side in ("query", "key"):
             Python(
                 """\
 for c in why.carried:
-    print(f"{c.side} {c.part} {c.value:+.2f}: " + ", ".join(
-        f"{t!r} (weight {w:.2f}) {v:+.2f}" for t, i, w, v in c.words[:2]))
+    print(
+        f"{c.side} {c.part} {c.value:+.2f}: "
+        + ", ".join(f"{t!r} (weight {w:.2f}) {v:+.2f}" for t, i, w, v in c.words[:2])
+    )
 for c in why.checks:
-    print(f"{c.side} {c.part} zeroed: score {c.real_score:.2f} (linear {c.predicted_score:.2f}), "
-          f"weight {c.real_weight:.2f} (linear {c.predicted_weight:.2f})")
+    print(
+        f"{c.side} {c.part} zeroed: score {c.real_score:.2f} (linear {c.predicted_score:.2f}), "
+        f"weight {c.real_weight:.2f} (linear {c.predicted_weight:.2f})"
+    )
 """
             ),
         ],
@@ -310,8 +316,10 @@ spell = [smollm2.tokenizer.id_to_token(i) for i in ids[0].tolist()]
 query, key = n + 20, 21  # token 20 seen again; induction points at the token after it
 print(f"query {query} {spell[query]!r} (= token 20 {spell[20]!r}), key {key} {spell[key]!r}")
 why = stack_why(stack, ids, query, key, layer=layer, head=head, spell=spell, source="smollm2")
-print(f"L{layer}.H{head}: score {why.score:.2f}, weight {why.weight:.2f}; "
-      f"content {why.total - why.position:.2f}, position {why.position:.2f}")
+print(
+    f"L{layer}.H{head}: score {why.score:.2f}, weight {why.weight:.2f}; "
+    f"content {why.total - why.position:.2f}, position {why.position:.2f}"
+)
 for side in ("key", "query"):
     print(f"by {side} part: " + ", ".join(f"{p} {v:+.2f}" for p, v in why.by_part(side)[:4]))
 for q, k, value in why.ranked(3):
@@ -331,11 +339,15 @@ for q, k, value in why.ranked(3):
             Python(
                 """\
 for c in why.carried:
-    print(f"{c.side} {c.part} {c.value:+.2f}: " + ", ".join(
-        f"{t!r} at {i} (weight {w:.2f}) {v:+.2f}" for t, i, w, v in c.words[:2]))
+    print(
+        f"{c.side} {c.part} {c.value:+.2f}: "
+        + ", ".join(f"{t!r} at {i} (weight {w:.2f}) {v:+.2f}" for t, i, w, v in c.words[:2])
+    )
 for c in why.checks:
-    print(f"{c.side} {c.part} zeroed: score {c.real_score:.2f} (linear {c.predicted_score:.2f}), "
-          f"weight {c.real_weight:.2f} (linear {c.predicted_weight:.2f})")
+    print(
+        f"{c.side} {c.part} zeroed: score {c.real_score:.2f} (linear {c.predicted_score:.2f}), "
+        f"weight {c.real_weight:.2f} (linear {c.predicted_weight:.2f})"
+    )
 """
             ),
         ],
