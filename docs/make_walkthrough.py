@@ -1,8 +1,8 @@
 """Write docs/walkthrough.md: the article, section by section, with qkv's real output.
 
-Every block of output below a command is what that command prints, run by this script;
-tests/test_walkthrough.py runs it again and fails if the committed file differs, so the
-walkthrough can never go stale.
+Every block of output below a command (or a snippet of Python) is what it prints, run by this
+script; tests/test_walkthrough.py runs it again and fails if the committed file differs, so
+the walkthrough can never go stale.
 
     python docs/make_walkthrough.py [OUTPUT [RUNS]]   (default: docs/walkthrough.md; RUNS
                                                        keeps the training runs)
@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 SENTENCE = "The bank on the side of the river"
@@ -211,6 +212,149 @@ CROSS_ATTENTION = [
 ]
 
 
+@dataclass(frozen=True)
+class Python:
+    """A snippet of Python, run in its section's namespace (after the section's earlier
+    snippets); the walkthrough shows the code, then what it printed."""
+
+    code: str
+
+
+# `qkv.why` in Python: its command `qkv why` shows the same (docs/why.md)
+WHY = [
+    (
+        "Why does bank attend to river?",
+        "The weights say how much; `qkv.why` says why. The stream entering a layer is a sum of "
+        "parts (the token's embedding, its position's, each earlier head's output, each "
+        "earlier MLP's), and with each norm's scale held at its value in this forward pass the "
+        'query of "bank" and the key of "river" are sums over those parts: their score is a '
+        "grid of terms, one per (query part, key part), that adds up to it exactly. MiniLM's "
+        'layer 2 head 11 on a sentence where "river" comes just before "bank":',
+        [
+            Python(
+                """\
+import qkv
+
+minilm = qkv.load("minilm")
+why = qkv.why(minilm, "I sat by the river bank", "bank", "river", layer=2, head=11)
+print(
+    f"score {why.score:.2f} (weight {why.weight:.2f}); {len(why.parts_q)} parts a side, "
+    f"{why.terms.numel()} terms summing to {why.total:.2f}"
+)
+for q, k, value in why.ranked(5):
+    print(f"  {q:>8} x {k:<8} {value:+.2f}")
+for side in ("query", "key"):
+    print(f"by {side} part: " + ", ".join(f"{p} {v:+.2f}" for p, v in why.by_part(side)[:4]))
+"""
+            ),
+            "The largest term is the two words' positions (6 and 5): this head is MiniLM's "
+            "second previous-token head (after layer 0 head 2, `qkv heads`), and the learned "
+            "positions alone make much of the score. One level further, a head's part of a word "
+            'is what that head moved into it from other words: layer 0 head 2 put "river" '
+            "into bank's query and \"the\" into river's key. And each top part is removed for "
+            "real (its output zeroed at that word, the model rerun from its layer) beside the "
+            "linear prediction; they differ because MiniLM's LayerNorms rescale what is left, "
+            "and the later layers respond:",
+            Python(
+                """\
+for c in why.carried:
+    print(
+        f"{c.side} {c.part} {c.value:+.2f}: "
+        + ", ".join(f"{t!r} (weight {w:.2f}) {v:+.2f}" for t, i, w, v in c.words[:2])
+    )
+for c in why.checks:
+    print(
+        f"{c.side} {c.part} zeroed: score {c.real_score:.2f} (linear {c.predicted_score:.2f}), "
+        f"weight {c.real_weight:.2f} (linear {c.predicted_weight:.2f})"
+    )
+"""
+            ),
+        ],
+    ),
+    (
+        "SmolLM2's best induction head",
+        'An induction head completes a repeat: having seen "A B" once, at the second "A" it '
+        'attends to the "B" after the first. Its score needs the key "B" to know what came '
+        "before it, which an earlier previous-token head can write into it. SmolLM2 on 50 "
+        "random tokens repeated twice, every layer's weights read from its records:",
+        [
+            Python(
+                """\
+import torch
+
+import qkv
+from qkv.inspect.census import induction_ids, ordinary_ids
+
+smollm2 = qkv.load("smollm2")
+stack = smollm2.model  # a Decoder: 30 layers of 9 heads
+n = 50  # 50 random tokens, then the same 50 again
+ids = induction_ids(ordinary_ids(smollm2.tokenizer, stack.config.vocab_size), 1, n, seed=0)
+with torch.inference_mode():
+    records = stack(ids, layers="all").records  # every layer's q, k, v: weights on demand
+k = torch.arange(n - 1)
+induction, previous = {}, {}
+for m, record in records.items():
+    weights = record.weights()[0]  # (H, T, T)
+    for h in range(weights.shape[0]):
+        induction[m, h] = float(weights[h, n + k, k + 1].mean())  # x_k again -> x_k+1
+        previous[m, h] = float(weights[h, k + 1, k].mean())  # first half: the token before
+for name, scores in (("induction", induction), ("previous-token", previous)):
+    top = sorted(scores, key=scores.get, reverse=True)[:3]
+    print(f"{name:>14}: " + ", ".join(f"L{m}.H{h} {scores[m, h]:.2f}" for m, h in top))
+"""
+            ),
+            "The score of the best one, taken apart at the second occurrence of a token (the "
+            "query) and the token that followed its first occurrence (the key). Rotary "
+            "positions split the score into content (both words turned as if at the same "
+            "position) and position (the rest):",
+            Python(
+                """\
+from qkv.inspect.why import stack_why
+
+layer, head = max(induction, key=induction.get)
+spell = [smollm2.tokenizer.id_to_token(i) for i in ids[0].tolist()]
+query, key = n + 20, 21  # token 20 seen again; induction points at the token after it
+print(f"query {query} {spell[query]!r} (= token 20 {spell[20]!r}), key {key} {spell[key]!r}")
+why = stack_why(stack, ids, query, key, layer=layer, head=head, spell=spell, source="smollm2")
+print(
+    f"L{layer}.H{head}: score {why.score:.2f}, weight {why.weight:.2f}; "
+    f"content {why.total - why.position:.2f}, position {why.position:.2f}"
+)
+for side in ("key", "query"):
+    print(f"by {side} part: " + ", ".join(f"{p} {v:+.2f}" for p, v in why.by_part(side)[:4]))
+for q, k, value in why.ranked(3):
+    print(f"  {q:>7} x {k:<7} {value:+.2f}")
+"""
+            ),
+            "The key's largest part by far is layer 16 head 0's, the strongest previous-token "
+            "head: it carried the token before the key, which is the query's own token, into "
+            "the key (\u0120 is a space before a token). The query's largest is layer 0's MLP, "
+            "the first thing written into the query word after its embedding. The "
+            "checks agree that both matter and disagree on how much: zeroing the query's layer "
+            "0 MLP takes the weight to 0, but zeroing layer 16 head 0 at the key leaves about "
+            "half of it, where the linear prediction leaves none: the rerun recomputes layers "
+            "16 to 18, where layer 17 head 8 also carried the query's token into the key, and "
+            "RMSNorm's scale grows as a large part goes (the check does not say which does "
+            "more):",
+            Python(
+                """\
+for c in why.carried:
+    print(
+        f"{c.side} {c.part} {c.value:+.2f}: "
+        + ", ".join(f"{t!r} at {i} (weight {w:.2f}) {v:+.2f}" for t, i, w, v in c.words[:2])
+    )
+for c in why.checks:
+    print(
+        f"{c.side} {c.part} zeroed: score {c.real_score:.2f} (linear {c.predicted_score:.2f}), "
+        f"weight {c.real_weight:.2f} (linear {c.predicted_weight:.2f})"
+    )
+"""
+            ),
+        ],
+    ),
+]
+
+
 def run(args: list[str], folder: Path) -> str:
     """What `qkv ARGS` prints, run in `folder`: the command line's own code, in this process
     (a process of its own for each of the walkthrough's 17 commands would import torch and
@@ -228,6 +372,17 @@ def run(args: list[str], folder: Path) -> str:
     if result.exit_code != 0:
         raise SystemExit(f"{shown(args)} exited {result.exit_code}:\n{result.stderr}")
     return result.stdout.rstrip()
+
+
+def run_python(code: str, namespace: dict) -> str:
+    """What `code` prints, run in `namespace` in this process."""
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "<walkthrough>", "exec"), namespace)
+    return printed.getvalue().rstrip()
 
 
 def four_digits(value):
@@ -256,9 +411,14 @@ def sections(chosen, folder: Path) -> list[str]:
     parts = []
     for title, words, commands in chosen:
         parts += [f"## {title}", "", words, ""]
+        namespace: dict = {}  # a section's snippets share theirs, from the first on
         for item in [commands] if isinstance(commands[0], str) else commands:
             if isinstance(item, str):
                 parts += [item, ""]
+                continue
+            if isinstance(item, Python):
+                printed = run_python(item.code, namespace)
+                parts += ["```python", item.code.rstrip(), "```", "", "```", printed, "```", ""]
                 continue
             output = run(item, folder)
             if "--json" in item:
@@ -274,15 +434,15 @@ def walkthrough(folder: Path) -> str:
     parts = [
         "# The article, with a real model's numbers",
         "",
-        "Each section of `shared/seed/self-attention-article.txt`, with the qkv command that "
-        "shows it and that command's real output. Generated by `docs/make_walkthrough.py`; "
+        "Each section of `shared/seed/self-attention-article.txt`, with the qkv command (or "
+        "the Python) that shows it and its real output. Generated by `docs/make_walkthrough.py`; "
         "do not edit by hand. The sections that train a model show one run on a 2-core CPU: "
         "its seconds are that machine's, and its other digits can differ on another CPU "
         "(training adds up its round-off); tests/test_walkthrough.py checks what they claim.",
         "",
     ]
     parts += sections(SECTIONS[:2] + TRAINED + SECTIONS[2:], folder)
-    parts += sections(CROSS_ATTENTION + PARALLEL + CAUSAL, folder)
+    parts += sections(CROSS_ATTENTION + PARALLEL + CAUSAL + WHY, folder)
     return "\n".join(parts)
 
 

@@ -33,7 +33,8 @@ DOCS = REPO / "docs"
 SECTIONS = ("The algorithm", "Normalization", "Learned by training", "Multiple heads",
             "Multiple layers", "Tokens", "Position embeddings", "Cross-attention",
             "Parallel computation", "Asked causally: hide a word",
-            "Asked causally: hide the context")  # fmt: skip
+            "Asked causally: hide the context", "Why does bank attend to river?",
+            "SmolLM2's best induction head")  # fmt: skip
 TRAINED = ("Learned by training", "Cross-attention")
 
 
