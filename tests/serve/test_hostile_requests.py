@@ -229,9 +229,10 @@ SCHEMATHESIS = """
 expected-statuses = ["400", "413", "422"]
 
 [[operations]]
-# what no schema can say: a word of the text, a layer or head of the model chosen (the schema
-# gives the largest model's), one label per sentence
-include-path = ["/api/attention", "/api/trace", "/api/contributions", "/api/probe", "/api/hide"]
+# what no schema can say: a word of the text or a token position in it, a layer or head of the
+# model chosen (the schema gives the largest model's), one label per sentence
+include-path = ["/api/attention", "/api/trace", "/api/why", "/api/contributions", "/api/probe",
+                "/api/hide"]
 checks.positive_data_acceptance.expected-statuses = ["200", "422"]
 
 [[operations]]

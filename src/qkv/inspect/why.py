@@ -67,10 +67,11 @@ def encoded_why(
 ) -> Why:  # fmt: skip
     """`why` at token positions of an `Encoded` text, as a page knows a clicked pair: the same
     numbers as `why` of the words at those tokens. Its `query` and `key` are the words' names
-    ("bank#2") where the positions are words' first tokens, else the tokens'."""
+    ("bank#2") where the positions are words' first tokens, else the tokens'; its tokens are
+    spelled as people read them (`Encoded.pieces`: " river", not "Ġriver")."""
     stack = self_attention_stack(model, "qkv.why", source)
     found = stack_why(stack, torch.tensor([encoded.ids]), query_index, key_index, layer=layer,
-                      head=head, checks=checks, spell=list(encoded.tokens),
+                      head=head, checks=checks, spell=list(encoded.pieces or encoded.tokens),
                       source=source)  # fmt: skip
     named = {word.token_span[0]: word.name for word in encoded.words()}
     found.text = encoded.text
@@ -220,7 +221,8 @@ def _cross(pretrained, text, target, query, key, layer, head, top) -> Why:
     query_index = 1 + queries.find(query)[0]  # the decoder reads its start token first
     key_index = encoded.find(key)[0]
     found = cross_why(model, torch.tensor([encoded.ids]), targets, query_index, key_index,
-                      layer=layer, head=head, checks=top, spell=list(encoded.tokens),
+                      layer=layer, head=head, checks=top,
+                      spell=list(encoded.pieces or encoded.tokens),
                       query_spell=list(query_tokens), source=pretrained.source)  # fmt: skip
     found.text, found.query, found.key = text, query, key
     return found

@@ -63,9 +63,9 @@ ERRORS = {
         400: "the body is not JSON",
         413: "over a size limit: body, characters, tokens, sentences, weights or a region's "
         "size; `limit` names it",
-        422: "a value not allowed: empty text, unknown model or word, layer or head out of "
-        "range or repeated, an encoder asked to generate, a decoder's key hidden from a "
-        "query before it",
+        422: "a value not allowed: empty text, unknown model or word, a token position, layer "
+        "or head out of range or repeated, an encoder asked to generate, a decoder's key hidden "
+        "from a query before it",
         503: "the model is generating for another request for longer than the time limit, "
         "its census of heads or the long text asked about is still being computed, a long "
         "text was dropped (nobody asked about it for long_idle_s), or max_long_waiting long "
