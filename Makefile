@@ -43,9 +43,11 @@ $(CHROMIUM):
 	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 
 # two processes, each test file in one (pytest-xdist): the suite's subprocesses and model
-# loads leave a core idle in one process
+# loads leave a core idle in one process. Files are handed out in conftest's order, the
+# slowest first: xdist would otherwise reorder them by their count of tests, and a 120 s file
+# of 7 tests started last ran on alone
 test: $(STAMP) $(CHROMIUM)
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks docs
