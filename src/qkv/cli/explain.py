@@ -10,22 +10,18 @@ from typing import Annotated
 import typer
 
 from qkv.cli.errors import check_out, user_errors
-from qkv.cli.options import Backend, Model
+from qkv.cli.options import Backend, Json, KeyWord, Model, PairHead, PairLayer, QueryWord, Target
 
 
 def explain(
     text: str,
-    query: Annotated[str, typer.Option(help='the word getting context, e.g. bank or "bank#2"')],
-    key: Annotated[str, typer.Option(help="the word giving context")],
+    query: QueryWord,
+    key: KeyWord,
     model: Model = "minilm",
-    layer: Annotated[
-        int | None, typer.Option(help="counted from 0; default: where query attends most to key")
-    ] = None,
-    head: Annotated[int | None, typer.Option(help="counted from 0")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
-    target: Annotated[
-        str | None, typer.Option(help="encoder-decoder models: the decoder's text (query word)")
-    ] = None,
+    layer: PairLayer = None,
+    head: PairHead = None,
+    as_json: Json = False,
+    target: Target = None,
     backend: Backend = None,
 ) -> None:
     """The article's steps for QUERY getting context from KEY in TEXT, with real numbers."""
@@ -70,7 +66,7 @@ def probe(
     ] = None,
     model: Model = "minilm",
     out: Annotated[Path | None, typer.Option(help="write the similarity matrices as a PNG")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
+    as_json: Json = False,
     hide_context: Annotated[
         bool,
         typer.Option(

@@ -1,5 +1,5 @@
 """The options several verbs share, as typer types: the model, the backend, the layers and
-heads chosen, --json and a heatmap's PNG."""
+heads chosen, the pair of words `explain` and `why` take, --json and a heatmap's PNG."""
 
 from __future__ import annotations
 
@@ -17,3 +17,13 @@ Layers = Annotated[str | None, typer.Option(help="these layers only, e.g. 0,2,5 
 Heads = Annotated[str | None, typer.Option(help="these heads only, e.g. 0,2,5 or 0-3")]
 Json = Annotated[bool, typer.Option("--json", help="every number, as JSON")]
 Png = Annotated[Path | None, typer.Option(help="write a layer x head heatmap PNG")]
+# the pair of words `explain` and `why` read, and where
+QueryWord = Annotated[str, typer.Option(help='the word getting context, e.g. bank or "bank#2"')]
+KeyWord = Annotated[str, typer.Option(help="the word giving context")]
+PairLayer = Annotated[
+    int | None, typer.Option(help="counted from 0; default: where query attends most to key")
+]
+PairHead = Annotated[int | None, typer.Option(help="counted from 0")]
+Target = Annotated[
+    str | None, typer.Option(help="encoder-decoder models: the decoder's text (query word)")
+]

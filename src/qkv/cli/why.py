@@ -10,21 +10,17 @@ from typing import Annotated
 import typer
 
 from qkv.cli.errors import check_out, user_errors
-from qkv.cli.options import Backend, Json, Model
+from qkv.cli.options import Backend, Json, KeyWord, Model, PairHead, PairLayer, QueryWord, Target
 
 
 def why(
     text: str,
-    query: Annotated[str, typer.Option(help='the word getting context, e.g. bank or "bank#2"')],
-    key: Annotated[str, typer.Option(help="the word giving context")],
+    query: QueryWord,
+    key: KeyWord,
     model: Model = "minilm",
-    layer: Annotated[
-        int | None, typer.Option(help="counted from 0; default: where query attends most to key")
-    ] = None,
-    head: Annotated[int | None, typer.Option(help="counted from 0")] = None,
-    target: Annotated[
-        str | None, typer.Option(help="encoder-decoder models: the decoder's text (query word)")
-    ] = None,
+    layer: PairLayer = None,
+    head: PairHead = None,
+    target: Target = None,
     top: Annotated[int, typer.Option(help="terms listed, the largest first (--json too)")] = 10,
     checks: Annotated[
         int, typer.Option(help="top parts of each side removed for real and rerun (0: none)")
