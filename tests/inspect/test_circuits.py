@@ -247,6 +247,8 @@ def test_refusals_name_what_cannot_be_read_from_the_weights():
         qkv.circuits(tiny(decoder())).composition("x")
     with pytest.raises(ValueError, match="head 5 is out of range: layer 1 has 2 heads"):
         qkv.circuits(tiny(decoder())).head_circuit(1, 5)
+    with pytest.raises(ValueError, match="top must be a whole number from 1 to 1000"):
+        qkv.circuits(tiny(decoder())).head_circuit(1, 0, top=10**9)  # its candidates are held
 
 
 def test_words_of_a_pretrained_model_are_its_tokens():

@@ -32,6 +32,7 @@ from qkv.nn import RMSNorm
 from qkv.nn.position import Rotation
 
 _ROWS = 256  # query tokens per block of the QK table: (rows, V) float64 at a time (100 MB)
+TOP = 1000  # the most pairs (and copied tokens) a table keeps: its candidates are held
 DISTANCES = (0, 1, 2, 4, 8, 16, 32, 64, 128)  # where a rotary head's top pairs are read again
 
 
@@ -135,8 +136,9 @@ def _l2(attn, v: Tensor) -> Tensor:
 
 def head_circuit(stack, layer: int, head: int, top: int, spell, source: str) -> HeadCircuit:
     """`Circuits.head_circuit`: one head's token tables."""
-    if type(top) is not int or top < 1:
-        raise ValueError(f"top must be a whole number >= 1, got {top!r}")
+    if type(top) is not int or not 1 <= top <= TOP:
+        raise ValueError(f"top must be a whole number from 1 to {TOP}, got {top!r} (the "
+                         "candidates for the top are held: the bound bounds memory)")  # fmt: skip
     with torch.no_grad():
         return _head_circuit(stack, layer, head, top, spell, source)
 
