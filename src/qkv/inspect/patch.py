@@ -9,12 +9,13 @@ of a table resumed from the patched layer and batched (`qkv.inspect.runs`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from qkv.inspect.layer_heads import heads_per_layer, nan_grid
+from qkv.inspect.metrics import Metric
 from qkv.inspect.runs import (
     Token,
     batches,
@@ -28,67 +29,6 @@ from qkv.inspect.runs import (
 from qkv.models import Decoder
 from qkv.nn.edit import Edit
 from qkv.views import Shown
-
-
-@dataclass(frozen=True)
-class Metric:
-    """What a patched run is scored by, at the last position's next token.
-
-    kind "diff": log p(tokens[0]) - log p(tokens[1]) (the log-probability difference of two
-    tokens, e.g. " Mary" over " John"); "prob": p(tokens[0]).
-    A token is written as the model's tokenizer reads it: " Paris" (with its space) is
-    another token than "Paris".
-    """
-
-    kind: Literal["diff", "prob"]
-    tokens: tuple[str, ...]
-
-    def __post_init__(self):
-        counts = {"diff": 2, "prob": 1}
-        if self.kind not in counts:
-            raise ValueError(f"a metric is 'diff' or 'prob', got {self.kind!r}")
-        if len(self.tokens) != counts[self.kind]:
-            raise ValueError(
-                f"metric {self.kind!r} takes {counts[self.kind]} token(s), got {len(self.tokens)}"
-            )
-
-    @classmethod
-    def parse(cls, spec) -> Metric:
-        """A Metric, a ("diff", a, b) / ("prob", t) tuple, or text: "diff: Mary, John"
-        (tokens after the colon, split at commas, spaces kept: ' Mary' and ' John') or
-        "prob: Paris"."""
-        if isinstance(spec, Metric):
-            return spec
-        if isinstance(spec, tuple | list) and spec:
-            return cls(spec[0], tuple(spec[1:]))
-        if not isinstance(spec, str) or ":" not in spec:
-            raise ValueError(f"a metric is 'diff:TOKEN_A,TOKEN_B' or 'prob:TOKEN', got {spec!r}")
-        kind, _, rest = spec.partition(":")
-        return cls(kind.strip(), tuple(rest.split(",")))
-
-    def ids(self, tokenizer) -> list[int]:
-        found = []
-        for token in self.tokens:
-            encoded = tokenizer.encode(token, add_special_tokens=False)
-            if len(encoded.ids) != 1:
-                raise ValueError(
-                    f"the metric's token {token!r} is not one token of the vocabulary: it reads "
-                    f"as {list(encoded.tokens)}; give one of those, spaces as written"
-                )
-            found.append(encoded.ids[0])
-        return found
-
-    def score(self, logits: Tensor, ids: list[int]) -> Tensor:
-        """logits (…, vocab) -> the metric (…), float64."""
-        logprobs = logits.double().log_softmax(-1)
-        if self.kind == "diff":
-            return logprobs[..., ids[0]] - logprobs[..., ids[1]]
-        return logprobs[..., ids[0]].exp()
-
-    def __str__(self) -> str:
-        if self.kind == "diff":
-            return f"log p({self.tokens[0]!r}) - log p({self.tokens[1]!r})"
-        return f"p({self.tokens[0]!r})"
 
 
 @dataclass(repr=False)
@@ -132,11 +72,7 @@ class Patched(Shown):
             "corrupt_text": self.corrupt_text,
             "clean_tokens": self.clean_tokens,
             "corrupt_tokens": self.corrupt_tokens,
-            "metric": {
-                "kind": self.metric.kind,
-                "tokens": list(self.metric.tokens),
-                "text": str(self.metric),
-            },
+            "metric": self.metric.to_dict(),
             "clean": self.clean,
             "corrupt": self.corrupt,
             "heads": grid_dict(self.heads),

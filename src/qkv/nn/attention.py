@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from qkv.attention import attend_for_record, backend_names
+from qkv.nn import head_edits
 from qkv.nn.edit import Edit
 from qkv.nn.linear import linear, project
 from qkv.nn.norms import NormKind, make_norm
@@ -183,6 +184,13 @@ class MultiHeadAttention(nn.Module):
             q, k = self.q_norm(q), None if k is None else self.k_norm(k)
         return q, k
 
+    def normed_keys(self, k: Tensor) -> Tensor:
+        """Keys (B, S, Hkv*D) -> (B, Hkv, S, D), normalized where the model has a QK-norm."""
+        if self.qk_norm == "full":
+            k = self.k_norm(k)
+        k = self.split_heads(k, self.num_kv_heads)
+        return self.k_norm(k) if self.qk_norm == "head" else k
+
     def _fused_weights(self, part: slice) -> tuple[Tensor, Tensor | None]:
         bias = None if self.qkv.bias is None else self.qkv.bias[part]
         return self.qkv.weight[part], bias
@@ -219,6 +227,7 @@ class MultiHeadAttention(nn.Module):
         edit: Edit | None = None,
         record: bool = False,
         weights_into: Tensor | None = None,
+        head_inputs: dict[str, Tensor] | None = None,
     ) -> tuple[Tensor, AttentionRecord | None]:
         """Contextualize x; return (out (B, T, C), this call's AttentionRecord or None).
 
@@ -243,6 +252,9 @@ class MultiHeadAttention(nn.Module):
           scores on the "auto" or "eager" backend with no gradient to keep
           (`qkv.attention.eager.takes_into`); the record's `made` is then that tensor. A call
           that is not such leaves the tensor alone and records as without it.
+        head_inputs: {"q" | "k" | "v": (B, T, H, C)}, each query head's own input to its
+          query, key or value, already normalized (the block makes them from `edit`'s
+          q_input, k_input, v_input: `qkv.nn.head_edits`). Self-attention only.
         """
         if weights_into is not None and not record:
             raise ValueError("weights_into makes the weights a record keeps: pass record=True")
@@ -255,6 +267,13 @@ class MultiHeadAttention(nn.Module):
                 q, k, v = project(self.q, x), project(self.k, x), project(self.v, x)
             q, k = self._normed(q, k)  # (B, H, T, D), (B, Hkv, T, D)
             v = self.split_heads(v, self.num_kv_heads)
+            if head_inputs:
+                if cache is not None and ("k" in head_inputs or "v" in head_inputs):
+                    raise ValueError(
+                        "an edit of a head's key or value input splits the keys by query head, "
+                        "which a KV cache does not hold: run it without a cache"
+                    )
+                q, k, v = head_edits.from_head_inputs(self, head_inputs, q, k, v)
             turned_here = self.rotary is not None and rotation is None
             if positions is None and (self.temperature is not None or turned_here):
                 positions = positions_for(T, cache.length if cache else 0, x.device)
@@ -268,6 +287,9 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 k, v = cache.update(k, v)  # (B, Hkv, Tk, D), earlier tokens first
         else:  # cross-attention: queries from x, keys and values from the context
+            if head_inputs or (edit is not None and edit.per_head):
+                raise ValueError("edits of a head's own q, k, v, weights or inputs are for "
+                                 "self-attention; this is cross-attention")  # fmt: skip
             if cache is not None and cache.length:
                 q, _ = self._normed(self.queries(x), None)
                 k, v = cache.stored()  # the context does not change while decoding
@@ -282,6 +304,7 @@ class MultiHeadAttention(nn.Module):
             mask = padding if mask is None else mask & padding
         if edit is not None:
             mask = edit.mask(mask)
+            q, k, v = head_edits.swapped(edit, q, k, v)
         # a window and chunks apply to self-attention only (cross-attention reads the context)
         window = self.window if context is None else None
         chunk = self.chunk if context is None else None
@@ -308,8 +331,8 @@ class MultiHeadAttention(nn.Module):
                 chunk, start, query_scale,
                 output_gate=None if gate is None else self.split_heads(gate, self.num_heads),
             )  # fmt: skip
-        if edit is not None:
-            out = edit.head_outputs(out)
+        if edit is not None:  # the record keeps what attend returned; the edits come after
+            out = edit.head_outputs(head_edits.with_weights(edit, out, v))
         concatenated = out.transpose(1, 2).reshape(B, T, -1)  # heads side by side (B, T, H*D)
         if gate is not None:  # after an edit: the gate is the layer's, not the head's
             concatenated = concatenated * gate

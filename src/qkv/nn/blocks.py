@@ -10,7 +10,7 @@ run attention and the MLP side by side on the same input (`parallel`: GPT-NeoX).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from torch import Tensor, nn
@@ -184,6 +184,20 @@ class _Block(nn.Module):
         """What a sublayer reads: x normalized (pre-norm), or x itself."""
         return norm(x) if self.position == "pre" else x
 
+    def head_inputs(self, x: Tensor, edit: Edit | None) -> dict:
+        """The attention's `head_inputs` keyword where `edit` adds to a head's own input
+        (q_input, k_input, v_input: (B, T, H, C)): x plus each, through the attention's norm,
+        one input per head; {} otherwise. A layer that computes no head apart refuses."""
+        if edit is None or not edit.inputs:
+            return {}
+        if not isinstance(self.attn, MultiHeadAttention):
+            edit.refuse_per_head(type(self.attn).__name__)
+        made = {
+            name: self.sublayer_input(x[:, :, None, :] + add.to(x.dtype), self.attn_norm)
+            for name, add in edit.inputs.items()
+        }  # (B, T, H, C) each
+        return {"head_inputs": made}
+
     def residual(
         self, x: Tensor, out: Tensor, norm: nn.Module | None, out_norm: nn.Module | None = None
     ) -> Tensor:
@@ -199,23 +213,26 @@ class _Block(nn.Module):
     ) -> Tensor:
         """The MLP's part of the block. A parallel block passes its input x and attention's
         output `attended`, not yet added: both sub-layers read x and add to it. edit: its
-        `mlp` zeroes the MLP's output at those positions."""
+        `mlp` replaces the MLP's output at those positions."""
         return self.feed_forward_recorded(x, attended, edit=edit)[0]
 
     def feed_forward_recorded(
         self, x: Tensor, attended: Tensor | None = None, record: bool = False,
         edit: Edit | None = None,
-    ) -> tuple[Tensor, ExpertRecord | None]:  # fmt: skip
-        """`feed_forward`, and the experts' record where the MLP is a mixture of experts and
-        `record` asks for it (None otherwise)."""
+    ) -> tuple[Tensor, ExpertRecord | None, Tensor]:  # fmt: skip
+        """`feed_forward`, the experts' record where the MLP is a mixture of experts and
+        `record` asks for it (None otherwise), and the MLP's output (B, T, C) as it joins the
+        stream (after its out-norm, where the block has one)."""
         if self.parallel:
             mlp, kept = self._mlp(self.mlp_norm(x), record)
             mlp = mlp if edit is None else edit.mlp_output(mlp)
-            return x + self.dropout(attended) + self.dropout(mlp), kept
+            return x + self.dropout(attended) + self.dropout(mlp), kept, mlp
         h = self.sublayer_input(x, self.mlp_norm)
         mlp, kept = self._mlp(h, record)
         mlp = mlp if edit is None else edit.mlp_output(mlp)
-        return self.residual(x, mlp, self.mlp_norm, self.mlp_out_norm), kept
+        if self.mlp_out_norm is not None:
+            mlp = self.mlp_out_norm(mlp)
+        return self.residual(x, mlp, self.mlp_norm), kept, mlp
 
     def _mlp(self, h: Tensor, record: bool) -> tuple[Tensor, ExpertRecord | None]:
         if isinstance(self.mlp, MoE):
@@ -257,12 +274,16 @@ class EncoderBlock(_Block):
         else:
             attended, kept = self.attn(
                 h, mask=mask, rotation=rotation, bias=bias, edit=edit, record=record,
-                weights_into=weights_into,
+                weights_into=weights_into, **self.head_inputs(x, edit),
             )  # fmt: skip
         if self.parallel:
-            return _edited(self.feed_forward(x, attended, edit), edit), kept
-        x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
-        return _edited(self.feed_forward(x, edit=edit), edit), kept
+            x, _, mlp = self.feed_forward_recorded(x, attended, edit=edit)
+            return _edited(x, edit), _sublayers(kept, attended, mlp)
+        if self.attn_out_norm is not None:
+            attended = self.attn_out_norm(attended)
+        x = self.residual(x, attended, self.attn_norm)
+        x, _, mlp = self.feed_forward_recorded(x, edit=edit)
+        return _edited(x, edit), _sublayers(kept, attended, mlp)
 
 
 class DecoderBlock(_Block):
@@ -314,12 +335,15 @@ class DecoderBlock(_Block):
         attended, kept = self.attn(
             h, key_padding_mask=key_padding_mask, causal=True, rotation=rotation,
             positions=positions, cache=cache, bias=bias, edit=edit, record=record,
-            weights_into=weights_into,
+            weights_into=weights_into, **self.head_inputs(x, edit),
         )  # fmt: skip
         if self.parallel:
-            x, experts = self.feed_forward_recorded(x, attended, record, edit)
-            return _edited(x, edit), kept, None, experts
-        x = self.residual(x, attended, self.attn_norm, self.attn_out_norm)
+            x, experts, mlp = self.feed_forward_recorded(x, attended, record, edit)
+            return _edited(x, edit), _sublayers(kept, attended, mlp), None, experts
+        if self.attn_out_norm is not None:
+            attended = self.attn_out_norm(attended)
+        x = self.residual(x, attended, self.attn_norm)
+        attn_out = attended
         kept_cross = None
         if self.cross_attn is not None:
             if context is None:
@@ -330,8 +354,13 @@ class DecoderBlock(_Block):
                 record=record_cross,
             )  # fmt: skip
             x = self.residual(x, attended, self.cross_norm, self.cross_out_norm)
-        x, experts = self.feed_forward_recorded(x, record=record, edit=edit)
-        return _edited(x, edit), kept, kept_cross, experts
+        x, experts, mlp = self.feed_forward_recorded(x, record=record, edit=edit)
+        return _edited(x, edit), _sublayers(kept, attn_out, mlp), kept_cross, experts
+
+
+def _sublayers(kept: AttentionRecord | None, attn_out: Tensor, mlp_out: Tensor):
+    """The record with what its block's attention and MLP added to the stream (B, T, C)."""
+    return None if kept is None else replace(kept, attn_out=attn_out, mlp_out=mlp_out)
 
 
 def _edited(x: Tensor, edit: Edit | None) -> Tensor:

@@ -185,6 +185,8 @@ class GatedDeltaNet(nn.Module):
         v = v.view(B, T, c.heads, c.value_size).transpose(1, 2)  # (B, H, T, Dv)
         beta = torch.sigmoid(project(self.write, x).float()).transpose(1, 2)  # (B, H, T)
         decay = self._decay(x)  # (B, H, T) or (B, H, T, Dk), float32
+        if edit is not None:
+            edit.refuse_per_head("a linear-attention layer (Gated DeltaNet)")
         allowed = None if edit is None else edit.mask(None)
         state = None if cache is None else cache.state
         remembered = delta_rule(q, k, v, beta=beta, decay=decay, state=state, mask=allowed,

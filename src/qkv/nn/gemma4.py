@@ -173,6 +173,7 @@ class Gemma4Attention(MultiHeadAttention):
         if key_padding_mask is not None:
             mask = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, Tk)
         if edit is not None:
+            edit.refuse_per_head("a Gemma 4 attention layer")
             mask = edit.mask(mask)
         attended = attend_for_record(
             q, k, v, mask=mask, causal=True, scale=self.scale, window=self.window,

@@ -328,6 +328,7 @@ class LatentAttention(nn.Module):
             padding = key_padding_mask.to(torch.bool)[:, None, None, :]  # (B, 1, 1, Tk)
             mask = padding if mask is None else mask & padding
         if edit is not None:
+            edit.refuse_per_head("latent attention (LatentAttention)")
             mask = edit.mask(mask)
         attended = attend_for_record(
             q, k, v, mask=mask, causal=causal, scale=self.scale, bias=bias, backend=self.backend,

@@ -97,6 +97,10 @@ class AttentionRecord:
     # the output projection (Qwen3.5's and Qwen3-Next's output gate, sigmoid(x W_g)); `out` is
     # before it
     output_gate: Tensor | None = None
+    # (B, T, C) each, kept by the block that holds this layer: what its attention (after the
+    # output projection and any out-norm) and its MLP added to the residual stream
+    attn_out: Tensor | None = None
+    mlp_out: Tensor | None = None
 
     @property
     def shape(self) -> Shape:
