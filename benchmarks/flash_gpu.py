@@ -260,27 +260,40 @@ def main() -> int:
     for shape in shapes(args):
         result = check_full_size(shape, device, runs)
         full_checks.append(result)
-        print(f"check full size {shape}: {result['errors']} {'ok' if result['pass'] else 'FAILED'}")
+        print(f"check full size {shape}: {result['errors']} {'ok' if result['pass'] else 'FAILED'}",
+              flush=True)  # fmt: skip
     passed = all(c["pass"] for c in case_checks + full_checks)
     if not passed:
         print("correctness checks FAILED: not timing", file=sys.stderr)
 
-    rows = [time_shape(shape, device, runs) for shape in shapes(args)] if passed else []
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
+    out = args.out or (
+        None if args.dry_run else ROOT / "benchmarks" / "results" / f"flash_gpu_{slug}.json"
+    )
+
+    def save(rows: list, regions: list) -> None:
+        """The JSON so far: written after every timed shape, so a run cut off by a lease's
+        end keeps what it measured."""
+        if out is None:
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result = {"device": device_name, **versions, "checks": case_checks}
+        result |= {"full_size": full_checks, "rows": rows, "fastest": regions, "passed": passed}
+        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    rows: list[dict] = []
+    for shape in shapes(args) if passed else []:
+        rows.append(time_shape(shape, device, runs))
+        print(table(rows[-1:], list(runs)).splitlines()[-1], flush=True)
+        save(rows, [])
     if rows:
         print(table(rows, list(runs)))
     regions = fastest_regions(rows, device_name)
     print("qkv fastest both ways at:" if regions else "qkv fastest both ways at: no shape")
     for line in regions:
         print("  " + line)
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-")
-    out = args.out or (
-        None if args.dry_run else ROOT / "benchmarks" / "results" / f"flash_gpu_{slug}.json"
-    )
+    save(rows, regions)
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        result = {"device": device_name, **versions, "checks": case_checks}
-        result |= {"full_size": full_checks, "rows": rows, "fastest": regions, "passed": passed}
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
         print(f"wrote {out}")
     return 0 if passed else 1
 
