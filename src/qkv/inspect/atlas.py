@@ -118,8 +118,9 @@ class Atlas(Shown):
             "layer_windows": list(self.layer_windows),
             "stats": {name: _listed(self.stats[name]) for name in STATS},
             "counts": {name: _listed(self.counts[name]) for name in STATS},
-            "examples": [[[e.to_dict() for e in head] for head in layer]
-                         for layer in self.examples],  # fmt: skip
+            "examples": [
+                [[e.to_dict() for e in head] for head in layer] for layer in self.examples
+            ],
             "contexts": {str(w): self.contexts[w] for w in sorted(self.contexts)},
         }
 
@@ -272,7 +273,7 @@ class Tally:
 
     def _examples(self, layer: int, W: Tensor, group: list, top: int) -> None:
         """Merge each head's best queries of these windows into its top list."""
-        B, H, T, _ = W.shape
+        H, T = W.shape[1], W.shape[2]
         if T < 2:
             return
         best, at = W[:, :, 1:, 1:].max(-1)  # (B, H, T-1): largest weight on a key >= 1
@@ -348,7 +349,7 @@ def _resumed(state: Path, named: dict) -> Tally:
     try:
         data = torch.load(state, weights_only=True)
         was = data["named"]
-    except Exception as error:  # noqa: BLE001 - any unreadable state is the same answer
+    except Exception as error:  # any unreadable state gets the same answer
         raise ValueError(f"{state} is not an atlas state qkv can read ({type(error).__name__}); "
                          "give a new --out folder") from None  # fmt: skip
     if was != named:

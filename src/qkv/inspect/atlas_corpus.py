@@ -75,8 +75,10 @@ def _jsonl_documents(path: Path) -> Iterator[Iterator[str]]:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"line {number} of {path} is not JSON ({error.msg}); a .jsonl "
-                             'corpus has one object per line, e.g. {"text": "..."}') from None  # fmt: skip
+            raise ValueError(
+                f"line {number} of {path} is not JSON ({error.msg}); a .jsonl corpus has one "
+                'object per line, e.g. {"text": "..."}'
+            ) from None
         if not isinstance(value, dict) or not isinstance(value.get("text"), str):
             raise ValueError(
                 f'line {number} of {path} has no "text" string; each line of a .jsonl corpus '

@@ -79,7 +79,7 @@ def write_atlas(found: Atlas, out: Path) -> None:
     def pages(staging: Path) -> None:
         for layer, heads in enumerate(found.examples):
             for head, examples in enumerate(heads):
-                for rank, example in enumerate(examples):
+                for rank in range(len(examples)):
                     name = example_page_name(layer, head, rank).removeprefix("examples/")
                     (staging / name).write_bytes(example_page(found, layer, head, rank))
 
