@@ -13,8 +13,8 @@ from qkv.attention import attend, explain_choice
 from qkv.version import __version__
 
 __all__ = [
-    "Pretrained", "__version__", "ablate", "attend", "circuits", "explain_choice", "heads", "hide",
-    "lens", "load", "patch", "trace",
+    "Pretrained", "__version__", "ablate", "atlas", "attend", "circuits", "explain_choice", "heads",
+    "hide", "lens", "load", "patch", "trace",
 ]  # fmt: skip
 
 # The public names past `attend`, each in the module that defines it: a model loaded with its
@@ -24,7 +24,7 @@ _DEFINED_IN = {
     "load": "qkv.pretrained", "Pretrained": "qkv.pretrained", "trace": "qkv.inspect.trace",
     "hide": "qkv.inspect.hide", "ablate": "qkv.inspect.ablate", "patch": "qkv.inspect.patch",
     "lens": "qkv.inspect.lens", "heads": "qkv.inspect.census", "why": "qkv.inspect.why",
-    "circuits": "qkv.inspect.circuits",
+    "circuits": "qkv.inspect.circuits", "atlas": "qkv.viz.atlas",
 }  # fmt: skip
 
 # How each result of qkv.inspect shows itself (`repr`, and `_repr_html_` in a notebook): the
@@ -35,6 +35,7 @@ views.DRAWN_BY.update(
     | {name: "qkv.viz.notebook_interventions"
        for name in ("ablated", "census", "hidden", "lens", "patched")}
     | {"why": "qkv.viz.notebook_why", "circuits": "qkv.viz.notebook_circuits"}
+    | {"atlas": "qkv.viz.notebook_atlas"}
 )  # fmt: skip
 
 
