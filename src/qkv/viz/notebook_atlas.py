@@ -64,4 +64,3 @@ def atlas_html(found) -> str:
                  "<th>head</th><th>value</th><th>context, query in bold</th><th>key</th></tr>"
                  f"{''.join(rows)}</table>")  # fmt: skip
     return wrapped("".join(parts))
-
