@@ -29,7 +29,7 @@ that never stopped: batches are fixed runs of windows, so every sum is added in 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -42,10 +42,11 @@ from qkv.inspect.census import _listed, _records, _weights, _window_use
 from qkv.inspect.layer_heads import heads_per_layer, nan_grid
 from qkv.io.files import write_atomically
 from qkv.models import self_attention_stack
+from qkv.nn.record import AttentionRecord
 from qkv.views import Shown
 
 STATS = ("entropy", "sink", "previous_token", "induction", "distance", "window_use", "self")
-FORMAT = 1  # the state's and atlas.json's layout; a state of another is refused
+FORMAT = 2  # the state's and atlas.json's layout; a state of another is refused
 BEFORE, AFTER = 8, 4  # tokens kept before and after an example's query and key
 
 
@@ -236,25 +237,31 @@ class Tally:
                    [[[] for _ in range(H)] for H in counts], {}, [None] * L)  # fmt: skip
 
     def add(self, stack, group: list[tuple[int, list[int]]], top: int) -> None:
-        """One forward over windows of one length, their queries added to every sum."""
+        """One forward over windows of one length, their queries added to every sum. Each
+        layer's (B, H, T, T) weights are made, read and dropped before the next layer runs;
+        the sums over keys are matrix products, and the entropy is taken in place, so what is
+        held beside the weights is one (B, H) row of sums at a time."""
         ids = torch.tensor([window for _, window in group])  # (B, T)
         B, T = ids.shape
         self.tokens += B * T
         position = torch.arange(T)
         distance = (position[:, None] - position[None]).abs().double()  # (T, T)
-        after = _after_earlier(ids)[:, 1:]  # (B, T-1, T) the keys induction reads
-        has_earlier = after.any(-1)  # (B, T-1)
+        distance[0] = 0  # query 0 is not counted (its row, in an encoder, is not zero)
+        distance = distance.reshape(T * T, 1)  # (T*T, 1)
+        after = _after_earlier(ids)  # (B, T, T) the keys induction reads; none for query 0
+        earlier = int(after[:, 1:].any(-1).sum())
+        after = after.double().reshape(B, T * T, 1)  # (B, T*T, 1)
         queries = B * (T - 1)
-        for layer, record in sorted(_records(stack, ids).items()):
+        for layer, record in _each_record(stack, ids):
             W = _weights(record)  # (B, H, T, T) float64
             self.layer_windows[layer] = record.window
-            rows = W[:, :, 1:]  # (B, H, T-1, T): queries 1..T-1
+            H = W.shape[1]
+            flat = W.reshape(B, H, T * T)  # (B, H, T*T)
             added = {
-                "entropy": (-torch.special.xlogy(rows, rows).sum((0, 2, 3)), queries),
-                "sink": (rows[..., 0].sum((0, 2)), queries),
+                "sink": (W[:, :, 1:, 0].sum((0, 2)), queries),
                 "previous_token": (W.diagonal(-1, -2, -1).sum((0, 2)), queries),
-                "induction": ((rows * after[:, None]).sum((0, 2, 3)), has_earlier.sum()),
-                "distance": ((rows * distance[1:]).sum((0, 2, 3)), queries),
+                "induction": (torch.bmm(flat, after).sum((0, 2)), earlier),  # (B, H, 1) summed
+                "distance": ((flat @ distance).sum((0, 2)), queries),
                 "self": (W.diagonal(0, -2, -1)[..., 1:].sum((0, 2)), queries),
             }
             if record.window is not None:
@@ -262,38 +269,44 @@ class Tally:
                 use = [_window_use(W[b], allowed[b if allowed.shape[0] > 1 else 0])
                        for b in range(B)]  # fmt: skip
                 added["window_use"] = (sum(u for u, _ in use), sum(c for _, c in use))
-            own = slice(0, W.shape[1])
-            for name, (total, counted) in added.items():
-                self.sums[name][layer, own] += total
-                self.counts[name][layer, own] += counted
+            del record
             self._examples(layer, W, group, top)
+            rows = W[:, :, 1:]  # (B, H, T-1, T): queries 1..T-1
+            added["entropy"] = (-rows.xlogy_(rows).sum((0, 2, 3)), queries)  # W is spent
+            del W, flat, rows
+            for name, (total, counted) in added.items():
+                self.sums[name][layer, :H] += total
+                self.counts[name][layer, :H] += counted
         held = {e.window for layer in self.examples for head in layer for e in head}
         self.window_ids.update((w, ids) for w, ids in group if w in held)
         self.window_ids = {w: self.window_ids[w] for w in sorted(held)}
 
     def _examples(self, layer: int, W: Tensor, group: list, top: int) -> None:
-        """Merge each head's best queries of these windows into its top list."""
+        """Merge each head's best queries of these windows into its top list; a query below
+        a full list's last is never made an example."""
         H, T = W.shape[1], W.shape[2]
         if T < 2:
             return
         best, at = W[:, :, 1:, 1:].max(-1)  # (B, H, T-1): largest weight on a key >= 1
-        flat = best.transpose(0, 1).reshape(H, -1)  # (H, B*(T-1)), windows then queries
-        order = flat.argsort(dim=-1, descending=True, stable=True)[:, :top]  # (H, top)
-        for head in range(H):
-            new, row_of = [], {}  # row_of: a new example's id -> its window's row here
-            for n in order[head].tolist():
+        best = best.transpose(0, 1).reshape(H, -1)  # (H, B*(T-1)), windows then queries
+        at = at.transpose(0, 1).reshape(H, -1)
+        order = best.argsort(dim=-1, descending=True, stable=True)[:, :top]  # (H, top)
+        weights, keys = best.gather(1, order).tolist(), at.gather(1, order).tolist()
+        for head, held in enumerate(self.examples[layer]):
+            floor = held[-1].weight if len(held) >= top else -math.inf
+            new = []
+            for n, weight, key in zip(order[head].tolist(), weights[head], keys[head],
+                                      strict=True):  # fmt: skip
+                if weight < floor:
+                    break
                 b, query = divmod(n, T - 1)
-                key = int(at[b, head, query]) + 1
-                found = Example(float(flat[head, n]), group[b][0], query + 1, key,
-                                _context(T, query + 1, key))  # fmt: skip
+                found = Example(weight, group[b][0], query + 1, key + 1,
+                                _context(T, query + 1, key + 1))  # fmt: skip
+                shown = torch.tensor(found.positions)
+                found.weights = W[b, head][shown][:, shown].float()  # (n, n)
                 new.append(found)
-                row_of[id(found)] = b
-            kept = sorted(self.examples[layer][head] + new, key=Example.order)[:top]
-            for e in kept:
-                if e.weights is None:  # new: its context's weights, from this batch
-                    shown = torch.tensor(e.positions)
-                    e.weights = W[row_of[id(e)], head][shown][:, shown].float()  # (n, n)
-            self.examples[layer][head] = kept
+            if new:
+                self.examples[layer][head] = sorted(held + new, key=Example.order)[:top]
 
     def atlas(self, pretrained, named: dict, total: int) -> Atlas:
         means = {name: torch.where(self.counts[name] > 0, self.sums[name] / self.counts[name],
@@ -307,6 +320,21 @@ class Tally:
             counts={name: self.counts[name].clone() for name in STATS},
             examples=self.examples, contexts=pieces,
         )  # fmt: skip
+
+
+def _each_record(stack, ids: Tensor) -> Iterator[tuple[int, AttentionRecord]]:
+    """(layer, record) of each layer in turn, from a forward run a layer at a time (each
+    resumed from the last one's output), so that one layer's record is held at a time, not
+    every layer's; a stack whose layers read an earlier layer's keys (Gemma 4's) runs whole."""
+    L = stack.config.num_layers
+    if any(getattr(stack, "resume_from", lambda n: n)(n) != n for n in range(L)):
+        yield from sorted(_records(stack, ids).items())
+        return
+    x = None
+    for layer in range(L):
+        out = stack(ids, layers=[layer], resume=None if x is None else (layer, x), stop=layer + 1)
+        x = out.hidden  # (B, T, C): the next layer's input
+        yield layer, out.records.pop(layer)
 
 
 def _after_earlier(ids: Tensor) -> Tensor:
