@@ -26,7 +26,7 @@ def test_atlas_writes_its_folder_and_refuses_bad_input(tmp_path, monkeypatch):
     assert done.stdout.startswith(f"wrote {out} (")
     data = json.loads((out / "atlas.json").read_text())
     assert data["options"]["window"] == 8 and len(data["examples"][1][0]) == 2
-    assert (out / "index.html").is_file() and (out / "examples" / "L1H0-1.html").is_file()
+    assert (out / "index.html").is_file() and (out / "examples" / "L1.js").is_file()
 
     (tmp_path / "bad.jsonl").write_text('{"text": 3}\n')
     for args, message in (

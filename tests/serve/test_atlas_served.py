@@ -21,10 +21,12 @@ def test_the_server_shows_the_atlas_it_started_with_and_nothing_else(tmp_path):
     with TestClient(create_app({"tiny": model}, atlas=folder)) as client:
         page = client.get("/atlas/")
         assert page.status_code == 200 and page.content == (folder / "index.html").read_bytes()
-        example = client.get("/atlas/examples/L0H1-0.html")
-        assert example.content == (folder / "examples" / "L0H1-0.html").read_bytes()
+        for name, media in (("example.html", "text/html"), ("L0.js", "text/javascript")):
+            example = client.get(f"/atlas/examples/{name}")
+            assert example.content == (folder / "examples" / name).read_bytes()
+            assert example.headers["content-type"].startswith(media)
         assert client.get("/api/atlas").json() == json.loads((folder / "atlas.json").read_text())
-        for path in ("/atlas/examples/..%2F..%2Fsecret.txt", "/atlas/examples/L9H9-0.html",
+        for path in ("/atlas/examples/..%2F..%2Fsecret.txt", "/atlas/examples/L9.js",
                      "/atlas/atlas-state.pt"):  # fmt: skip
             assert client.get(path).status_code == 404, path
     with pytest.raises(ValueError, match="has no index.html and atlas.json"):

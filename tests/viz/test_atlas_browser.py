@@ -47,10 +47,28 @@ def test_the_atlas_page_sorts_filters_and_opens_an_example(tmp_path):
             assert page.locator("tr.head").count() == 1
             page.locator("tr.head a.example").first.click()
             page.wait_for_function("window.qkvReady === true", timeout=20_000)
-            assert page.url.endswith("/examples/L0H1-0.html")
+            assert page.url.endswith("/examples/example.html#L0H1-0")
             assert page.locator("#layer option").count() == 1
             title = page.inner_text("h1")
+            shown = page.eval_on_selector_all("#tokens .token", "bs => bs.map(b => b.textContent)")
+            page.wait_for_function("document.querySelectorAll('#row li').length > 0")
+            row = page.eval_on_selector_all(
+                "#row li", "items => items.map(li => [Number(li.dataset.k), Number(li.dataset.w)])"
+            )
+            page.goto((folder / "examples" / "example.html").as_uri() + "#L1H0-1")
+            page.wait_for_function("window.qkvReady === true", timeout=20_000)
+            second = page.inner_text("h1")
+            page.goto((folder / "examples" / "example.html").as_uri() + "#L7H0-0")
+            missing = page.inner_text("h1")
         finally:
             browser.close()
-    assert title.startswith("L0 H1 example 1:")
+    assert title.startswith("L0 H1 example 1:") and second.startswith("L1 H0 example 2:")
+    assert missing.startswith("No example #L7H0-0 in this atlas")
+    e = found.examples[0][1][0]
+    pieces = found.contexts[e.window]
+    assert [t.removeprefix("… ") for t in shown] == [pieces[at] for at in e.positions]
+    query = e.positions.index(e.query)
+    for key, weight in row:  # the query's row, as the page lists it: the model's own numbers
+        assert weight == float(e.weights[query, key])
+    assert max(weight for _, weight in row) == float(e.weights[query].max())
     assert outside == []

@@ -1,5 +1,6 @@
-"""An atlas folder (`qkv atlas`'s), served read-only: the page at /atlas/, each example's
-attention page at /atlas/examples/NAME, the numbers at /api/atlas.
+"""An atlas folder (`qkv atlas`'s), served read-only: the page at /atlas/, the examples'
+attention page and their data at /atlas/examples/NAME (example.html, L{layer}.js), the numbers
+at /api/atlas.
 
 The folder is given when the server starts, and its files are listed then: a request names
 one of those files, and anything else is a 404. No path is ever read from a request.
@@ -13,7 +14,8 @@ from pathlib import Path
 from fastapi import APIRouter, HTTPException
 from fastapi.responses import FileResponse, RedirectResponse
 
-EXAMPLE = re.compile(r"L\d+H\d+-\d+\.html")
+EXAMPLE = re.compile(r"example\.html|L\d+\.js")  # the page, and each layer's data
+MEDIA = {".html": "text/html", ".js": "text/javascript"}
 
 
 def atlas_router(folder: str | Path) -> APIRouter:
@@ -38,8 +40,8 @@ def atlas_router(folder: str | Path) -> APIRouter:
     @router.get("/atlas/examples/{name}", include_in_schema=False)
     async def example(name: str):
         if name not in pages:
-            raise HTTPException(404, f"this atlas has no example page {name!r}")
-        return FileResponse(str(pages[name]), media_type="text/html")
+            raise HTTPException(404, f"this atlas has no example file {name!r}")
+        return FileResponse(str(pages[name]), media_type=MEDIA[pages[name].suffix])
 
     @router.get("/api/atlas", summary="The atlas this server was started with (atlas.json)")
     async def numbers_of():

@@ -8,8 +8,9 @@ The folder (docs/atlas.md):
 - atlas.json: every head's statistics and top examples, the model, the corpus's fingerprint,
   the token count (`Atlas.to_dict`, each example with its "page");
 - index.html: the page that sorts and filters the heads (`qkv.viz.atlas_page`);
-- examples/L{layer}H{head}-{rank}.html: each example as the usual attention page, the head's
-  real weights among the tokens around its query and key;
+- examples/example.html#L{layer}H{head}-{rank}: each example as the usual attention page, the
+  head's real weights among the tokens around its query and key; the page's code is written
+  once, each layer's examples' data in examples/L{layer}.js (`qkv.viz.atlas_examples`);
 - atlas-state.pt: the running sums, so that the same call, run again, resumes.
 
 The state is written as the corpus is read; the other files when it has all been read, each
@@ -25,8 +26,8 @@ from pathlib import Path
 
 from qkv.inspect.atlas import Atlas, survey
 from qkv.io.files import write_atomically, write_folder_atomically
+from qkv.viz.atlas_examples import PAGE, example_address, example_page, layer_file, layer_script
 from qkv.viz.atlas_page import atlas_page
-from qkv.viz.report import render_page
 
 STATE = "atlas-state.pt"
 WRITTEN = ("atlas.json", "index.html", "examples", STATE)
@@ -69,58 +70,26 @@ def check_atlas_folder(out: str | Path) -> Path:
     return out
 
 
-def example_page_name(layer: int, head: int, rank: int) -> str:
-    return f"examples/L{layer}H{head}-{rank}.html"
-
-
 def write_atlas(found: Atlas, out: Path) -> None:
-    """The atlas's files in `out`: its example pages, atlas.json and index.html."""
+    """The atlas's files in `out`: examples/ (example.html and a data file per layer),
+    atlas.json and index.html."""
 
     def pages(staging: Path) -> None:
-        for layer, heads in enumerate(found.examples):
-            for head, examples in enumerate(heads):
-                for rank in range(len(examples)):
-                    name = example_page_name(layer, head, rank).removeprefix("examples/")
-                    (staging / name).write_bytes(example_page(found, layer, head, rank))
+        if any(examples for heads in found.examples for examples in heads):
+            (staging / PAGE).write_bytes(example_page(found))
+        for layer in range(len(found.examples)):
+            (staging / layer_file(layer)).write_bytes(layer_script(found, layer))
 
     write_folder_atomically(out / "examples", pages, replace=True)
     data = found.to_dict()
     for layer, heads in enumerate(data["examples"]):
         for head, examples in enumerate(heads):
             for rank, example in enumerate(examples):
-                example["page"] = example_page_name(layer, head, rank)
+                example["page"] = example_address(layer, head, rank)
     text = json.dumps(data, separators=(",", ":"), allow_nan=False).encode("utf-8")
     write_atomically(out / "atlas.json", lambda file: file.write(text))
     page = atlas_page(data)
     write_atomically(out / "index.html", lambda file: file.write(page))
-
-
-def example_page(found: Atlas, layer: int, head: int, rank: int) -> bytes:
-    """One example's attention page: the head's weights among its tokens, the query chosen."""
-    example = found.examples[layer][head][rank]
-    pieces = found.contexts[example.window]
-    positions = example.positions
-    # a token after a gap in the positions shown is marked, so no one reads them as neighbours
-    tokens = [("… " if n and positions[n - 1] != at - 1 else "") + pieces[at]
-              for n, at in enumerate(positions)]  # fmt: skip
-    weights = example.weights.reshape(1, 1, len(positions), len(positions))  # (1, 1, n, n)
-    extra = {
-        "model": found.source,
-        "layer, head": f"{layer}, {head} (counted from 0)",
-        "example": f"{rank + 1} of {len(found.examples[layer][head])} of this head",
-        "weight": example.weight,
-        "window": example.window,
-        "query position": example.query,
-        "key position": example.key,
-        "positions shown": positions,
-        "note": "this head's real weights among these tokens of the window (key 0, and the "
-        "tokens around the query and the key); weights on the tokens not shown are left out, so "
-        "a row may sum below 1. '… ' marks a token after a gap.",
-    }
-    title = (f"L{layer} H{head} example {rank + 1}: {example.weight:.3f} from token "
-             f"{example.query} to token {example.key} of window {example.window}")  # fmt: skip
-    return render_page(weights.numpy(), tokens, title=title, text=None, extra=extra,
-                       head=(0, 0), query=positions.index(example.query))  # fmt: skip
 
 
 def read_atlas(folder: str | Path) -> tuple[Atlas, dict]:

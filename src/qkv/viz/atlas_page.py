@@ -1,6 +1,6 @@
 """The atlas's page, index.html: every head in a table that sorts by any statistic, filters by
-layer and by a search box, and lists each head's top examples, each a link to its own attention
-page (examples/L{layer}H{head}-{rank}.html, `qkv.viz.report.render_page`'s page).
+layer and by a search box, and lists each head's top examples, each a link to its attention
+page (examples/example.html#L{layer}H{head}-{rank}, `qkv.viz.atlas_examples`).
 
 One self-contained file, nothing from the network: inline CSS and script, the data in a
 <script type="application/json" id="atlas-data"> tag (`escape.script_json`); the script puts
