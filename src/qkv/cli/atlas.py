@@ -28,7 +28,7 @@ def atlas(
 ) -> None:
     """An atlas of the model's heads over CORPUS: each head's entropy, sink mass,
     previous-token, induction, distance, window use and self weight, and its top examples,
-    in OUT (atlas.json, index.html, a page per example)."""
+    in OUT (atlas.json, index.html, and examples/ to open each example as an attention page)."""
     from qkv.pretrained import load
     from qkv.viz.atlas import atlas as write_atlas
     from qkv.viz.atlas import check_atlas_folder
