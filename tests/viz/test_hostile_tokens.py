@@ -48,6 +48,7 @@ HOSTILE = [
     "\u2028",  # a line separator: ends a line in JavaScript before ES2019
 ]
 TEXT = "the bank " + " ".join(HOSTILE) + " of the river"
+ATLAS_EXAMPLE = "#L1H0-0"  # the atlas example's page shows the example its address names
 PAYLOAD_MARKS = ("alert(", "pwned", "onerror", "onmouseover", "onload=")
 
 
@@ -127,6 +128,7 @@ def notebook_views(model, bart) -> dict[str, str]:
 def page_files(model, bart, folder: Path) -> dict[str, Path]:
     """Every page qkv writes, and a page of each notebook view, with the hostile tokens."""
     from qkv.viz import page_trace, write_html
+    from qkv.viz.atlas import atlas
     from qkv.viz.generation import write_generation_page
     from qkv.viz.long import summary_page
 
@@ -150,6 +152,11 @@ def page_files(model, bart, folder: Path) -> dict[str, Path]:
         "long-text page": summary_page(summarize(seen), folder / "long.html", title=HOSTILE[2],
                                        text=TEXT),
     }  # fmt: skip
+    corpus = folder / "corpus.txt"  # the atlas's page and its examples' page, of these tokens
+    corpus.write_text(f"{TEXT}\n", encoding="utf-8")
+    atlas(model, corpus, folder / "atlas", window=32, top=2)
+    files["atlas page"] = folder / "atlas" / "index.html"
+    files["atlas example"] = folder / "atlas" / "examples" / "example.html"
     for name, shown in notebook_views(model, bart).items():
         path = folder / f"notebook-{name.replace(' ', '-').strip('()')}.html"
         path.write_text(f"<!doctype html><html><head><title>qkv</title></head><body>{shown}"
@@ -278,7 +285,7 @@ class Watched:
 def check_files(watched: Watched, files: dict[str, Path], tokens: list[str]) -> list[str]:
     page, problems = watched.page, []
     for name, path in files.items():
-        page.goto(path.as_uri())
+        page.goto(path.as_uri() + (ATLAS_EXAMPLE if name == "atlas example" else ""))
         for frame in page.frames:
             if frame.evaluate("Boolean(document.querySelector('script:not([type])'))"):
                 frame.wait_for_function("window.qkvReady === true", timeout=20_000)
@@ -291,6 +298,12 @@ def check_files(watched: Watched, files: dict[str, Path], tokens: list[str]) -> 
             assert page.eval_on_selector(".hv-query[data-index='2']", drawn)
             title = page.get_attribute("#heatmap-table td[data-q='3'][data-k='2']", "title")
             assert title.startswith(f"{HOSTILE[1]} \u2192 {HOSTILE[0]}: ")
+        if name == "atlas example":  # the example its address names, its tokens as text
+            assert page.inner_text("h1").startswith("L1 H0 example 1:")
+            shown = page.eval_on_selector_all("button.token", "b => b.map(e => e.textContent)")
+            kept = {json.dumps(t, ensure_ascii=False) for t in tokens} | set(tokens)
+            assert shown and {t.removeprefix("… ") for t in shown} <= kept
+            assert set(HOSTILE) & {t.removeprefix("… ") for t in shown}
         if name == "notebook Patched":  # the cell of issue 32, hovered with the mouse
             page.hover("td.none >> nth=0")
             assert page.get_attribute("td.none >> nth=0", "title").endswith(": not computed")
@@ -358,7 +371,8 @@ def check_server(watched: Watched, model) -> list[str]:
 def test_no_token_runs_script_or_adds_markup_in_any_page(model, bart, tmp_path, browser):
     files = page_files(model, bart, tmp_path)
     context = browser.new_context(viewport={"width": 1200, "height": 900})
-    watched = Watched(context, {path.as_uri() for path in files.values()})
+    data = {path.as_uri() for path in (tmp_path / "atlas" / "examples").glob("*.js")}
+    watched = Watched(context, {path.as_uri() for path in files.values()} | data)
     problems = check_files(watched, files, model.encode(TEXT).tokens)
     problems += check_server(watched, model)
     context.close()
@@ -381,6 +395,8 @@ def test_script_json_keeps_every_value_and_leaves_no_markup():
 SCRIPTS = [
     *sorted((Path(qkv.__file__).parent / "serve" / "static").glob("*.js")),
     Path(qkv.__file__).parent / "viz" / "report.html",
+    Path(qkv.__file__).parent / "viz" / "atlas_examples.py",  # the examples' page's scripts
+    Path(qkv.__file__).parent / "viz" / "atlas_page.py",
     Path(qkv.__file__).parent / "viz" / "generation.py",  # its page's script is in TEMPLATE
 ]
 
