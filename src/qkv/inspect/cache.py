@@ -56,8 +56,10 @@ def check_cacheable(stack, source: str, what: str) -> None:
                 "vector, linear attention keeps a running memory): not supported"
             )
         if attn.gate is not None:
-            raise ValueError(f"{what}: {source}'s layer {layer} gates its heads' outputs by a "
-                             "sigmoid of its input (an output gate), which is not supported")  # fmt: skip
+            raise ValueError(
+                f"{what}: {source}'s layer {layer} gates its heads' outputs by a "
+                "sigmoid of its input (an output gate), which is not supported"
+            )
         if block.position != "pre" or block.parallel:
             how = "in parallel" if block.parallel else f"with {block.position}-norm"
             raise ValueError(
@@ -157,7 +159,7 @@ def cache_names(num_layers: int, names: Sequence[str] | None = None,
                              f"one of {', '.join(GLOBAL)}, or a full name such as "
                              f"'L0.q' (docs/cache.md)")  # fmt: skip
     full = ["embed"] + [f"L{n}.{kind}" for n in range(num_layers) for kind in KINDS]
-    return [name for name in full + ["final", "logits"] if name in wanted]
+    return [name for name in [*full, "final", "logits"] if name in wanted]
 
 
 def _full_name(name: str, num_layers: int) -> bool:
@@ -185,8 +187,10 @@ def cache(pretrained, text, *, grad=None, names: Sequence[str] | None = None,
     wanted = cache_names(stack.config.num_layers, names, layers)
     metric = None if grad is None else Metric.parse(grad)
     if metric is not None and metric.needs_clean:
-        raise ValueError("qkv.cache runs one text once: 'kl' compares two runs (and is 0 at its "
-                         "own); give 'diff: A, B', 'prob: A', 'logprob: A' or a function")  # fmt: skip
+        raise ValueError(
+            "qkv.cache runs one text once: 'kl' compares two runs (and is 0 at its "
+            "own); give 'diff: A, B', 'prob: A', 'logprob: A' or a function"
+        )
     texts = texts_of(text, "text")
     encoded = [pretrained.encode(t) for t in texts]
     ids, lengths = padded([e.ids for e in encoded])  # (B, T), (B,)
@@ -265,8 +269,10 @@ def _scores(record, name: str) -> Tensor:
     hook_attn_scores): plain softmax scores only."""
     if variants := _variants(record):
         layer = name.partition(".")[0]
-        raise ValueError(f"{name}: this layer's scores have {', '.join(variants)} on top of q "
-                         f"k^T; its weights ({layer}.weights) are kept, its scores are not")  # fmt: skip
+        raise ValueError(
+            f"{name}: this layer's scores have {', '.join(variants)} on top of q "
+            f"k^T; its weights ({layer}.weights) are kept, its scores are not"
+        )
     k = per_query_head(record.k, record.q.shape[1])  # (B, H, Tk, D)
     scores = (record.q @ k.transpose(-1, -2)).float() * record.scale  # (B, H, Tq, Tk)
     return scores.masked_fill(~record.allowed, float("-inf"))
@@ -344,4 +350,4 @@ def _attn_in_grad(attn, attn_in: Tensor, record, grads: dict[str, Tensor], layer
         if attn.qk_norm == "l2":
             q, k = l2_norm(q, attn.norm_eps), l2_norm(k, attn.norm_eps)
         wanted = [grads[f"{layer}.q"], grads[f"{layer}.k"]]
-    return torch.autograd.grad([q, k, v], leaf, wanted + [grads[f"{layer}.v"]])[0]
+    return torch.autograd.grad([q, k, v], leaf, [*wanted, grads[f"{layer}.v"]])[0]
