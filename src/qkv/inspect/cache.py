@@ -116,7 +116,8 @@ class Cache:
         assert self._stack is not None
         weight = self._stack.blocks[layer].attn.out.weight  # (C, H*D)
         per_head = weight.view(weight.shape[0], z.shape[1], z.shape[3])  # (C, H, D)
-        return torch.einsum("bhtd,chd->bhtc", z, per_head.to(z.dtype))  # (B, H, T, C)
+        with torch.no_grad():  # W_O is a parameter: no graph
+            return torch.einsum("bhtd,chd->bhtc", z, per_head.to(z.dtype))  # (B, H, T, C)
 
     def _name(self, key, check: bool = True) -> str:
         if isinstance(key, tuple) and len(key) == 2:
