@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from qkv.attention.eager import compute_dtype
 from qkv.inspect.metrics import Metric
 from qkv.inspect.prompts import padded, texts_of
 from qkv.inspect.residual import check_walkable
@@ -192,6 +193,7 @@ def cache(pretrained, text, *, grad=None, names: Sequence[str] | None = None,
             "qkv.cache runs one text once: 'kl' compares two runs (and is 0 at its "
             "own); give 'diff: A, B', 'prob: A', 'logprob: A' or a function"
         )
+    metric_ids = None if metric is None else metric.ids(pretrained.tokenizer)
     texts = texts_of(text, "text")
     encoded = [pretrained.encode(t) for t in texts]
     ids, lengths = padded([e.ids for e in encoded])  # (B, T), (B,)
@@ -201,7 +203,7 @@ def cache(pretrained, text, *, grad=None, names: Sequence[str] | None = None,
         score = None
         if metric is not None:
             last = out.logits[torch.arange(len(texts)), lengths - 1]  # (B, vocab)
-            score = metric.score(last, metric.ids(pretrained.tokenizer))  # (B,)
+            score = metric.score(last, metric_ids)  # (B,)
     if names is None:  # every name this model has: no scores where they are not q k^T alone
         wanted = [name for name in wanted if _has(name, out.records)]
     with torch.no_grad():
@@ -275,7 +277,8 @@ def _scores(record, name: str) -> Tensor:
             f"k^T; its weights ({layer}.weights) are kept, its scores are not"
         )
     k = per_query_head(record.k, record.q.shape[1])  # (B, H, Tk, D)
-    scores = (record.q @ k.transpose(-1, -2)).float() * record.scale  # (B, H, Tq, Tk)
+    dtype = compute_dtype(record.q.dtype)  # the weights' (float32, float64 for float64)
+    scores = (record.q @ k.transpose(-1, -2)).to(dtype) * record.scale  # (B, H, Tq, Tk)
     return scores.masked_fill(~record.allowed, float("-inf"))
 
 
@@ -321,7 +324,8 @@ def _derived_grad(name: str, grads: dict[str, Tensor], out, stack) -> Tensor:
     g_z = grads[f"{layer}.z"]  # (B, H, T, D)
     if kind in ("weights", "scores"):  # out = weights @ v, head by head
         v = per_query_head(record.v, g_z.shape[1]).detach()  # (B, H, Tk, D)
-        g_weights = (g_z @ v.transpose(-1, -2)).float()  # (B, H, Tq, Tk)
+        dtype = compute_dtype(g_z.dtype)  # the weights' own
+        g_weights = (g_z @ v.transpose(-1, -2)).to(dtype)  # (B, H, Tq, Tk)
         if kind == "weights":
             return g_weights
         weights = record.weights().detach()  # softmax's backward
