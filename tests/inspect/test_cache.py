@@ -144,7 +144,9 @@ def test_a_gradient_equals_finite_differences(model, found):
         with torch.no_grad():
             return float(metric_of(stack(ids, resume=(0, x)).logits)[0])
 
-    slope = (at(found["embed"] + eps * direction) - at(found["embed"] - eps * direction)) / (2 * eps)
+    slope = (at(found["embed"] + eps * direction) - at(found["embed"] - eps * direction)) / (
+        2 * eps
+    )
     assert slope == pytest.approx(float((found.grad("embed") * direction).sum()), rel=1e-6)
 
 
