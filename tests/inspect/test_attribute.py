@@ -70,7 +70,8 @@ def test_each_grid_is_gradient_times_difference(model):
             kind = {"heads": "z", "mlp": "mlp_out", "residual": "resid_post"}.get(name, name)
             expected = ((clean[kind, n] - corrupt[kind, n]) * corrupt.grad(kind, n)).sum(sums)
             torch.testing.assert_close(getattr(found, name)[n], expected[0])
-    assert found.spreads["heads"].values.shape == (1, 2, 2)
+    assert found.values["heads"].shape == (1, 2, 2)
+    assert found.spread("heads").low.shape == (2, 2)
 
 
 def test_each_edge_is_the_senders_change_times_the_receivers_own_gradient(model):
@@ -147,13 +148,13 @@ def test_a_batch_of_pairs_is_each_pair_alone():
     assert all(p.grad is None for p in pretrained.model.parameters())
     for n, (clean, corrupt) in enumerate(pairs):
         alone = qkv.attribute(pretrained, clean, corrupt, metrics[n], edges=True)
-        for name, spread in alone.spreads.items():
-            T = spread.values.shape[-1]
-            torch.testing.assert_close(both.spreads[name].values[n, ..., :T], spread.values[0],
+        for name, grid in alone.values.items():
+            T = grid.shape[-1]
+            torch.testing.assert_close(both.values[name][n, ..., :T], grid[0],
                                        rtol=1e-4, atol=1e-6)  # fmt: skip
         torch.testing.assert_close(both.edge_values[n], alone.edge_values[0], rtol=1e-4,
                                    atol=1e-6)  # fmt: skip
-    assert bool(both.spreads["residual"].values[1, :, 4:].isnan().all())  # past its end
+    assert bool(both.values["residual"][1, :, 4:].isnan().all())  # past its end
     assert both.heads.shape == (2, 2) and both.residual.shape == (2, 7)
     data = json.loads(json.dumps(both.to_dict()))
     assert len(data["edges"]) == len(both.senders) and data["steps"] == 1

@@ -44,10 +44,10 @@ class Attributed(Shown):
     `v` (L, Hkv): its queries, keys and values (a key/value head shared by a group, the
     group's); `residual`, `attn`, `mlp` (L, T): the block's output, what attention added and
     what the MLP added, at one position (T the longest pair; NaN past a shorter pair's end).
-    Each is the mean over pairs; `spreads[name]` holds the per-pair grids and a bootstrap
-    interval. With edges: `edges` (senders, receivers), the mean, NaN where the sender writes
-    after the receiver reads, `edge_values` (N, senders, receivers) per pair, and the names
-    `senders` and `receivers` (`qkv.inspect.attribute_edges.edge_names`).
+    Each is the mean over pairs; `values[name]` holds the per-pair grids (N, …) and
+    `spread(name)` their bootstrap interval. With edges: `edges` (senders, receivers), the
+    mean, NaN where the sender writes after the receiver reads, `edge_values` (N, senders,
+    receivers) per pair, and the names `senders` and `receivers` (`attribute_edges.edge_names`).
     """
 
     view: ClassVar[str] = "attributed"  # drawn by qkv.viz.notebook_attribute
@@ -59,21 +59,31 @@ class Attributed(Shown):
     corrupt_tokens: list[list[str]]
     clean: Tensor  # (N,) float64: the clean metric of each pair
     corrupt: Tensor  # (N,)
-    spreads: dict[str, Spread]
+    values: dict[str, Tensor]  # (N, …) float64 per grid
     steps: int = 1
     senders: list[str] = field(default_factory=list)
     receivers: list[str] = field(default_factory=list)
     edges: Tensor | None = None  # (senders, receivers) float64
     edge_values: Tensor | None = None  # (N, senders, receivers) float32
     _pretrained: object = None
+    _spreads: dict[str, Spread] = field(default_factory=dict)
 
-    heads = property(lambda self: self.spreads["heads"].mean)
-    q = property(lambda self: self.spreads["q"].mean)
-    k = property(lambda self: self.spreads["k"].mean)
-    v = property(lambda self: self.spreads["v"].mean)
-    residual = property(lambda self: self.spreads["residual"].mean)
-    attn = property(lambda self: self.spreads["attn"].mean)
-    mlp = property(lambda self: self.spreads["mlp"].mean)
+    heads = property(lambda self: self.values["heads"].mean(0))
+    q = property(lambda self: self.values["q"].mean(0))
+    k = property(lambda self: self.values["k"].mean(0))
+    v = property(lambda self: self.values["v"].mean(0))
+    residual = property(lambda self: self.values["residual"].mean(0))
+    attn = property(lambda self: self.values["attn"].mean(0))
+    mlp = property(lambda self: self.values["mlp"].mean(0))
+
+    def spread(self, name: str) -> Spread:
+        """One grid's per-pair values, mean and seeded bootstrap 95% interval (made when
+        first asked: 1,000 resamples of every cell)."""
+        if name not in self.values:
+            raise ValueError(f"no grid named {name!r}; the grids are {', '.join(GRIDS)}")
+        if name not in self._spreads:
+            self._spreads[name] = Spread.of(self.values[name])
+        return self._spreads[name]
 
     @property
     def gap(self) -> float:
@@ -128,8 +138,8 @@ class Attributed(Shown):
             "corrupt": self.corrupt.tolist(),
             "steps": self.steps,
         }
-        found |= {name: grid_dict(self.spreads[name].mean) for name in GRIDS}
-        found["spreads"] = {name: self.spreads[name].to_dict() for name in GRIDS}
+        found |= {name: grid_dict(self.values[name].mean(0)) for name in GRIDS}
+        found["spreads"] = {name: self.spread(name).to_dict() for name in GRIDS}
         if self.edges is not None:
             found |= {"senders": self.senders, "receivers": self.receivers,
                       "edges": grid_dict(self.edges)}  # fmt: skip
@@ -264,7 +274,7 @@ def attribute(pretrained, clean, corrupt=None, metric=None, *, edges: bool = Fal
         source=pretrained.source, pairs=pairs, metrics=metrics,
         clean_tokens=[list(a.tokens) for a, _ in encoded],
         corrupt_tokens=[list(b.tokens) for _, b in encoded], clean=clean_scores,
-        corrupt=corrupt_scores, spreads={name: Spread.of(g) for name, g in grids.items()},
+        corrupt=corrupt_scores, values=grids,
         steps=steps, senders=senders, receivers=receivers, edges=mean_edges,
         edge_values=edge_values, _pretrained=pretrained,
     )  # fmt: skip
