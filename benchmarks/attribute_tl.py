@@ -95,25 +95,27 @@ def tl_attribution(bridge, batches) -> torch.Tensor:
     L, H = bridge.cfg.n_layers, bridge.cfg.n_heads
     N = sum(len(rows) for rows, *_ in batches)
     out = torch.empty(N, L, H, dtype=torch.float64)
-    names = [f"blocks.{n}.attn.hook_z" for n in range(L)]
+    acts, grads = {}, {}  # layer -> (B, T, H, D), filled by the hooks, batch by batch
 
-    def is_z(name: str) -> bool:
+    def is_z(name: str) -> bool:  # the bridge names hook_z's hook point attn.o.hook_in
         return name.endswith("attn.hook_z")
 
-    acts, grads = {}, {}  # filled by the hooks, batch by batch
+    def layer(hook) -> int:
+        return int(hook.name.split(".")[1])
 
     def keep(act, hook):
-        acts[hook.name] = act.detach()
+        acts[layer(hook)] = act.detach().reshape(*act.shape[:2], H, -1)
 
     def keep_grad(grad, hook):
-        grads[hook.name] = grad.detach()
+        grads[layer(hook)] = grad.detach().reshape(*grad.shape[:2], H, -1)
 
     def leaf(act, hook):  # parameters frozen: the gradient starts at the embeddings
         return act.detach().requires_grad_(True)
 
     for rows, clean, corrupt, answers in batches:
         with torch.no_grad():
-            _, clean_cache = bridge.run_with_cache(clean, names_filter=is_z)
+            bridge.run_with_hooks(clean, fwd_hooks=[(is_z, keep)])
+        clean_z = dict(acts)
         bridge.add_hook("hook_embed", leaf, "fwd")
         bridge.add_hook(is_z, keep, "fwd")
         bridge.add_hook(is_z, keep_grad, "bwd")
@@ -124,8 +126,8 @@ def tl_attribution(bridge, batches) -> torch.Tensor:
             (picked[:, 0] - picked[:, 1]).sum().backward()
         finally:
             bridge.reset_hooks()
-        for n, name in enumerate(names):  # (B, T, H, D) -> (B, H)
-            change = (clean_cache[name] - acts[name]) * grads[name]
+        for n in range(L):  # (B, T, H, D) -> (B, H)
+            change = (clean_z[n] - acts[n]) * grads[n]
             out[rows, n] = change.sum((1, 3)).double()
     return out
 
