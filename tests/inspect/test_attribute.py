@@ -195,9 +195,9 @@ def test_the_result_shows_itself_self_contained_with_a_short_repr():
     found = qkv.attribute(llama_like(), CLEAN, CORRUPT, METRIC, edges=True)
     shown = found._repr_html_()
     assert shown.isascii() and ' id="' not in shown and "http" not in shown
-    layer, head, value = found.top_heads(1)[0]
+    value = found.top_heads(1)[0][2]
     assert f'data-value="{value!r}"' in shown
     sender, receiver, score = found.top_edges(1)[0]
-    assert f"<td>{sender}</td><td>{receiver}</td><td data-value=\"{score!r}\">" in shown
+    assert f'<td>{sender}</td><td>{receiver}</td><td data-value="{score!r}">' in shown
     assert repr(found) == ("Attributed(log p(' bank') - log p(' river'), tiny, 1 pair, steps 1, "
                            "7x15 edges)")  # fmt: skip
