@@ -11,7 +11,7 @@ import qkv
 from intervention_models import assert_refused_and_unchanged, encoder_like, llama_like
 from qkv.inspect.cache import KINDS
 from qkv.nn.edit import Edit, Swap
-from variant_models import TEXT
+from variant_models import TEXT, gemma2_like, tiny
 
 METRIC = "diff: bank, river"
 BANK, RIVER = 2, 4  # their ids in variant_models.WORDS
@@ -98,11 +98,31 @@ def test_gradients_equal_edits_with_a_gradient(model, found):
         torch.testing.assert_close(g, found.grad("scores", n))
 
 
-def test_stream_gradients_equal_the_rest_of_the_model_written_out(model, found):
+@pytest.fixture(scope="module", params=["llama", "gemma2"])
+def either(request, model, found):
+    """The Llama-like model, and a Gemma 2-like one (norms on each sub-layer's output, a
+    window, soft-caps on the scores and the logits)."""
+    if request.param == "llama":
+        return model, found
+    pretrained = tiny(gemma2_like())
+    pretrained.model.double()
+    return pretrained, qkv.cache(pretrained, TEXT, grad=METRIC)
+
+
+def test_stream_gradients_equal_the_rest_of_the_model_written_out(either):
     """resid_pre (a run resumed from a leaf), resid_mid, mlp_in and attn_in (the block's
     sub-layers by hand from a leaf, then the run resumed), final and logits."""
+    model, found = either
     stack = model.model
     ids = ids_of(model)
+
+    def mlp(block, u):  # what the MLP adds to the stream, from its input u (normalized)
+        out = block.mlp(u)
+        return out if block.mlp_out_norm is None else block.mlp_out_norm(out)
+
+    def attention(block, a):  # what attention adds, from its input a (normalized)
+        out, _ = block.attn(a, causal=True)
+        return out if block.attn_out_norm is None else block.attn_out_norm(out)
 
     def rest(n, after):  # the metric from block n's output on
         if n + 1 == 2:
@@ -115,16 +135,15 @@ def test_stream_gradients_equal_the_rest_of_the_model_written_out(model, found):
         (g,) = torch.autograd.grad(metric_of(stack(ids, resume=(n, leaf)).logits).sum(), leaf)
         torch.testing.assert_close(g, found.grad("resid_pre", n))
         mid = found["resid_mid", n].clone().requires_grad_(True)
-        (g,) = torch.autograd.grad(rest(n, mid + block.mlp(block.mlp_norm(mid))).sum(), mid)
+        (g,) = torch.autograd.grad(rest(n, mid + mlp(block, block.mlp_norm(mid))).sum(), mid)
         torch.testing.assert_close(g, found.grad("resid_mid", n))
         mlp_in = found["mlp_in", n].clone().requires_grad_(True)
-        (g,) = torch.autograd.grad(rest(n, found["resid_mid", n] + block.mlp(mlp_in)).sum(),
+        (g,) = torch.autograd.grad(rest(n, found["resid_mid", n] + mlp(block, mlp_in)).sum(),
                                    mlp_in)  # fmt: skip
         torch.testing.assert_close(g, found.grad("mlp_in", n))
         attn_in = found["attn_in", n].clone().requires_grad_(True)
-        attended, _ = block.attn(attn_in, causal=True)
-        mid = found["resid_pre", n] + attended
-        (g,) = torch.autograd.grad(rest(n, mid + block.mlp(block.mlp_norm(mid))).sum(), attn_in)
+        mid = found["resid_pre", n] + attention(block, attn_in)
+        (g,) = torch.autograd.grad(rest(n, mid + mlp(block, block.mlp_norm(mid))).sum(), attn_in)
         torch.testing.assert_close(g, found.grad("attn_in", n))
     final = found["final"].clone().requires_grad_(True)
     (g,) = torch.autograd.grad(metric_of(stack.project(final)).sum(), final)
