@@ -23,7 +23,8 @@ taken in the corrupted run, summed over positions and the head's D.
   on the first --patch-pairs pairs and the ratio is per pair.
 
 Both sides read the same token ids (qkv's tokenizer). Timing: a warm-up call each, then
---rounds rounds, the peers' order alternating each round (`timing.time_peers`, median).
+--rounds rounds, the peers' order alternating each round (`timing.time_peers`, median); edges
+against real patching pair by pair, alternating who goes first.
 
     python benchmarks/attribute_tl.py [--rounds N] [--patch-pairs N]
 """
@@ -134,7 +135,7 @@ def tl_attribution(bridge, batches) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--patch-pairs", type=int, default=4)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -175,30 +176,38 @@ def main() -> None:
         f"(largest |attribution| {scale:.3f})"
     )
 
-    def edges():
-        return qkv.attribute(smollm2, cleans, corrupts, metrics, edges=True)
-
-    edge_times = time_peers({"edges": edges}, args.rounds, warmup=1)
-    with_edges = edges()
+    start = time.perf_counter()
+    with_edges = qkv.attribute(smollm2, cleans, corrupts, metrics, edges=True)
     print(
-        f"\nedge attribution, all 32 pairs: {edge_times['edges']:.2f} s "
+        f"\nedge attribution, all 32 pairs: {time.perf_counter() - start:.2f} s "
         f"({len(with_edges.senders)} senders x {len(with_edges.receivers)} receivers per pair)"
     )
 
+    # real patching takes minutes a pair: the first P pairs, each timed beside the edge
+    # attribution of the same pair, the two alternating who goes first, so that the machine's
+    # load falls on both alike
     P = min(args.patch_pairs, N)
-    start = time.perf_counter()
-    patched = [qkv.patch(smollm2, cleans[i], corrupts[i], metrics[i]) for i in range(P)]
-    patch_time = (time.perf_counter() - start) / P
-    edges_per_pair = edge_times["edges"] / N
-    print(f"real patching (qkv.patch: every (layer, head) and (layer, position)), first {P} "
-          f"pairs: {patch_time:.2f} s a pair")  # fmt: skip
-    print(
-        f"  edge attribution per pair / real patching per pair: "
-        f"{edges_per_pair / patch_time:.4f} ({edges_per_pair:.3f} s / {patch_time:.2f} s)"
-    )
-    print(
-        f"  head attribution per pair / real patching per pair: {times['qkv'] / N / patch_time:.4f}"
-    )
+    spent = {"edges": 0.0, "patch": 0.0}
+    patched = []
+    for i in range(P):
+
+        def edges_of_pair(i=i):
+            qkv.attribute(smollm2, cleans[i], corrupts[i], metrics[i], edges=True)
+
+        def patch_of_pair(i=i):
+            patched.append(qkv.patch(smollm2, cleans[i], corrupts[i], metrics[i]))
+
+        order = [("edges", edges_of_pair), ("patch", patch_of_pair)]
+        for name, call in order if i % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            call()
+            spent[name] += time.perf_counter() - start
+    print(f"the first {P} pairs, each alone, interleaved: real patching (qkv.patch: every "
+          f"(layer, head) and (layer, position)) {spent['patch'] / P:.2f} s a pair, edge "
+          f"attribution {spent['edges'] / P:.2f} s a pair")  # fmt: skip
+    print(f"  edge attribution / real patching: {spent['edges'] / spent['patch']:.4f}")
+    print(f"  head attribution (all 32 pairs, per pair) / real patching per pair: "
+          f"{times['qkv'] / N / (spent['patch'] / P):.4f}")  # fmt: skip
 
     effects = torch.stack([p.heads - p.corrupt for p in patched])  # (P, L, H)
     print(f"\nfaithfulness: attribution's heads grid against real patching, first {P} pairs")
