@@ -26,7 +26,7 @@ _DEFINED_IN = {
     "lens": "qkv.inspect.lens", "heads": "qkv.inspect.census", "why": "qkv.inspect.why",
     "circuits": "qkv.inspect.circuits", "cache": "qkv.inspect.cache",
     "attribute": "qkv.inspect.attribute", "path_patch": "qkv.inspect.path_patch",
-    "atlas": "qkv.inspect.atlas",
+    "atlas": "qkv.viz.atlas",
 }  # fmt: skip
 
 # How each result of qkv.inspect shows itself (`repr`, and `_repr_html_` in a notebook): the

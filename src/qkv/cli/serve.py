@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -26,6 +27,9 @@ def serve(
     timeout: Annotated[float, typer.Option(help="seconds per request, at most")] = 10.0,
     backend: Backend = None,
     quiet: Annotated[bool, typer.Option(help="no request log")] = False,
+    atlas: Annotated[
+        Path | None, typer.Option(help="an atlas folder (qkv atlas) to serve at /atlas/")
+    ] = None,
 ) -> None:
     """The attention explorer: a local web page and its JSON API (/docs), until Ctrl-C."""
     from qkv.io.embedded import EMBEDDED
@@ -51,7 +55,7 @@ def serve(
             for name in names:
                 typer.echo(f"loading {name}...", err=True)
                 models[name] = load(name, backend=backend)
-            served = create_app(models, limits)
+            served = create_app(models, limits, atlas=atlas)
         except BaseException:
             sock.close()
             raise

@@ -22,6 +22,7 @@ Data flows one way. Each module imports only the ones above it in this list, eac
     schemas       the JSON each request takes, checked where it enters
     answers       the JSON each answer gives, as /docs shows it
     api           the routes: check a request, pick its model, wait for its work
+    atlas         an atlas folder served read-only, its files listed at start
     app           `create_app`: the FastAPI app, its page and its error answers
     server        serving an app with uvicorn, from the command line or a thread
 """

@@ -28,6 +28,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from qkv.serve.api import router
+from qkv.serve.atlas import atlas_router
 from qkv.serve.held import Served, served_models
 from qkv.serve.limits import BodyLimit, Busy, Limits, NotComputed, TimedOut, TooLarge
 from qkv.serve.schemas import with_limits
@@ -69,10 +70,12 @@ class State:
         return self.models[name]
 
 
-def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
+def create_app(models: dict, limits: Limits | None = None, *, atlas=None) -> FastAPI:
     """The app serving `models` ({name: qkv.Pretrained}, encoders and decoders) within
-    `limits`. The models are only read; the app may be served by any ASGI server."""
+    `limits`, and the atlas folder `atlas` (`qkv atlas`'s) read-only at /atlas/ where given.
+    The models are only read; the app may be served by any ASGI server."""
     limits = limits or Limits()
+    atlas_routes = None if atlas is None else atlas_router(atlas)  # refused before the rest
     state = State(
         served_models(models),
         limits,
@@ -111,6 +114,8 @@ def create_app(models: dict, limits: Limits | None = None) -> FastAPI:
 
     app.openapi = openapi
     app.include_router(router)
+    if atlas_routes is not None:
+        app.include_router(atlas_routes)
     long_body = (limits.max_long_body_bytes, "max_long_body_bytes")
     long_routes = {path: long_body for path in ("/api/long", "/api/long/head", "/api/long/region")}
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes, routes=long_routes)

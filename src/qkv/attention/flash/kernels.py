@@ -34,6 +34,10 @@ from qkv.attention.flash.limits import interpreter_on
 LOG2_E = 1.4426950408889634  # exp(x) = exp2(x * LOG2_E)
 LN_2 = 0.6931471805599453  # ln(x) = log2(x) * LN_2
 MIN_BLOCK = 16  # tl.dot needs every side of a tile to be 16 at least
+# the same inside kernels: a compiled kernel reads only globals that are constexpr (the
+# interpreter reads any, which is how a plain float here ran in every test and not on a GPU)
+KERNEL_LOG2_E = tl.constexpr(LOG2_E)
+KERNEL_LN_2 = tl.constexpr(LN_2)
 
 # Tile shapes (BLOCK_M queries, BLOCK_N keys, warps, pipeline stages) that autotuning tries
 # on a GPU. The backward's dK/dV kernel holds a key tile while it walks the queries, so it
@@ -239,7 +243,7 @@ def forward_kernel(
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * LN_2, -float("inf"))
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * KERNEL_LN_2, -float("inf"))
     o_ptrs = Out + b * sob + h * soh + (q_start + offs_m[:, None]) * sot + offs_d[None, :] * sod
     tl.store(o_ptrs, out.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM))  # fmt: skip
@@ -283,7 +287,7 @@ def _weights_tile(q_t, k, lse_ptrs, mask_ptrs, offs_m, offs_n, q_len, k_len, cau
     visible = tl.trans(_visible(offs_m, offs_n, q_len, k_len, causal_offset, CAUSAL))
     if HAS_MASK:
         visible = visible & (tl.load(mask_ptrs, mask=visible, other=0) != 0)
-    lse = tl.load(lse_ptrs, mask=offs_m < q_len, other=0.0) * LOG2_E
+    lse = tl.load(lse_ptrs, mask=offs_m < q_len, other=0.0) * KERNEL_LOG2_E
     lse = tl.where(lse == -float("inf"), 0.0, lse)  # a query that saw no key: all p are 0
     return tl.exp2(tl.where(visible, s_t, -float("inf")) - lse[None, :])
 
