@@ -11,6 +11,7 @@ from __future__ import annotations
 import typer
 
 from qkv.cli.atlas import atlas
+from qkv.cli.attribute import attribute
 from qkv.cli.circuits import circuits
 from qkv.cli.demo import demo
 from qkv.cli.embed import embed
@@ -37,7 +38,7 @@ def _root() -> None:
 
 
 for verb in (version, backends, models, generate, embed, explain, why, probe, show, train, plot,
-             hide, ablate, patch, demo, serve, lens, circuits, atlas):  # fmt: skip
+             hide, ablate, patch, attribute, demo, serve, lens, circuits, atlas):  # fmt: skip
     app.command()(verb)
 app.command("heads")(heads_census)
 
