@@ -21,9 +21,13 @@ def model(**block) -> Decoder:
     return decoder.double().eval()
 
 
-@pytest.fixture(scope="module")
-def run():
-    decoder = model(qk_norm="full")
+@pytest.fixture(scope="module", params=["full", "head", None, "fused"])
+def run(request):
+    """A "full" QK-norm runs each head's input through the layer's whole chain; the others
+    take each head's own rows of the matrices (`head_edits._own_slices`), of one fused
+    matrix too."""
+    fused = request.param == "fused"
+    decoder = model(qk_norm=None if fused else request.param, fused_qkv=fused)
     ids = torch.randint(0, 40, (B, T), generator=torch.Generator().manual_seed(1))
     out = decoder(ids, layers="all", hidden_states=True)
     return decoder, ids, out

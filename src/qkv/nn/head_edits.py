@@ -13,7 +13,7 @@ an edit reaches one query head's keys and not its group's others'.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from qkv.nn.edit import Edit
 
@@ -35,18 +35,54 @@ def from_head_inputs(attn, inputs: dict[str, Tensor], q: Tensor, k: Tensor, v: T
     def batched(x: Tensor) -> Tensor:  # (B, T, H, C) -> (B * H, T, C): a run per head
         return x.permute(0, 2, 1, 3).reshape(B * H, T, x.shape[-1])
 
-    if "q" in inputs:
-        q_all, _ = attn._normed(attn.queries(batched(inputs["q"])), None)  # (B*H, H, T, D)
-        q = q_all.view(B, H, H, T, -1)[:, diagonal, diagonal]  # head h's from input h
-    if "k" in inputs:
-        keys, _ = attn.keys_values(batched(inputs["k"]))  # (B*H, T, Hkv*D)
-        k = attn.normed_keys(keys).view(B, H, Hkv, T, -1)[:, diagonal, group]  # (B, H, T, D)
-    if "v" in inputs:
-        _, values = attn.keys_values(batched(inputs["v"]))
-        v = attn.split_heads(values, Hkv).view(B, H, Hkv, T, -1)[:, diagonal, group]
+    made = {}
+    for role, x in inputs.items():
+        own = _own_slices(attn, role, group)
+        if own is not None:  # each head's input times its own rows of the matrix only
+            weight, bias = own  # (H, D, C), (H, D) or None
+            out = torch.einsum("bthc,hdc->bhtd", x, weight.to(x.dtype))  # (B, H, T, D)
+            out = out if bias is None else out + bias.to(x.dtype)[None, :, None, :]
+            if role != "v" and attn.qk_norm == "head":
+                out = (attn.q_norm if role == "q" else attn.k_norm)(out)
+            made[role] = out
+        elif role == "q":  # the whole chain per head, its own slice kept (H times the work)
+            q_all, _ = attn._normed(attn.queries(batched(x)), None)  # (B*H, H, T, D)
+            made[role] = q_all.view(B, H, H, T, -1)[:, diagonal, diagonal]
+        else:
+            keys, values = attn.keys_values(batched(x))  # (B*H, T, Hkv*D) each
+            heads = attn.normed_keys(keys) if role == "k" else attn.split_heads(values, Hkv)
+            made[role] = heads.view(B, H, Hkv, T, -1)[:, diagonal, group]  # (B, H, T, D)
+    q, k, v = made.get("q", q), made.get("k", k), made.get("v", v)
     if k.shape[1] != v.shape[1]:  # one of them split by query head: both are
         k, v = per_query_head(k, H), per_query_head(v, H)
     return q, k, v
+
+
+def _own_slices(attn, role: str, group: Tensor) -> tuple[Tensor, Tensor | None] | None:
+    """Each query head's rows of the layer's query, key or value matrix, (H, D, C), and its
+    bias (H, D): the key and value heads' repeated for the query heads that share them. None
+    where a head's part is not its own rows (a QK-norm over all heads, a quantized matrix)."""
+    if role != "v" and attn.qk_norm == "full":
+        return None
+    sizes = attn.sizes  # (H*D, Hkv*D, Hkv*D)
+    if hasattr(attn, "qkv"):
+        if type(attn.qkv) is not nn.Linear:
+            return None
+        start = {"q": 0, "k": sizes[0], "v": sizes[0] + sizes[1]}[role]
+        size = sizes[("q", "k", "v").index(role)]
+        weight, bias = attn._fused_weights(slice(start, start + size))
+    else:
+        module = getattr(attn, role)
+        if type(module) is not nn.Linear:
+            return None
+        weight, bias = module.weight, module.bias
+    D = attn.head_dim
+    weight = weight.view(-1, D, weight.shape[-1])  # (H or Hkv, D, C)
+    bias = None if bias is None else bias.view(-1, D)
+    if role != "q":
+        weight = weight[group]  # (H, D, C): each query head's key/value head
+        bias = None if bias is None else bias[group]
+    return weight, bias
 
 
 def swapped(edit: Edit, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
