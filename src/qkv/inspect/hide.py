@@ -320,7 +320,7 @@ class _Batch:
 
     def clean_run(self, ids: Tensor, mask: Tensor | None) -> None:
         lengths = [p.length for p in self.prompts]
-        self.clean = run_rows(self.stack, ids, mask, lengths, records=self.causal)
+        self.clean = run_rows(self.stack, ids, mask, lengths, records=True)
         if self.causal:
             at = torch.tensor([p.position for p in self.prompts])
             logits = decoder_logits(self.stack, self.clean.states[range(len(lengths)), at])
