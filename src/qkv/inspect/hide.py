@@ -132,7 +132,8 @@ class Hidden(Shown):
             "next": None if self.next is None else self.next.to_dict(),
             "next_by_head": None if self.next_by_head is None else grid_dict(self.next_by_head),
             "after": None if self.after is None else [vars(t) for t in self.after],
-            "spreads": spreads_dict(self.spreads),
+            # several prompts: each one's values, their mean and interval
+            **({"spreads": spreads_dict(self.spreads)} if len(self.texts) > 1 else {}),
         }
 
 

@@ -168,7 +168,8 @@ class Lens(Shown):
             "texts": list(self.texts),
             "positions": list(self.positions),
             "token_ids": list(self.token_ids),
-            "spreads": spreads_dict(self.spreads),
+            # several prompts: each one's values, their mean and interval
+            **({"spreads": spreads_dict(self.spreads)} if len(self.texts) > 1 else {}),
         }
 
 
