@@ -3,7 +3,8 @@
 `ablate` silences heads (their outputs replaced by zeros or by their mean over reference
 texts), each alone and all at once. It is an `Edit` the model's layers apply in their own
 forward pass, on every backend, with the runs of a table resumed from the first changed layer
-and batched (`qkv.inspect.runs`).
+and batched (`qkv.inspect.runs`). Many prompts run in padded batches, each one's values kept
+with their mean and interval; compare=False is one knockout, one forward pass.
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ the memory the query reads: its write strength is 0 there, exactly. A table over
 (layer, head) reuses one clean forward and runs the heads of a layer side by side
 (`qkv.inspect.runs`).
 
+A question can be asked of many prompts at once (a list, or a file of them): they run in
+padded batches, each read at its own tokens, and the result holds each prompt's answer, the
+mean and a bootstrap 95% interval (`qkv.inspect.prompts.Spread`). compare=False runs one
+knockout alone: one forward pass, without the clean run a comparison needs.
+
 Everything runs under `torch.inference_mode` and leaves the model as it was.
 """
 

@@ -3,6 +3,9 @@ resumed from one layer with `Edit`s, batched within a memory budget, the change 
 the next tokens a decoder predicts before and after (`hide`, `ablate` and `patch` are built on
 these, in `qkv.inspect.hide`, `qkv.inspect.ablate` and `qkv.inspect.patch`).
 
+Many prompts run as padded rows (`Rows`, `run_rows`, `resumed_rows`): right-padded, so a
+decoder's real tokens never see the padding, and an encoder's is masked as keys.
+
 A table over every (layer, head) reuses one clean forward: each layer's run resumes from the
 clean residual stream at that layer, the heads of a layer run side by side as one batch, one
 head edited per row, and in a decoder only the positions from the first changed one on are
