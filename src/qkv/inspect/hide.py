@@ -312,7 +312,8 @@ class _Batch:
         own = [one] if one is not None else [h for h in self.heads if h < H]
         found = [hide_mask(self.T, H, self.prompts[r].keys, self.prompts[r].query, own)
                  for r in rows]  # fmt: skip
-        return torch.cat(found)[:, :, self.start :]
+        every = len(own) == H  # the same pairs in every head: one mask, broadcast (R, 1, ...)
+        return torch.cat(found)[:, : 1 if every else H, self.start :]
 
     def edit(self, layer: int, hidden: Tensor) -> Edit:
         """hidden (R, H, T - start, T): a linear layer's memory continues from the prefix's,
