@@ -21,10 +21,12 @@ Both sides read the same token ids (qkv's tokenizer). The knockouts must agree w
 peer's (the next token's log-probabilities at the last position, to < 1e-3: qkv and
 transformers dequantize the GGUF file themselves and sum in other orders), else the script
 exits non-zero. Timing: `timing.time_peers`, the calls interleaved in rotating order, the
-best (the least time) of --repeats calls each after a warm-up: on a machine shared with other
-work the least time is the one least disturbed by it (the load average is printed).
+best (the least time) of --repeats calls each after a warm-up. By default the time is this
+process's CPU time on one thread (`--clock cpu --threads 1`): the work each side does, which
+a machine shared with other work (the load average is printed) disturbs far less than wall
+time; `--clock wall --threads N` measures wall time on N threads.
 
-    python benchmarks/knockout.py [--repeats N]
+    python benchmarks/knockout.py [--repeats N] [--clock cpu|wall] [--threads N]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import contextlib
 import io
 import os
 import sys
+import time
 from functools import partial
 
 import torch
@@ -118,13 +121,18 @@ def gap(ours, theirs: torch.Tensor) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10, help="timed calls each (10)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="this process's CPU time (default), or wall time")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help=f"torch threads (1; {CORES} here)")
     args = parser.parse_args()
-    torch.set_num_threads(CORES)
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     import transformers
 
     print(machine())
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, qkv "
-          f"{qkv.__version__}; float32; best of {args.repeats} interleaved calls after a "
+          f"{qkv.__version__}; float32; {args.clock} time on {args.threads} thread(s), best of "
+          f"{args.repeats} interleaved calls after a "
           f"warm-up; load average at start: {load()}")  # fmt: skip
     pretrained, peer = qkv.load("smollm2"), load_peer()
     head_dim = peer.config.hidden_size // peer.config.num_attention_heads
@@ -154,7 +162,7 @@ def main() -> int:
         for name, found in checks.items():
             if not found < BOUND:
                 failed.append(f"{label} {name}: max |qkv - transformers| {found:.1e} >= {BOUND}")
-        seconds = time_peers(fns, args.repeats, warmup=1, statistic=min)
+        seconds = time_peers(fns, args.repeats, warmup=1, statistic=min, clock=clock)
         rows.append((label, T, seconds, checks))
     peer_name = "transformers masked forward"
     for label, T, seconds, checks in rows:
