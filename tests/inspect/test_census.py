@@ -80,16 +80,24 @@ def test_planted_previous_token_and_induction_heads_rank_first():
 def test_planted_sink_gets_the_mass_computed_by_hand():
     prompts = [*prompts_without_repeats(n=2, length=10), [3, 1, 4, 1, 5]]
     census = census_of(planted_decoder(), prompts, induction_ids(range(V), 1, 4, seed=0))
-    # key 0 gets 3 / (3 + i) of query i >= 1 (ln 3 against i zeros), pooled over all queries
-    shares = [3 / (3 + i) for ids in prompts for i in range(1, len(ids))]
-    expected = sum(shares) / len(shares)
+    # key 0 gets 3 / (3 + i) of query i >= 1 (ln 3 against i zeros): each prompt's mean over
+    # its queries, then the mean over the prompts (each prompt weighs the same)
+
+    def mean_over_prompts(value) -> float:
+        means = [sum(value(i) for i in range(1, len(ids))) / (len(ids) - 1) for ids in prompts]
+        return sum(means) / len(means)
+
+    expected = mean_over_prompts(lambda i: 3 / (3 + i))
     assert census.first_token[0, 1].item() == pytest.approx(expected, abs=1e-6)
+    assert census.spreads["first_token"].values[2, 0, 1].item() == pytest.approx(
+        sum(3 / (3 + i) for i in range(1, 5)) / 4, abs=1e-6
+    )  # the short prompt's own
     assert census.top("first_token", 1)[0][:2] == (0, 1)
     # the uniform head (layer 1 head 1) puts 1 / (i + 1) on each key, itself included
-    uniform = [1 / (i + 1) for ids in prompts for i in range(1, len(ids))]
-    assert census.self_attention[1, 1].item() == pytest.approx(sum(uniform) / len(uniform), 1e-6)
-    entropy = [math.log(i + 1) for ids in prompts for i in range(1, len(ids))]
-    assert census.entropy[1, 1].item() == pytest.approx(sum(entropy) / len(entropy), 1e-5)
+    uniform = mean_over_prompts(lambda i: 1 / (i + 1))
+    assert census.self_attention[1, 1].item() == pytest.approx(uniform, 1e-6)
+    entropy = mean_over_prompts(lambda i: math.log(i + 1))
+    assert census.entropy[1, 1].item() == pytest.approx(entropy, 1e-5)
     assert census.sink_per_layer[0] == pytest.approx(census.first_token[0].mean().item())
     assert census.windows == [None, None] and census.window_use == [None, None]
 

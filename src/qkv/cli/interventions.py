@@ -4,12 +4,30 @@ stream) at a time and measure what moves."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from qkv.cli.errors import check_out, user_errors
 from qkv.cli.options import Backend, Heads, Json, Layers, Model, Png
+
+# the prompts a verb runs over: one TEXT argument, or a file of them
+Text = Annotated[str | None, typer.Argument(help="the text; or give --texts FILE")]
+Texts = Annotated[
+    Path | None,
+    typer.Option(
+        help="a file of prompts instead of TEXT: one a line, TSV (the first column) or .jsonl "
+        '({"text": ...}); means are printed with their bootstrap 95% intervals'
+    ),
+]
+
+
+def prompts_of(text: str | None, texts: Path | None) -> str | Path:
+    """The one text or the file: exactly one of them."""
+    if (text is None) == (texts is None):
+        raise ValueError("give the text, or --texts FILE (a file of prompts), not both")
+    return texts if texts is not None else text
 
 
 def _shape(pretrained, verb: str, model: str) -> tuple[int, int]:
@@ -22,8 +40,8 @@ def _shape(pretrained, verb: str, model: str) -> tuple[int, int]:
 
 
 def hide(
-    text: str,
     key: Annotated[str, typer.Option(help='the word to hide, e.g. river or "river#2"')],
+    text: Text = None,
     query: Annotated[
         str | None, typer.Option(help="the word it is hidden from; default: every word")
     ] = None,
@@ -31,6 +49,7 @@ def hide(
     layers: Layers = None,
     heads: Heads = None,
     top: Annotated[int, typer.Option(help="heads listed, the largest effect first")] = 10,
+    texts: Texts = None,
     out: Png = None,
     as_json: Json = False,
     backend: Backend = None,
@@ -44,11 +63,12 @@ def hide(
     with user_errors(out):
         if top < 1:
             raise ValueError(f"--top must be 1 or more, got {top}")
+        prompts = prompts_of(text, texts)
         if out is not None:
             check_out(out, (".png",))
         pretrained = load(model, backend=backend)
         L, H = _shape(pretrained, "hide", model)
-        result = run_hide(pretrained, text, key, query=query,
+        result = run_hide(pretrained, prompts, key, query=query,
                           layers=parse_indices(layers, "layers", L, model),
                           heads=parse_indices(heads, "heads", H, model))  # fmt: skip
         if out is not None:
@@ -63,13 +83,14 @@ def hide(
 
 
 def ablate(
-    text: str,
+    text: Text = None,
     model: Model = "minilm",
     layers: Layers = None,
     heads: Heads = None,
     mode: Annotated[
         str, typer.Option(help="zero, or mean (each head's mean output over reference texts)")
     ] = "zero",
+    texts: Texts = None,
     out: Png = None,
     as_json: Json = False,
     backend: Backend = None,
@@ -84,6 +105,7 @@ def ablate(
     from qkv.viz.lines import ablate_lines
 
     with user_errors(out):
+        prompts = prompts_of(text, texts)
         if out is not None:
             check_out(out, (".png",))
         pretrained = load(model, backend=backend)
@@ -95,7 +117,7 @@ def ablate(
         counts = heads_per_layer(stack_of(pretrained))
         check_heads(chosen_heads, chosen_layers, counts, model)
         pairs = [(n, h) for n in chosen_layers for h in chosen_heads if h < counts[n]]
-        result = run_ablate(pretrained, text, pairs, mode=mode)
+        result = run_ablate(pretrained, prompts, pairs, mode=mode)
         if out is not None:
             from qkv.viz.grids import grid_plot
 

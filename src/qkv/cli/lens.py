@@ -10,21 +10,25 @@ from typing import Annotated
 import typer
 
 from qkv.cli.errors import check_out, user_errors
+from qkv.cli.interventions import Text, Texts, prompts_of
 from qkv.cli.options import Backend, Model
 
 
 def lens(
-    text: str,
+    text: Text = None,
     model: Model = "smollm2",
     token: Annotated[
         str | None, typer.Option(help="the next token to follow, e.g. ' Paris' (one token)")
     ] = None,
-    position: Annotated[int, typer.Option(help="the position read, from 0; -1: the last")] = -1,
+    position: Annotated[
+        int, typer.Option(help="the position read in each text, from 0; -1: the last")
+    ] = -1,
     top: Annotated[int, typer.Option(help="next tokens shown per layer")] = 5,
     terms: Annotated[int, typer.Option(help="attribution terms shown, the largest first")] = 10,
     attribution: Annotated[
         bool, typer.Option(help="the direct logit attribution (--no-attribution: the lens only)")
     ] = True,
+    texts: Texts = None,
     as_json: Annotated[bool, typer.Option("--json", help="every number, as JSON")] = False,
     backend: Backend = None,
 ) -> None:
@@ -37,7 +41,8 @@ def lens(
     with user_errors():
         if terms < 0:
             raise ValueError(f"--terms must be 0 or more, got {terms}")
-        found = run_lens(load(model, backend=backend), text, position=position, token=token,
+        prompts = prompts_of(text, texts)
+        found = run_lens(load(model, backend=backend), prompts, position=position, token=token,
                          top=top, attribute=attribution)  # fmt: skip
     typer.echo(json.dumps(found.to_dict()) if as_json else lens_lines(found, terms))
 
@@ -48,11 +53,19 @@ def heads_census(
     out: Annotated[
         Path | None, typer.Option(help="a PNG scatter: previous-token vs induction per head")
     ] = None,
+    texts: Annotated[
+        Path | None,
+        typer.Option(
+            help="a file of prompts instead of the built-in ones: one a line, TSV (the first "
+            'column) or .jsonl ({"text": ...})'
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="every score, as JSON")] = False,
     backend: Backend = None,
 ) -> None:
     """A census of the model's heads: previous-token, induction, first-token (sink), self,
-    entropy and window use on built-in prompts; the top heads and each layer's sink mass."""
+    entropy and window use on built-in prompts (or --texts); the top heads, with bootstrap
+    95% intervals over the prompts, and each layer's sink mass."""
     from qkv.inspect.census import heads
     from qkv.pretrained import load
     from qkv.viz.lines import census_lines
@@ -63,7 +76,7 @@ def heads_census(
             raise ValueError(f"--top must be 1 or more, got {top}")
         if out is not None:
             check_out(out, (".png",))
-        census = heads(load(model, backend=backend))
+        census = heads(load(model, backend=backend), prompts=texts)
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             census_plot(census, out)

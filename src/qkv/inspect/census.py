@@ -35,13 +35,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from qkv.inspect.layer_heads import heads_per_layer, nan_grid
+from qkv.inspect.prompts import Spread, groups, padded
+from qkv.inspect.rollout import (  # noqa: F401 (the census's, re-exported under its names)
+    FLOW_MAX_TOKENS,
+    TextRollout,
+    flow,
+    rollout,
+    text_rollout,
+)
+from qkv.inspect.runs import MASK_BUDGET, encoded_prompts, prompt_name, spreads_dict, spreads_of
 from qkv.inspect.words import on_words
 from qkv.models import Decoder, self_attention_stack
 from qkv.views import Shown
@@ -56,13 +66,14 @@ PROMPTS = (
     "He read the letter twice before he finally put it back in the drawer.",
 )
 SCORES = ("previous_token", "induction", "first_token", "self", "entropy", "window_use")
-FLOW_MAX_TOKENS = 16  # flow is T^2 max-flows over an (L+1) x T graph: 16 tokens take seconds
 
 
 @dataclass(repr=False)
 class Census(Shown):
     """Per (layer, head) scores (L, H), float64, layers and heads counted from 0; H is the
-    most heads any layer has, and a layer with fewer has NaN in the rest (None in JSON)."""
+    most heads any layer has, and a layer with fewer has NaN in the rest (None in JSON).
+    Each score is the mean over the prompts of each prompt's own mean over its queries
+    (induction: over the random rows), with each prompt's in `spreads`."""
 
     view: ClassVar[str] = "census"  # drawn by qkv.viz.notebook_interventions
 
@@ -83,6 +94,10 @@ class Census(Shown):
     effective: list[bool] | None = None
     # per layer, True where its scores are read on the words through the compressor (DeepSeek-V4)
     compressed: list[bool] | None = None
+    # each prompt's scores (N, L, H) (induction: each random row's), their mean (the grids
+    # above) and a bootstrap 95% interval, by score name (window_use: (N, L, H), NaN in
+    # layers without a window)
+    spreads: dict[str, Spread] = field(default_factory=dict)
 
     @property
     def sink_per_layer(self) -> Tensor:
@@ -157,6 +172,7 @@ class Census(Shown):
                 "window_use": [None if use is None else _listed(use) for use in self.window_use],
             },
             "effective_weights": list(self.effective or [False] * L),
+            "spreads": spreads_dict(self.spreads),
             "first_token_per_layer": self.sink_per_layer.tolist(),
             "top": {
                 name: [{"layer": lh[0], "head": lh[1], "score": lh[2]} for lh in self.top(name, k)]
@@ -168,25 +184,24 @@ class Census(Shown):
 def heads(
     pretrained,
     *,
-    prompts: Sequence[str] | None = None,
+    prompts: Sequence[str] | Path | None = None,
     rows: int = 4,
     length: int = 20,
     seed: int = 0,
 ) -> Census:
-    """The census of `pretrained`'s heads: `PROMPTS` (or `prompts`) and `rows` rows of
-    `length` random tokens repeated twice (seeded), one forward per prompt and one for the
-    random rows together, every layer recorded. An encoder-decoder's encoder is counted.
+    """The census of `pretrained`'s heads: `PROMPTS` (or `prompts`: a list of texts or a file,
+    text lines, TSV or JSONL) and `rows` rows of `length` random tokens repeated twice
+    (seeded), in padded batches, every layer recorded. An encoder-decoder's encoder is
+    counted.
     """
     stack = self_attention_stack(pretrained.model, "the census", pretrained.source)
-    texts = list(PROMPTS if prompts is None else prompts)
-    if isinstance(prompts, str) or not texts:
-        raise ValueError("prompts must be a non-empty list of texts")
+    texts, encoded = encoded_prompts(pretrained, list(PROMPTS) if prompts is None else prompts,
+                                     "prompts")  # fmt: skip
     ids = []
-    for i, text in enumerate(texts):
-        encoded = pretrained.encode(text)
-        if len(encoded.ids) < 2:
-            raise ValueError(f"prompt {i} ({text!r}) has {len(encoded.ids)} token; give 2 or more")
-        ids.append(encoded.ids)
+    for i, (text, found) in enumerate(zip(texts, encoded, strict=True)):
+        if len(found.ids) < 2:
+            raise ValueError(f"{prompt_name(i, text)} has {len(found.ids)} token; give 2 or more")
+        ids.append(found.ids)
     marked = pretrained.tokenizer.encode("a")  # the model's own markers, e.g. [CLS] a [SEP]
     first = marked.special.index(False)
     last = len(marked.ids) - marked.special[::-1].index(False)
@@ -238,58 +253,83 @@ def census_of(
         raise ValueError("the second half of each repeated row must equal its first half")
     if isinstance(prompts, Tensor | str) or not prompts:
         raise ValueError("prompts must be a non-empty list of token id lists")
+    for i, row in enumerate(prompts):
+        if len(row) < 2:
+            raise ValueError(f"prompt {i} has {len(row)} token; give 2 or more")
     L, counts = stack.config.num_layers, heads_per_layer(stack)  # each layer's own count
-    H = max(counts)
-    sums = {name: nan_grid(counts) for name in SCORES}  # NaN where a layer has fewer heads
-    use_counts = torch.zeros(L, H, dtype=torch.float64)
-    queries = 0  # how many queries i >= 1 the prompts have
+    N, H = len(prompts), max(counts)
+    # each prompt's scores, NaN where a layer has fewer heads (and window use where no window)
+    values = {name: nan_grid(counts).expand(N, L, H).clone() for name in SCORES}
+    values["window_use"].fill_(math.nan)  # filled in the layers with a window only
     windows: list[int | None] = [None] * L
     effective, compressed = [False] * L, [False] * L
+    lengths = [len(row) for row in prompts]
+    pad = getattr(stack.config, "position_padding", None) or 0  # RoBERTa's positions skip it
     with torch.inference_mode():
-        for i, ids in enumerate(prompts):
-            ids = torch.as_tensor(ids).reshape(1, -1)  # (1, T)
-            if ids.shape[1] < 2:
-                raise ValueError(f"prompt {i} has {ids.shape[1]} token; give 2 or more")
-            for layer, record in _records(stack, ids).items():
-                W = _weights(record)  # (1, H_layer, T, T)
-                own = slice(0, W.shape[1])  # the layer's heads
+        # a token's share of a batch: every layer's record (q, k, v, out) and a layer's weights
+        per_token = 4 * L * stack.config.block.width + 2 * H * max(lengths)
+        for group in groups(lengths, per_token, MASK_BUDGET):
+            ids, own = padded([prompts[i] for i in group], pad)  # (B, T) right-padded
+            mask = None
+            if not isinstance(stack, Decoder) and bool((own < ids.shape[1]).any()):
+                mask = (torch.arange(ids.shape[1])[None] < own[:, None]).long()  # (B, T)
+            for layer, record in _records(stack, ids, mask).items():
+                W = _weights(record)  # (B, H_layer, T, T)
+                heads_of = slice(0, W.shape[1])  # the layer's heads
                 windows[layer] = record.window
                 effective[layer] = record.linear is not None
                 compressed[layer] = record.compressed is not None
-                rows = W[0, :, 1:]  # (H, T-1, T): queries 1..T-1
-                sums["previous_token"][layer, own] += W[0].diagonal(-1, -2, -1).sum(-1)
-                sums["first_token"][layer, own] += rows[..., 0].sum(-1)
-                sums["self"][layer, own] += W[0].diagonal(0, -2, -1)[:, 1:].sum(-1)
-                sums["entropy"][layer, own] -= torch.special.xlogy(rows, rows).sum((-1, -2))
-                if record.window is not None:
-                    use, counted = _window_use(W[0], record.allowed[0])
-                    sums["window_use"][layer, own] += use
-                    use_counts[layer, own] += counted
-            queries += ids.shape[1] - 1
+                for b, p in enumerate(group):
+                    n = int(own[b])
+                    allowed = record.allowed
+                    allowed = allowed[b if allowed.shape[0] > 1 else 0, ..., :n, :n]
+                    scores = _scores(W[b, :, :n, :n], allowed, record.window)
+                    for name, score in scores.items():
+                        values[name][p, layer, heads_of] = score
         q = torch.arange(start + length, start + 2 * length)  # the second half's queries
+        values["induction"] = nan_grid(counts).expand(len(repeated), L, H).clone()
         for layer, record in _records(stack, repeated).items():
             W = _weights(record)  # (B, H_layer, T, T)
-            sums["induction"][layer, : W.shape[1]] = W[:, :, q, q - length + 1].mean((0, 2))
-    scores = {name: sums[name] / queries for name in SCORES if name != "induction"}
+            values["induction"][:, layer, : W.shape[1]] = W[:, :, q, q - length + 1].mean(2)
+    spreads = spreads_of(values)
+    mean = {name: spread.mean for name, spread in spreads.items()}
     # a window of 1 lets each query see only itself: no distance to use, so None as well
-    use = [None if windows[n] is None or not use_counts[n].any()
-           else sums["window_use"][n] / use_counts[n] for n in range(L)]  # fmt: skip
+    use = [None if windows[n] is None or bool(mean["window_use"][n].isnan().all())
+           else mean["window_use"][n] for n in range(L)]  # fmt: skip
     return Census(
         source=source,
         prompts=[f"ids {i}" for i in range(len(prompts))],
         induction_rows=repeated.shape[0],
         induction_length=length,
         seed=None,
-        previous_token=scores["previous_token"],
-        induction=sums["induction"],
-        first_token=scores["first_token"],
-        self_attention=scores["self"],
-        entropy=scores["entropy"],
+        previous_token=mean["previous_token"],
+        induction=mean["induction"],
+        first_token=mean["first_token"],
+        self_attention=mean["self"],
+        entropy=mean["entropy"],
         windows=windows,
         window_use=use,
         effective=effective,
         compressed=compressed,
+        spreads=spreads,
     )
+
+
+def _scores(W: Tensor, allowed: Tensor, window: int | None) -> dict[str, Tensor]:
+    """One prompt's scores (H,) from its weights W (H, n, n) float64: each the mean over
+    queries 1..n-1 (window use: over those that could see another key; NaN where none)."""
+    rows = W[:, 1:]  # (H, n-1, n): queries 1..n-1
+    queries = W.shape[-1] - 1
+    found = {
+        "previous_token": W.diagonal(-1, -2, -1).sum(-1) / queries,
+        "first_token": rows[..., 0].sum(-1) / queries,
+        "self": W.diagonal(0, -2, -1)[:, 1:].sum(-1) / queries,
+        "entropy": -torch.special.xlogy(rows, rows).sum((-1, -2)) / queries,
+    }
+    if window is not None:
+        use, counted = _window_use(W, allowed)
+        found["window_use"] = torch.where(counted > 0, use / counted.clamp(min=1), math.nan)
+    return found
 
 
 def _listed(scores: Tensor) -> list:
@@ -318,9 +358,12 @@ def _weights(record) -> Tensor:
     return shares(W) if record.linear is not None else W
 
 
-def _records(stack, ids: Tensor) -> dict:
-    extra = {"logits": False} if isinstance(stack, Decoder) else {}
-    return stack(ids, layers="all", **extra).records
+def _records(stack, ids: Tensor, mask: Tensor | None = None) -> dict:
+    """Every layer's record over ids (B, T): a decoder's right padding needs no mask (its
+    real tokens never see it), an encoder's its key-padding mask (B, T)."""
+    if isinstance(stack, Decoder):
+        return stack(ids, layers="all", logits=False).records
+    return stack(ids, layers="all", attention_mask=mask).records
 
 
 def _window_use(W: Tensor, allowed: Tensor) -> tuple[Tensor, Tensor]:
@@ -370,102 +413,3 @@ def induction_ids(
     ends = [torch.tensor([list(end)] * rows, dtype=torch.long).reshape(rows, -1)
             for end in (prefix, suffix)]  # fmt: skip
     return torch.cat([ends[0], half, half, ends[1]], dim=1)  # (B, P + 2n + S)
-
-
-# ---------------------------------------------------------------- attention rollout and flow
-
-
-def _with_residual(weights: Tensor) -> Tensor:
-    """(L, T, T) or (L, H, T, T) weights -> (L, T, T) float64: heads averaged, then 0.5 W +
-    0.5 I with each row renormalized, as in Abnar and Zuidema (2020)."""
-    if not isinstance(weights, Tensor) or weights.dim() not in (3, 4):
-        raise ValueError("weights must be (L, T, T) or (L, H, T, T) attention weights")
-    W = weights.double()
-    W = W.nanmean(1) if W.dim() == 4 else W  # (L, T, T); NaN: heads a layer lacks
-    if W.shape[-1] != W.shape[-2]:
-        raise ValueError(f"weights must be square (self-attention), got {tuple(W.shape[-2:])}")
-    A = 0.5 * W + 0.5 * torch.eye(W.shape[-1], dtype=W.dtype)
-    return A / A.sum(-1, keepdim=True)
-
-
-def rollout(weights: Tensor) -> Tensor:
-    """Attention rollout (T, T): A_{L-1} ... A_1 A_0 with A = 0.5 W + 0.5 I renormalized;
-    row i is how much the last layer's token i draws on each input token.
-
-    >>> rollout(torch.eye(2).expand(3, 2, 2)).tolist()  # every token keeps to itself
-    [[1.0, 0.0], [0.0, 1.0]]
-    """
-    A = _with_residual(weights)
-    out = A[0]
-    for layer in A[1:]:  # the first layer applied first
-        out = layer @ out
-    return out
-
-
-def flow(weights: Tensor) -> Tensor:
-    """Attention flow (T, T): the maximum flow from output token i (after the last layer) to
-    input token j in the layered graph whose edge from token i at layer l + 1 to token j at
-    layer l has capacity A_l[i, j] (A as in `rollout`). T^2 max-flows (networkx): refused
-    above FLOW_MAX_TOKENS tokens.
-
-    >>> flow(torch.tensor([[[1.0, 0.0], [0.5, 0.5]]] * 2)).tolist()
-    [[1.0, 0.0], [0.5, 0.75]]
-    """
-    A = _with_residual(weights)
-    L, T, _ = A.shape
-    if T > FLOW_MAX_TOKENS:
-        raise ValueError(
-            f"attention flow is {T}^2 max-flows over {L + 1} x {T} nodes; it computes "
-            f"{FLOW_MAX_TOKENS} tokens at most (rollout has no limit)"
-        )
-    import networkx as nx  # an optional dependency, loaded only when flow is asked for
-    from networkx.algorithms.flow import shortest_augmenting_path
-
-    graph = nx.DiGraph()
-    graph.add_nodes_from((layer, t) for layer in range(L + 1) for t in range(T))
-    for layer in range(L):
-        for i, j in torch.nonzero(A[layer] > 0).tolist():
-            graph.add_edge((layer + 1, i), (layer, j), capacity=float(A[layer, i, j]))
-    out = torch.zeros(T, T, dtype=torch.float64)
-    for i in range(T):
-        for j in range(T):
-            out[i, j] = nx.maximum_flow_value(
-                graph, (L, i), (0, j), flow_func=shortest_augmenting_path
-            )
-    return out
-
-
-@dataclass
-class TextRollout:
-    """Rollout and flow over one text: row i is output token i, column j input token j."""
-
-    tokens: list[str]
-    rollout: Tensor  # (T, T)
-    flow: Tensor | None  # (T, T); None when not asked for
-
-    def to_dict(self) -> dict:
-        return {"tokens": list(self.tokens), "rollout": self.rollout.tolist(),
-                "flow": None if self.flow is None else self.flow.tolist()}  # fmt: skip
-
-
-def text_rollout(pretrained, text: str, *, with_flow: bool = True) -> TextRollout:
-    """Attention rollout and flow of `pretrained` over `text`, from one forward's records
-    (an encoder-decoder's encoder). with_flow=False skips flow (and its token limit)."""
-    self_attention_stack(pretrained.model, "the census", pretrained.source)
-    if with_flow:  # refused before the forward, from the token count alone
-        count = len(pretrained.encode(text).ids)
-        if count > FLOW_MAX_TOKENS:
-            raise ValueError(
-                f"the text has {count} tokens; attention flow computes {FLOW_MAX_TOKENS} at "
-                "most (ask for rollout alone above that)"
-            )
-    seen = pretrained.attentions(text)  # (L, H, T, T) weights
-    for layer, record in sorted(seen.records.items()):
-        if record.linear is not None:
-            raise ValueError(
-                f"rollout and flow read each layer's weights as shares that sum to 1; layer "
-                f"{layer} keeps a running memory (linear attention), whose effective weights are "
-                "signed and sum to anything"
-            )
-    weights = seen.weights
-    return TextRollout(seen.tokens, rollout(weights), flow(weights) if with_flow else None)

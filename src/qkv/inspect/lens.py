@@ -22,16 +22,27 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from qkv.inspect.layer_heads import heads_per_layer, nan_grid
+from qkv.inspect.prompts import Spread
 from qkv.inspect.records import check_head_outputs
 from qkv.inspect.residual import head_writes
+from qkv.inspect.runs import (
+    encoded_prompts,
+    padded_ids,
+    prompt_groups,
+    prompt_name,
+    spreads_dict,
+    spreads_of,
+)
 from qkv.models import Decoder, DecoderOutput
 from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.nn import RMSNorm
@@ -104,10 +115,15 @@ class Attribution:
 
 @dataclass(repr=False)
 class Lens(Shown):
-    """Each depth's next-token prediction at one position, and the attribution of a token.
+    """Each depth's next-token prediction at one position, and the attribution of a token,
+    in one prompt or in each of several.
 
     Depth d is `layers[d]`: depth 0 is the embeddings, depth i + 1 the output of layer i
-    (layers count from 0); the last depth is the model's own prediction.
+    (layers count from 0); the last depth is the model's own prediction. Over several
+    prompts: `rank`, `logprob` and the attribution's numbers are the mean over the prompts
+    (`spreads` holds each prompt's, the mean and a bootstrap 95% interval), the top tokens are
+    those of the mean probability, and `tokens`, `position`, `logits` are the first prompt's;
+    with no token asked, each prompt follows its own top prediction (`token_ids`).
     """
 
     view: ClassVar[str] = "lens"  # drawn by qkv.viz.notebook_interventions
@@ -125,6 +141,12 @@ class Lens(Shown):
     rank: list[int]  # (L+1,) how many tokens each depth scores above the token (0: the top)
     logprob: list[float]  # (L+1,) the token's log-probability at each depth
     attribution: Attribution | None  # None when asked for the lens alone
+    texts: list[str] = field(default_factory=list)  # every prompt
+    positions: list[int] = field(default_factory=list)  # the position read in each prompt
+    token_ids: list[int] = field(default_factory=list)  # the token followed in each prompt
+    # per-prompt values, mean and interval of rank and logprob (L+1,) and of the attribution's
+    # logit, embeddings, heads (L, H), attention_bias (L,), mlps (L,) and remainder
+    spreads: dict[str, Spread] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-ready (see docs/lens.md); `logits` is left out: it is the vocabulary's size
@@ -143,12 +165,17 @@ class Lens(Shown):
             "rank": list(self.rank),
             "logprob": list(self.logprob),
             "attribution": None if self.attribution is None else self.attribution.to_dict(),
+            "texts": list(self.texts),
+            "positions": list(self.positions),
+            "token_ids": list(self.token_ids),
+            # several prompts: each one's values, their mean and interval
+            **({"spreads": spreads_dict(self.spreads)} if len(self.texts) > 1 else {}),
         }
 
 
 def lens(
     pretrained,
-    text: str,
+    text: str | Sequence[str] | Path,
     *,
     position: int = -1,
     token: str | int | None = None,
@@ -158,8 +185,11 @@ def lens(
     """The logit lens of `pretrained`'s decoder over `text`, at `position` (default the last
     token), and the direct logit attribution of `token` there.
 
+    text: one text, a list of texts, or a file (`Path`: text lines, TSV or JSONL), run in
+    padded batches; position counts in each prompt (-1: each one's last token).
     token: the next token to follow, as text that is one token of the vocabulary (" Paris",
-    with its leading space) or as an id; default the model's own top prediction.
+    with its leading space) or as an id; default the model's own top prediction (in each
+    prompt).
     top: how many of each depth's most likely next tokens to keep.
     attribute: False for the lens alone (the attribution refuses some models by name).
     """
@@ -175,17 +205,27 @@ def lens(
             "DeepSeek-V4 decoder, which keeps n streams per token between layers "
             "(hyper-connections), mixed into one only after the last layer"
         )
-    encoded = pretrained.encode(text)
+    texts, encoded = encoded_prompts(pretrained, text)
     token_id = None if token is None else token_id_of(pretrained, token)
-    ids = torch.tensor([encoded.ids])  # (1, T)
+    lengths = [len(e.ids) for e in encoded]
+    for n, length in enumerate(lengths):
+        where = "" if len(texts) == 1 else f"{prompt_name(n, texts[n])}: "
+        _check_position(position, length, where)
 
     def spell(i: int) -> str:
         return pretrained.tokenizer.pieces([i])[0]  # part of a character: its bytes, <0xE6>
 
-    found = decoder_lens(model, ids, position=position, token_id=token_id, top=top,
-                         attribute=attribute, spell=spell, source=pretrained.source)  # fmt: skip
-    found.tokens = list(encoded.tokens)
-    return found
+    rows: list[_Row | None] = [None] * len(texts)
+    for group in prompt_groups(model, lengths, per_token=model.config.vocab_size):
+        ids, _ = padded_ids(pretrained, model, [encoded[p].ids for p in group])
+        found = _lens_rows(model, ids, [lengths[p] for p in group], position=position,
+                           token_id=token_id, top=top, attribute=attribute, spell=spell,
+                           source=pretrained.source)  # fmt: skip
+        for p, row in zip(group, found, strict=True):
+            rows[p] = row
+    result = _gathered(model, [r for r in rows if r is not None], top, spell, pretrained.source)
+    result.tokens, result.texts = list(encoded[0].tokens), texts
+    return result
 
 
 def token_id_of(pretrained, token: str | int) -> int:
@@ -222,48 +262,112 @@ def decoder_lens(
     hidden state, under inference mode. spell(id) names a token (default its id)."""
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"the lens reads one text: ids of shape (1, T), got {tuple(ids.shape)}")
-    T = ids.shape[1]
+    _check_position(position, ids.shape[1])
+    rows = _lens_rows(model, ids, [ids.shape[1]], position=position, token_id=token_id, top=top,
+                      attribute=attribute, spell=spell, source=source)  # fmt: skip
+    return _gathered(model, rows, top, spell, source)
+
+
+@dataclass
+class _Row:
+    """One prompt's lens: its tokens, position, logits (L+1, vocab), followed token, ranks,
+    log-probabilities and attribution."""
+
+    tokens: list[str]
+    position: int
+    logits: Tensor
+    logprobs: Tensor  # (L+1, vocab) float64
+    token_id: int
+    rank: list[int]
+    logprob: list[float]
+    attribution: Attribution | None
+
+
+def _check_position(position: int, T: int, where: str = "") -> None:
     if not isinstance(position, int) or not -T <= position < T:
         raise ValueError(
-            f"position {position} is out of range: the text has {T} tokens (0..{T - 1}, or "
-            f"-{T}..-1 from the end)"
+            f"{where}position {position} is out of range: the text has {T} tokens (0..{T - 1}, "
+            f"or -{T}..-1 from the end)"
         )
+
+
+def _lens_rows(
+    model: Decoder, ids: Tensor, lengths: list[int], *, position: int, token_id: int | None,
+    top: int, attribute: bool, spell: Callable[[int], str], source: str,
+) -> list[_Row]:  # fmt: skip
+    """The lens of each row of ids (B, T), right-padded: row b's real tokens are its first
+    lengths[b] (a decoder's real tokens never see the padding after them)."""
     if not isinstance(top, int) or not 1 <= top <= model.config.vocab_size:
         raise ValueError(f"top must be a whole number in 1..{model.config.vocab_size}, got {top}")
     if attribute:
         check_attributable(model, source)
-    position %= T
+    found = []
     with torch.inference_mode():
         out = model(ids, layers="all" if attribute else None, hidden_states=True)
-        streams = torch.stack([h[0, position] for h in out.hidden_states[:-1]])  # (L, C)
-        logits = model.project(streams if model.norm is None else model.norm(streams))
-        # the last depth is the model's own prediction, as its forward computed it: the same
-        # norm and head on one row instead of T can round differently in the last bit
-        logits = torch.cat([logits, out.logits[0, position][None]])  # (L+1, vocab)
-        logprobs = logits.double().log_softmax(-1)  # (L+1, vocab)
-        if token_id is None:
-            token_id = int(out.logits[0, position].argmax())
-        best = logprobs.topk(top, dim=-1)
-        chosen = logits[:, token_id : token_id + 1]  # (L+1, 1)
-        rank = (logits > chosen).sum(-1)  # (L+1,)
-        attribution = None
-        if attribute:
-            attribution = attribute_logit(model, out, position, token_id, spell(token_id))
-    L = model.config.num_layers
+        for b, length in enumerate(lengths):
+            at = position % length
+            streams = torch.stack([h[b, at] for h in out.hidden_states[:-1]])  # (L, C)
+            logits = model.project(streams if model.norm is None else model.norm(streams))
+            # the last depth is the model's own prediction, as its forward computed it: the
+            # same norm and head on one row instead of T can round differently in the last bit
+            logits = torch.cat([logits, out.logits[b, at][None]])  # (L+1, vocab)
+            logprobs = logits.double().log_softmax(-1)  # (L+1, vocab)
+            followed = int(out.logits[b, at].argmax()) if token_id is None else token_id
+            chosen = logits[:, followed : followed + 1]  # (L+1, 1)
+            rank = (logits > chosen).sum(-1)  # (L+1,)
+            attribution = None
+            if attribute:
+                attribution = attribute_logit(model, out, at, followed, spell(followed), row=b)
+            found.append(_Row([spell(i) for i in ids[b, :length].tolist()], at, logits.float(),
+                              logprobs, followed, rank.tolist(), logprobs[:, followed].tolist(),
+                              attribution))  # fmt: skip
+    return found
+
+
+def _gathered(model: Decoder, rows: list[_Row], top: int, spell, source: str) -> Lens:
+    """One Lens from each prompt's: the first prompt's tokens, position and logits; the mean
+    of the rest (one prompt: its own), with every prompt's values in `spreads`."""
+    first, L = rows[0], model.config.num_layers
+    probs = torch.stack([row.logprobs.exp() for row in rows]).mean(0)  # (L+1, vocab)
+    best = probs.topk(top, dim=-1)
+    values = {
+        name: torch.tensor([getattr(row, name) for row in rows], dtype=torch.float64)
+        for name in ("rank", "logprob")
+    }
+    attributions = [row.attribution for row in rows if row.attribution is not None]
+    if attributions:
+        for name in ("logit", "embeddings", "heads", "attention_bias", "mlps", "remainder"):
+            values[name] = torch.stack([torch.as_tensor(getattr(a, name), dtype=torch.float64)
+                                        for a in attributions])  # fmt: skip
+    spreads = spreads_of(values)
+    attribution = first.attribution
+    if len(rows) > 1 and attribution is not None:
+        mean = {name: spreads[name].mean for name in ("heads", "attention_bias", "mlps")}
+        numbers = {name: float(spreads[name].mean) for name in ("logit", "embeddings", "remainder")}
+        attribution = Attribution(
+            token_id=attribution.token_id, token=attribution.token, position=first.position,
+            **numbers, **mean,
+            remainder_explicit=sum(a.remainder_explicit for a in attributions) / len(rows),
+            norm_scale=sum(a.norm_scale for a in attributions) / len(rows),
+        )  # fmt: skip
+    one = len(rows) == 1
     return Lens(
         source=source,
-        tokens=[spell(i) for i in ids[0].tolist()],
-        position=position,
+        tokens=first.tokens,
+        position=first.position,
         layers=["embeddings", *(f"layer {i}" for i in range(L))],
-        logits=logits.float(),
+        logits=first.logits,
         top_ids=best.indices.tolist(),
         top_tokens=[[spell(i) for i in row] for row in best.indices.tolist()],
-        top_probs=best.values.exp().tolist(),
-        token_id=token_id,
-        token=spell(token_id),
-        rank=rank.tolist(),
-        logprob=logprobs[:, token_id].tolist(),
+        top_probs=best.values.tolist(),
+        token_id=first.token_id,
+        token=spell(first.token_id),
+        rank=first.rank if one else spreads["rank"].mean.tolist(),
+        logprob=first.logprob if one else spreads["logprob"].mean.tolist(),
         attribution=attribution,
+        positions=[row.position for row in rows],
+        token_ids=[row.token_id for row in rows],
+        spreads=spreads,
     )
 
 
@@ -301,14 +405,21 @@ def check_attributable(model: Decoder, source: str = "the model") -> None:
 
 
 def attribute_logit(
-    model: Decoder, out: DecoderOutput, position: int, token_id: int, token: str = ""
+    model: Decoder,
+    out: DecoderOutput,
+    position: int,
+    token_id: int,
+    token: str = "",
+    *,
+    row: int = 0,
 ) -> Attribution:
     """Split the logit of token_id at `position` into direct contributions (float64).
 
-    out: the model's forward with every layer's record and hidden_states=True.
+    out: the model's forward with every layer's record and hidden_states=True; row: which of
+    its batch's rows.
     """
     check_head_outputs(out.records, "direct logit attribution")
-    states = [h[0, position].double() for h in out.hidden_states]  # (C,) each, L+1
+    states = [h[row, position].double() for h in out.hidden_states]  # (C,) each, L+1
     final = states[-1]
     direction, scale, explicit = _readout(model, final, token_id)  # (C,): logit = c . direction
     L = model.config.num_layers
@@ -316,7 +427,9 @@ def attribute_logit(
     biases = torch.zeros(L, dtype=torch.float64)
     mlps = torch.zeros(L, dtype=torch.float64)
     for layer, block in enumerate(model.blocks):
-        head_out = head_writes(block, out.records[layer], out.hidden_states[layer], position)
+        record = _row_of(out.records[layer], row)
+        x = out.hidden_states[layer][row : row + 1]  # (1, T, C)
+        head_out = head_writes(block, record, x, position)
         W_o = block.attn.out.weight.double()  # (C, H*D)
         H = head_out.shape[0]  # this layer's heads
         read = (W_o.T @ direction).view(H, -1)  # (H, D): each head's slice, read out
@@ -329,13 +442,21 @@ def attribute_logit(
         mlp_out = states[layer + 1] - states[layer] - attended  # (C,) (a parallel block too)
         mlps[layer] = mlp_out @ direction
     embeddings = float(states[0] @ direction)
-    logit = float(out.logits[0, position, token_id])
+    logit = float(out.logits[row, position, token_id])
     remainder = logit - float(embeddings + heads.nansum() + biases.sum() + mlps.sum())
     return Attribution(
         token_id=token_id, token=token, position=position, logit=logit, embeddings=embeddings,
         heads=heads, attention_bias=biases, mlps=mlps, remainder=remainder,
         remainder_explicit=explicit, norm_scale=scale,
     )  # fmt: skip
+
+
+def _row_of(record, row: int) -> SimpleNamespace:
+    """What `head_writes` reads of a record, at one row of its batch: out (1, H, T, D) and
+    the output gate."""
+    gate = record.output_gate
+    return SimpleNamespace(out=record.out[row : row + 1],
+                           output_gate=None if gate is None else gate[row : row + 1])  # fmt: skip
 
 
 def _readout(model: Decoder, final: Tensor, token_id: int) -> tuple[Tensor, float, float]:

@@ -3,6 +3,9 @@ resumed from one layer with `Edit`s, batched within a memory budget, the change 
 the next tokens a decoder predicts before and after (`hide`, `ablate` and `patch` are built on
 these, in `qkv.inspect.hide`, `qkv.inspect.ablate` and `qkv.inspect.patch`).
 
+Many prompts run as padded rows (`Rows`, `run_rows`, `resumed_rows`): right-padded, so a
+decoder's real tokens never see the padding, and an encoder's is masked as keys.
+
 A table over every (layer, head) reuses one clean forward: each layer's run resumes from the
 clean residual stream at that layer, the heads of a layer run side by side as one batch, one
 head edited per row, and in a decoder only the positions from the first changed one on are
@@ -21,6 +24,7 @@ from torch import Tensor
 
 from qkv.attention.inputs import check_indices
 from qkv.inspect.layer_heads import check_heads, heads_per_layer
+from qkv.inspect.prompts import Spread, groups, texts_of
 from qkv.inspect.records import check_head_outputs
 from qkv.models import Decoder, Encoder, self_attention_stack
 from qkv.models.deepseek_v4 import DeepseekV4Decoder
@@ -209,3 +213,129 @@ def word_span(encoded, word: str, what: str) -> tuple[int, int]:
 def grid_dict(grid: Tensor) -> list[list[float | None]]:
     """An (L, H) grid as lists, None where it was not computed (NaN)."""
     return [[None if v != v else float(v) for v in row] for row in grid.tolist()]
+
+
+# ---------------------------------------------------------------------------- prompts
+
+
+def encoded_prompts(pretrained, texts, what: str = "texts") -> tuple[list[str], list]:
+    """The prompts (a text, a list of texts, or a `Path`: `qkv.inspect.prompts.texts_of`) and
+    each one's tokens; a prompt the model cannot read is refused by its number and text."""
+    texts = texts_of(texts, what)
+    encoded = []
+    for n, text in enumerate(texts):
+        try:
+            encoded.append(pretrained.encode(text))
+        except ValueError as error:
+            if len(texts) == 1:
+                raise
+            raise ValueError(f"{prompt_name(n, text)}: {error}") from None
+    return texts, encoded
+
+
+def prompt_name(n: int, text: str) -> str:
+    """How an error names prompt n: 'prompt 3 ("The bank of the …")'."""
+    line = " ".join(text.split())
+    return f"prompt {n} ({line if len(line) <= 40 else line[:39] + '…'!r})"
+
+
+def prompt_groups(stack, lengths: list[int], per_token: int = 0):
+    """Prompt indices in padded batches of similar lengths, each batch's clean run (every
+    layer's input, head outputs, keys and values: about 6 (L + 1) C numbers a token) within
+    MASK_BUDGET numbers (`qkv.inspect.prompts.groups`). per_token: what else a token costs."""
+    C, L = stack.config.block.width, stack.config.num_layers
+    return groups(lengths, 6 * (L + 1) * C + per_token, MASK_BUDGET)
+
+
+@dataclass
+class Rows:
+    """One forward pass of a stack over B prompts right-padded to T tokens (`run`'s batch):
+    a decoder's real tokens never see the padding after them, an encoder's are kept from it
+    by `mask`. Read each row at its real positions only (`lengths`)."""
+
+    ids: Tensor  # (B, T)
+    lengths: list[int]
+    mask: Tensor | None  # (B, T) 1 = real token: an encoder's key padding; None for a decoder
+    inputs: list[Tensor]  # L + 1 tensors (B, T, C)
+    states: Tensor  # (B, T, C) after the final norm
+    head_outputs: list[Tensor] = field(default_factory=list)  # L tensors (B, H, T, D)
+    keys: list[Tensor] = field(default_factory=list)  # decoders: L tensors (B, Hkv, T, D)
+    values: list[Tensor] = field(default_factory=list)
+
+
+def padded_ids(pretrained, stack, rows: list[list[int]]) -> tuple[Tensor, Tensor | None]:
+    """ids (B, T) right-padded with the tokenizer's pad id (RoBERTa's positions skip it), and
+    an encoder's key-padding mask (B, T), None where no row is padded or for a decoder."""
+    ids, mask = pretrained.tokenizer.pad(rows, padding_side="right")
+    if isinstance(stack, Decoder) or bool(mask.all()):
+        return ids, None
+    return ids, mask
+
+
+def forward_rows(stack, ids: Tensor, mask: Tensor | None, edits: Edits | None = None, **kwargs):
+    """The stack's forward over padded rows: a decoder's with no mask and no LM head."""
+    if isinstance(stack, Decoder):
+        return stack(ids, edits=edits, logits=False, **kwargs)
+    return stack(ids, attention_mask=mask, edits=edits, **kwargs)
+
+
+def run_rows(stack, ids: Tensor, mask: Tensor | None, lengths: list[int], records: bool) -> Rows:
+    """The clean run over padded rows; records: keep every layer's head outputs (and a
+    decoder's keys and values, which a resumed run's cache reads)."""
+    out = forward_rows(stack, ids, mask, layers="all" if records else None, hidden_states=True)
+    found = Rows(ids, lengths, mask, out.hidden_states, out.hidden)
+    if records:
+        kept = [out.records[n] for n in range(len(stack.blocks))]
+        check_head_outputs(out.records, "an intervention")
+        found.head_outputs = [record.out for record in kept]
+        if isinstance(stack, Decoder):
+            found.keys, found.values = [r.k for r in kept], [r.v for r in kept]
+    return found
+
+
+def resumed_rows(
+    stack, clean: Rows, layer: int, edits: Edits, index: Tensor, start: int = 0
+) -> Tensor:
+    """`resumed` over padded rows: the final vectors (R, T, C) of runs from `layer` on, row r
+    starting from clean row index[r]'s residual stream there, with `edits` (row r's in row r).
+    start (decoders): the first position any row's edit can change (see `resumed`)."""
+    ids = clean.ids[index]  # (R, T)
+    if start == 0:
+        mask = None if clean.mask is None else clean.mask[index]
+        if isinstance(stack, Decoder):  # a layer may read an earlier one's keys (Gemma 4)
+            layer = stack.resume_from(layer)
+        return forward_rows(
+            stack, ids, mask, edits, resume=(layer, clean.inputs[layer][index])
+        ).hidden
+    assert isinstance(stack, Decoder), "only a decoder's earlier positions are left as they were"
+    rows = len(index)
+    cache = stack.new_cache()
+    if all(type(c) is KVCache for c in cache.layers):
+        for n, (keys, values) in enumerate(zip(clean.keys, clean.values, strict=True)):
+            cache.layers[n] = KVCache.holding(keys[index, :, :start], values[index, :, :start])
+    else:  # a latent layer caches compressed vectors, which no record keeps: run the prefix
+        stack(ids[:, :start], cache=cache, logits=False)
+    x = clean.inputs[layer][index, start:]
+    after = stack(ids[:, start:], edits=edits, resume=(layer, x), cache=cache, logits=False).hidden
+    before = clean.states[index, :start]
+    assert before.shape[0] == rows
+    return torch.cat([before, after], dim=1)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def spreads_of(values: dict[str, Tensor]) -> dict[str, Spread]:
+    """Per-prompt values (N, *cell) by name -> their `Spread`s (mean, seeded bootstrap 95%
+    interval), the names kept."""
+    return {name: Spread.of(v) for name, v in values.items()}
+
+
+def spreads_dict(spreads: dict[str, Spread]) -> dict:
+    """JSON-ready: each name's per-prompt values, mean and interval (None where NaN)."""
+    return {name: spread.to_dict() for name, spread in spreads.items()}
+
+
+def number(x: float) -> float | None:
+    """A float for JSON: None where it is NaN (not computed)."""
+    return None if x != x else float(x)

@@ -43,19 +43,29 @@ def probe_lines(probe: Probe) -> str:
 # ---------------------------------------------------------------------------- interventions
 
 
-def _next_lines(next: NextTokens | None, what: str) -> list[str]:
+def _next_lines(next: NextTokens | None, what: str, result=None) -> list[str]:
+    """A decoder's next tokens before and after (the first prompt's, and over several prompts
+    the mean change of each one's own first token)."""
     if next is None:
         return []
 
     def listed(tokens: list[Token]) -> str:
         return ", ".join(f"{t.token!r} {t.logprob:.3g}" for t in tokens)
 
-    return [
-        f"next token after position {next.position} (log-probabilities):",
+    several = result is not None and len(result.texts) > 1
+    lines = [
+        f"{'the first prompt: ' if several else ''}next token after position {next.position} "
+        "(log-probabilities):",
         f"  as the model reads it: {listed(next.before)}",
         f"  {what}: {listed(next.after)}",
         f"  the first one's log-probability changed by {next.top_change:+.3g}",
     ]
+    if several and "top_change" in result.spreads:
+        change = result.spreads["top_change"]
+        lines.append(f"over the {len(result.texts)} prompts, each one's first next token's "
+                     f"log-probability changed by {float(change.mean):+.3g}"
+                     f"{_interval(result, 'top_change')}")  # fmt: skip
+    return lines
 
 
 def senses_lines(result: Senses) -> str:
@@ -71,8 +81,25 @@ def senses_lines(result: Senses) -> str:
     ])  # fmt: skip
 
 
+def _interval(result, name: str, *cell: int) -> str:
+    """' [low, high]': the bootstrap 95% interval of a mean over several prompts; '' for one."""
+    spread = result.spreads.get(name)
+    if len(result.texts) < 2 or spread is None:
+        return ""
+    return f" [{float(spread.low[cell]):.3g}, {float(spread.high[cell]):.3g}]"
+
+
+def _over(result) -> list[str]:
+    """The line that says a result is a mean over prompts (none for one prompt)."""
+    n = len(result.texts)
+    if n < 2:
+        return []
+    return [f"over {n} prompts: each number the mean, [in brackets] its bootstrap 95% interval"]
+
+
 def hide_lines(result: Hidden, top: int = 10) -> str:
-    """The heads that carry the key into the query, largest effect first, and the total."""
+    """The heads that carry the key into the query, largest effect first, and the total
+    (over several prompts: the means, with their intervals)."""
     key = result.key if isinstance(result.key, str) else ", ".join(result.key)
     query = f"'{result.query}'" if result.query is not None else "every word"
     lines = [
@@ -80,31 +107,38 @@ def hide_lines(result: Hidden, top: int = 10) -> str:
         f"the change of the final vector of {query} (1 - cosine, and distance)",
         "  layer  head   1-cos     distance",
     ]
+    lines[1:1] = _over(result)
     for layer, head, effect in result.ranked()[:top]:
         distance = float(result.distance[layer, head])
-        lines.append(f"  {layer:>5}  {head:>4}   {effect:<8.3g}  {distance:.3g}")
+        shown_effect = f"{effect:<8.3g}{_interval(result, 'effect', layer, head)}"
+        lines.append(f"  {layer:>5}  {head:>4}   {shown_effect}  {distance:.3g}"
+                     f"{_interval(result, 'distance', layer, head)}")  # fmt: skip
     shown = len(result.layers) * len(result.heads)
     if shown > top:
         lines.append(f"  ({shown - top} more heads; --json lists every one)")
     lines.append(
-        f"hidden in all {shown} heads at once: 1 - cosine {result.total:.3g}, distance "
-        f"{result.total_distance:.3g}"
+        f"hidden in all {shown} heads at once: 1 - cosine {result.total:.3g}"
+        f"{_interval(result, 'total')}, distance {result.total_distance:.3g}"
+        f"{_interval(result, 'total_distance')}"
     )
-    return "\n".join(lines + _next_lines(result.next, f"with '{key}' hidden"))
+    return "\n".join(lines + _next_lines(result.next, f"with '{key}' hidden", result))
 
 
 def ablate_lines(result: Ablated, top: int = 10) -> str:
     lines = [
         f"{result.mode}-ablating heads of {result.source}, each alone (mean change of every "
         "token's final vector, 1 - cosine):",
+        *_over(result),
         "  layer  head   1-cos",
     ]
     for layer, head, effect in result.ranked()[:top]:
-        lines.append(f"  {layer:>5}  {head:>4}   {effect:.3g}")
+        lines.append(f"  {layer:>5}  {head:>4}   {effect:.3g}"
+                     f"{_interval(result, 'effect', layer, head)}")  # fmt: skip
     if len(result.heads) > top:
         lines.append(f"  ({len(result.heads) - top} more heads; --json lists every one)")
-    lines.append(f"all {len(result.heads)} heads ablated at once: 1 - cosine {result.total:.3g}")
-    return "\n".join(lines + _next_lines(result.next, "with them ablated"))
+    lines.append(f"all {len(result.heads)} heads ablated at once: 1 - cosine {result.total:.3g}"
+                 f"{_interval(result, 'total')}")  # fmt: skip
+    return "\n".join(lines + _next_lines(result.next, "with them ablated", result))
 
 
 def patch_lines(result: Patched, top: int = 10) -> str:
@@ -138,26 +172,43 @@ def lens_lines(found: Lens, terms: int = 10) -> str:
     """The lens as text for people: each depth's top next tokens, then the largest direct
     contributions to the token's logit, the rest summed, the remainder and the total."""
     at = f"position {found.position} ({found.tokens[found.position]!r})"
+    followed = f"{found.token!r} followed"
+    several = len(found.texts) > 1
+    if several:
+        places = sorted(set(found.positions))
+        at = f"position {places[0]} of each prompt" if len(places) == 1 else (
+            "each prompt's position (" + ", ".join(map(str, found.positions[:8]))
+            + (", ..." if len(found.positions) > 8 else "") + ")")  # fmt: skip
+        if len(set(found.token_ids)) > 1:
+            followed = "each prompt's own top prediction followed"
     lines = [
         f"{found.source}, {len(found.tokens)} tokens; the next token after {at}",
-        f"logit lens: each depth's stream through the final norm and LM head; {found.token!r} "
-        "followed (rank 0: the top)",
+        f"logit lens: each depth's stream through the final norm and LM head; {followed} "
+        "(rank 0: the top)",
     ]
+    if several:
+        lines[0] = f"{found.source}, {len(found.texts)} prompts; the next token after {at}"
+        lines += _over(found)
+        lines.append("the top tokens of the mean probability over the prompts")
     cells = [[f"{t!r} {p:.3g}" for t, p in zip(tokens, probs, strict=True)]
              for tokens, probs in zip(found.top_tokens, found.top_probs, strict=True)]  # fmt: skip
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     name_width = max(len(name) for name in found.layers)
     for depth, name in enumerate(found.layers):
         row = "  ".join(cell.ljust(w) for cell, w in zip(cells[depth], widths, strict=True))
-        lines.append(f"  {name:<{name_width}}  {row}  | rank {found.rank[depth]}, "
-                     f"log-prob {found.logprob[depth]:.3g}")  # fmt: skip
+        rank = f"{found.rank[depth]:.3g}" if several else f"{found.rank[depth]}"
+        lines.append(f"  {name:<{name_width}}  {row}  | rank {rank}"
+                     f"{_interval(found, 'rank', depth)}, log-prob {found.logprob[depth]:.3g}"
+                     f"{_interval(found, 'logprob', depth)}")  # fmt: skip
     attribution = found.attribution
     if attribution is None:
         return "\n".join(lines)
     ranked = attribution.terms()
     shown, rest = ranked[:terms], ranked[terms:]
-    lines += ["", f"direct logit attribution of {attribution.token!r} at {at}, "
-              f"logit {attribution.logit:.4f}; the largest terms first:"]  # fmt: skip
+    token = "each prompt's token" if followed.startswith("each") else f"{attribution.token!r}"
+    lines += ["", f"direct logit attribution of {token} at {at}, "
+              f"logit {attribution.logit:.4f}{_interval(found, 'logit')}; the largest terms "
+              "first:"]  # fmt: skip
     lines += [f"  {value:+10.4f}  {name}" for name, value in shown]
     if rest:
         lines.append(f"  {sum(v for _, v in rest):+10.4f}  the other {len(rest)} terms")
@@ -180,6 +231,14 @@ _MEANING = {
 }
 
 
+def _census_interval(census: Census, name: str, layer: int, head: int) -> str:
+    """' [low, high]' of a score's mean over several prompts (induction: random rows)."""
+    spread = census.spreads.get(name)
+    if spread is None or spread.values.shape[0] < 2:
+        return ""
+    return f" [{float(spread.low[layer, head]):.3f}, {float(spread.high[layer, head]):.3f}]"
+
+
 def census_lines(census: Census, k: int = 5) -> str:
     """The census for people: the top k heads of each score, then each layer's first-token
     mass (the mean over its heads) with a bar."""
@@ -189,6 +248,10 @@ def census_lines(census: Census, k: int = 5) -> str:
         f"up to {H} heads ({', '.join(map(str, counts))} by layer)")  # fmt: skip
     lines = [f"{census.source}: {L} layers x {heads} (counted from 0), each score the mean "
              "over queries i >= 1"]  # fmt: skip
+    if len(census.prompts) > 1:
+        lines.append(f"then over {len(census.prompts)} prompts (induction: over "
+                     f"{census.induction_rows} random rows), [in brackets] its bootstrap 95% "
+                     "interval")  # fmt: skip
     effective = census.effective_words()
     if effective is not None:
         lines.append(effective)
@@ -196,7 +259,10 @@ def census_lines(census: Census, k: int = 5) -> str:
     width = max(len(text) for text in _MEANING.values())
     for name in SCORES:
         top = census.top(name, k)
-        cells = "   ".join(f"L{layer} H{head} {score:.3f}" for layer, head, score in top)
+        cells = "   ".join(
+            f"L{layer} H{head} {score:.3f}{_census_interval(census, name, layer, head)}"
+            for layer, head, score in top
+        )
         lines.append(f"  {_MEANING[name]:<{width}}  {cells or '(no layer has a window)'}")
     lines += ["", "first-token mass per layer (attention sinks):"]
     for layer, mass in enumerate(census.sink_per_layer.tolist()):

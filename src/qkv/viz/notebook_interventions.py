@@ -17,11 +17,18 @@ def hidden_html(found) -> str:
     keys = " and ".join(quoted(k) for k in _listed(found.key))
     whom = quoted(found.query) if found.query is not None else "every word"
     L = found.effect.shape[0]
-    parts = [
-        f"<h4>{keys} hidden from {whom}: {escape.text(found.source)}</h4>",
+    parts = [f"<h4>{keys} hidden from {whom}: {escape.text(found.source)}</h4>"]
+    if found.clean_states is None:  # compare=False: one run, nothing to compare with
+        parts.append("<p>Hidden in every head asked at once, in one run without the clean one "
+                     "(compare=False): no change to show. <i>"
+                     f"{escape.text(cut(found.text, 120))}</i></p>")  # fmt: skip
+        return wrapped("".join(parts))
+    parts += [
+        _over_html(found),
         f"<p>Hidden in every head asked at once, {whom}'s final vector changes by "
-        f'<b class="total" data-value="{found.total!r}">{found.total:.4f}</b> (1 - cosine; '
-        f"distance {found.total_distance:.4f}). <i>{escape.text(cut(found.text, 120))}</i></p>",
+        f'<b class="total" data-value="{found.total!r}">{found.total:.4f}</b>'
+        f"{_interval_html(found, 'total')} (1 - cosine; distance {found.total_distance:.4f}). "
+        f"<i>{escape.text(cut(found.text, 120))}</i></p>",
     ]
     if bool((found.effect == found.effect).any()):  # the table was asked for (table=True)
         parts.append("<p>Each (layer, head) alone, the change of the final vector "
@@ -35,19 +42,26 @@ def hidden_html(found) -> str:
 def hidden_repr(found) -> str:
     keys = "+".join(repr(cut(k, 20)) for k in _listed(found.key))
     whom = repr(cut(found.query, 20)) if found.query is not None else "every word"
-    return f"Hidden({keys} hidden from {whom}, {cut(found.source, 40)}, total {found.total:.4f})"
+    over = f", {len(found.texts)} prompts" if len(found.texts) > 1 else ""
+    return (f"Hidden({keys} hidden from {whom}, {cut(found.source, 40)}{over}, "
+            f"total {found.total:.4f})")  # fmt: skip
 
 
 def ablated_html(found) -> str:
     """`qkv.ablate`'s result (a `qkv.inspect.ablate.Ablated`): the change with every head
     asked ablated, each head's alone as a grid, and a decoder's next tokens."""
     L = found.effect.shape[0]
+    title = (f"<h4>{len(found.heads)} head{'s' * (len(found.heads) != 1)} ablated "
+             f"({escape.text(found.mode)}): {escape.text(found.source)}</h4>")  # fmt: skip
+    if found.clean_states is None:  # compare=False: one run, nothing to compare with
+        return wrapped(title + "<p>Ablated in one run without the clean one (compare=False): "
+                       "no change to show.</p>")  # fmt: skip
     parts = [
-        f"<h4>{len(found.heads)} head{'s' * (len(found.heads) != 1)} ablated "
-        f"({escape.text(found.mode)}): {escape.text(found.source)}</h4>",
+        title,
+        _over_html(found),
         f'<p>All at once, the final vectors change by <b class="total" data-value='
-        f'"{found.total!r}">{found.total:.4f}</b> (1 - cosine, the mean over every token). '
-        f"<i>{escape.text(cut(found.text, 120))}</i></p>",
+        f'"{found.total!r}">{found.total:.4f}</b>{_interval_html(found, "total")} (1 - cosine, '
+        f"the mean over every token). <i>{escape.text(cut(found.text, 120))}</i></p>",
         "<p>Each head ablated alone; blank where not asked:</p>",
         _head_grid(found.effect, "change", L),
     ]
@@ -110,7 +124,7 @@ def lens_html(found) -> str:
                     f"{logprob}</tr>")  # fmt: skip
     at = f"position {found.position} ({quoted(found.tokens[found.position])})"
     parts = [f"<h4>The logit lens of {escape.text(found.source)}: the next token after {at}</h4>",
-             f'<table class="lens">{head}{"".join(rows)}</table>']  # fmt: skip
+             _over_html(found), f'<table class="lens">{head}{"".join(rows)}</table>']  # fmt: skip
     a = found.attribution
     if a is not None:
         terms = a.terms()[:10]
@@ -142,6 +156,10 @@ def census_html(found) -> str:
     colored cells, the top heads first."""
     L, H = found.previous_token.shape
     parts = [f"<h4>{escape.text(found.source)}: {L} layers x {H} heads, counted from 0</h4>"]
+    if len(found.prompts) > 1:
+        parts.append(f'<p class="prompts">Each score the mean over {len(found.prompts)} '
+                     f"prompts (induction: {found.induction_rows} random rows); each cell's "
+                     "bootstrap 95% interval is in <code>spreads</code>.</p>")  # fmt: skip
     effective = found.effective_words()
     if effective is not None:
         parts.append(f'<p class="effective">{escape.text(effective)}</p>')
@@ -170,6 +188,26 @@ def _head_grid(grid, name: str, L: int) -> str:
     H = grid.shape[1]
     return grid_table(grid.tolist(), [f"layer {n}" for n in range(L)],
                  [f"head {h}" for h in range(H)], name=name)  # fmt: skip
+
+
+def _over_html(found) -> str:
+    """A line saying a result is a mean over prompts ('' for one prompt)."""
+    n = len(getattr(found, "texts", []))
+    if n < 2:
+        return ""
+    return (f'<p class="prompts">Over {n} prompts: each number the mean, [in brackets] its '
+            "bootstrap 95% interval (each prompt's values in <code>spreads</code>); the tokens "
+            "and next tokens shown are the first prompt's.</p>")  # fmt: skip
+
+
+def _interval_html(found, name: str) -> str:
+    """' [low, high]' of a mean over several prompts ('' for one)."""
+    spread = getattr(found, "spreads", {}).get(name)
+    if spread is None or len(found.texts) < 2:
+        return ""
+    low, high = float(spread.low), float(spread.high)
+    return (f' <span class="interval" data-low="{low!r}" data-high="{high!r}">'
+            f"[{low:.4f}, {high:.4f}]</span>")  # fmt: skip
 
 
 def _listed(key) -> list[str]:
