@@ -29,6 +29,7 @@ MAX_PROMPTS = 10_000  # prompts one call reads, whatever a file holds
 MAX_FILE_BYTES = 64 << 20  # 64 MiB: a prompt file is read whole, so it is read up to this
 RESAMPLES = 1000  # bootstrap resamples of the prompts
 LEVEL = 0.95  # the interval's coverage
+BOOTSTRAP_BUDGET = 1 << 24  # float64 numbers one step of resampling holds (128 MiB)
 
 
 # ---------------------------------------------------------------------------- reading
@@ -218,8 +219,9 @@ def bootstrap(values: Tensor, seed: int = 0, resamples: int = RESAMPLES) -> tupl
     draws = torch.randint(0, N, (resamples, N), generator=generator)  # (R, N)
     flat = values.double().reshape(N, -1)  # (N, cells)
     means = torch.empty(resamples, flat.shape[1], dtype=torch.float64)
-    for start in range(0, resamples, 100):  # (100, N, cells) at a time: bounded memory
-        means[start : start + 100] = flat[draws[start : start + 100]].mean(1)
+    step = max(1, BOOTSTRAP_BUDGET // max(N * flat.shape[1], 1))  # (step, N, cells) at a time
+    for start in range(0, resamples, step):
+        means[start : start + step] = flat[draws[start : start + step]].mean(1)
     tail = (1 - LEVEL) / 2
     low = means.quantile(tail, dim=0) if resamples > 1 else means[0]
     high = means.quantile(1 - tail, dim=0) if resamples > 1 else means[0]
