@@ -98,7 +98,7 @@ CORRUPT = "the bank of the river was deep and wide"  # as many tokens as TEXT
 PAIRS = [  # three lengths: 9, 5 and 7 tokens
     (TEXT, CORRUPT, "diff: river, wide"),
     ("the bank of the river", "the river of the bank", "prob: deep"),
-    ("the river was wide and deep and", "the bank was deep and wide and", "kl"),
+    ("the river was wide and deep and", "bank the was deep and wide and", "kl"),  # from 0
 ]
 EVERY = list(WHATS)
 

@@ -231,7 +231,7 @@ def patch(pretrained, clean, corrupt=None, metric=None, *, what=DEFAULT_WHAT,
             for name in whats:
                 for layer in range(L):
                     _patch_layer(stack, batch, clean_run, corrupt_run, name, layer,
-                                 counts[layer], values[name])  # fmt: skip
+                                 counts[layer], values[name], corrupt_scores[index])  # fmt: skip
     assert first is not None
     tokenizer = pretrained.tokenizer
     return Patched(
@@ -261,23 +261,30 @@ def _cells(what: str, H: int, T: int) -> list[tuple[int, ...]]:
 
 
 def _patch_layer(stack, batch: Batch, clean: Forward, corrupt: Forward, what: str, layer: int,
-                 H: int, values: Tensor) -> None:  # fmt: skip
-    """Every cell of one layer, in batches of rows within the budget, into values (N, ...)."""
+                 H: int, values: Tensor, unpatched: Tensor) -> None:  # fmt: skip
+    """Every cell of one layer, in batches of rows within the budget, into values (N, ...).
+    unpatched (B,): the corrupted run's metric, which a patch before the batch's first
+    differing token leaves as it is (it copies what the corrupted run has there)."""
     B, T = batch.clean.shape
+    start = batch.start
     cells = _cells(what, H, T)
-    per_row = B * T * (H * T + stack.config.block.width)  # a cell's mask and stream elements
+    if what in AT_POSITIONS:
+        before = [cell for cell in cells if cell[-1] < start]
+        _store(values, what, layer, before, unpatched.expand(len(before), B), batch, unpatched)
+        cells = [cell for cell in cells if cell[-1] >= start]
+    per_row = B * (T - start) * (H * T + stack.config.block.width)  # mask and stream elements
     for part in batches(len(cells), per_row):
         chosen = cells[part]
-        edit = _edit(what, layer, chosen, clean, corrupt, B, T)
-        hidden = resumed_rows(stack, batch.corrupt, corrupt.inputs, layer, {layer: edit},
-                              len(chosen))  # (P * B, T, C)  # fmt: skip
-        logits = final_logits(stack, hidden, per_cell(batch.last, len(chosen)))
-        _store(values, what, layer, chosen, scores(batch, logits, clean.logits), batch)
+        edit = _edit(what, layer, chosen, clean, corrupt, B, T, start)
+        hidden = resumed_rows(stack, batch, corrupt, layer, {layer: edit}, len(chosen))
+        logits = final_logits(stack, hidden, per_cell(batch.last - start, len(chosen)))
+        _store(values, what, layer, chosen, scores(batch, logits, clean.logits), batch, unpatched)
 
 
-def _edit(what: str, layer: int, cells, clean: Forward, corrupt: Forward, B: int,
-          T: int) -> Edit:  # fmt: skip
-    """The edit of rows (P * B, ...), cell-major: row p * B + b patches cell p of prompt b."""
+def _edit(what: str, layer: int, cells, clean: Forward, corrupt: Forward, B: int, T: int,
+          start: int) -> Edit:  # fmt: skip
+    """The edit of rows (P * B, ...), cell-major: row p * B + b patches cell p of prompt b, at
+    the positions start.. that the rows run (keys and values: every position)."""
     P, record = len(cells), clean.records[layer]
     if what in PER_HEAD or what == "head_positions":
         H = record.out.shape[1]
@@ -285,35 +292,42 @@ def _edit(what: str, layer: int, cells, clean: Forward, corrupt: Forward, B: int
         where = torch.zeros(P, 1, H, T if at_positions else 1, 1, dtype=torch.bool)
         for p, cell in enumerate(cells):
             where[p, 0, cell[0], cell[1] if at_positions else 0] = True
+        where = where[:, :, :, start:] if at_positions else where  # (P, 1, H, T - start, 1)
         where = where.expand(P, B, *where.shape[2:]).reshape(P * B, *where.shape[2:])
         if what in ("heads", "head_positions"):
-            return Edit(heads=where, head_values=per_cell(record.out, P))  # (P * B, H, T, D)
-        found = {"q": lambda: record.q, "k": lambda: per_query_head(record.k, H),
-                 "v": lambda: per_query_head(record.v, H), "weights": record.weights}  # fmt: skip
+            values = record.out[:, :, start:]  # (B, H, T - start, D)
+            return Edit(heads=where, head_values=per_cell(values, P))
+        found = {"q": lambda: record.q[:, :, start:], "k": lambda: per_query_head(record.k, H),
+                 "v": lambda: per_query_head(record.v, H),
+                 "weights": lambda: record.weights()[:, :, start:]}  # fmt: skip
         return Edit(**{what: Swap(where, per_cell(found[what](), P))})
     positions = torch.zeros(P, 1, T, dtype=torch.bool)
     for p, cell in enumerate(cells):
         positions[p, 0, cell[0] if cell else slice(None)] = True
-    positions = positions.expand(P, B, T).reshape(P * B, T)
+    positions = positions.expand(P, B, T).reshape(P * B, T)[:, start:]  # (P * B, T - start)
     if what == "residual":
         stream = clean.inputs[layer + 1]  # (B, T, C) after the block
     else:  # the corrupted block's output with the clean MLP's part in place of its own
         stream = (corrupt.inputs[layer] + corrupt.records[layer].attn_out) + record.mlp_out
-    return Edit(positions=positions, residual=per_cell(stream, P))
+    return Edit(positions=positions, residual=per_cell(stream[:, start:], P))
 
 
-def _store(values: Tensor, what: str, layer: int, cells, got: Tensor, batch: Batch) -> None:
-    """Scores (P, B) of cells into values (N, ...), positions aligned from the end."""
-    index, lengths = torch.tensor(batch.index), batch.lengths
+def _store(values: Tensor, what: str, layer: int, cells, got: Tensor, batch: Batch,
+           unpatched: Tensor) -> None:  # fmt: skip
+    """Scores (P, B) of cells into values (N, ...), positions aligned from the end. A cell
+    whose patch copies what the corrupted run already has (a position before the pair's first
+    differing token; any cell of a pair of one text twice) is the corrupted metric, exactly."""
+    index, lengths, differ = torch.tensor(batch.index), batch.lengths, batch.differ
     T = values.shape[-1]
     for p, cell in enumerate(cells):
         if what not in AT_POSITIONS:
-            values[(index, layer, *cell)] = got[p]
+            values[(index, layer, *cell)] = torch.where(differ < lengths, got[p], unpatched)
             continue
         t = cell[-1]
         real = lengths > t  # a padding position is no cell of that pair
         column = (T - lengths + t)[real]
-        values[(index[real], layer, *cell[:-1], column)] = got[p, real]
+        found = torch.where(differ > t, unpatched, got[p])
+        values[(index[real], layer, *cell[:-1], column)] = found[real]
 
 
 def _check_sums(run: Forward, L: int, source: str) -> None:

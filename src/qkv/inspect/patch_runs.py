@@ -21,7 +21,7 @@ from qkv.inspect.prompts import Pair, groups, metrics_for, padded, pairs_of
 from qkv.inspect.records import check_head_outputs
 from qkv.inspect.runs import MASK_BUDGET, decoder_logits, stack_of
 from qkv.models import Decoder
-from qkv.nn.attention import MultiHeadAttention
+from qkv.nn.attention import KVCache, MultiHeadAttention
 from qkv.nn.edit import Edits
 
 
@@ -101,6 +101,19 @@ class Batch:
     def last(self) -> Tensor:
         return self.lengths - 1  # (B,) where each row's metric is read
 
+    @property
+    def differ(self) -> Tensor:
+        """(B,) each pair's first position whose token differs (its length where none does):
+        before it the clean and corrupted runs are the same run, every activation equal."""
+        same = (self.clean == self.corrupt).long().cumprod(dim=1)  # 1 until the first change
+        return torch.minimum(same.sum(dim=1), self.lengths)
+
+    @property
+    def start(self) -> int:
+        """The first position a patch can change in any row: the batch's runs keep the
+        corrupted run's vectors, keys and values before it (at least the last token runs)."""
+        return int(torch.minimum(self.differ, self.last).min())
+
 
 def batches_of(stack: Decoder, pairs: list[PairText], per_token: int) -> Iterator[Batch]:
     """The pairs in padded batches of (rows x longest x per_token) <= MASK_BUDGET."""
@@ -146,15 +159,35 @@ def scores(batch: Batch, logits: Tensor, clean: Tensor) -> Tensor:
     return out
 
 
-def resumed_rows(stack: Decoder, ids: Tensor, x: list[Tensor], layer: int, edits: Edits,
+def resumed_rows(stack: Decoder, batch: Batch, run: Forward, layer: int, edits: Edits,
                  cells: int) -> Tensor:  # fmt: skip
-    """Final vectors (cells * B, T, C) of `cells` copies of a batch's runs from `layer` on,
-    each starting from the stream x (x[l]: (B, T, C) at block l's input), with `edits` (row
-    p * B + b: cell p of prompt b)."""
-    start = stack.resume_from(layer)  # a layer may read an earlier one's keys (Gemma 4)
-    rows = ids.repeat(cells, 1)  # (cells * B, T)
-    return stack(rows, edits=edits, resume=(start, x[start].repeat(cells, 1, 1)),
-                 logits=False).hidden  # fmt: skip
+    """Final vectors (cells * B, T - start, C) at positions batch.start.. of `cells` copies
+    of the batch's corrupted runs from `layer` on, with `edits` (row p * B + b: cell p of
+    prompt b; their masks and vectors cover positions start.. only).
+
+    A decoder's positions before `start` are the same in every patched run as in the
+    corrupted one (no patch changes them: clean and corrupted runs agree there), so they are
+    not run again: their keys and values come from the corrupted run's records, in the cache.
+    """
+    start, B = batch.start, batch.corrupt.shape[0]
+    ids = batch.corrupt.repeat(cells, 1)  # (cells * B, T)
+    if start == 0:
+        begin = stack.resume_from(layer)  # a layer may read an earlier one's keys (Gemma 4)
+        x = run.inputs[begin].repeat(cells, 1, 1)
+        return stack(ids, edits=edits, resume=(begin, x), logits=False).hidden
+    cache = stack.new_cache()
+    if all(type(c) is KVCache for c in cache.layers):
+        for n, record in run.records.items():  # layers before `layer` are not read: one row
+            keys, values = (t[:, :, :start] for t in (record.k, record.v))  # (B, Hkv, start, D)
+            if n < layer:
+                keys, values = keys[:1].expand(cells * B, -1, -1, -1), values[:1].expand_as(keys)
+            else:
+                keys, values = per_cell(keys, cells), per_cell(values, cells)
+            cache.layers[n] = KVCache.holding(keys, values)
+    else:  # a latent or linear layer caches what no record keeps: the prefix is run again
+        stack(ids[:, :start], cache=cache, logits=False)
+    x = run.inputs[layer][:, start:].repeat(cells, 1, 1)  # (cells * B, T - start, C)
+    return stack(ids[:, start:], edits=edits, resume=(layer, x), cache=cache, logits=False).hidden
 
 
 def per_cell(values: Tensor, cells: int) -> Tensor:
