@@ -20,8 +20,10 @@ output projection, every position) patched from the clean run into the corrupted
 
 Both read the same token ids (qkv's tokenizer). qkv and transformers each dequantize the GGUF
 file themselves and sum in other orders, so the grids agree to float rounding, not bit for bit.
-Timing: rounds alternate which peer goes first; the best of --rounds calls each, after one
-untimed call each (whose grids are compared). Float32, one process.
+Timing: every call is timed (qkv after an untimed warm-up on one pair): qkv, TransformerLens,
+qkv (with --rounds 2: qkv, TL, qkv, TL, qkv), so that drift in the machine falls on both; the
+best call of each is compared, and each call's seconds are printed. The grids compared are
+each peer's first. Float32, one process.
 
     HF_HUB_OFFLINE=1 python benchmarks/patch_tl.py [--rounds N] [--pairs N]
 """
@@ -110,7 +112,7 @@ def cpu_name() -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="timed calls each (2)")
+    parser.add_argument("--rounds", type=int, default=1, help="TransformerLens calls (1)")
     parser.add_argument("--pairs", type=int, default=32, help="IOI-style pairs (32)")
     args = parser.parse_args()
     torch.set_num_threads(CORES)
@@ -145,19 +147,19 @@ def main() -> int:
         return tl_grid(bridge, clean_ids, corrupt_ids, io_ids, s_ids)
 
     peers = {"qkv": ours, "TransformerLens": theirs}
-    grids = {}
-    for name, fn in peers.items():  # untimed: the grids compared
-        grids[name] = fn().double()
-        print(f"  {name}: warm-up call done", file=sys.stderr)
-    gap = float((grids["qkv"] - grids["TransformerLens"]).abs().max())
+    qkv.patch(smollm2, cleans[:1], corrupts[:1], metrics[:1], what="heads")  # warm-up, untimed
+    order = ["qkv", "TransformerLens"] * args.rounds + ["qkv"]  # each round starts with the
+    # other peer; qkv also last: the slow peer's calls sit between two of qkv's
     times: dict[str, list[float]] = {name: [] for name in peers}
+    grids = {}
+    for name in order:
+        start = time.perf_counter()
+        grid = peers[name]()
+        times[name].append(time.perf_counter() - start)
+        grids.setdefault(name, grid.double())
+        print(f"  {name}: {times[name][-1]:.1f} s", file=sys.stderr, flush=True)
+    gap = float((grids["qkv"] - grids["TransformerLens"]).abs().max())
     names = list(peers)
-    for r in range(args.rounds):  # alternate who goes first
-        for name in names[r % 2 :] + names[: r % 2]:
-            start = time.perf_counter()
-            peers[name]()
-            times[name].append(time.perf_counter() - start)
-        print(f"  round {r + 1} done", file=sys.stderr)
     ours_s, theirs_s = min(times["qkv"]), min(times["TransformerLens"])
     print(f"{'peer':>16} | {'seconds (best)':>14} | every round")
     for name in names:
