@@ -114,7 +114,11 @@ def patch_lines(result: Patched, top: int = 10) -> str:
     N = len(result.pairs)
     lines = [f"metric {result.metric}: clean {result.clean:.4f}, corrupted {result.corrupt:.4f}"]
     if N > 1:
-        lines[0] = f"{N} pairs; mean " + lines[0].replace("metric ", "metric (the first pair's) ")
+        own = len({str(pair.metric) for pair in result.pairs}) > 1
+        metric = "each pair's own metric (the first: " + str(result.metric) + ")" if own else (
+            f"metric {result.metric}")  # fmt: skip
+        lines[0] = (f"{N} pairs, {metric}: mean clean {result.clean:.4f}, corrupted "
+                    f"{result.corrupt:.4f}")  # fmt: skip
         lines.append(f"  95% intervals: clean {_interval(result.clean_spread, ())}, corrupted "
                      f"{_interval(result.corrupt_spread, ())}")  # fmt: skip
     for what in result.what:
