@@ -32,6 +32,7 @@ from qkv.inspect.patch_runs import (
     own_heads,
     per_cell,
     read_pairs,
+    record_size,
     resumed_rows,
     scores,
 )
@@ -201,7 +202,7 @@ def patch(pretrained, clean, corrupt=None, metric=None, *, what=DEFAULT_WHAT,
     ...     "gave a drink to", "When Mary and John went to the store, Mary gave a drink to",
     ...     "diff: Mary, John")  # doctest: +SKIP
     >>> patched.heads.shape, patched.residual.shape  # doctest: +SKIP
-    (torch.Size([30, 9]), torch.Size([30, 15]))
+    (torch.Size([30, 9]), torch.Size([30, 14]))
     """
     whats = check_what(what)
     stack, pairs = read_pairs(pretrained, clean, corrupt, metric, "patch")
@@ -217,7 +218,7 @@ def patch(pretrained, clean, corrupt=None, metric=None, *, what=DEFAULT_WHAT,
     corrupt_scores = torch.empty(N, dtype=torch.float64)
     first: tuple[Tensor, Tensor] | None = None
     with torch.inference_mode():
-        for batch in batches_of(stack, pairs, per_token=H * T):
+        for batch in batches_of(stack, pairs, per_token=record_size(stack)):
             clean_run = forward(stack, batch.clean, batch.last, "patch")
             corrupt_run = forward(stack, batch.corrupt, batch.last, "patch")
             index = torch.tensor(batch.index)

@@ -115,6 +115,12 @@ class Batch:
         return int(torch.minimum(self.differ, self.last).min())
 
 
+def record_size(stack: Decoder) -> int:
+    """About the elements one token of one row keeps in a forward that records every layer:
+    its q, k, v and head outputs, what attention and the MLP added, the stream (8 C a layer)."""
+    return 8 * stack.config.num_layers * stack.config.block.width
+
+
 def batches_of(stack: Decoder, pairs: list[PairText], per_token: int) -> Iterator[Batch]:
     """The pairs in padded batches of (rows x longest x per_token) <= MASK_BUDGET."""
     lengths = [len(p.clean_ids) for p in pairs]

@@ -45,6 +45,7 @@ from qkv.inspect.patch_runs import (
     forward,
     own_heads,
     read_pairs,
+    record_size,
     scores,
 )
 from qkv.inspect.prompts import Spread
@@ -134,7 +135,7 @@ def path_patch(pretrained, clean, corrupt=None, metric=None, *, sender: tuple[in
     values, clean_scores, corrupt_scores = (torch.empty(N, dtype=torch.float64) for _ in "abc")
     H, C = max(counts), stack.config.block.width
     with torch.inference_mode():
-        for batch in batches_of(stack, pairs, per_token=H * C):
+        for batch in batches_of(stack, pairs, per_token=record_size(stack) + H * C):
             index = torch.tensor(batch.index)
             got = _path_batch(stack, batch, (layer, head), chosen, vias)
             for target, found in zip((values, clean_scores, corrupt_scores), got, strict=True):
