@@ -98,7 +98,8 @@ def test_the_qkv_process_patches_a_file_of_pairs_on_smollm2(tmp_path):
              "Anna and Tom talked. Anna thanked", "metric": "diff: Anna, Tom"}]  # fmt: skip
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     shown = subprocess.run([sys.executable, "-m", "qkv.cli", "patch", "--pairs", str(path),
-                            "--what", "residual", "--json"], capture_output=True, text=True,
+                            "--what", "residual", "--layers", "29", "--json"],
+                           capture_output=True, text=True,
                            timeout=300)  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     data = json.loads(shown.stdout)

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from qkv.cli.errors import check_out, user_errors
-from qkv.cli.options import Backend, Json, Model, Png
+from qkv.cli.options import Backend, Json, Layers, Model, Png
 
 Metric = Annotated[
     str | None,
@@ -56,6 +56,7 @@ def patch(
         ),
     ] = "heads,residual",
     model: Model = "smollm2",
+    layers: Layers = None,
     seed: Seed = 0,
     out: Png = None,
     as_json: Json = False,
@@ -64,7 +65,9 @@ def patch(
     """Patch CLEAN's head outputs, queries, keys, values, weights, MLP outputs or residual
     stream into CORRUPT, one at a time, and score the next token: which parts of the model
     carry the difference (over every pair of --pairs FILE, with 95% intervals)."""
+    from qkv.attention.index_text import parse_indices
     from qkv.inspect.patch import patch as run_patch
+    from qkv.inspect.runs import stack_of
     from qkv.pretrained import load
     from qkv.viz.lines import patch_lines
 
@@ -73,8 +76,10 @@ def patch(
             check_out(out, (".png",))
         first, second = _pairs(clean, corrupt, pairs)
         whats = [name.strip() for name in what.split(",") if name.strip()]
-        result = run_patch(load(model, backend=backend), first, second, metric, what=whats,
-                           seed=seed)  # fmt: skip
+        pretrained = load(model, backend=backend)
+        L = stack_of(pretrained).config.num_layers
+        result = run_patch(pretrained, first, second, metric, what=whats, seed=seed,
+                           layers=parse_indices(layers, "layers", L, model))  # fmt: skip
         if out is not None:
             from qkv.viz.grids import grid_plot
 

@@ -20,6 +20,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from qkv.attention.inputs import check_indices
 from qkv.inspect.layer_heads import heads_per_layer
 from qkv.inspect.metrics import Metric
 from qkv.inspect.patch_runs import (
@@ -183,7 +184,7 @@ class Patched(Shown):
         return data
 
 
-def patch(pretrained, clean, corrupt=None, metric=None, *, what=DEFAULT_WHAT,
+def patch(pretrained, clean, corrupt=None, metric=None, *, what=DEFAULT_WHAT, layers=None,
           seed: int = 0) -> Patched:  # fmt: skip
     """Patch the clean run's `what` (a name of WHATS or a list) into the corrupted run, one
     cell at a time, and score the next token after each pair's last token with its metric.
@@ -192,7 +193,8 @@ def patch(pretrained, clean, corrupt=None, metric=None, *, what=DEFAULT_WHAT,
     `pathlib.Path`: TSV 'clean<TAB>corrupt[<TAB>metric]' or JSONL; corrupt None).
     metric: a `Metric` or its text ("diff: Mary, John", "prob: A", "logprob: A", "kl") or a
     function of the logits, for every pair; a `list` of one per pair; None where the file
-    gives each line's. seed: the bootstrap interval's.
+    gives each line's. layers: the layers patched (every one for None; the others' cells are
+    NaN). seed: the bootstrap interval's.
 
     Decoders only; each pair's texts must have the same number of tokens (positions are
     patched into the same positions); pairs may differ in length.
@@ -208,9 +210,10 @@ def patch(pretrained, clean, corrupt=None, metric=None, *, what=DEFAULT_WHAT,
     stack, pairs = read_pairs(pretrained, clean, corrupt, metric, "patch")
     counts = heads_per_layer(stack)  # each layer's own count
     L, H = stack.config.num_layers, max(counts)
+    chosen = check_indices("layer", layers, L, pretrained.source)
     for name in whats:
         if name in OWN_HEADS:
-            own_heads(stack, f"patching {name!r}", range(L))
+            own_heads(stack, f"patching {name!r}", chosen)
     N, T = len(pairs), max(len(p.clean_ids) for p in pairs)
     values = {name: torch.full((N, *_cells_shape(name, L, H, T)), float("nan"),
                                dtype=torch.float64) for name in whats}  # fmt: skip
@@ -230,7 +233,7 @@ def patch(pretrained, clean, corrupt=None, metric=None, *, what=DEFAULT_WHAT,
             if "mlp" in whats or "mlp_layers" in whats:
                 _check_sums(corrupt_run, L, pretrained.source)
             for name in whats:
-                for layer in range(L):
+                for layer in chosen:
                     _patch_layer(stack, batch, clean_run, corrupt_run, name, layer,
                                  counts[layer], values[name], corrupt_scores[index])  # fmt: skip
     assert first is not None
