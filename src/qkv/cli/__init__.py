@@ -18,8 +18,9 @@ from qkv.cli.embed import embed
 from qkv.cli.explain import explain, probe
 from qkv.cli.generate import generate
 from qkv.cli.info import backends, models, version
-from qkv.cli.interventions import ablate, hide, patch
+from qkv.cli.interventions import ablate, hide
 from qkv.cli.lens import heads_census, lens
+from qkv.cli.patch import patch, path_patch
 from qkv.cli.serve import serve
 from qkv.cli.show import show
 from qkv.cli.train import plot, train
@@ -41,6 +42,7 @@ for verb in (version, backends, models, generate, embed, explain, why, probe, sh
              hide, ablate, patch, attribute, demo, serve, lens, circuits, atlas):  # fmt: skip
     app.command()(verb)
 app.command("heads")(heads_census)
+app.command("path-patch")(path_patch)
 
 
 def main() -> None:

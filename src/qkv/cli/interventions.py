@@ -1,5 +1,5 @@
-"""`qkv hide`, `qkv ablate` and `qkv patch`: change one head (or one position of the residual
-stream) at a time and measure what moves."""
+"""`qkv hide` and `qkv ablate`: change one head at a time and measure what moves (`qkv patch`
+is in `qkv.cli.patch`)."""
 
 from __future__ import annotations
 
@@ -124,42 +124,5 @@ def ablate(
             grid_plot([("1 - cosine", result.effect, None)], out, label="change",
                       title=f"{model}: each head {mode}-ablated alone")  # fmt: skip
     typer.echo(json.dumps(result.to_dict()) if as_json else ablate_lines(result))
-    if out is not None and not as_json:
-        typer.echo(f"wrote {out}")
-
-
-def patch(
-    clean: str,
-    corrupt: str,
-    metric: Annotated[
-        str,
-        typer.Option(
-            help="'diff: Mary, John' (log p(' Mary') - log p(' John')) or 'prob: Paris', "
-            "of the next token; tokens as written, spaces kept"
-        ),
-    ],
-    model: Model = "smollm2",
-    out: Png = None,
-    as_json: Json = False,
-    backend: Backend = None,
-) -> None:
-    """Patch CLEAN's head outputs and residual stream into CORRUPT, one at a time, and score
-    the next token: which parts of the model carry the difference."""
-    from qkv.inspect.patch import patch as run_patch
-    from qkv.pretrained import load
-    from qkv.viz.lines import patch_lines
-
-    with user_errors(out):
-        if out is not None:
-            check_out(out, (".png",))
-        result = run_patch(load(model, backend=backend), clean, corrupt, metric)
-        if out is not None:
-            from qkv.viz.grids import grid_plot
-
-            grids = [("head outputs (layer x head)", result.restored(result.heads), None),
-                     ("residual (layer x position)", result.restored(result.residual),
-                      result.clean_tokens)]  # fmt: skip
-            grid_plot(grids, out, label="restored", title=f"{model}: {result.metric}")
-    typer.echo(json.dumps(result.to_dict()) if as_json else patch_lines(result))
     if out is not None and not as_json:
         typer.echo(f"wrote {out}")

@@ -11,6 +11,7 @@ from qkv.inspect.census import SCORES, Census
 from qkv.inspect.hide import Hidden, Senses
 from qkv.inspect.lens import Lens
 from qkv.inspect.patch import Patched
+from qkv.inspect.path_patch import PathPatched
 from qkv.inspect.probe import Probe
 from qkv.inspect.runs import NextTokens, Token
 from qkv.viz.narrate import shown
@@ -142,26 +143,86 @@ def ablate_lines(result: Ablated, top: int = 10) -> str:
 
 
 def patch_lines(result: Patched, top: int = 10) -> str:
-    restored = result.restored(result.heads)
-    cells = sorted(
-        ((n, h) for n in range(restored.shape[0]) for h in range(restored.shape[1])),
-        key=lambda c: -abs(float(result.heads[c] - result.corrupt)),
-    )
+    """Both metrics (with their 95% intervals over several pairs), then each grid patched: the
+    cells that move the metric most (per head), or the share restored (per position, layer)."""
+    N = len(result.pairs)
+    lines = [f"metric {result.metric}: clean {result.clean:.4f}, corrupted {result.corrupt:.4f}"]
+    if N > 1:
+        own = len({str(pair.metric) for pair in result.pairs}) > 1
+        metric = "each pair's own metric (the first: " + str(result.metric) + ")" if own else (
+            f"metric {result.metric}")  # fmt: skip
+        lines[0] = (f"{N} pairs, {metric}: mean clean {result.clean:.4f}, corrupted "
+                    f"{result.corrupt:.4f}")  # fmt: skip
+        lines.append(f"  95% intervals: clean {_interval(result.clean_spread, ())}, corrupted "
+                     f"{_interval(result.corrupt_spread, ())}")  # fmt: skip
+    for what in result.what:
+        grid = result.grid(what)
+        if what == "residual" or what == "mlp":
+            lines.extend(_positions_lines(result, what, grid))
+        elif what == "mlp_layers":
+            lines.append("each layer's MLP output patched at every position (layer: metric, "
+                         "restored):")  # fmt: skip
+            restored = result.restored(grid)
+            lines.extend(f"  {n:>5}  {float(grid[n]):+.4f}   {float(restored[n]):+.3f}"
+                         for n in range(grid.shape[0]))  # fmt: skip
+        else:
+            lines.extend(_cell_lines(result, what, grid, top))
+    return "\n".join(lines)
+
+
+PATCHED = {
+    "heads": "head outputs", "head_positions": "head outputs at one position",
+    "q": "head queries", "k": "head keys (per query head)", "v": "head values (per query head)",
+    "weights": "head attention weights", "residual": "residual stream", "mlp": "MLP outputs",
+}  # fmt: skip
+
+
+def _cell_lines(result: Patched, what: str, grid, top: int) -> list[str]:
+    """The `top` cells of a per-head grid whose patch moves the metric most."""
+    cells = [c for c in zip(*torch.nonzero(~grid.isnan(), as_tuple=True), strict=True)]
+    cells.sort(key=lambda c: -abs(float(grid[c] - result.corrupt)))
+    restored = result.restored(grid)
+    names = ["layer", "head", "pos"][: grid.dim()]
+    lines = [f"{PATCHED[what]} of the clean run patched into the corrupted one, the largest "
+             "moves:", "  " + "  ".join(f"{n:>5}" for n in names) + "   metric     restored"
+             + ("   95% interval" if len(result.pairs) > 1 else "")]  # fmt: skip
+    for cell in cells[:top]:
+        index = tuple(int(i) for i in cell)
+        line = "  " + "  ".join(f"{i:>5}" for i in index)
+        line += f"   {float(grid[index]):+.4f}   {float(restored[index]):+.3f}"
+        if len(result.pairs) > 1:
+            line += f"   {_interval(result.grids[what], index)}"
+        lines.append(line)
+    return lines
+
+
+def _positions_lines(result: Patched, what: str, grid) -> list[str]:
+    restored = result.restored(grid)
+    lines = [f"{PATCHED[what]} patched after each layer, restored (rows: layers; columns: "
+             "positions):"]  # fmt: skip
+    lines.append("         " + " ".join(f"{shown(t)[:7]:>7}" for t in result.position_labels()))
+    for n in range(restored.shape[0]):
+        lines.append(f"  {n:>5}  " + " ".join(f"{float(v):+7.2f}" for v in restored[n]))
+    return lines
+
+
+def _interval(spread, index: tuple) -> str:
+    return f"[{float(spread.low[index]):+.4f}, {float(spread.high[index]):+.4f}]"
+
+
+def path_patch_lines(result: PathPatched) -> str:
+    """The path-patched metric beside the clean and corrupted ones."""
+    layer, head = result.sender
+    receivers = len(result.receivers)
     lines = [
         f"metric {result.metric}: clean {result.clean:.4f}, corrupted {result.corrupt:.4f}",
-        "head outputs of the clean run patched into the corrupted one, the largest moves:",
-        "  layer  head   metric     restored",
+        f"layer {layer} head {head}'s change through {receivers} receiver"
+        f"{'s' * (receivers != 1)} (via {', '.join(result.via)}): {result.value:+.4f}, "
+        f"restored {result.restored:+.3f}",
     ]
-    for n, h in cells[:top]:
-        lines.append(f"  {n:>5}  {h:>4}   {float(result.heads[n, h]):+.4f}   "
-                     f"{float(restored[n, h]):+.3f}")  # fmt: skip
-    residual = result.restored(result.residual)
-    lines.append("residual stream patched after each layer, restored (rows: layers; "
-                 "columns: positions):")  # fmt: skip
-    tokens = result.clean_tokens
-    lines.append("         " + " ".join(f"{shown(t)[:7]:>7}" for t in tokens))
-    for n in range(residual.shape[0]):
-        lines.append(f"  {n:>5}  " + " ".join(f"{float(v):+7.2f}" for v in residual[n]))
+    if len(result.pairs) > 1:
+        lines.append(f"  {len(result.pairs)} pairs; 95% interval of the mean "
+                     f"{_interval(result.spread, ())}")  # fmt: skip
     return "\n".join(lines)
 
 

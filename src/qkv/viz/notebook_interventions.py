@@ -6,6 +6,8 @@ styled under the class `qkv-nb` as the rest of `qkv.viz.notebook`; and each resu
 
 from __future__ import annotations
 
+import torch
+
 from qkv.inspect.census import SCORES
 from qkv.viz import escape
 from qkv.viz.notebook import cut, grid_table, number_cell, quoted, wrapped
@@ -77,30 +79,91 @@ def ablated_repr(found) -> str:
 
 def patched_html(found) -> str:
     """`qkv.patch`'s result (a `qkv.inspect.patch.Patched`): the share of the clean metric
-    each patch restores, per (layer, head) and per (layer, position)."""
-    heads, residual = found.restored(found.heads), found.restored(found.residual)
-    L = found.residual.shape[0]
-    columns = [f"{i} {t}" for i, t in enumerate(found.corrupt_tokens)]
-    return wrapped(
-        f"<h4>Patching {quoted(cut(found.clean_text, 60))} into "
-        f"{quoted(cut(found.corrupt_text, 60))}: {escape.text(found.source)}</h4>"
+    each patch restores, per grid patched (heads first); `qkv.path_patch`'s (a `PathPatched`):
+    the metric with the sender's change through its receivers only."""
+    if hasattr(found, "sender"):
+        return _path_patched_html(found)
+    N = len(found.pairs)
+    which = (f"{N} pairs, the first: " if N > 1 else "") + (
+        f"{quoted(cut(found.clean_text, 60))} into {quoted(cut(found.corrupt_text, 60))}"
+    )
+    parts = [
+        f"<h4>Patching {which}: {escape.text(found.source)}</h4>"
         f"<p>Metric {escape.text(str(found.metric))}: clean "
         f'<b data-value="{found.clean!r}">{found.clean:.4f}</b>, corrupted '
-        f'<b data-value="{found.corrupt!r}">{found.corrupt:.4f}</b>. Each cell is the share of '
+        f'<b data-value="{found.corrupt!r}">{found.corrupt:.4f}</b>'
+        + (" (means over the pairs)" if N > 1 else "") + ". Each cell is the share of "
         "the way back to clean that one patch restores (1: all of it, 0: nothing); the metric "
         "itself is in its title.</p>"
-        "<h4>Each head's output patched in</h4>"
-        + grid_table(heads.tolist(), [f"layer {n}" for n in range(L)],
-                [f"head {h}" for h in range(heads.shape[1])], name="restored",
-                raw=found.heads.tolist(), diverging=True)
-        + "<h4>The residual stream after each layer, at each position</h4>"
-        + grid_table(residual.tolist(), [f"layer {n}" for n in range(L)], columns, name="restored",
-                raw=found.residual.tolist(), diverging=True)
+    ]  # fmt: skip
+    for what in sorted(found.what, key=lambda w: w != "heads"):  # the heads' grid first
+        parts.append(_patched_grid(found, what))
+    return wrapped("".join(parts))
+
+
+TITLES = {
+    "heads": "Each head's output patched in", "q": "Each head's queries patched in",
+    "k": "Each query head's keys patched in", "v": "Each query head's values patched in",
+    "weights": "Each head's attention weights patched in",
+    "residual": "The residual stream after each layer, at each position",
+    "mlp": "Each layer's MLP output, at each position",
+    "mlp_layers": "Each layer's MLP output, at every position at once",
+    "head_positions": "Each head's output at one position: the largest moves",
+}  # fmt: skip
+
+
+def _patched_grid(found, what: str) -> str:
+    grid = found.grid(what)
+    restored = found.restored(grid)
+    L = grid.shape[0]
+    layers = [f"layer {n}" for n in range(L)]
+    title = f"<h4>{TITLES[what]}</h4>"
+    if what == "mlp_layers":
+        return title + grid_table([restored.tolist()], ["MLP"], layers, name="restored",
+                                  raw=[grid.tolist()], diverging=True)  # fmt: skip
+    if what == "head_positions":  # (L, H, T): the cells that move the metric most
+        cells = sorted((c for c in torch.nonzero(~grid.isnan()).tolist()),
+                       key=lambda c: -abs(float(grid[tuple(c)]) - found.corrupt))[:20]  # fmt: skip
+        labels = found.position_labels()
+        rows = "".join(
+            f'<tr><td>{n}</td><td>{h}</td><td class="text">{t} {escape.text(labels[t])}</td>'
+            f"{number_cell(grid[n, h, t])}{number_cell(restored[n, h, t])}</tr>"
+            for n, h, t in cells
+        )
+        return (title + '<table><tr><th>layer</th><th>head</th><th class="text">position</th>'
+                f"<th>metric</th><th>restored</th></tr>{rows}</table>")  # fmt: skip
+    if what in ("residual", "mlp"):
+        columns = [f"{i} {t}" for i, t in enumerate(found.position_labels())]
+    else:
+        columns = [f"head {h}" for h in range(grid.shape[1])]
+    return title + grid_table(restored.tolist(), layers, columns, name="restored",
+                              raw=grid.tolist(), diverging=True)  # fmt: skip
+
+
+def _path_patched_html(found) -> str:
+    layer, head = found.sender
+    N = len(found.pairs)
+    return wrapped(
+        f"<h4>Path patching layer {layer} head {head} through {len(found.receivers)} "
+        f"receiver{'s' * (len(found.receivers) != 1)} (via {', '.join(found.via)}): "
+        f"{escape.text(found.source)}</h4>"
+        f"<p>Metric {escape.text(str(found.metric))}"
+        + (f", the mean over {N} pairs" if N > 1 else "") + ": clean "
+        f'<b data-value="{found.clean!r}">{found.clean:.4f}</b>, corrupted '
+        f'<b data-value="{found.corrupt!r}">{found.corrupt:.4f}</b>, the sender\'s change '
+        f'through the receivers only <b class="total" data-value="{found.value!r}">'
+        f"{found.value:.4f}</b> (restored {found.restored:.3f}; 95% interval "
+        f"{float(found.spread.low):.4f} to {float(found.spread.high):.4f}).</p>"
     )  # fmt: skip
 
 
 def patched_repr(found) -> str:
-    return (f"Patched({cut(str(found.metric), 50)}, {cut(found.source, 40)}, "
+    if hasattr(found, "sender"):
+        return (f"PathPatched(L{found.sender[0]} H{found.sender[1]} via "
+                f"{','.join(found.via)}, {len(found.receivers)} receivers, "
+                f"{cut(found.source, 40)}, {found.value:.4f})")  # fmt: skip
+    pairs = f", {len(found.pairs)} pairs" if len(found.pairs) > 1 else ""
+    return (f"Patched({cut(str(found.metric), 50)}, {cut(found.source, 40)}{pairs}, "
             f"clean {found.clean:.4f}, corrupt {found.corrupt:.4f})")  # fmt: skip
 
 
