@@ -10,9 +10,9 @@ one real backward pass through the model: the record's tensors are the ones the 
 autograd reaches them; the few a block never holds apart (the norms' outputs, the weights) get
 theirs by the chain rule from the ones it does. The model's parameters get no `.grad`.
 
->>> import qkv  # doctest: +SKIP
+>>> import qkv
 >>> found = qkv.cache(qkv.load("smollm2"), "When Mary and John went", grad="diff: Mary, John")
->>> found["L3.q"].shape, found.grad("weights", 3).shape  # doctest: +SKIP
+>>> found["L3.q"].shape, found.grad("weights", 3).shape
 (torch.Size([1, 9, 5, 64]), torch.Size([1, 9, 5, 5]))
 """
 

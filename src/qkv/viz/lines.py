@@ -153,8 +153,8 @@ def patch_lines(result: Patched, top: int = 10) -> str:
             f"metric {result.metric}")  # fmt: skip
         lines[0] = (f"{N} pairs, {metric}: mean clean {result.clean:.4f}, corrupted "
                     f"{result.corrupt:.4f}")  # fmt: skip
-        lines.append(f"  95% intervals: clean {_interval(result.clean_spread, ())}, corrupted "
-                     f"{_interval(result.corrupt_spread, ())}")  # fmt: skip
+        lines.append(f"  95% intervals: clean {_spread_interval(result.clean_spread, ())}, corrupted "
+                     f"{_spread_interval(result.corrupt_spread, ())}")  # fmt: skip
     for what in result.what:
         grid = result.grid(what)
         if what == "residual" or what == "mlp":
@@ -191,7 +191,7 @@ def _cell_lines(result: Patched, what: str, grid, top: int) -> list[str]:
         line = "  " + "  ".join(f"{i:>5}" for i in index)
         line += f"   {float(grid[index]):+.4f}   {float(restored[index]):+.3f}"
         if len(result.pairs) > 1:
-            line += f"   {_interval(result.grids[what], index)}"
+            line += f"   {_spread_interval(result.grids[what], index)}"
         lines.append(line)
     return lines
 
@@ -206,7 +206,7 @@ def _positions_lines(result: Patched, what: str, grid) -> list[str]:
     return lines
 
 
-def _interval(spread, index: tuple) -> str:
+def _spread_interval(spread, index: tuple) -> str:
     return f"[{float(spread.low[index]):+.4f}, {float(spread.high[index]):+.4f}]"
 
 
@@ -222,7 +222,7 @@ def path_patch_lines(result: PathPatched) -> str:
     ]
     if len(result.pairs) > 1:
         lines.append(f"  {len(result.pairs)} pairs; 95% interval of the mean "
-                     f"{_interval(result.spread, ())}")  # fmt: skip
+                     f"{_spread_interval(result.spread, ())}")  # fmt: skip
     return "\n".join(lines)
 
 
