@@ -153,8 +153,9 @@ def patch_lines(result: Patched, top: int = 10) -> str:
             f"metric {result.metric}")  # fmt: skip
         lines[0] = (f"{N} pairs, {metric}: mean clean {result.clean:.4f}, corrupted "
                     f"{result.corrupt:.4f}")  # fmt: skip
-        lines.append(f"  95% intervals: clean {_spread_interval(result.clean_spread, ())}, corrupted "
-                     f"{_spread_interval(result.corrupt_spread, ())}")  # fmt: skip
+        clean, corrupt = result.clean_spread, result.corrupt_spread
+        lines.append(f"  95% intervals: clean {_spread_interval(clean, ())}, corrupted "
+                     f"{_spread_interval(corrupt, ())}")  # fmt: skip
     for what in result.what:
         grid = result.grid(what)
         if what == "residual" or what == "mlp":
