@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from intervention_models import encoder_like, llama_like
+from qkv.inspect import atlas_corpus
 from qkv.inspect.atlas import STATS, survey
 from qkv.inspect.atlas_corpus import windows
 from qkv.inspect.census import _records
@@ -136,7 +137,7 @@ def test_a_stopped_run_resumed_writes_the_same_files_byte_for_byte(tmp_path):
     assert _files(straight) == want  # refused, untouched
 
 
-def test_bad_input_is_refused_before_anything_is_written(tmp_path):
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, monkeypatch):
     pretrained = llama_like()
     out = tmp_path / "out"
     cases = {
@@ -153,6 +154,10 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
         atlas(pretrained, tmp_path / "latin.txt", out)
     with pytest.raises(ValueError, match="does not exist"):
         atlas(pretrained, tmp_path / "missing.txt", out)
+    monkeypatch.setattr(atlas_corpus, "MAX_LINE_BYTES", 64)  # a line past it is not read whole
+    (tmp_path / "one_line.txt").write_text("the bank " * 20, encoding="utf-8")
+    with pytest.raises(ValueError, match="line 1 of .* is over"):
+        atlas(pretrained, tmp_path / "one_line.txt", out)
     corpus = _corpus(tmp_path / "corpus.txt")
     with pytest.raises(ValueError, match="window must be"):
         atlas(pretrained, corpus, out, window=1)

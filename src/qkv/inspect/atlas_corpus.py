@@ -37,6 +37,9 @@ from pathlib import Path
 
 PARAGRAPH_CHARS = 65_536  # a paragraph longer than this is tokenized a part at a time
 HASH_BLOCK = 1 << 20
+# a line is read whole (a JSONL document is one line): one longer than this is refused, so a
+# file without line breaks cannot make the reader hold all of it
+MAX_LINE_BYTES = 16 << 20
 
 
 def check_corpus(path: str | Path) -> Path:
@@ -104,8 +107,13 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
     """(line number from 1, line with its end) read one at a time, as UTF-8."""
     number = 0
     with open(path, "rb") as file:
-        for raw in file:
+        while raw := file.readline(MAX_LINE_BYTES + 1):
             number += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise ValueError(
+                    f"line {number} of {path} is over {MAX_LINE_BYTES >> 20} MiB; break the text "
+                    "into lines (a .jsonl corpus: into more documents)"
+                )
             try:
                 yield number, raw.decode("utf-8")
             except UnicodeDecodeError as error:
