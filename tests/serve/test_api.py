@@ -242,3 +242,22 @@ def test_an_app_served_again_after_it_stopped_still_computes(minilm):
         with TestClient(app) as again:
             answer = again.post("/api/attention", json={"text": SENTENCE})
             assert answer.status_code == 200, answer.text
+
+
+def test_an_app_served_twice_at_once_keeps_serving_when_one_stops(minilm):
+    """A server started and stopped while a test client is open (the page's test beside the
+    run-wide client) leaves the client its worker threads: it once shut them, and CI saw every
+    later request of the client answered 500."""
+    from fastapi.testclient import TestClient
+
+    from qkv.serve import Limits, create_app
+
+    app = create_app({"minilm": minilm}, Limits())
+    with TestClient(app) as first:
+        with TestClient(app) as second:
+            assert second.post("/api/attention", json={"text": SENTENCE}).status_code == 200
+        answer = first.post("/api/attention", json={"text": SENTENCE})
+        assert answer.status_code == 200, answer.text
+    assert app.state.qkv.serving == 0
+    with pytest.raises(RuntimeError, match="after shutdown"):  # the last stop shut the threads
+        app.state.qkv.pool.submit(int)

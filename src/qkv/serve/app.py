@@ -15,9 +15,10 @@ and models (`qkv.serve.schemas.with_limits`). Every error is JSON `{"detail": on
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 
 import swagger_ui_bundle
@@ -48,6 +49,28 @@ class State:
     models: dict[str, Served]
     limits: Limits
     pool: ThreadPoolExecutor
+    serving: int = 0  # how many servers (test clients too) have started the app and not stopped
+    turns: threading.Lock = field(default_factory=threading.Lock)
+
+    def started(self) -> None:
+        """One more server serves the app: the first gets fresh worker threads (the app may
+        be served again after it stopped: a test client, then a server)."""
+        with self.turns:
+            if self.serving == 0:
+                stopped, self.pool = self.pool, ThreadPoolExecutor(
+                    self.limits.workers, thread_name_prefix="qkv-serve"
+                )
+                stopped.shutdown(wait=False)
+            self.serving += 1
+
+    def stopped(self) -> None:
+        """One server stopped: the last shuts the worker threads. One that stops while
+        another still serves leaves it its threads (it once shut them, and every later
+        request of the other was a 500, "cannot schedule new futures after shutdown")."""
+        with self.turns:
+            self.serving -= 1
+            if self.serving == 0:
+                self.pool.shutdown(wait=False, cancel_futures=True)
 
     def pick(self, name: str | None, generating: bool = False) -> Served:
         """The model a request names (None: the first, or the first decoder for a request
@@ -84,15 +107,11 @@ def create_app(models: dict, limits: Limits | None = None, *, atlas=None) -> Fas
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # each start of the app gets worker threads of its own: one app may be served again
-        # after it stopped (a test's server, then a test client), never with a shut pool
-        stopped = state.pool
-        state.pool = ThreadPoolExecutor(limits.workers, thread_name_prefix="qkv-serve")
-        stopped.shutdown(wait=False)
+        state.started()
         try:
             yield
         finally:
-            state.pool.shutdown(wait=False, cancel_futures=True)
+            state.stopped()
 
     app = FastAPI(
         title="qkv serve",
