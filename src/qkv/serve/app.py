@@ -57,8 +57,9 @@ class State:
         be served again after it stopped: a test client, then a server)."""
         with self.turns:
             if self.serving == 0:
-                stopped, self.pool = self.pool, ThreadPoolExecutor(
-                    self.limits.workers, thread_name_prefix="qkv-serve"
+                stopped, self.pool = (
+                    self.pool,
+                    ThreadPoolExecutor(self.limits.workers, thread_name_prefix="qkv-serve"),
                 )
                 stopped.shutdown(wait=False)
             self.serving += 1
