@@ -21,6 +21,7 @@ from qkv.attention import (
     steps,
 )
 from qkv.attention import eager as eager_backend
+from qkv.attention.inputs import check_inputs
 
 FAST = ["eager", "sdpa"]
 # Absolute tolerance, relative to the largest value entry, for an output in each dtype.
@@ -282,3 +283,27 @@ def test_attend_into_gives_the_loops_output_and_eagers_weights(H, Hkv, Tq, Tk):
     with pytest.raises(ValueError, match="at least as many keys as queries"):
         eager_backend.attend_into(torch.empty(H, 5, 4, dtype=torch.float64), q[:, :, :5],
                                   k[:, :, :4], v[:, :, :4], scale=0.3)  # fmt: skip
+
+
+def test_the_mask_check_accepts_exactly_the_shapes_torch_broadcasts_to_the_scores():
+    """check_inputs' own broadcast rule (a Python loop, cheaper per layer) against
+    torch.broadcast_shapes on random mask shapes of 0 to 5 dimensions."""
+    q, k, v = _ok(B=2, H=4, Hkv=2, Tq=3, Tk=5)
+    target = torch.Size((2, 4, 3, 5))
+    generator = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(400):
+        dims = int(torch.randint(0, 6, (), generator=generator))
+        shape = tuple(int(torch.randint(1, 6, (), generator=generator)) for _ in range(dims))
+        try:
+            torch_says = len(shape) <= 4 and torch.broadcast_shapes(shape, target) == target
+        except RuntimeError:
+            torch_says = False
+        seen.add(torch_says)
+        mask = torch.ones(shape, dtype=torch.bool)
+        if torch_says:
+            check_inputs(q, k, v, mask, None)
+        else:
+            with pytest.raises(ValueError, match="does not broadcast"):
+                check_inputs(q, k, v, mask, None)
+    assert seen == {True, False}

@@ -97,11 +97,10 @@ def check_inputs(
         if mask.device != q.device:
             raise ValueError(f"mask is on {mask.device} but q is on {q.device}")
         target = (B, H, Tq, Tk)
-        try:
-            broadcast = torch.broadcast_shapes(mask.shape, target)
-        except RuntimeError:
-            broadcast = None
-        if mask.dim() > 4 or broadcast != torch.Size(target):
+        # each of the mask's sizes, from the right, is 1 or the target's (torch.broadcast_shapes
+        # says the same at 16 us a call, a knockout's 30 layers 0.5% of its forward pass)
+        sizes = (1,) * (4 - mask.dim()) + tuple(mask.shape)  # (B?, H?, Tq?, Tk?)
+        if len(sizes) > 4 or any(m not in (1, t) for m, t in zip(sizes, target, strict=True)):
             raise ValueError(
                 f"mask of shape {tuple(mask.shape)} does not broadcast to (B, H, Tq, Tk) = "
                 f"{target}; a key-padding mask is ({B}, 1, 1, {Tk})"
