@@ -174,7 +174,7 @@ def test_faithfulness_correlates_and_overlaps():
     [
         (lambda p: qkv.attribute(p, CLEAN, "the river was wide", METRIC), "equal token length"),
         (lambda p: qkv.attribute(p, CLEAN, CORRUPT, METRIC, steps=0), "steps must be"),
-        (lambda p: qkv.attribute(p, CLEAN, CORRUPT), "pair 0 has no metric"),
+        (lambda p: qkv.attribute(p, CLEAN, CORRUPT), "no metric: give metric="),
         (lambda p: qkv.attribute(p, [CLEAN], [CORRUPT, CLEAN], METRIC), "pair by position"),
         (lambda p: qkv.attribute(p, CLEAN, CORRUPT, [METRIC] * 2), "2 metrics for 1 prompts"),
         (lambda p: qkv.attribute(p, CLEAN, CORRUPT, "diff: bank, river bank"), "not one token"),

@@ -24,7 +24,8 @@ from torch import Tensor
 from qkv.inspect import attribute_edges as edges_of
 from qkv.inspect.cache import check_cacheable
 from qkv.inspect.metrics import Metric
-from qkv.inspect.prompts import Pair, Spread, groups, metrics_for, padded, pairs_of
+from qkv.inspect.patch_runs import PairText, read_pairs
+from qkv.inspect.prompts import Pair, Spread, groups, padded
 from qkv.inspect.runs import decoder_logits, grid_dict, stack_of
 from qkv.nn.head_edits import per_query_head
 from qkv.views import Shown
@@ -223,26 +224,11 @@ def attribute(pretrained, clean, corrupt=None, metric=None, *, edges: bool = Fal
     if type(steps) is not int or steps < 1:
         raise ValueError(f"steps must be a whole number >= 1 (1: gradient x difference), got "
                          f"{steps!r}")  # fmt: skip
-    pairs = pairs_of(clean, corrupt)
-    asked = metrics_for(metric, len(pairs))
-    metrics = []
-    for n, (pair, given) in enumerate(zip(pairs, asked, strict=True)):
-        if pair.metric is None and given is None:
-            raise ValueError(f"pair {n} has no metric: give metric= (e.g. 'diff: Mary, John')")
-        metrics.append(Metric.parse(pair.metric if pair.metric is not None else given))
-    ids = [m.ids(pretrained.tokenizer) for m in metrics]
-    encoded = [(pretrained.encode(p.clean), pretrained.encode(p.corrupt)) for p in pairs]
-    for n, (a, b) in enumerate(encoded):
-        if len(a.ids) != len(b.ids):
-            raise ValueError(
-                f"pair {n}: the clean text has {len(a.ids)} tokens and the corrupted text "
-                f"{len(b.ids)}; attribution compares positions with the same positions, so give "
-                f"texts of equal token length (clean: {list(a.tokens)}, corrupted: "
-                f"{list(b.tokens)})"
-            )
+    _, pairs = read_pairs(pretrained, clean, corrupt, metric, "attribution")
+    metrics, ids = [p.metric for p in pairs], [p.metric_ids for p in pairs]
     L, H = stack.config.num_layers, stack.blocks[0].attn.num_heads
     Hkv, C = stack.blocks[0].attn.num_kv_heads, stack.config.block.width
-    lengths = [len(a.ids) for a, _ in encoded]
+    lengths = [len(p.clean_ids) for p in pairs]
     T, N = max(lengths), len(pairs)
     shapes = {"heads": (L, H), "q": (L, H), "k": (L, Hkv), "v": (L, Hkv),
               "residual": (L, T), "attn": (L, T), "mlp": (L, T)}  # fmt: skip
@@ -255,7 +241,7 @@ def attribute(pretrained, clean, corrupt=None, metric=None, *, edges: bool = Fal
     per_token = L * C * (12 + (12 * H if edges else 0) + (len(senders) if edges else 0))
     for part in groups(lengths, per_token, BUDGET):
         rows = [ids[i] for i in part]
-        found = _one_batch(stack, [encoded[i] for i in part], [metrics[i] for i in part], rows,
+        found = _one_batch(stack, [pairs[i] for i in part], [metrics[i] for i in part], rows,
                            edges, steps)  # fmt: skip
         for name in GRIDS:
             grid = found[name]
@@ -271,9 +257,10 @@ def attribute(pretrained, clean, corrupt=None, metric=None, *, edges: bool = Fal
         mean_edges = edge_values.double().mean(0)
         mean_edges[~edges_of.edge_mask(L, H)] = float("nan")
     return Attributed(
-        source=pretrained.source, pairs=pairs, metrics=metrics,
-        clean_tokens=[list(a.tokens) for a, _ in encoded],
-        corrupt_tokens=[list(b.tokens) for _, b in encoded], clean=clean_scores,
+        source=pretrained.source, pairs=[Pair(p.clean_text, p.corrupt_text) for p in pairs],
+        metrics=metrics,
+        clean_tokens=[p.clean_tokens for p in pairs],
+        corrupt_tokens=[p.corrupt_tokens for p in pairs], clean=clean_scores,
         corrupt=corrupt_scores, values=grids,
         steps=steps, senders=senders, receivers=receivers, edges=mean_edges,
         edge_values=edge_values, _pretrained=pretrained,
@@ -291,12 +278,12 @@ def check_attributable(stack, source: str, edges: bool) -> None:
                          "heads")  # fmt: skip
 
 
-def _one_batch(stack, encoded, metrics, ids, edges: bool, steps: int) -> dict:
+def _one_batch(stack, pairs: list[PairText], metrics, ids, edges: bool, steps: int) -> dict:
     """Every grid (B, …) of one batch of pairs, their clean and corrupted metrics (B,), and
     with edges their scores (B, senders, receivers)."""
-    clean_ids, lengths = padded([a.ids for a, _ in encoded])  # (B, T), (B,)
-    corrupt_ids, _ = padded([b.ids for _, b in encoded])
-    B = len(encoded)
+    clean_ids, lengths = padded([p.clean_ids for p in pairs])  # (B, T), (B,)
+    corrupt_ids, _ = padded([p.corrupt_ids for p in pairs])
+    B = len(pairs)
     rows = torch.arange(B)
     with torch.no_grad():
         clean_out = stack(clean_ids, layers="all", hidden_states=True, logits=False)
