@@ -12,6 +12,8 @@ import qkv
 from qkv.inspect.diagram import model_diagram
 from qkv.inspect.diagram_tensors import diagram_tensors
 from qkv.io.hf_folder import load_folder
+from qkv.models import Decoder, DecoderConfig, Encoder, EncoderConfig
+from qkv.nn import BlockConfig
 from tiny_models import TINY as TINY_HF
 
 TEXT = "The bank of the river was steep"
@@ -94,6 +96,25 @@ def test_the_names_add_up_to_each_blocks_real_output(minilm, smollm2, tiny):
         torch.testing.assert_close(after, found["L1.resid_post"])
         following = "L2.resid_pre" if name == "t5" else "final"  # BART: 2 layers, no final norm
         torch.testing.assert_close(found[following], found["L1.resid_post"])
+
+
+def test_an_mlm_head_and_layers_without_positions_have_their_tensors():
+    """BERT's masked-language-model head draws logits; a layer of a rotary stack that turns
+    nothing (SmolLM3's) names its q and k before rotary all the same: they are its q and k."""
+    block = BlockConfig(width=16, num_heads=2)
+    ids = torch.randint(1, 20, (2, 5))
+    mlm = Encoder(EncoderConfig(vocab_size=20, num_layers=2, block=block, mlm_head=True)).eval()
+    found = diagram_tensors(mlm, ids)
+    assert "logits" in model_diagram(mlm, 5).ids
+    every_box_is_there(mlm, found, 2, 5)
+    torch.testing.assert_close(found["logits"], mlm(ids, logits=True).logits)
+    nope = Decoder(DecoderConfig(vocab_size=20, num_layers=2, block=block, position="rotary",
+                                 rope_layers=(True, False))).eval()  # fmt: skip
+    found = diagram_tensors(nope, ids)
+    every_box_is_there(nope, found, 2, 5)
+    assert found["L1.q_before_rotary"] is found["L1.q"]
+    assert not torch.equal(found["L0.q_before_rotary"], found["L0.q"])
+    assert "in 1 of 2 layers" in model_diagram(nope, 5).box("L.q_rotary").explain
 
 
 def test_t5s_weights_are_the_softmax_of_its_scores_plus_the_bias(tiny):

@@ -129,9 +129,11 @@ class Drawing:
                           "first layer, the previous layer's output after it.", [x])  # fmt: skip
         reads = stream
         if pos == "pre":
+            first = ("" if getattr(cfg, "first_attn_norm", True) else
+                     " (not in the first layer, which reads the embeddings' norm)")  # fmt: skip
             reads = self.add(f"{p}norm_attn", norm, [T, C], "layers", f"{t}attn_in",
-                             f"The layer input, normalized ({norm}) before attention reads it.",
-                             [stream])  # fmt: skip
+                             f"The layer input, normalized ({norm}) before attention reads "
+                             f"it{first}.", [stream])  # fmt: skip
         attended = self.attention(cfg, p, t, T, T, reads, reads, a, "")
         stream = self.add(f"{p}resid_mid", "x + attention", [T, C], "layers", f"{t}resid_mid",
                           "The attention's output added to the layer input (the residual "
@@ -203,6 +205,8 @@ class Drawing:
             turn = (f"Rotary positions turn each pair of numbers by an angle that grows with the "
                     f"token's position ({base}){where}, so q·k depends on how far apart the "
                     "words are; nothing is added to the token vectors.")  # fmt: skip
+            if a.qk_norm == "l2":
+                turn = turn[:-1] + "; then each is scaled to length 1 (L2 QK-norm)."
             scores_from = [
                 self.add(f"{p}q_rotary", "Rotary q", [H, Tq, D], "embeddings", f"{t}q", turn, [q]),
                 self.add(f"{p}k_rotary", "Rotary k", [Hkv, Tk, D], "embeddings", f"{t}k", turn,
@@ -240,12 +244,15 @@ class Drawing:
             label, words = "Scores q·k", "not divided by sqrt(D): the scale is 1 (folded into W_Q)"
         else:
             label, words = "Scores q·k/√d", f"divided by sqrt({a.scale_divisor:g}), not sqrt(D)"
+        if cfg.block.temperature is not None and not kind:
+            where = _count(cfg, lambda i: cfg.block_for(i).temperature)
+            words += f", times a temperature growing with the query's position{where}"
         if a.softcap is not None:
             words += f", then capped: {a.softcap:g} · tanh(score / {a.softcap:g})"
-        step = "cross" if kind else "scaling"
+        step, itself = ("cross", "") if kind else ("scaling", ", each word with itself too")
         scores = self.add(f"{p}{kind}scores", label, [H, Tq, Tk], step, f"{t}{kind}scores",
-                          f"One dot product for every pair of words (query · key, each word with "
-                          f"itself too), {words}.", after)  # fmt: skip
+                          f"One dot product for every pair of words (query · key{itself}), "
+                          f"{words}.", after)  # fmt: skip
         if not a.relative_bias:
             return scores
         return self.add(f"{p}position_bias", "+ relative position bias", [H, Tq, Tk],

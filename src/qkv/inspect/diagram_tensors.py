@@ -58,8 +58,10 @@ def _ids(model, text, what: str, start: list[int] | None = None) -> Tensor:
 def _stack_tensors(stack: Encoder | Decoder, ids: Tensor, prefix: str,
                    context: Tensor | None = None) -> dict[str, Tensor]:  # fmt: skip
     extra = {} if context is None else {"context": context, "cross_layers": "all"}
+    if getattr(stack, "mlm", None) is not None:  # an encoder's masked-language-model head
+        extra["logits"] = True
     out = stack(ids, layers="all", hidden_states=True, **extra)
-    B, T = ids.shape
+    B, T, rotary = *ids.shape, stack.config.position == "rotary"
     found = {f"{prefix}tokens": ids, f"{prefix}embed": out.hidden_states[0],
              f"{prefix}final": out.hidden}  # fmt: skip
     if getattr(out, "logits", None) is not None:
@@ -70,7 +72,7 @@ def _stack_tensors(stack: Encoder | Decoder, ids: Tensor, prefix: str,
         resid_mid = resid_pre + record.attn_out  # (B, T, C): before a post-norm
         names = {
             "resid_pre": resid_pre, "attn_in": block.attn_norm(resid_pre) if pre else resid_pre,
-            **_heads(record, ""), "attn_out": record.attn_out, "resid_mid": resid_mid,
+            **_heads(record, "", rotary), "attn_out": record.attn_out, "resid_mid": resid_mid,
             "mlp_out": record.mlp_out, "resid_post": out.hidden_states[n + 1],
         }  # fmt: skip
         stream = block.attn_norm(resid_mid) if post else resid_mid
@@ -90,17 +92,23 @@ def _stack_tensors(stack: Encoder | Decoder, ids: Tensor, prefix: str,
     return found
 
 
-def _heads(record, kind: str) -> dict[str, Tensor]:
+def _or(tensor: Tensor | None, otherwise: Tensor) -> Tensor:
+    return otherwise if tensor is None else tensor
+
+
+def _heads(record, kind: str, rotary: bool = False) -> dict[str, Tensor]:
     """q, k, v, scores (q.k^T times the scale, -inf where a query did not see a key, before
-    any cap or bias), weights and z of one attention record; the position bias where one."""
+    any cap or bias), weights and z of one attention record; the position bias where one.
+    rotary: the stack's positions rotate, so q and k before rotary are named in every layer
+    (those of a layer without positions, SmolLM3's, are its q and k)."""
     k = per_query_head(record.k, record.q.shape[1])  # (B, H, Tk, D)
     scores = (record.q @ k.transpose(-1, -2)).to(compute_dtype(record.q.dtype)) * record.scale
     found = {"q": record.q, "k": record.k, "v": record.v, "z": record.out,
              "scores": scores.masked_fill(~record.allowed, float("-inf")),
              "weights": record.weights()}  # fmt: skip
-    if record.q_before_rotary is not None:
-        found |= {"q_before_rotary": record.q_before_rotary,
-                  "k_before_rotary": record.k_before_rotary}  # fmt: skip
+    if record.q_before_rotary is not None or (rotary and not kind):  # none turned: the same
+        found |= {"q_before_rotary": _or(record.q_before_rotary, record.q),
+                  "k_before_rotary": _or(record.k_before_rotary, record.k)}  # fmt: skip
     if record.bias is not None:
         found["bias"] = record.bias.expand(record.q.shape[0], -1, -1, -1)  # (B, H, Tq, Tk)
     return {kind + name: value for name, value in found.items()}
