@@ -26,6 +26,9 @@ TINY = {
         vocab_size=99, d_model=32, d_kv=12, d_ff=37, num_layers=2, num_decoder_layers=3,
         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16)),
     "bart": lambda: TINY_HF["bart"][0](TINY_HF["bart"][1]),
+    "pythia": lambda: hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64, rotary_pct=0.5)),
 }  # fmt: skip
 
 
@@ -68,7 +71,8 @@ def test_every_box_of_every_family_has_its_tensor(minilm, smollm2, tiny):
         found = diagram_tensors(pretrained, TEXT)
         every_box_is_there(pretrained.model, found, 1, found["tokens"].shape[1])
     ids = torch.randint(1, 99, (2, 7))
-    every_box_is_there(tiny["gemma2"], diagram_tensors(tiny["gemma2"], ids), 2, 7)
+    for name in ("gemma2", "pythia"):
+        every_box_is_there(tiny[name], diagram_tensors(tiny[name], ids), 2, 7)
     for name in ("t5", "bart"):
         target = torch.randint(1, 99, (2, 5))
         found = diagram_tensors(tiny[name], ids, target=target)
@@ -85,6 +89,9 @@ def test_the_names_add_up_to_each_blocks_real_output(minilm, smollm2, tiny):
         torch.testing.assert_close(block.mlp_norm(found[L + "mlp_in"] + found[L + "mlp_out"]),
                                    found[f"L{n + 1}.resid_pre" if n < 5 else "final"])  # fmt: skip
     ids, target = torch.randint(1, 99, (1, 6)), torch.randint(1, 99, (1, 4))
+    found = diagram_tensors(tiny["pythia"], ids)  # parallel: one sum of both sub-layers
+    torch.testing.assert_close(found["L0.resid_pre"] + found["L0.attn_out"] + found["L0.mlp_out"],
+                               found["L1.resid_pre"])  # fmt: skip
     for name, post in (("t5", False), ("bart", True)):
         found = diagram_tensors(tiny[name], ids, target=target)
         block = tiny[name].decoder.blocks[1]

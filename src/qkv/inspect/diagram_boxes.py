@@ -135,6 +135,8 @@ class Drawing:
                              f"The layer input, normalized ({norm}) before attention reads "
                              f"it{first}.", [stream])  # fmt: skip
         attended = self.attention(cfg, p, t, T, T, reads, reads, a, "")
+        if block.parallel:
+            return self.feed_forward(cfg, p, t, T, stream, norm, attended)
         stream = self.add(f"{p}resid_mid", "x + attention", [T, C], "layers", f"{t}resid_mid",
                           "The attention's output added to the layer input (the residual "
                           "connection): the original vector is kept beside its context.",
@@ -261,13 +263,16 @@ class Drawing:
                         f"{cfg.relative_max_distance} tokens) added to the scores: T5's only "
                         "positions.", [scores])  # fmt: skip
 
-    def feed_forward(self, cfg, p, t, T, stream: str, norm: str) -> str:
+    def feed_forward(self, cfg, p, t, T, stream: str, norm: str, beside: str | None = None) -> str:
+        """The MLP and its residual sum; `beside`: a parallel block's attention output, added
+        in the same sum (the MLP then reads the layer input too)."""
         block, C = cfg.block, ("C", cfg.block.width)
         pos = block.norm_position
         reads = stream
         if pos == "pre":
+            what = "The layer input (beside attention)" if beside else "The stream"
             reads = self.add(f"{p}norm_mlp", norm, [T, C], "layers", f"{t}mlp_in",
-                             f"The stream, normalized ({norm}) before the MLP reads it.",
+                             f"{what}, normalized ({norm}) before the MLP reads it.",
                              [stream])  # fmt: skip
         hidden = block.mlp_hidden or 4 * block.width
         if block.experts is not None:
@@ -291,6 +296,11 @@ class Drawing:
             mlp = self.add(f"{p}norm_mlp_out", norm, [T, C], "layers", f"{t}mlp_out",
                            f"The MLP's output, normalized ({norm}) before it is added to the "
                            "stream.", [mlp])  # fmt: skip
+        if beside:
+            return self.add(f"{p}resid_post", "x + attention + MLP", [T, C], "layers",
+                            f"{t}resid_post", "Attention and the MLP both read the layer input "
+                            "(a parallel block); both outputs are added to it: this layer's "
+                            "output, the next layer's input.", [stream, beside, mlp])  # fmt: skip
         if pos != "post":
             return self.add(f"{p}resid_post", "x + MLP", [T, C], "layers", f"{t}resid_post",
                             "The MLP's output added to the stream: this layer's output, the "

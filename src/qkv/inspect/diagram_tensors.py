@@ -87,6 +87,8 @@ def _stack_tensors(stack: Encoder | Decoder, ids: Tensor, prefix: str,
             names |= {"cross_in": cross_in, **_heads(cross, "cross_"), "cross_out": cross_out,
                       "resid_cross": stream}  # fmt: skip
             stream = block.cross_norm(stream) if post else stream
+        if block.parallel:  # the MLP reads the layer input, beside attention
+            stream = resid_pre
         names["mlp_in"] = block.mlp_norm(stream) if pre else stream
         found |= {f"{prefix}L{n}.{name}": value for name, value in names.items()}
     return found
