@@ -5,6 +5,7 @@ they are and nowhere else, and what it cannot draw refused by name."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -276,7 +277,10 @@ def test_every_box_has_a_step_an_explanation_and_a_unique_id(minilm, tiny):
         assert len(set(d.ids)) == len(d.ids)
         assert all(box.step in STEPS and box.explain.endswith(".") for box in d.boxes)
         assert {a for edge in d.edges for a in edge} <= set(d.ids)
-        assert d.to_dict()["boxes"][0]["id"] == d.boxes[0].id
+        back = json.loads(json.dumps(d.to_dict()))  # JSON-ready, for a page's script
+        assert [b["id"] for b in back["boxes"]] == list(d.ids)
+        assert back["edges"] == [list(e) for e in d.edges] and back["title"] == d.title
+        assert back["boxes"][3]["size"] == list(d.boxes[3].size)
 
 
 @pytest.mark.parametrize(
