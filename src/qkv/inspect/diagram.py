@@ -46,6 +46,10 @@ class Stack:
 
 @dataclass(frozen=True)
 class Diagram:
+    """A model's boxes in the order the pass computes them, and arrows (from, to) between
+    them. `box(id)` one box, `lit(step)` the ids of one tour step's boxes ("parallel" has
+    none: every box is computed for all tokens at once), `to_dict()` all of it as JSON."""
+
     title: str
     boxes: tuple[Box, ...]
     edges: tuple[tuple[str, str], ...]  # (from id, to id): the second is computed from the first
