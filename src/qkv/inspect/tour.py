@@ -115,8 +115,9 @@ def tour(
     its loss curve and cue head).
 
     query, key: words as `Encoded.find` takes them ("bank", "bank#2"); by default "bank" and
-    "river" where the text has both, else the last word and the word it attends to most over
-    every layer and head. layer, head: counted from 0; by default where the query word attends
+    "river" where the text has both (read the other way in a decoder, whose words see only
+    the words before them), else the last word and the word it attends to most over every
+    layer and head. layer, head: counted from 0; by default where the query word attends
     most to the key word (as `trace` chooses). swap: the word put in the key word's place for
     the swap experiment ("money" for "river", else "river"); compare: a second sentence holding
     the query word ("The bank approved my loan." for "bank", else the swapped sentence).
@@ -156,20 +157,22 @@ def _pair(encoded, seen, query: str | None, key: str | None, *, causal: bool) ->
     where the text has it, else the text's last word and the word it attends to most."""
     words = encoded.words()
     names = {w.name.casefold(): w.name for w in words}
+    if query is None and key is None and all(w in names for w in DEFAULT_PAIR):
+        query, key = (names[w] for w in DEFAULT_PAIR)
+        if causal and encoded.find(key)[0] > encoded.find(query)[0]:
+            query, key = key, query  # a decoder's word sees only the words before it
+        return query, key
     if query is None:
         if DEFAULT_PAIR[0] in names and (key is None or key.casefold() != DEFAULT_PAIR[0]):
             query = names[DEFAULT_PAIR[0]]
         else:
             alike = [w for w in words if any(c.isalnum() for c in w.text)] or words
-            if len(alike) < 2 and len(words) < 2:
-                raise ValueError("the tour needs a text of two words at least")
+            if not alike:
+                raise ValueError("the tour needs a text with words in it")
             query = alike[-1].name
     encoded.find(query)  # a clear error naming the text's words where it is not one
     if key is None:
-        if DEFAULT_PAIR[1] in names and names[DEFAULT_PAIR[1]].casefold() != query.casefold():
-            key = names[DEFAULT_PAIR[1]]
-        else:
-            key = _most_attended(encoded, seen, query, words, causal)
+        key = _most_attended(encoded, seen, query, words, causal)
     encoded.find(key)
     return query, key
 

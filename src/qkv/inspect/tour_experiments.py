@@ -22,7 +22,8 @@ from qkv.inspect.hide import hide
 from qkv.inspect.probe import probe
 from qkv.inspect.trace import trace
 
-SWAPS = {"river": "money", "money": "river"}  # the key word's stand-in; "river" otherwise
+SWAPS = {"river": "money", "money": "river"}  # the key word's stand-in
+STAND_INS = ("river", "money", "table", "music")  # otherwise the first not in the text
 OTHER_BANK = SENTENCES[LABELS.index("money")]  # "The bank approved my loan."
 
 
@@ -68,7 +69,9 @@ def experiments(pretrained, text: str, found, states, senses, *, swap=None, comp
     }  # fmt: skip
 
     key_word = next(w for w in encoded.words() if w.token_span == key_span)
-    stand_in = swap or SWAPS.get(key_word.text.casefold(), "river")
+    present = {w.text.casefold() for w in encoded.words()}
+    stand_in = swap or next(w for w in (SWAPS.get(key_word.text.casefold()), *STAND_INS)
+                            if w is not None and w not in present)  # fmt: skip
     if not isinstance(stand_in, str) or not stand_in.strip() or stand_in.split() != [stand_in]:
         raise ValueError(f"swap must be one word, got {stand_in!r}")
     start, end = key_word.start, key_word.end

@@ -43,6 +43,7 @@ def tokens_step(pretrained, encoded, found):
         f"vocabulary of {pretrained.tokenizer.vocab_size:,}. Special tokens mark the text's "
         "edges; a long word may be several tokens.",
         {"ids": list(encoded.ids), "tokens": list(encoded.tokens),
+         "pieces": list(encoded.pieces or encoded.tokens),
          "special": list(encoded.special), "vocab_size": pretrained.tokenizer.vocab_size,
          "query_index": found.query_index, "key_index": found.key_index},
     )  # fmt: skip
@@ -103,7 +104,7 @@ def qkv_step(found, tried):
         "causal": t.causal, "masked": t.masked,
         "query_unrotated": None if t.query_unrotated is None else _floats(t.query_unrotated),
     }  # fmt: skip
-    q, k = t.tokens[t.query_index], t.tokens[t.key_index]
+    q, k = t.query, t.key
     says = (f"In layer {t.layer}, head {t.head}, {q!r} asks with its query vector and {k!r} "
             "answers with its key vector: their dot product is one scalar, scaled and then "
             "normalized with the softmax over every word; each word's value vector is scaled by "

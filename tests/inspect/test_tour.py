@@ -1,0 +1,148 @@
+"""The tour's numbers against the library's own, each recomputed here another way."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import qkv
+from qkv.inspect.article import SENTENCE
+from qkv.inspect.probe import probe
+from qkv.inspect.tour import STEPS, tour
+from qkv.inspect.trace import attention_vectors
+
+
+@pytest.fixture(scope="module")
+def bank(minilm):
+    return tour(minilm, SENTENCE)
+
+
+def test_steps_in_the_articles_order_with_the_diagrams_ids(bank):
+    assert [s.id for s in bank.steps] == list(STEPS)
+    assert (bank.query, bank.key) == ("bank", "river")
+    json.dumps(bank.to_dict())  # JSON-ready all through
+
+
+def test_tokens_are_the_tokenizers(minilm, bank):
+    encoded = minilm.encode(SENTENCE)
+    numbers = bank.step("tokens").numbers
+    assert numbers["ids"] == list(encoded.ids) and numbers["tokens"] == list(encoded.tokens)
+    assert numbers["tokens"][numbers["query_index"]] == "bank"
+
+
+def test_embeddings_add_the_position_then_the_norm_gives_layer_0s_input(minilm, bank):
+    n = bank.step("embeddings").numbers
+    summed = torch.tensor(n["token_vector"]) + torch.tensor(n["position_vector"])
+    summed = summed + torch.tensor(n["segment_vector"])
+    with torch.inference_mode():
+        normed = minilm.model.embed.norm(summed)
+        ids = torch.tensor([minilm.encode(SENTENCE).ids])
+        first = minilm.model(ids, hidden_states=True).hidden_states[0][0, bank.query_index]
+    torch.testing.assert_close(normed, torch.tensor(n["layer_input"]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(first, torch.tensor(n["layer_input"]))
+
+
+def test_the_seven_steps_are_the_traces(minilm, bank):
+    t = qkv.trace(minilm, SENTENCE, "bank", "river", layer=bank.layer, head=bank.head)
+    n = bank.step("qkv").numbers
+    assert n["attention_scalar"] == t.attention_scalar and n["weight"] == t.weight
+    for name in ("query_vector", "key_vector", "value_vector", "contextualized", "weights"):
+        assert n[name] == [float(x) for x in getattr(t, name).double()]
+    # the trace's layer and head are where "bank" attends most to "river"
+    weights = minilm.attentions(SENTENCE).weights[:, :, bank.query_index, bank.key_index]
+    assert divmod(int(weights.argmax()), weights.shape[1]) == (bank.layer, bank.head)
+
+
+def test_softmax_with_and_without_the_scale(minilm, bank):
+    q, k, _ = attention_vectors(minilm, SENTENCE)  # (L, H, T, D)
+    row = k[bank.layer, bank.head].double() @ q[bank.layer, bank.head, bank.query_index].double()
+    n = bank.step("scaling").numbers
+    D = q.shape[-1]
+    assert n["sqrt_d"] == math.sqrt(D)
+    torch.testing.assert_close(torch.tensor(n["without_scale"]).double(), row.softmax(0))
+    torch.testing.assert_close(torch.tensor(n["with_scale"]).double(),
+                               (row / math.sqrt(D)).softmax(0), atol=1e-6, rtol=0)  # fmt: skip
+    assert n["top_without"] > n["top_with"]  # the scale spreads the weight
+
+
+def test_heads_concatenated_and_projected(minilm, bank):
+    q, k, v = attention_vectors(minilm, SENTENCE)  # (L, H, T, D)
+    _, H, T, D = q.shape
+    weights = (q[bank.layer] @ k[bank.layer].transpose(-1, -2) / math.sqrt(D)).softmax(-1)
+    heads = weights @ v[bank.layer]  # (H, T, D)
+    concatenated = heads[:, bank.query_index].reshape(H * D)
+    out = minilm.model.blocks[bank.layer].attn.out
+    projected = concatenated @ out.weight.T + out.bias
+    n = bank.step("heads").numbers
+    torch.testing.assert_close(torch.tensor(n["weights"]), weights[:, bank.query_index,
+                                                                   bank.key_index])  # fmt: skip
+    torch.testing.assert_close(torch.tensor(n["concatenated"]), concatenated, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(n["projected"]), projected, atol=1e-4, rtol=0)
+    assert n["shapes"]["concatenated"] == f"(B, T, H*D) = (1, {T}, {H * D})"
+
+
+def test_layers_change_the_word_and_separate_the_senses(minilm, bank):
+    with torch.inference_mode():
+        ids = torch.tensor([minilm.encode(SENTENCE).ids])
+        states = minilm.model(ids, hidden_states=True).hidden_states
+    word = torch.stack([s[0, bank.query_index] for s in states])  # "bank" is one token
+    cos = torch.nn.functional.cosine_similarity(word[1:], word[:-1], dim=-1)
+    n = bank.step("layers").numbers
+    torch.testing.assert_close(torch.tensor(n["consecutive_cosine"]), cos, atol=1e-5, rtol=0)
+    assert n["senses"]["separation"] == probe(minilm, "bank").separation
+
+
+def test_experiments_are_the_librarys(minilm, bank):
+    hidden = bank.step("qkv").experiments[0]["result"]
+    assert hidden["change"] == qkv.hide(minilm, SENTENCE, "river", query="bank", table=False).total
+    ablated = bank.step("heads").experiments[0]["result"]
+    assert ablated["change"] == qkv.ablate(minilm, SENTENCE, [(bank.layer, bank.head)]).total
+    swapped = bank.step("scaling").experiments[0]["result"]
+    assert swapped["text"] == "The bank on the side of the money"
+    t = qkv.trace(minilm, swapped["text"], "bank", "money", layer=bank.layer, head=bank.head)
+    assert swapped["weight"] == t.weight
+    compared = bank.step("layers").experiments[0]["result"]
+    p = probe(minilm, "bank", [SENTENCE, compared["text"]])
+    assert compared["cosine"] == [float(c) for c in p.similarity[:, 0, 1]]
+    # the scale beside each change: two words of the sentence, and the two senses of "bank"
+    final = qkv.hide(minilm, SENTENCE, "river", query="bank", table=False).clean_states.double()
+    words = torch.nn.functional.cosine_similarity(final[bank.query_index],
+                                                  final[bank.key_index], dim=0)  # fmt: skip
+    assert hidden["words_apart"] == pytest.approx(1 - float(words), abs=1e-12)
+
+
+def test_parallel_outputs_agree_and_a_ratio_is_shown(bank):
+    n = bank.step("parallel").numbers
+    assert n["timed"] and n["max_difference"] < 1e-4 and n["ratio"] > 0
+    T = len(bank.tokens)
+    assert n["pairs"] == bank.num_heads * T * T
+
+
+def test_a_decoder_reads_the_pair_the_other_way(smollm2):
+    t = tour(smollm2, SENTENCE)
+    assert (t.query, t.key) == ("river", "bank") and t.query_index > t.key_index
+    n = t.step("embeddings").numbers
+    assert n["position_kind"] == "rotary" and "position_vector" not in n
+    assert "rotate" in t.step("embeddings").says
+
+
+def test_another_text_picks_the_last_word_and_what_it_attends_to_most(minilm):
+    text = "Cats chase mice at night"
+    t = tour(minilm, text)
+    assert t.query == "night"
+    weights = minilm.attentions(text).weights[:, :, t.query_index].double().mean((0, 1))
+    words = [w for w in minilm.encode(text).words() if w.text != "night"]
+    best = max(words, key=lambda w: float(weights[w.token_start]))
+    assert t.key == best.name
+
+
+def test_bad_words_and_layers_are_refused(minilm):
+    with pytest.raises(ValueError, match="not a word of the text"):
+        tour(minilm, SENTENCE, query="boat")
+    with pytest.raises(ValueError, match="layer"):
+        tour(minilm, SENTENCE, layer=6)
+    with pytest.raises(ValueError, match="swap must be one word"):
+        tour(minilm, SENTENCE, swap="two words")
