@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from qkv.inspect.article import SENTENCE
+from qkv.inspect.diagram import Diagram, model_diagram
 from qkv.inspect.probe import probe
 from qkv.inspect.runs import stack_of
+from qkv.inspect.tour_boxes import box_values
 from qkv.inspect.tour_experiments import experiments
 from qkv.inspect.tour_steps import (
     cross_step,
@@ -82,6 +84,11 @@ class Tour:
     num_layers: int
     num_heads: int
     steps: tuple[Step, ...] = field(default_factory=tuple)
+    # the model drawn from its config (qkv.inspect.diagram), None where it cannot be drawn
+    # (diagram_note says why); boxes: each box's real tensor for this text (tour_boxes)
+    diagram: Diagram | None = None
+    diagram_note: str | None = None
+    boxes: dict = field(default_factory=dict)
 
     def step(self, id: str) -> Step:
         for step in self.steps:
@@ -97,6 +104,8 @@ class Tour:
             "key_index": self.key_index, "layer": self.layer, "head": self.head,
             "chosen": self.chosen, "num_layers": self.num_layers, "num_heads": self.num_heads,
             "steps": [s.to_dict() for s in self.steps],
+            "diagram": None if self.diagram is None else self.diagram.to_dict(),
+            "diagram_note": self.diagram_note, "boxes": self.boxes,
         }  # fmt: skip
 
 
@@ -144,11 +153,16 @@ def tour(
         training_step(pretrained),
         parallel_step(seen, found),
     )
+    try:
+        diagram, note = model_diagram(pretrained, len(found.tokens)), None
+    except ValueError as error:  # a model the diagram cannot draw truthfully: said by name
+        diagram, note = None, str(error)
+    boxes = box_values(diagram, seen, found, states, steps[1].numbers, steps[4].numbers)
     return Tour(
         source=str(pretrained.source), text=text, tokens=tuple(found.tokens), query=query,
         key=key, query_index=found.query_index, key_index=found.key_index, layer=found.layer,
         head=found.head, chosen=found.chosen, num_layers=found.num_layers,
-        num_heads=found.num_heads, steps=steps,
+        num_heads=found.num_heads, steps=steps, diagram=diagram, diagram_note=note, boxes=boxes,
     )  # fmt: skip
 
 

@@ -108,8 +108,8 @@ def qkv_step(found, tried):
     says = (f"In layer {t.layer}, head {t.head}, {q!r} asks with its query vector and {k!r} "
             "answers with its key vector: their dot product is one scalar, scaled and then "
             "normalized with the softmax over every word; each word's value vector is scaled by "
-            f"its weight and summed into {q!r}'s new vector (the original embedding is not "
-            "added here).")  # fmt: skip
+            f"its weight, and the sum is the new vector of {q!r} (the original embedding is "
+            "not added here).")  # fmt: skip
     return _step("qkv", "Query, key and value: the seven steps", says, numbers, tried)
 
 
