@@ -133,7 +133,7 @@ def scaling_step(seen, found, tried):
     says = (f"The dot products grow with the vectors' size D = {D}; divided by sqrt(D) = "
             f"{math.sqrt(D):.2f} they stay in a range where the softmax still spreads weight "
             f"over several words. Without it the largest weight here would be "
-            f"{numbers['top_without']:.1%} instead of {numbers['top_with']:.1%}.")  # fmt: skip
+            f"{numbers['top_without']:.2%} instead of {numbers['top_with']:.2%}.")  # fmt: skip
     return _step("scaling", "Normalization: dividing by sqrt(D), then the softmax", says,
                  numbers, tried)  # fmt: skip
 

@@ -34,8 +34,9 @@
   function legend(lo, hi, what) {
     var bar = el("span", {"class": "bar", "aria-hidden": "true"});
     bar.style.background = "linear-gradient(to right," + VIRIDIS.join(",") + ")";
+    // a fixed end of the scale (0 for weights) is the scale's own, not one of the model's numbers
     return add(el("div", {"class": "legend"}), el("span", {}, "colour scale (viridis) of " + what + ":"),
-               num(lo), bar, num(hi));
+               typeof lo === "string" ? el("span", {}, lo) : num(lo), bar, num(hi));
   }
   function strip(name, values, cls) {
     var lo = Math.min.apply(null, values), hi = Math.max.apply(null, values);
@@ -150,7 +151,7 @@
         if (h === data.head) tr.className = "query";
         return add(tr, el("td", {}, h), add(el("td"), num(w, true)), bar(w, 0, hi));
       }), "heads"));
-      add(box, legend(0, hi, "the weights"));
+      add(box, legend("0", hi, "the weights"));
       var s = n.shapes;
       add(box, facts([["each head's output", s.heads], ["concatenated", s.concatenated],
                       ["output projection W_O", s.projection], ["projected", s.projected]]));
@@ -222,12 +223,13 @@
 
   function experiments(step, box) {
     if (!step.experiments.length) return;
-    var part = add(box, el("section", {"class": "experiments", "aria-label": "Experiments"}));
-    add(part, el("h3", {}, "Try it on the model"));
+    var part = el("section", {"class": "experiments", "aria-label": "Experiments"});
+    add(box, add(part, el("h3", {}, "Try it on the model")));
     step.experiments.forEach(function (x) {
-      var one = add(part, el("div", {"class": "experiment", "data-experiment": x.id}));
-      var button = add(one, el("button", {type: "button", "aria-expanded": "false"}, x.label));
-      var result = add(one, el("div", {"class": "result", "aria-live": "polite"}));
+      var one = el("div", {"class": "experiment", "data-experiment": x.id});
+      var button = el("button", {type: "button", "aria-expanded": "false"}, x.label);
+      var result = el("div", {"class": "result", "aria-live": "polite"});
+      add(part, add(one, button, result));
       button.addEventListener("click", function () {
         result.textContent = "";
         add(result, el("p", {}, x.says));
@@ -282,7 +284,8 @@
 
   var nav = document.getElementById("steps");
   steps.forEach(function (s, n) {
-    var b = add(nav, el("button", {type: "button", "data-step": s.id}, (n + 1) + ". " + s.title));
+    var b = el("button", {type: "button", "data-step": s.id}, (n + 1) + ". " + s.title);
+    nav.appendChild(b);
     b.addEventListener("click", function () { show(n, true); });
   });
   document.getElementById("prev").addEventListener("click", function () { show(current - 1); });
