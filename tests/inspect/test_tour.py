@@ -146,3 +146,25 @@ def test_bad_words_and_layers_are_refused(minilm):
         tour(minilm, SENTENCE, layer=6)
     with pytest.raises(ValueError, match="swap must be one word"):
         tour(minilm, SENTENCE, swap="two words")
+
+
+def test_a_training_runs_loss_and_cue_head(tmp_path):
+    from qkv.data import bank_corpus
+    from qkv.train import RunConfig, train
+
+    config = RunConfig().updated({
+        "model": {"arch": "bert", "layers": 2, "heads": 2, "width": 32, "context": 32},
+        "data": {"kind": "bank", "vocab_size": 300, "examples": 256, "heldout": 32},
+        "train": {"steps": 4, "batch_size": 8, "lr": 3e-3, "warmup": 2, "eval_every": 2,
+                  "eval_batches": 2, "checkpoint_every": 0},
+    }).check()  # fmt: skip
+    train(config, tmp_path / "run", quiet=True)
+    trained = qkv.load(tmp_path / "run")
+    t = tour(trained, bank_corpus(4, seed=3)[0].text)
+    n = t.step("training").numbers
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+              .splitlines()]  # fmt: skip
+    assert n["run"] and n["loss"] == [r["loss"] for r in logged]
+    assert n["steps"] == [1, 2, 3, 4]
+    layer, head, share = probe(trained, "bank").cue_head
+    assert n["cue"] == {"layer": layer, "head": head, "share": share}

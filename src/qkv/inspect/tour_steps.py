@@ -230,10 +230,9 @@ def training_step(pretrained):
             "The matrices were learned by this run (its metrics.jsonl is missing).")  # fmt: skip
     if numbers["cue"]:
         c = numbers["cue"]
-        says += (
-            f" Head {c['head']} of layer {c['layer']} learned to look from 'bank' to the "
-            f"word that tells its sense in {c['share']:.0%} of the held-out sentences."
-        )
+        says += (f" The head in which 'bank' looks most often to the word that tells its sense "
+                 f"is head {c['head']} of layer {c['layer']}: in {c['share']:.0%} of the run's "
+                 "held-out sentences.")  # fmt: skip
     return _step("training", "Training", says, numbers)
 
 
