@@ -159,3 +159,16 @@ def test_written_atomically_and_hostile_text_stays_text(minilm, tmp_path):
     data = page.split('id="tour-data">')[1].split("</script>")[0]  # the element ends once
     assert "<img" not in page and json.loads(data)["text"] == hostile
     assert f'<q id="sentence">{escape.text(hostile)}</q>' in page
+
+
+def test_a_notebook_shows_the_page_in_an_iframe(minilm, bank):
+    import html
+
+    from qkv.viz.notebook_tour import show_tour
+
+    shown = bank._repr_html_()
+    assert shown.isascii() and shown.startswith('<iframe class="qkv-tour"')
+    srcdoc = html.unescape(shown.split('srcdoc="')[1].split('" style=')[0])
+    assert srcdoc == render_tour(bank)
+    assert repr(bank).startswith("Tour('The bank on the side of the river' on minilm")
+    assert qkv.tour is tour and show_tour(minilm, "Cats chase mice").query == "mice"

@@ -22,6 +22,7 @@ on the spot with time.perf_counter; nothing asserts it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -43,6 +44,7 @@ from qkv.inspect.tour_steps import (
     training_step,
 )
 from qkv.inspect.trace import trace
+from qkv.views import Shown
 
 # the steps in the article's order (the diagram's ids)
 STEPS = ("tokens", "embeddings", "qkv", "scaling", "heads", "layers", "cross", "training",
@@ -66,10 +68,12 @@ class Step:
                 "experiments": list(self.experiments)}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Tour:
+@dataclass(frozen=True, repr=False)
+class Tour(Shown):
     """The article's sections for one text, on one model, at one (query, key) pair, layer and
-    head (counted from 0)."""
+    head (counted from 0). In a notebook it shows itself as its page (qkv.viz.notebook_tour)."""
+
+    view: ClassVar[str] = "tour"
 
     source: str
     text: str
