@@ -5,6 +5,7 @@ they are and nowhere else, and what it cannot draw refused by name."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -36,6 +37,14 @@ TINY = {
         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
         decoder_start_token_id=0, feed_forward_proj="gated-gelu")),
     "bart": TINY_HF["bart"][0](TINY_HF["bart"][1]),
+    # Pythia: attention and MLP side by side, half of each head turned
+    "pythia": hf.GPTNeoXForCausalLM(hf.GPTNeoXConfig(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64, rotary_pct=0.5)),
+    # OLMo 2: no norm before a sub-layer, one on each output; QK-norm over all heads
+    "olmo2": hf.Olmo2ForCausalLM(hf.Olmo2Config(
+        vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64)),
 }  # fmt: skip
 
 
@@ -89,6 +98,8 @@ def stack_tensors(stack, ids, prefix="", context=None) -> dict[str, torch.Tensor
             stream = stream + cross_out
             if block.position == "post":
                 stream = block.cross_norm(stream)
+        if block.parallel:
+            stream = resid_pre
         names["mlp_in"] = block.mlp_norm(stream) if block.position == "pre" else stream
         found |= {t + name: value for name, value in names.items()}
     return found
@@ -165,8 +176,8 @@ def test_smollm2_shapes_equal_its_real_tensors(smollm2):
     assert "sharing 3 key/value heads" in diagram.title
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gemma_shapes_equal_its_real_tensors(name, tiny):
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "pythia", "olmo2"])
+def test_decoder_shapes_equal_their_real_tensors(name, tiny):
     model = tiny[name]
     diagram = model_diagram(model, 11, batch=2)
     check_shapes(diagram, real_tensors(model, 11), model.config.num_layers)
@@ -231,6 +242,16 @@ def test_pre_and_post_norm_in_the_order_each_block_computes(minilm, smollm2, tin
     assert ("L.o", "L.norm_attn_out") in gemma.edges and ("L.mlp", "L.norm_mlp_out") in gemma.edges
 
 
+def test_parallel_blocks_and_norms_on_outputs_only(tiny):
+    pythia = model_diagram(tiny["pythia"], 4)  # the MLP reads the layer input, beside attention
+    assert ("L.resid_pre", "L.norm_mlp") in pythia.edges and "L.resid_mid" not in pythia.ids
+    assert {a for a, b in pythia.edges if b == "L.resid_post"} == {"L.resid_pre", "L.o", "L.mlp"}
+    assert "4 of 8 numbers turn" in pythia.box("L.q_rotary").explain
+    olmo2 = model_diagram(tiny["olmo2"], 4)  # no norm before a sub-layer, one after each
+    assert ("L.resid_pre", "L.q") in olmo2.edges and "L.norm_attn" not in olmo2.ids
+    assert ("L.o", "L.norm_attn_out") in olmo2.edges and "QK-norm" in olmo2.box("L.k").explain
+
+
 def test_family_words_follow_the_config(smollm2, tiny):
     gemma2 = model_diagram(tiny["gemma2"], 4)
     assert "sqrt(64), not sqrt(D)" in gemma2.box("L.scores").explain
@@ -256,12 +277,15 @@ def test_every_box_has_a_step_an_explanation_and_a_unique_id(minilm, tiny):
         assert len(set(d.ids)) == len(d.ids)
         assert all(box.step in STEPS and box.explain.endswith(".") for box in d.boxes)
         assert {a for edge in d.edges for a in edge} <= set(d.ids)
-        assert d.to_dict()["boxes"][0]["id"] == d.boxes[0].id
+        back = json.loads(json.dumps(d.to_dict()))  # JSON-ready, for a page's script
+        assert [b["id"] for b in back["boxes"]] == list(d.ids)
+        assert back["edges"] == [list(e) for e in d.edges] and back["title"] == d.title
+        assert back["boxes"][3]["size"] == list(d.boxes[3].size)
 
 
 @pytest.mark.parametrize(
     "block, words",
-    [(dict(parallel=True), "parallel blocks"), (dict(output_gate=True), "output gate"),
+    [(dict(output_gate=True), "output gate"),
      (dict(latent=LatentConfig(32, 4, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
                                v_head_dim=8)), "latent attention")],
 )  # fmt: skip

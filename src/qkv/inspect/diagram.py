@@ -7,8 +7,9 @@ tensor it shows (qkv.cache's names, with "{layer}" for the caller to fill: "L{la
 says in one sentence what it computes: the diagram's text alternative. What a family does
 differently from the article is drawn, not smoothed over: norms before or after each sub-layer,
 positions added to the tokens or turning q and k (rotary) or biasing the scores (T5), keys and
-values shared by groups of query heads (Hkv < H), gated MLPs, cross-attention. What cannot be
-drawn truthfully (latent or linear attention, parallel blocks, output gates) is refused by name.
+values shared by groups of query heads (Hkv < H), gated MLPs, attention and MLP side by side
+(parallel blocks), cross-attention. What cannot be drawn truthfully (latent or linear
+attention, output gates) is refused by name.
 
 >>> from qkv.models import DecoderConfig
 >>> from qkv.nn import BlockConfig
@@ -45,6 +46,10 @@ class Stack:
 
 @dataclass(frozen=True)
 class Diagram:
+    """A model's boxes in the order the pass computes them, and arrows (from, to) between
+    them. `box(id)` one box, `lit(step)` the ids of one tour step's boxes ("parallel" has
+    none: every box is computed for all tokens at once), `to_dict()` all of it as JSON."""
+
     title: str
     boxes: tuple[Box, ...]
     edges: tuple[tuple[str, str], ...]  # (from id, to id): the second is computed from the first
@@ -143,7 +148,6 @@ def _check_drawable(config) -> None:
     refused = [(block.latent is not None, "latent attention (keys and values from one "
                 "compressed vector per token)"),
                (block.linear is not None, "linear attention (a running memory, no softmax)"),
-               (block.parallel, "parallel blocks (attention and MLP side by side)"),
                (block.output_gate, "an output gate on the heads")]  # fmt: skip
     for found, what in refused:
         if found:

@@ -129,10 +129,14 @@ class Drawing:
                           "first layer, the previous layer's output after it.", [x])  # fmt: skip
         reads = stream
         if pos == "pre":
+            first = ("" if getattr(cfg, "first_attn_norm", True) else
+                     " (not in the first layer, which reads the embeddings' norm)")  # fmt: skip
             reads = self.add(f"{p}norm_attn", norm, [T, C], "layers", f"{t}attn_in",
-                             f"The layer input, normalized ({norm}) before attention reads it.",
-                             [stream])  # fmt: skip
+                             f"The layer input, normalized ({norm}) before attention reads "
+                             f"it{first}.", [stream])  # fmt: skip
         attended = self.attention(cfg, p, t, T, T, reads, reads, a, "")
+        if block.parallel:
+            return self.feed_forward(cfg, p, t, T, stream, norm, attended)
         stream = self.add(f"{p}resid_mid", "x + attention", [T, C], "layers", f"{t}resid_mid",
                           "The attention's output added to the layer input (the residual "
                           "connection): the original vector is kept beside its context.",
@@ -203,6 +207,8 @@ class Drawing:
             turn = (f"Rotary positions turn each pair of numbers by an angle that grows with the "
                     f"token's position ({base}){where}, so q·k depends on how far apart the "
                     "words are; nothing is added to the token vectors.")  # fmt: skip
+            if a.qk_norm == "l2":
+                turn = turn[:-1] + "; then each is scaled to length 1 (L2 QK-norm)."
             scores_from = [
                 self.add(f"{p}q_rotary", "Rotary q", [H, Tq, D], "embeddings", f"{t}q", turn, [q]),
                 self.add(f"{p}k_rotary", "Rotary k", [Hkv, Tk, D], "embeddings", f"{t}k", turn,
@@ -240,12 +246,15 @@ class Drawing:
             label, words = "Scores q·k", "not divided by sqrt(D): the scale is 1 (folded into W_Q)"
         else:
             label, words = "Scores q·k/√d", f"divided by sqrt({a.scale_divisor:g}), not sqrt(D)"
+        if cfg.block.temperature is not None and not kind:
+            where = _count(cfg, lambda i: cfg.block_for(i).temperature)
+            words += f", times a temperature growing with the query's position{where}"
         if a.softcap is not None:
             words += f", then capped: {a.softcap:g} · tanh(score / {a.softcap:g})"
-        step = "cross" if kind else "scaling"
+        step, itself = ("cross", "") if kind else ("scaling", ", each word with itself too")
         scores = self.add(f"{p}{kind}scores", label, [H, Tq, Tk], step, f"{t}{kind}scores",
-                          f"One dot product for every pair of words (query · key, each word with "
-                          f"itself too), {words}.", after)  # fmt: skip
+                          f"One dot product for every pair of words (query · key{itself}), "
+                          f"{words}.", after)  # fmt: skip
         if not a.relative_bias:
             return scores
         return self.add(f"{p}position_bias", "+ relative position bias", [H, Tq, Tk],
@@ -254,13 +263,16 @@ class Drawing:
                         f"{cfg.relative_max_distance} tokens) added to the scores: T5's only "
                         "positions.", [scores])  # fmt: skip
 
-    def feed_forward(self, cfg, p, t, T, stream: str, norm: str) -> str:
+    def feed_forward(self, cfg, p, t, T, stream: str, norm: str, beside: str | None = None) -> str:
+        """The MLP and its residual sum; `beside`: a parallel block's attention output, added
+        in the same sum (the MLP then reads the layer input too)."""
         block, C = cfg.block, ("C", cfg.block.width)
         pos = block.norm_position
         reads = stream
         if pos == "pre":
+            what = "The layer input (beside attention)" if beside else "The stream"
             reads = self.add(f"{p}norm_mlp", norm, [T, C], "layers", f"{t}mlp_in",
-                             f"The stream, normalized ({norm}) before the MLP reads it.",
+                             f"{what}, normalized ({norm}) before the MLP reads it.",
                              [stream])  # fmt: skip
         hidden = block.mlp_hidden or 4 * block.width
         if block.experts is not None:
@@ -284,6 +296,11 @@ class Drawing:
             mlp = self.add(f"{p}norm_mlp_out", norm, [T, C], "layers", f"{t}mlp_out",
                            f"The MLP's output, normalized ({norm}) before it is added to the "
                            "stream.", [mlp])  # fmt: skip
+        if beside:
+            return self.add(f"{p}resid_post", "x + attention + MLP", [T, C], "layers",
+                            f"{t}resid_post", "Attention and the MLP both read the layer input "
+                            "(a parallel block); both outputs are added to it: this layer's "
+                            "output, the next layer's input.", [stream, beside, mlp])  # fmt: skip
         if pos != "post":
             return self.add(f"{p}resid_post", "x + MLP", [T, C], "layers", f"{t}resid_post",
                             "The MLP's output added to the stream: this layer's output, the "

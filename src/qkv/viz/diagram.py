@@ -166,6 +166,7 @@ def _edge(places, column: tuple[int, int, int], a: str, b: str, width: int) -> s
         return f'<path d="M{ax + width // 2},{ay + ROW} L{bx + width // 2},{by}" {arrow}/>'
     left, right, outer = column
     offset = ax + width // 2 - (left + right) // 2
+    offset = 0 if abs(offset) < width // 2 else offset  # a middle box, give or take rounding
     y0, y1 = ay + ROW // 2, by + ROW // 2
     if offset > 0 or (offset == 0 and outer > 0):
         lane = ax + width + 10 if offset else right - 12
