@@ -168,3 +168,32 @@ def test_a_training_runs_loss_and_cue_head(tmp_path):
     assert n["steps"] == [1, 2, 3, 4]
     layer, head, share = probe(trained, "bank").cue_head
     assert n["cue"] == {"layer": layer, "head": head, "share": share}
+
+
+def test_an_encoder_decoders_cross_attention_and_encoder(tmp_path):
+    import string
+
+    from qkv.data import word_tokenizer
+    from tiny_models import save_tiny
+
+    save_tiny("bart", tmp_path)
+    word_tokenizer(list(string.ascii_lowercase), style="bart").save(tmp_path)
+    bart = qkv.load(tmp_path)
+    t = tour(bart, "a b c d", query="b", key="d", target="d c b a")
+    cross = t.step("cross").numbers
+    seen = bart.attentions("a b c d", target="d c b a")
+    assert cross["decoder_tokens"] == seen.query_tokens == ["</s>", "d", "c", "b", "a"]
+    assert cross["predicts"] == ["d", "c", "b", "a", "(the end)"]  # the target shifted right
+    peak = seen.weights.double().max(-1).values.mean(-1)
+    assert (cross["layer"], cross["head"]) == divmod(int(peak.argmax()), peak.shape[1])
+    assert cross["weights"] == seen.weights[cross["layer"], cross["head"]].double().tolist()
+    # the other steps read the encoder: its self-attention, as `attentions` without a target
+    encoder = bart.attentions("a b c d").weights[t.layer, t.head, t.query_index]
+    traced = torch.tensor(t.step("qkv").numbers["weights"])  # the loop's, in float64, to float32
+    torch.testing.assert_close(traced, encoder.float(), atol=1e-6, rtol=0)
+    assert all(k.startswith("enc.") for k, v in t.boxes.items() if "values" in v)
+
+
+def test_a_target_is_refused_for_an_encoder(minilm):
+    with pytest.raises(ValueError, match="target text is for encoder-decoder"):
+        tour(minilm, SENTENCE, target="river the of side")

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from qkv.cli.errors import check_out, user_errors
-from qkv.cli.options import Backend, Model, PairHead, PairLayer
+from qkv.cli.options import Backend, Model, PairHead, PairLayer, Target
 
 
 def tour(
@@ -22,6 +22,7 @@ def tour(
     key: Annotated[str | None, typer.Option(help="the word giving context")] = None,
     layer: PairLayer = None,
     head: PairHead = None,
+    target: Target = None,
     backend: Backend = None,
 ) -> None:
     """Write a guided tour of self-attention for TEXT: tokens, embeddings, the seven steps,
@@ -33,5 +34,6 @@ def tour(
     with user_errors(out):
         check_out(out, (".html", ".htm"))
         pretrained = load(model, backend=backend)
-        written = write_tour(pretrained, text, out, query=query, key=key, layer=layer, head=head)
+        written = write_tour(pretrained, text, out, query=query, key=key, layer=layer, head=head,
+                             target=target)  # fmt: skip
     typer.echo(f"wrote {written}")

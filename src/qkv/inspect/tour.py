@@ -21,6 +21,7 @@ on the spot with time.perf_counter; nothing asserts it.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -44,6 +45,7 @@ from qkv.inspect.tour_steps import (
     training_step,
 )
 from qkv.inspect.trace import trace
+from qkv.models import EncoderDecoder
 from qkv.views import Shown
 
 # the steps in the article's order (the diagram's ids)
@@ -123,6 +125,7 @@ def tour(
     head: int | None = None,
     swap: str | None = None,
     compare: str | None = None,
+    target: str | None = None,
 ) -> Tour:
     """The tour of `text` on `pretrained` (an encoder or a decoder; a training run's model adds
     its loss curve and cue head).
@@ -134,7 +137,15 @@ def tour(
     most to the key word (as `trace` chooses). swap: the word put in the key word's place for
     the swap experiment ("money" for "river", else "river"); compare: a second sentence holding
     the query word ("The bank approved my loan." for "bank", else the swapped sentence).
+    An encoder-decoder's steps read its encoder; its cross-attention step reads the decoder
+    over `target` (by default what the model writes for `text`).
     """
+    whole = pretrained
+    if isinstance(pretrained.model, EncoderDecoder):
+        pretrained = _encoder_of(pretrained)
+    elif target is not None:
+        raise ValueError(f"a target text is for encoder-decoder models; {pretrained.source} "
+                         "is not one")  # fmt: skip
     stack = stack_of(pretrained)  # an encoder or a decoder; refused by name otherwise
     seen = pretrained.attentions(text)
     encoded = seen.encoded
@@ -153,21 +164,31 @@ def tour(
         scaling_step(seen, found, tried["scaling"]),
         heads_step(stack, seen, found, tried["heads"]),
         layers_step(found, tried["vectors"], senses, tried["layers"]),
-        cross_step(pretrained),
+        cross_step(whole, text, target),
         training_step(pretrained),
         parallel_step(seen, found),
     )
     try:
-        diagram, note = model_diagram(pretrained, len(found.tokens)), None
+        diagram, note = model_diagram(whole, len(found.tokens)), None
     except ValueError as error:  # a model the diagram cannot draw truthfully: said by name
         diagram, note = None, str(error)
-    boxes = box_values(diagram, seen, found, states, steps[1].numbers, steps[4].numbers)
+    boxes = box_values(diagram, seen, found, states, steps[1].numbers, steps[4].numbers,
+                       prefix="enc." if whole is not pretrained else "")  # fmt: skip
     return Tour(
         source=str(pretrained.source), text=text, tokens=tuple(found.tokens), query=query,
         key=key, query_index=found.query_index, key_index=found.key_index, layer=found.layer,
         head=found.head, chosen=found.chosen, num_layers=found.num_layers,
         num_heads=found.num_heads, steps=steps, diagram=diagram, diagram_note=note, boxes=boxes,
     )  # fmt: skip
+
+
+def _encoder_of(pretrained):
+    """An encoder-decoder as its encoder alone: the same tokenizer and weights, so that every
+    self-attention step (trace, hide, ablate, probe) reads the encoder's layers."""
+    encoder = copy.copy(pretrained)
+    encoder.model = pretrained.model.encoder
+    encoder.config = pretrained.model.encoder.config
+    return encoder
 
 
 def _pair(encoded, seen, query: str | None, key: str | None, *, causal: bool) -> tuple[str, str]:

@@ -16,12 +16,15 @@ def _row(x: Tensor) -> list[float]:
     return [float(v) for v in x.double().flatten()]
 
 
-def box_values(diagram, seen, found, states, embeddings: dict, heads: dict) -> dict[str, dict]:
+def box_values(
+    diagram, seen, found, states, embeddings: dict, heads: dict, prefix: str = ""
+) -> dict[str, dict]:
     """{box id: {"what": which slice, in words, "values": [...]} or {"what": why none}}.
 
     seen: the tour's Attentions; found: its Trace; states: the hidden states L+1 x (1, T, C);
     embeddings, heads: the numbers of the tour's embeddings and heads steps (whose vectors
-    are the same tensors' rows)."""
+    are the same tensors' rows); prefix: "enc." where these are an encoder-decoder's encoder's
+    (the decoder's boxes then show their shape only)."""
     layer, head, at = found.layer, found.head, found.query_index
     record = seen.records[layer]
     kv = head // record.shape.group
@@ -60,7 +63,8 @@ def box_values(diagram, seen, found, states, embeddings: dict, heads: dict) -> d
         read["L.norm_mlp"] = (f"{in_layer}: its output", states[layer + 1][0, at])
     found_values: dict[str, dict] = {}
     for box in () if diagram is None else diagram.boxes:
-        what, values = read.get(box.id, (None, None))
+        own = box.id[len(prefix) :] if box.id.startswith(prefix) else None
+        what, values = read.get(own, (None, None)) if own is not None else (None, None)
         if values is None:
             found_values[box.id] = {"what": "not kept apart by the forward pass: its shape only"}
             continue

@@ -185,18 +185,44 @@ def layers_step(found, vectors, senses, tried):
     return _step("layers", "Multiple layers", says, numbers, tried)
 
 
-def cross_step(pretrained):
-    """A note: the tour reads an encoder or a decoder, which has no cross-attention."""
-    kind = "decoder" if isinstance(pretrained.model, Decoder) else "encoder"
-    has = isinstance(pretrained.model, EncoderDecoder)
+def cross_step(pretrained, text: str, target: str | None):
+    """An encoder-decoder's cross-attention over `target` (by default what it writes for
+    `text`): one head's weights from the decoder's tokens to the source's, and the shift: the
+    decoder reads its start token, then the target, so row i predicts target token i. Other
+    models: a note of what would have it."""
+    if not isinstance(pretrained.model, EncoderDecoder):
+        kind = "decoder" if isinstance(pretrained.model, Decoder) else "encoder"
+        says = (f"This model ({kind}) has no cross-attention: its queries, keys and values all "
+                "come from one text. An encoder-decoder (the original transformer, T5, BART, or "
+                "a `qkv train --preset reverse` run) has it: the decoder's queries read the "
+                "encoder's keys and values. Its decoder reads the target shifted right (a start "
+                "token first), so its row for target word i predicts word i + 1 and its weights "
+                "look shifted by one.")  # fmt: skip
+        return _step("cross", "Cross-attention", says, {"has_cross": False, "kind": kind})
+    if target is None:  # the model's own output for the text (greedy)
+        target = pretrained.generate(text, max_new_tokens=min(64, 2 * len(text.split()) + 4))
+        if not target.strip():
+            raise ValueError("the model wrote nothing for the text; give target= to show its "
+                             "cross-attention")  # fmt: skip
+    seen = pretrained.attentions(text, target=target)
+    weights = seen.weights.double()  # (L, H, Tt, Ts)
+    peak = weights.max(-1).values.mean(-1)  # (L, H): how sharply each head's rows look
+    layer, head = divmod(int(peak.argmax()), weights.shape[1])
+    rows = weights[layer, head]  # (Tt, Ts)
+    queries = list(seen.query_tokens)
+    numbers = {
+        "has_cross": True, "kind": "encoder-decoder", "target": target, "layer": layer,
+        "head": head, "source_tokens": list(seen.tokens), "decoder_tokens": queries,
+        "predicts": [*queries[1:], "(the end)"], "weights": [_floats(r) for r in rows],
+        "looks_at": [int(r.argmax()) for r in rows],
+    }  # fmt: skip
     says = (
-        f"This model ({kind}) has no cross-attention: its queries, keys and values all come "
-        "from one text. An encoder-decoder (the original transformer, T5, BART, or a "
-        "`qkv train --preset reverse` run) has it: the decoder's queries read the encoder's "
-        "keys and values. Its decoder reads the target shifted right (a start token first), "
-        "so its row for target word i predicts word i + 1 and its weights look shifted by one."
+        f"The decoder's queries read the encoder's keys and values. Here, layer {layer}, "
+        f"head {head} (where the rows look most sharply at one source token). The decoder "
+        f"reads its start token {queries[0]!r} and then the target shifted right, so the row "
+        "of each decoder token predicts the next one: its weights look shifted by one."
     )
-    return _step("cross", "Cross-attention", says, {"has_cross": has, "kind": kind})
+    return _step("cross", "Cross-attention", says, numbers)
 
 
 def training_step(pretrained):

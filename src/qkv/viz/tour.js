@@ -36,7 +36,8 @@
     bar.style.background = "linear-gradient(to right," + VIRIDIS.join(",") + ")";
     // a fixed end of the scale (0 for weights) is the scale's own, not one of the model's numbers
     return add(el("div", {"class": "legend"}), el("span", {}, "colour scale (viridis) of " + what + ":"),
-               typeof lo === "string" ? el("span", {}, lo) : num(lo), bar, num(hi));
+               typeof lo === "string" ? el("span", {}, lo) : num(lo), bar,
+               typeof hi === "string" ? el("span", {}, hi) : num(hi));
   }
   function strip(name, values, cls) {
     var lo = Math.min.apply(null, values), hi = Math.max.apply(null, values);
@@ -172,7 +173,29 @@
         "minus between two of different senses, over " + n.senses.sentences + " labelled sentences. " +
         "Every 'bank' is the same token; at the embeddings their vectors differ only by position."));
     },
-    cross: function (n, box) { add(box, facts([["this model", n.kind], ["has cross-attention", n.has_cross ? "yes" : "no"]])); },
+    cross: function (n, box) {
+      add(box, facts([["this model", n.kind], ["has cross-attention", n.has_cross ? "yes" : "no"]]));
+      if (!n.has_cross) return;
+      add(box, facts([["target", n.target], ["layer", n.layer], ["head", n.head]]));
+      var head = el("tr");
+      add(head, el("th", {}, "decoder reads"), el("th", {}, "predicts"));
+      n.source_tokens.forEach(function (t) { head.appendChild(el("th", {"class": "tok"}, t)); });
+      var t = add(el("table", {"class": "cross"}), head), top = 0;
+      n.weights.forEach(function (row) { top = Math.max(top, Math.max.apply(null, row)); });
+      n.weights.forEach(function (row, i) {
+        var tr = add(el("tr", {"data-row": i}), el("td", {"class": "tok"}, n.decoder_tokens[i]),
+                     el("td", {"class": "tok"}, n.predicts[i]));
+        row.forEach(function (w, j) {
+          var cell = add(el("td", {title: n.decoder_tokens[i] + " → " + n.source_tokens[j]}), num(w, true));
+          cell.style.background = viridis(w / (top || 1));
+          cell.style.color = w / (top || 1) > 0.55 ? "#000" : "#fff";
+          if (j === n.looks_at[i]) cell.style.fontWeight = "bold";
+          tr.appendChild(cell);
+        });
+        t.appendChild(tr);
+      });
+      add(box, t, legend("0", top, "the weights"));
+    },
     training: function (n, box) {
       if (!n.run || !n.loss.length) return;
       var W = 520, H = 160, lo = Math.min.apply(null, n.loss), hi = Math.max.apply(null, n.loss);
