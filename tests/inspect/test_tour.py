@@ -197,3 +197,11 @@ def test_an_encoder_decoders_cross_attention_and_encoder(tmp_path):
 def test_a_target_is_refused_for_an_encoder(minilm):
     with pytest.raises(ValueError, match="target text is for encoder-decoder"):
         tour(minilm, SENTENCE, target="river the of side")
+
+
+def test_why_this_scalar_is_qkv_whys(minilm, bank):
+    shown = bank.step("qkv").numbers["why"]
+    why = qkv.why(minilm, SENTENCE, "bank", "river", layer=bank.layer, head=bank.head, checks=0)
+    assert shown["total"] == why.total
+    assert [(r["query_part"], r["key_part"], r["value"]) for r in shown["ranked"]] == why.ranked(5)
+    assert shown["total"] == pytest.approx(bank.step("qkv").numbers["scaled_scalar"], rel=1e-5)

@@ -31,7 +31,10 @@ def page(bank, tmp_path_factory):
     path = tmp_path_factory.mktemp("tour") / "tour.html"
     path.write_text(render_tour(bank), encoding="utf-8")
     with offline(path, {"width": 1200, "height": 800}) as shown:  # asserts no outside request
+        errors: list[str] = []
+        shown.on("pageerror", lambda error: errors.append(str(error)))
         yield shown
+        assert errors == [], errors  # the script ran without an error throughout
 
 
 def _go(page, step: str) -> None:

@@ -43,6 +43,7 @@ from qkv.inspect.tour_steps import (
     scaling_step,
     tokens_step,
     training_step,
+    why_scalar,
 )
 from qkv.inspect.trace import trace
 from qkv.models import EncoderDecoder
@@ -160,7 +161,7 @@ def tour(
     steps = (
         tokens_step(pretrained, encoded, found),
         embeddings_step(pretrained, stack, encoded, found, states),
-        qkv_step(found, tried["qkv"]),
+        qkv_step(found, tried["qkv"], why_scalar(pretrained, found)),
         scaling_step(seen, found, tried["scaling"]),
         heads_step(stack, seen, found, tried["heads"]),
         layers_step(found, tried["vectors"], senses, tried["layers"]),

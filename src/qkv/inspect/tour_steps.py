@@ -18,6 +18,7 @@ from torch import Tensor
 
 from qkv.attention import attend, explain_choice
 from qkv.inspect.records import why_not_redone
+from qkv.inspect.why import why as explain_why
 from qkv.inspect.words import on_words
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.encoder import padded_positions
@@ -90,7 +91,21 @@ def embeddings_step(pretrained, stack, encoded, found, states):
     return _step("embeddings", "Embeddings and positions", says, numbers)
 
 
-def qkv_step(found, tried):
+def why_scalar(pretrained, found, top: int = 5) -> dict:
+    """Why the scalar is what it is (`qkv.why`, no reruns): the score as a sum of terms, one per
+    (part of the query word's stream, part of the key word's), the largest listed; or why not."""
+    try:
+        why = explain_why(pretrained, found.text, found.query, found.key, layer=found.layer,
+                          head=found.head, checks=0)  # fmt: skip
+    except ValueError as error:  # a layer the terms cannot be read from, said by name
+        return {"shown": False, "why_not": str(error)}
+    share = max(abs(why.total), 1e-12)
+    return {"shown": True, "total": why.total, "score": why.score,
+            "ranked": [{"query_part": q, "key_part": k, "value": v, "share": v / share}
+                       for q, k, v in why.ranked(top)]}  # fmt: skip
+
+
+def qkv_step(found, tried, why=None):
     """One head's query, key and value vectors and the article's seven steps (the trace)."""
     t = found
     numbers = {
@@ -103,6 +118,7 @@ def qkv_step(found, tried):
         "contextualized": _floats(t.contextualized), "model_output": _floats(t.model_output),
         "causal": t.causal, "masked": t.masked,
         "query_unrotated": None if t.query_unrotated is None else _floats(t.query_unrotated),
+        "why": why,
     }  # fmt: skip
     q, k = t.query, t.key
     says = (f"In layer {t.layer}, head {t.head}, {q!r} asks with its query vector and {k!r} "

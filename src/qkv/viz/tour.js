@@ -120,6 +120,18 @@
       add(box, el("h3", {}, "3. Their dot product, one scalar, scaled by 1/√D"));
       add(box, facts([["q · k", n.attention_scalar, "scalar"], ["scale 1/√D", n.scale, "scale"],
                       ["(q · k) / √D", n.scaled_scalar, "scaled"]]));
+      if (n.why && n.why.shown) {
+        add(box, el("p", {}, "Why this scalar: the stream entering the layer is a sum of parts " +
+                    "(the embedding, each earlier head and MLP), so the scaled score is a sum of " +
+                    "terms, one per (query part, key part). The largest:"));
+        add(box, table(["query part", "key part", "term", "share of the score"], n.why.ranked.map(function (r) {
+          return add(el("tr"), el("td", {"class": "tok"}, r.query_part), el("td", {"class": "tok"}, r.key_part),
+                     add(el("td"), num(r.value)), add(el("td"), num(r.share, true)));
+        }), "why"));
+        add(box, facts([["sum of every term", n.why.total, "why_total"]]));
+      } else if (n.why) {
+        add(box, el("p", {"class": "note"}, "Why this scalar: " + n.why.why_not));
+      }
       add(box, el("h3", {}, "4. Softmax over every word: the weights sum to 1"));
       add(box, table(["#", "token", "weight", ""], weightRows(n.weights, data.tokens), "weights"));
       add(box, el("h3", {}, "5. The value vector of " + data.key));
