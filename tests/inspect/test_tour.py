@@ -205,3 +205,19 @@ def test_why_this_scalar_is_qkv_whys(minilm, bank):
     assert shown["total"] == why.total
     assert [(r["query_part"], r["key_part"], r["value"]) for r in shown["ranked"]] == why.ranked(5)
     assert shown["total"] == pytest.approx(bank.step("qkv").numbers["scaled_scalar"], rel=1e-5)
+
+
+def test_an_attention_sink_is_named_where_it_takes_the_most(minilm):
+    weights = minilm.attentions(SENTENCE).weights  # (L, H, T, T)
+    encoded = minilm.encode(SENTENCE)
+    at, key = encoded.find("bank")[0], encoded.find("river")[0]
+    top = weights[:, :, at].argmax(-1)  # (L, H)
+    sinks = [(n, h) for n in range(top.shape[0]) for h in range(top.shape[1])
+             if encoded.special[int(top[n, h])]]  # fmt: skip
+    layer, head = sinks[0]
+    t = tour(minilm, SENTENCE, layer=layer, head=head)
+    sink = t.step("qkv").numbers["sink"]
+    assert sink["index"] == int(top[layer, head]) != key
+    assert sink["weight"] == pytest.approx(float(weights[layer, head, at, sink["index"]]), abs=1e-6)
+    assert "attention sink" in t.step("qkv").says
+    assert tour(minilm, SENTENCE).step("qkv").numbers["sink"] is None  # "river" takes the most

@@ -161,7 +161,7 @@ def tour(
     steps = (
         tokens_step(pretrained, encoded, found),
         embeddings_step(pretrained, stack, encoded, found, states),
-        qkv_step(found, tried["qkv"], why_scalar(pretrained, found)),
+        qkv_step(found, tried["qkv"], why_scalar(pretrained, found), list(encoded.special)),
         scaling_step(seen, found, tried["scaling"]),
         heads_step(stack, seen, found, tried["heads"]),
         layers_step(found, tried["vectors"], senses, tried["layers"]),
@@ -219,12 +219,16 @@ def _pair(encoded, seen, query: str | None, key: str | None, *, causal: bool) ->
 
 def _most_attended(encoded, seen, query: str, words, causal: bool) -> str:
     """The word other than `query` that `query`'s first token attends to most, averaged over
-    every layer and head (in a decoder, among the words before it)."""
+    every layer and head (in a decoder, among the words before it), the text's first token
+    only where no other word is there."""
     at = encoded.find(query)[0]
     mean = seen.weights[:, :, at].double().mean((0, 1))  # (T,)
     others = [w for w in words if w.token_start != at and (not causal or w.token_start < at)]
     if not others:
         raise ValueError(f"the query word {query!r} has no other word to attend to; "
                          "give a longer text or another query word")  # fmt: skip
+    # the first token gathers weight in many heads whatever it says (an attention sink): a word
+    # after it tells more, where there is one
+    others = [w for w in others if w.token_start != 0] or others
     best = max(others, key=lambda w: float(mean[w.token_start]))
     return best.name

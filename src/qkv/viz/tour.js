@@ -183,7 +183,8 @@
                       "'bank' senses: separation", "sense accuracy"], rows, "layers"));
       add(box, el("p", {"class": "note"}, "Separation: mean cosine between two 'bank's of the same sense " +
         "minus between two of different senses, over " + n.senses.sentences + " labelled sentences. " +
-        "Every 'bank' is the same token; at the embeddings their vectors differ only by position."));
+        "Every 'bank' is the same token: at the embeddings their vectors differ only by what positions " +
+        "add (nothing where positions rotate q and k instead); the layers' context does the rest."));
     },
     cross: function (n, box) {
       add(box, facts([["this model", n.kind], ["has cross-attention", n.has_cross ? "yes" : "no"]]));
