@@ -36,3 +36,8 @@ def test_bad_input_is_a_4xx(client):
     assert client.post("/api/tour", json={"text": "x " * 3000}).status_code == 413
     assert client.post("/api/tour", json={"text": TEXT, "layer": 6}).status_code == 422
     assert client.get("/tour", params={"text": " "}).status_code == 422
+
+
+def test_a_target_is_for_encoder_decoders(client):
+    answer = client.post("/api/tour", json={"text": TEXT, "target": "night at mice"})
+    assert answer.status_code == 422 and "encoder-decoder" in answer.text

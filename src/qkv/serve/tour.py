@@ -34,11 +34,15 @@ class TourRequest(Checked):
     key: Word | None = Field(None, description="default: 'river', else what query reads most")
     layer: Layer | None = Field(None, description="default: where query attends most to key")
     head: Head | None = Field(None, description="default: where query attends most to key")
+    target: Text | None = Field(None, description="encoder-decoder models: the decoder's text "
+                                "(default: what the model writes)")  # fmt: skip
     format: Literal["json", "html"] = Field("json", description="the data, or the whole page")
 
 
 def _tour(served, limits, text: str, options: dict, html: bool, stop=None) -> bytes | dict:
     encode(served, limits, text)
+    if options["target"] is not None:
+        encode(served, limits, options["target"], "the target")
     going(stop)
     found = tour(served.pretrained, text, **options)
     return render_tour(found).encode("utf-8") if html else {"model": served.name,
@@ -49,7 +53,8 @@ async def _answer(request: Request, body: TourRequest, html: bool) -> Response:
     state = request.app.state.qkv
     body.check(state.limits)
     served = state.pick(body.model)
-    options = {"query": body.query, "key": body.key, "layer": body.layer, "head": body.head}
+    options = {"query": body.query, "key": body.key, "layer": body.layer, "head": body.head,
+               "target": body.target}  # fmt: skip
     answer = await run(request, lambda stop: _tour(served, state.limits, body.text, options,
                                                    html, stop))  # fmt: skip
     if html:
