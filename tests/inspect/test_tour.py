@@ -156,7 +156,7 @@ def test_a_training_runs_loss_and_cue_head(tmp_path):
         "model": {"arch": "bert", "layers": 2, "heads": 2, "width": 32, "context": 32},
         "data": {"kind": "bank", "vocab_size": 300, "examples": 256, "heldout": 32},
         "train": {"steps": 4, "batch_size": 8, "lr": 3e-3, "warmup": 2, "eval_every": 2,
-                  "eval_batches": 2, "checkpoint_every": 0},
+                  "eval_batches": 2, "checkpoint_every": 2, "keep": 2},
     }).check()  # fmt: skip
     train(config, tmp_path / "run", quiet=True)
     trained = qkv.load(tmp_path / "run")
@@ -167,7 +167,16 @@ def test_a_training_runs_loss_and_cue_head(tmp_path):
     assert n["run"] and n["loss"] == [r["loss"] for r in logged]
     assert n["steps"] == [1, 2, 3, 4]
     layer, head, share = probe(trained, "bank").cue_head
-    assert n["cue"] == {"layer": layer, "head": head, "share": share}
+    assert {k: n["cue"][k] for k in ("layer", "head", "share")} == {
+        "layer": layer, "head": head, "share": share}  # fmt: skip
+    # the cue head forming: its share at each kept checkpoint, each loaded on its own
+    forming = []
+    for step in (2, 4):
+        then = qkv.load(tmp_path / "run" / "checkpoints" / f"step-{step:06d}")
+        then.run = trained.run  # probed on the run's held-out sentences, as the run itself
+        forming.append({"step": step, "share": float(probe(then, "bank").cue_attention[
+            layer, head])})  # fmt: skip
+    assert n["cue"]["forming"] == forming and forming[-1]["share"] == share
 
 
 def test_an_encoder_decoders_cross_attention_and_encoder(tmp_path):

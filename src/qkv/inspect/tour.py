@@ -34,6 +34,7 @@ from qkv.inspect.runs import stack_of
 from qkv.inspect.tour_boxes import box_values
 from qkv.inspect.tour_experiments import experiments
 from qkv.inspect.tour_steps import (
+    Step,
     cross_step,
     embeddings_step,
     heads_step,
@@ -53,22 +54,6 @@ from qkv.views import Shown
 STEPS = ("tokens", "embeddings", "qkv", "scaling", "heads", "layers", "cross", "training",
          "parallel")  # fmt: skip
 DEFAULT_PAIR = ("bank", "river")  # the article's pair, in its sentence (qkv.inspect.article)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One section of the article: what it says, the model's numbers for it (JSON-ready), and
-    the experiments offered beside it, each with its result precomputed."""
-
-    id: str
-    title: str
-    says: str  # the article's point in a sentence or two, with this model's words
-    numbers: dict
-    experiments: tuple[dict, ...] = ()
-
-    def to_dict(self) -> dict:
-        return {"id": self.id, "title": self.title, "says": self.says, "numbers": self.numbers,
-                "experiments": list(self.experiments)}  # fmt: skip
 
 
 @dataclass(frozen=True, repr=False)

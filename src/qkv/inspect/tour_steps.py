@@ -8,18 +8,23 @@ part of them and a test can compare every one.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from qkv.attention import attend, explain_choice
+from qkv.inspect.probe import probe
 from qkv.inspect.records import why_not_redone
 from qkv.inspect.why import why as explain_why
 from qkv.inspect.words import on_words
+from qkv.io.load import load_source
+from qkv.io.runs import checkpoints, step_of
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.encoder import padded_positions
 from qkv.nn.position import positions_for
@@ -29,9 +34,23 @@ def _floats(x: Tensor) -> list[float]:
     return [float(v) for v in x.double().flatten()]
 
 
-def _step(id: str, title: str, says: str, numbers: dict, tried=()):
-    from qkv.inspect.tour import Step  # the dataclass lives with the tour; this file builds it
+@dataclass(frozen=True)
+class Step:
+    """One section of the article: what it says, the model's numbers for it (JSON-ready), and
+    the experiments offered beside it, each with its result precomputed."""
 
+    id: str
+    title: str
+    says: str  # the article's point in a sentence or two, with this model's words
+    numbers: dict
+    experiments: tuple[dict, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "title": self.title, "says": self.says, "numbers": self.numbers,
+                "experiments": list(self.experiments)}  # fmt: skip
+
+
+def _step(id: str, title: str, says: str, numbers: dict, tried=()) -> Step:
     return Step(id, title, says, numbers, tuple(tried))
 
 
@@ -272,12 +291,11 @@ def training_step(pretrained):
                 val.append(record.get("val_loss"))
     numbers: dict = {"run": True, "steps": steps, "loss": losses, "val_loss": val, "cue": None}
     if run.data.kind == "bank":
-        from qkv.inspect.probe import probe  # the held-out sentences of this run, with cues
-
         found = probe(pretrained, "bank")
         if found.cue_head is not None:
             layer, head, share = found.cue_head
-            numbers["cue"] = {"layer": layer, "head": head, "share": share}
+            numbers["cue"] = {"layer": layer, "head": head, "share": share,
+                              "forming": _cue_forming(pretrained, layer, head)}  # fmt: skip
     says = ("The matrices were learned by this run: its loss fell from "
             f"{losses[0]:.3f} to {losses[-1]:.3f} over {steps[-1]} steps." if losses else
             "The matrices were learned by this run (its metrics.jsonl is missing).")  # fmt: skip
@@ -287,6 +305,18 @@ def training_step(pretrained):
                  f"is head {c['head']} of layer {c['layer']}: in {c['share']:.0%} of the run's "
                  "held-out sentences.")  # fmt: skip
     return _step("training", "Training", says, numbers)
+
+
+def _cue_forming(pretrained, layer: int, head: int) -> list[dict]:
+    """The cue head's share at each checkpoint the run kept, oldest first: the head forming.
+    Each checkpoint is loaded as the run's model is (`load_source`), and probed the same way."""
+    forming = []
+    for checkpoint in checkpoints(Path(pretrained.source)):
+        then = copy.copy(pretrained)  # the same tokenizer and run, that checkpoint's weights
+        then.model = load_source(checkpoint).model
+        cue = probe(then, "bank").cue_attention
+        forming.append({"step": step_of(checkpoint), "share": float(cue[layer, head])})
+    return forming
 
 
 def parallel_step(seen, found):

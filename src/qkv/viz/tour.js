@@ -220,9 +220,25 @@
         return (8 + (W - 16) * n.steps[i] / last) + "," + (8 + (H - 16) * (hi - l) / ((hi - lo) || 1));
       }).join(" "));
       line.setAttribute("fill", "none"); line.setAttribute("stroke", "#21486b"); line.setAttribute("stroke-width", "2");
+      var frame = document.createElementNS(svgNS, "rect");
+      [["x", 1], ["y", 1], ["width", W - 2], ["height", H - 2], ["fill", "none"], ["stroke", "#999"]]
+        .forEach(function (a) { frame.setAttribute(a[0], a[1]); });
+      svg.appendChild(frame);
+      [[6, 14, "loss " + fmt(hi)], [6, H - 6, "loss " + fmt(lo) + ", step " + last]].forEach(function (t) {
+        var label = document.createElementNS(svgNS, "text");
+        label.setAttribute("x", t[0]); label.setAttribute("y", t[1]); label.setAttribute("font-size", "11");
+        label.textContent = t[2];
+        svg.appendChild(label);
+      });
       svg.appendChild(line);
       add(box, svg, facts([["first loss", n.loss[0]], ["last loss", n.loss[n.loss.length - 1]], ["steps", last]]));
-      if (n.cue) add(box, facts([["cue head: layer", n.cue.layer], ["head", n.cue.head], ["share", n.cue.share]]));
+      if (!n.cue) return;
+      add(box, facts([["cue head: layer", n.cue.layer], ["head", n.cue.head], ["share", n.cue.share]]));
+      add(box, el("p", {}, "The cue head forming: the share of held-out sentences in which 'bank' " +
+                  "looks most at its cue, in this head, at each checkpoint the run kept:"));
+      add(box, table(["step", "share"], n.cue.forming.map(function (f) {
+        return add(el("tr"), add(el("td"), num(f.step)), add(el("td"), num(f.share, true)));
+      }), "forming"));
     },
     parallel: function (n, box) {
       if (!n.timed) return;
