@@ -230,3 +230,17 @@ def test_an_attention_sink_is_named_where_it_takes_the_most(minilm):
     assert sink["weight"] == pytest.approx(float(weights[layer, head, at, sink["index"]]), abs=1e-6)
     assert "attention sink" in t.step("qkv").says
     assert tour(minilm, SENTENCE).step("qkv").numbers["sink"] is None  # "river" takes the most
+
+
+def test_an_experiment_the_model_refuses_says_why_in_its_place(minilm, monkeypatch):
+    import qkv.inspect.tour_experiments as tried
+
+    def refused(*args, **kwargs):
+        raise ValueError("this model's heads take no edits")
+
+    monkeypatch.setattr(tried, "ablate", refused)
+    t = tour(minilm, SENTENCE)
+    (ablated,) = t.step("heads").experiments
+    assert ablated["result"] is None
+    assert ablated["says"] == "Not on this model: this model's heads take no edits"
+    assert t.step("qkv").experiments[0]["result"] is not None  # the others still run

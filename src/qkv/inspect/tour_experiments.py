@@ -47,7 +47,8 @@ def across_senses(senses) -> float:
 def experiments(pretrained, text: str, found, states, senses, *, swap=None, compare=None) -> dict:
     """{"qkv": [...], "scaling": [...], "heads": [...], "layers": [...]}: each step's
     experiments (dicts: id, label, says, result), and "vectors": the query word's vector at
-    every depth (L+1, C), read by the probe beside the compared sentence's."""
+    every depth (L+1, C), read by the probe beside the compared sentence's. An experiment the
+    model cannot run (an intervention its layers refuse) says why, by name, with no result."""
     encoded = pretrained.encode(text)
     query_span, key_span = encoded.find(found.query), encoded.find(found.key)
     final = states[-1][0]  # (T, C) the last layer's output
@@ -57,60 +58,70 @@ def experiments(pretrained, text: str, found, states, senses, *, swap=None, comp
              "scale_says": f"for scale: {found.query!r} and {found.key!r} lie {apart:.4f} apart "
                            f"(1 - cos) in the last layer of this sentence; a river 'bank' and a "
                            f"money 'bank' lie {senses_apart:.4f} apart"}  # fmt: skip
-
-    hidden = hide(pretrained, text, found.key, query=found.query, table=False)
-    hide_result = {"change": hidden.total, "distance": hidden.total_distance, **scale}
-    hidden_exp = {
-        "id": "hide", "label": f"Hide {found.key!r} from {found.query!r}",
-        "says": f"With {found.key!r} hidden from {found.query!r} in every layer and head, "
-                f"{found.query!r}'s final vector changes by 1 - cos = {hidden.total:.4f}; "
-                + scale["scale_says"] + ".",
-        "result": hide_result,
-    }  # fmt: skip
-
     key_word = next(w for w in encoded.words() if w.token_span == key_span)
     present = {w.text.casefold() for w in encoded.words()}
     stand_in = swap or next(w for w in (SWAPS.get(key_word.text.casefold()), *STAND_INS)
                             if w is not None and w not in present)  # fmt: skip
     if not isinstance(stand_in, str) or not stand_in.strip() or stand_in.split() != [stand_in]:
         raise ValueError(f"swap must be one word, got {stand_in!r}")
-    start, end = key_word.start, key_word.end
-    swapped_text = text[:start] + stand_in + text[end:]
-    swapped = trace(pretrained, swapped_text, found.query, stand_in, layer=found.layer,
-                    head=found.head)  # fmt: skip
-    swap_exp = {
-        "id": "swap", "label": f"Swap {found.key!r} for {stand_in!r}",
-        "says": f"In {swapped_text!r}, layer {found.layer}, head {found.head}: {found.query!r} "
-                f"gives {stand_in!r} {swapped.weight:.1%} of its weight, where it gave "
-                f"{found.key!r} {found.weight:.1%}.",
-        "result": {"text": swapped_text, "tokens": list(swapped.tokens), "word": stand_in,
-                   "weights": [float(w) for w in swapped.weights], "weight": swapped.weight,
-                   "original_weight": found.weight, "key_index": swapped.key_index},
-    }  # fmt: skip
-
-    ablated = ablate(pretrained, text, [(found.layer, found.head)])
-    at = query_span
-    query_change = _one_minus_cos(_span_mean(ablated.clean_states, at),
-                                  _span_mean(ablated.states, at))  # fmt: skip
-    ablate_exp = {
-        "id": "ablate", "label": f"Ablate head {found.head} of layer {found.layer}",
-        "says": f"With head {found.head} of layer {found.layer} zeroed, every token's final "
-                f"vector changes by 1 - cos = {ablated.total:.4f} on average and "
-                f"{found.query!r}'s by {query_change:.4f}; " + scale["scale_says"] + ".",
-        "result": {"change": ablated.total, "query_change": query_change, **scale},
-    }  # fmt: skip
-
+    swapped_text = text[: key_word.start] + stand_in + text[key_word.end :]
     if compare is None:
         plain = "#" not in found.query and found.query.casefold() == "bank"
         compare = OTHER_BANK if plain and text != OTHER_BANK else swapped_text
+    tried = {
+        "qkv": [_tried("hide", f"Hide {found.key!r} from {found.query!r}", _hide,
+                       pretrained, text, found, scale)],
+        "scaling": [_tried("swap", f"Swap {found.key!r} for {stand_in!r}", _swap,
+                           pretrained, swapped_text, stand_in, found)],
+        "heads": [_tried("ablate", f"Ablate head {found.head} of layer {found.layer}", _ablate,
+                         pretrained, text, found, query_span, scale)],
+    }  # fmt: skip
     both = probe(pretrained, found.query, [text, compare])
     cosines = [float(c) for c in both.similarity[:, 0, 1]]
-    compare_exp = {
+    tried["layers"] = [{
         "id": "compare", "label": "Compare with another sentence",
         "says": f"{found.query!r} in {text!r} and in {compare!r}: cosine "
                 f"{cosines[0]:.4f} at the embeddings, {cosines[-1]:.4f} after the last layer.",
         "result": {"text": compare, "depths": list(both.layers), "cosine": cosines,
                    "senses_apart": senses_apart},
-    }  # fmt: skip
-    return {"qkv": [hidden_exp], "scaling": [swap_exp], "heads": [ablate_exp],
-            "layers": [compare_exp], "vectors": both.vectors[:, 0]}  # fmt: skip
+    }]  # fmt: skip
+    return {**tried, "vectors": both.vectors[:, 0]}
+
+
+def _tried(id: str, label: str, run, *args) -> dict:
+    """The experiment's dict from run(*args) -> (says, result), or, where the model refuses
+    it, the refusal in its place."""
+    try:
+        says, result = run(*args)
+    except ValueError as error:
+        return {"id": id, "label": label, "says": f"Not on this model: {error}", "result": None}
+    return {"id": id, "label": label, "says": says, "result": result}
+
+
+def _hide(pretrained, text, found, scale):
+    hidden = hide(pretrained, text, found.key, query=found.query, table=False)
+    says = (f"With {found.key!r} hidden from {found.query!r} in every layer and head, "
+            f"{found.query!r}'s final vector changes by 1 - cos = {hidden.total:.4f}; "
+            + scale["scale_says"] + ".")  # fmt: skip
+    return says, {"change": hidden.total, "distance": hidden.total_distance, **scale}
+
+
+def _swap(pretrained, swapped_text, stand_in, found):
+    swapped = trace(pretrained, swapped_text, found.query, stand_in, layer=found.layer,
+                    head=found.head)  # fmt: skip
+    says = (f"In {swapped_text!r}, layer {found.layer}, head {found.head}: {found.query!r} gives "
+            f"{stand_in!r} {swapped.weight:.1%} of its weight, where it gave {found.key!r} "
+            f"{found.weight:.1%}.")  # fmt: skip
+    return says, {"text": swapped_text, "tokens": list(swapped.tokens), "word": stand_in,
+                  "weights": [float(w) for w in swapped.weights], "weight": swapped.weight,
+                  "original_weight": found.weight, "key_index": swapped.key_index}  # fmt: skip
+
+
+def _ablate(pretrained, text, found, query_span, scale):
+    ablated = ablate(pretrained, text, [(found.layer, found.head)])
+    query_change = _one_minus_cos(_span_mean(ablated.clean_states, query_span),
+                                  _span_mean(ablated.states, query_span))  # fmt: skip
+    says = (f"With head {found.head} of layer {found.layer} zeroed, every token's final vector "
+            f"changes by 1 - cos = {ablated.total:.4f} on average and {found.query!r}'s by "
+            f"{query_change:.4f}; " + scale["scale_says"] + ".")  # fmt: skip
+    return says, {"change": ablated.total, "query_change": query_change, **scale}

@@ -285,7 +285,7 @@
       button.addEventListener("click", function () {
         result.textContent = "";
         add(result, el("p", {}, x.says));
-        SHOW[x.id](x.result, result);
+        if (x.result) SHOW[x.id](x.result, result);
         button.setAttribute("aria-expanded", "true");
       });
     });
