@@ -22,13 +22,15 @@ def run(minilm, monkeypatch):
 def test_tour_writes_the_page_of_the_text(run, minilm, tmp_path):
     out = tmp_path / "pages" / "cats.html"
     done = run("tour", "Cats chase mice at night", "--query", "mice", "--key", "cats",
-               "--out", out)  # fmt: skip
+               "--swap", "dogs", "--out", out)  # fmt: skip
     assert done.exit_code == 0 and f"wrote {out}" in done.output
     page = out.read_text(encoding="utf-8")
     data = json.loads(page.split('id="tour-data">')[1].split("</script>")[0])
     traced = qkv.trace(minilm, "Cats chase mice at night", "mice", "cats")
     assert (data["query"], data["key"], data["layer"], data["head"]) == (
         "mice", "cats", traced.layer, traced.head)  # fmt: skip
+    swapped = next(s for s in data["steps"] if s["id"] == "scaling")["experiments"][0]
+    assert swapped["result"]["text"] == "dogs chase mice at night"
 
 
 def test_mistakes_are_one_line_and_write_nothing(run, tmp_path):

@@ -23,6 +23,10 @@ def tour(
     layer: PairLayer = None,
     head: PairHead = None,
     target: Target = None,
+    swap: Annotated[str | None, typer.Option(help="the word put in the key word's place")] = None,
+    compare: Annotated[
+        str | None, typer.Option(help="a second sentence with the query word")
+    ] = None,
     backend: Backend = None,
 ) -> None:
     """Write a guided tour of self-attention for TEXT: tokens, embeddings, the seven steps,
@@ -35,5 +39,5 @@ def tour(
         check_out(out, (".html", ".htm"))
         pretrained = load(model, backend=backend)
         written = write_tour(pretrained, text, out, query=query, key=key, layer=layer, head=head,
-                             target=target)  # fmt: skip
+                             target=target, swap=swap, compare=compare)  # fmt: skip
     typer.echo(f"wrote {written}")
