@@ -14,7 +14,8 @@ from qkv.version import __version__
 
 __all__ = [
     "Pretrained", "__version__", "ablate", "atlas", "attend", "attribute", "cache", "circuits",
-    "explain_choice", "heads", "hide", "lens", "load", "patch", "path_patch", "trace", "why",
+    "explain_choice", "heads", "hide", "lens", "load", "patch", "path_patch", "tour", "trace",
+    "why",
 ]  # fmt: skip
 
 # The public names past `attend`, each in the module that defines it: a model loaded with its
@@ -26,7 +27,7 @@ _DEFINED_IN = {
     "lens": "qkv.inspect.lens", "heads": "qkv.inspect.census", "why": "qkv.inspect.why",
     "circuits": "qkv.inspect.circuits", "cache": "qkv.inspect.cache",
     "attribute": "qkv.inspect.attribute", "path_patch": "qkv.inspect.path_patch",
-    "atlas": "qkv.viz.atlas",
+    "atlas": "qkv.viz.atlas", "tour": "qkv.inspect.tour",
 }  # fmt: skip
 
 # How each result of qkv.inspect shows itself (`repr`, and `_repr_html_` in a notebook): the
@@ -37,7 +38,8 @@ views.DRAWN_BY.update(
     | {name: "qkv.viz.notebook_interventions"
        for name in ("ablated", "census", "hidden", "lens", "patched")}
     | {"why": "qkv.viz.notebook_why", "circuits": "qkv.viz.notebook_circuits",
-       "atlas": "qkv.viz.notebook_atlas", "attributed": "qkv.viz.notebook_attribute"}
+       "atlas": "qkv.viz.notebook_atlas", "attributed": "qkv.viz.notebook_attribute",
+       "tour": "qkv.viz.notebook_tour"}
 )  # fmt: skip
 
 

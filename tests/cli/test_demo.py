@@ -43,7 +43,7 @@ def test_demo_walks_the_article_with_minilms_own_numbers(tmp_path, minilm):
     assert "largest difference below 1e-6:" in out  # the trace's sum is the model's output
     files = sorted(p.name for p in (tmp_path / "report").iterdir())
     assert files == ["bank_senses.png", f"head_L{traced.layer}_H{traced.head}.png", "index.html",
-                     "model_view.png"]  # fmt: skip
+                     "model_view.png", "tour.html"]  # fmt: skip
     weights, tokens = read_weights((tmp_path / "report" / "index.html").read_text())
     seen = minilm.attentions(SENTENCE)
     assert tokens == seen.tokens

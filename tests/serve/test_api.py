@@ -220,6 +220,7 @@ def test_the_openapi_page_describes_every_endpoint_from_local_files(client):
         "/api/long",
         "/api/long/head",
         "/api/long/region",
+        "/api/tour",
     }
     assert set(spec["paths"]) == paths
     assert "AttentionRequest" in spec["components"]["schemas"]

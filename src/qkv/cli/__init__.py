@@ -23,6 +23,7 @@ from qkv.cli.lens import heads_census, lens
 from qkv.cli.patch import patch, path_patch
 from qkv.cli.serve import serve
 from qkv.cli.show import show
+from qkv.cli.tour import tour
 from qkv.cli.train import plot, train
 from qkv.cli.why import why
 
@@ -39,7 +40,7 @@ def _root() -> None:
 
 
 for verb in (version, backends, models, generate, embed, explain, why, probe, show, train, plot,
-             hide, ablate, patch, attribute, demo, serve, lens, circuits, atlas):  # fmt: skip
+             hide, ablate, patch, attribute, demo, serve, lens, circuits, atlas, tour):  # fmt: skip
     app.command()(verb)
 app.command("heads")(heads_census)
 app.command("path-patch")(path_patch)

@@ -82,6 +82,7 @@ def article_walk(out: Path) -> Iterator[str]:
     folder = free_folder(out)
     from qkv.viz import write_report
     from qkv.viz.plots import probe_plot
+    from qkv.viz.tour import write_tour
 
     write_report(
         folder,
@@ -91,11 +92,18 @@ def article_walk(out: Path) -> Iterator[str]:
         text=SENTENCE,
         head=(traced.layer, traced.head),
         query=traced.query_index,
-        extra={"explained": f"bank <- river, layer {traced.layer}, head {traced.head}"},
+        extra={
+            "explained": f"bank <- river, layer {traced.layer}, head {traced.head}",
+            "tour": "tour.html beside this page: the article's steps, one by one",
+        },
         vectors=seen.vectors(),
         scale=seen.scale,
         causal=seen.causal,  # False: MiniLM is an encoder, every token sees every other
     )
     probe_plot(senses, folder / "bank_senses.png")
+    write_tour(minilm, SENTENCE, folder / "tour.html")  # the page a learner opens first
     files = "\n".join(f"   {path}" for path in sorted(folder.iterdir()))
-    yield f"8. The report: open {folder / 'index.html'} in a browser (no network needed).\n{files}"
+    yield (
+        f"8. The report: open {folder / 'tour.html'} (the guided tour) or "
+        f"{folder / 'index.html'} in a browser (no network needed).\n{files}"
+    )

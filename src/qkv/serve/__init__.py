@@ -23,6 +23,7 @@ Data flows one way. Each module imports only the ones above it in this list, eac
     answers       the JSON each answer gives, as /docs shows it
     api           the routes: check a request, pick its model, wait for its work
     atlas         an atlas folder served read-only, its files listed at start
+    tour          the tour page at /tour and its data at /api/tour
     app           `create_app`: the FastAPI app, its page and its error answers
     server        serving an app with uvicorn, from the command line or a thread
 """

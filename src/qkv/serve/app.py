@@ -33,6 +33,7 @@ from qkv.serve.atlas import atlas_router
 from qkv.serve.held import Served, served_models
 from qkv.serve.limits import BodyLimit, Busy, Limits, NotComputed, TimedOut, TooLarge
 from qkv.serve.schemas import with_limits
+from qkv.serve.tour import tour_router
 
 # the facade's, where qkv's version is read (importlib.metadata, or "+source" in a checkout)
 from qkv.version import __version__
@@ -134,6 +135,7 @@ def create_app(models: dict, limits: Limits | None = None, *, atlas=None) -> Fas
 
     app.openapi = openapi
     app.include_router(router)
+    app.include_router(tour_router)  # GET /tour, POST /api/tour
     if atlas_routes is not None:
         app.include_router(atlas_routes)
     long_body = (limits.max_long_body_bytes, "max_long_body_bytes")
