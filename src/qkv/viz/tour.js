@@ -312,9 +312,9 @@
       var top = first.getBoundingClientRect().top - frame.getBoundingClientRect().top;
       frame.scrollTop += top - 40;
     }
-    if (first && frame.scrollWidth > frame.clientWidth) {
-      var left = first.getBoundingClientRect().left - frame.getBoundingClientRect().left;
-      frame.scrollLeft += left - 20;
+    if (first && frame.scrollWidth > frame.clientWidth) {  // the lit box in the middle
+      var box = first.getBoundingClientRect(), view = frame.getBoundingClientRect();
+      frame.scrollLeft += (box.left + box.width / 2) - (view.left + view.width / 2);
     }
     document.getElementById("where").textContent = "Step " + (current + 1) + " of " + steps.length;
     document.getElementById("prev").disabled = current === 0;
