@@ -35,6 +35,7 @@ from qkv.serve.held import Served
 from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
 from qkv.viz.page import drawn_weights
+from qkv.viz.step_words import ROLES, multiplied
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
 
@@ -143,7 +144,15 @@ def trace_pair(
     encode(served, limits, text)
     going(stop)
     traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
-    return {"model": served.name, **traced.to_dict()}
+    return trace_answer(served.name, traced)
+
+
+def trace_answer(model: str, traced) -> dict:
+    """A trace as /api/trace answers it: `to_dict()`, the model's name, and what the layer's
+    matrices multiply in the words the CLI and the report page use (`qkv.viz.step_words`)."""
+    cross = traced.query_tokens is not None
+    multiplies = {role: multiplied(role, traced.layer, cross=cross) for role in ROLES}
+    return {"model": model, **traced.to_dict(), "multiplies": multiplies}
 
 
 def why_pair(

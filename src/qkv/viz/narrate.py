@@ -9,6 +9,7 @@ from torch import Tensor
 from qkv.inspect.trace import Trace
 from qkv.inspect.why_parts import Why
 from qkv.viz.narrate_compressed import compressed_steps
+from qkv.viz.step_words import multiplied
 from qkv.viz.why_lines import why_step
 
 
@@ -53,7 +54,8 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
     pair's `qkv.why`, told after step 3 ("Why this scalar"), or why it could not be had."""
     t, q, k = trace, f'"{trace.query}"', f'"{trace.key}"'
     D = t.head_dim
-    kind = " (decoder cross-attention)" if t.query_tokens is not None else ""
+    cross = t.query_tokens is not None
+    kind = " (decoder cross-attention)" if cross else ""
     lines = [
         f"Layer {t.layer}, head {t.head}{kind} of {t.source} ({t.num_layers} layers x "
         f"{t.num_heads} heads, counted from 0), {t.chosen}.",
@@ -66,7 +68,8 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
             f"head {t.kv_head}."
         )
     lines += [
-        f"1. Query vector: {q}'s vector entering the layer, times the query matrix "
+        f"1. Query vector: {multiplied('query', t.layer, cross=cross, whose=q + chr(39) + 's')},"
+        " times the query matrix "
         f"({t.width} -> {D} numbers):",
         f"     {vector(t.query_vector)}",
         f"2. Key vector: {_key_of(t)} times the key matrix:",
@@ -113,7 +116,7 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
     lines += [
         f"     {row}",
         f"   {k} gets {percent(t.weight)}.",
-        f"5. Value vector: {k}'s vector times the value matrix{_value_words(t)}:",
+        f"5. Value vector: {_value_of(t, k)} times the value matrix{_value_words(t)}:",
         f"     {vector(t.value_vector)}",
         f"6. Scaled value vector: the value vector times {percent(t.weight)}:",
         f"     {vector(t.scaled_value_vector)}",
@@ -130,12 +133,16 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _value_of(t: Trace, k: str) -> str:
+    return multiplied("value", t.layer, cross=t.query_tokens is not None, whose=f"{k}'s")
+
+
 def _key_of(t: Trace) -> str:
     """Whose key step 2 shows: the key word's vector, or (compressed attention) the entry's
     pooled vector where the key word is outside the window."""
     c = t.compressed
     if c is None or c.key_entry is None:
-        return f'"{t.key}"\'s vector'
+        return multiplied("key", t.layer, cross=t.query_tokens is not None, whose=f'"{t.key}"\'s')
     e = next(e for e in c.entries if e.entry == c.key_entry)
     return (
         f"entry {e.entry}'s vector (the compressor's pool of words {e.first}..{e.last}, "

@@ -30,6 +30,7 @@ from qkv.viz.generation import render_generation_page
 from qkv.viz.heatmap import head_heatmap
 from qkv.viz.page import attention_page, drawn_weights
 from qkv.viz.report import strongest_head
+from qkv.viz.step_words import ROLES, multiplied
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
 # iopub data rate limit (1 MB/s over 3 s windows by default), leaving a blank cell.
@@ -140,10 +141,12 @@ def trace_html(found) -> str:
     real numbers: each vector's first numbers and its norm shown, every number kept in the
     cell's data-value."""
     q, k = quoted(found.query), quoted(found.key)
+    cross, layer = found.query_tokens is not None, found.layer
+    source = {role: escape.text(multiplied(role, layer, cross=cross)) for role in ROLES}
     rows = [
-        ("1", "query", f"Query vector of {q} (its embedding times the query matrix)",
+        ("1", "query", f"Query vector of {q} ({source['query']} times the query matrix)",
          _vector(found.query_vector)),
-        ("2", "key", f"Key vector of {k} (its embedding times the key matrix)",
+        ("2", "key", f"Key vector of {k} ({source['key']} times the key matrix)",
          _vector(found.key_vector)),
         ("3", "scalar", "Dot product of the query and key vectors: the attention scalar",
          number_cell(found.attention_scalar)),
@@ -177,7 +180,7 @@ def trace_html(found) -> str:
                      f"{q}{why}", number_cell(found.weight, shown=f"{100 * found.weight:.2f}% "
                                               f"({found.weight:.6g})")))  # fmt: skip
     rows += [
-        ("5", "value", f"Value vector of {k} (its embedding times the value matrix)",
+        ("5", "value", f"Value vector of {k} ({source['value']} times the value matrix)",
          _vector(found.value_vector)),
         ("6", "scaled-value", "Scaled value vector: the weight times the value vector",
          _vector(found.scaled_value_vector)),

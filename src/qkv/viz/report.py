@@ -75,6 +75,7 @@ from qkv.viz.page_vectors import (
     vectors_data,
 )
 from qkv.viz.paths import html_path
+from qkv.viz.step_words import multiplied_by_layer
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
 CROSS_ENCODING = "float32, little-endian, row-major Tq x Tk, zlib, base64; one per head"
@@ -335,6 +336,8 @@ def render_page(
         "vectors": None if kept is None else vectors_data(kept, scale, rules),
         "extra": extra,
         "whys": whys,
+        # what each layer's query, key and value matrices multiply, in the CLI's words
+        "multiplies": multiplied_by_layer(L, cross=cross),
     }
     slots = {
         "version": __version__,
