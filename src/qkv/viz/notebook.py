@@ -392,7 +392,22 @@ def grid_table(values, rows, columns, *, name: str, low=None, raw=None, divergin
             )
         label = escape.text(cut(str(label), 24))
         lines.append(f'<tr><th class="text">{label}</th>{"".join(cells)}</tr>')
-    return f'<table class="grid" data-name="{escape.attribute(name)}">{"".join(lines)}</table>'
+    table = f'<table class="grid" data-name="{escape.attribute(name)}">{"".join(lines)}</table>'
+    return table + _legend(name, (-span, span) if diverging else (bottom, top), diverging)
+
+
+def _legend(name: str, scale: tuple[float, float], diverging: bool) -> str:
+    """The colour scale of a grid: its two ends' numbers beside a bar of its colours."""
+    low, high = scale
+    ends = [_diverging(-1.0), (255, 255, 255), _diverging(1.0)] if diverging else VIRIDIS
+    stops = ", ".join(f"rgb{tuple(c)} {100 * i / (len(ends) - 1):g}%" for i, c in enumerate(ends))
+    said = f"colour: {name}, from {low:.3g} to {high:.3g}"
+    return (
+        f'<p class="legend note" data-low="{low!r}" data-high="{high!r}">{escape.text(said)} '
+        f'<span role="img" aria-label="{escape.attribute(said)}" style="display:inline-block;'
+        f"width:10em;height:.8em;vertical-align:middle;background:linear-gradient(to right, "
+        f'{stops})"></span></p>'
+    )
 
 
 def _viridis(x: float) -> tuple[int, int, int]:
