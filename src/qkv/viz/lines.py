@@ -4,11 +4,14 @@ verbs print; the numbers are the results' own (`--json` gives every one)."""
 
 from __future__ import annotations
 
+import textwrap
+
 import torch
 
 from qkv.inspect.ablate import Ablated
 from qkv.inspect.census import SCORES, Census
 from qkv.inspect.hide import Hidden, Senses
+from qkv.inspect.hide_scale import key_rank
 from qkv.inspect.lens import Lens
 from qkv.inspect.patch import Patched
 from qkv.inspect.path_patch import PathPatched
@@ -122,7 +125,27 @@ def hide_lines(result: Hidden, top: int = 10) -> str:
         f"{_interval(result, 'total')}, distance {result.total_distance:.3g}"
         f"{_interval(result, 'total_distance')}"
     )
+    scale = hide_scale_text(result)
+    if scale is not None:
+        lines.append(textwrap.fill(scale, 100, subsequent_indent="  "))
     return "\n".join(lines + _next_lines(result.next, f"with '{key}' hidden", result))
+
+
+def hide_scale_text(result: Hidden) -> str | None:
+    """The key's change set beside each other word's, hidden instead in the same heads (None
+    where the scale was not asked: several prompts, or no table)."""
+    others = result.others
+    if not others:
+        return None
+    key = result.key if isinstance(result.key, str) else ", ".join(result.key)
+    shown = len(result.layers) * len(result.heads)
+    rank = key_rank(result.total, others)
+    low, high = others[-1], others[0]
+    return (
+        f"for scale, each other word hidden instead (in the same {shown} heads at once): "
+        f"'{key}' ranks {rank} of {len(others) + 1}, the others change it by 1 - cosine "
+        f"{low.total:.3g} ('{low.word}') to {high.total:.3g} ('{high.word}')"
+    )
 
 
 def ablate_lines(result: Ablated, top: int = 10) -> str:
