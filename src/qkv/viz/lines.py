@@ -15,33 +15,53 @@ from qkv.inspect.hide_scale import key_rank
 from qkv.inspect.lens import Lens
 from qkv.inspect.patch import Patched
 from qkv.inspect.path_patch import PathPatched
-from qkv.inspect.probe import Probe
+from qkv.inspect.probe import MEASURES, Probe
 from qkv.inspect.runs import NextTokens, Token
 from qkv.viz.narrate import shown
 
 
 def probe_lines(probe: Probe) -> str:
     """Per depth: how alike the word's vectors are across sentences, and how far apart the
-    senses are (with labels)."""
+    senses are (with labels); each measure named as `MEASURES` names it, and defined."""
     n = len(probe.sentences)
     others = ~torch.eye(n, dtype=torch.bool)  # pairs of different sentences
     lines = [f'"{probe.word}" in {n} sentences; cosine similarity of its vectors:']
     for depth, name in enumerate(probe.layers):
         pairs = probe.similarity[depth][others]
-        line = f"  {name:>10}: mean {pairs.mean().item():.3f}, lowest {pairs.min().item():.3f}"
+        line = (
+            f"  {name:>10}: mean cosine {pairs.mean().item():.3f}, lowest {pairs.min().item():.3f}"
+        )
         if probe.separation is not None:
             line += (
-                f"; same sense minus different {probe.separation[depth]:+.3f}, "
-                f"sense accuracy {100 * probe.accuracy[depth]:.0f}%"
+                f"; separation {probe.separation[depth]:+.3f}, "
+                f"accuracy {100 * probe.accuracy[depth]:.0f}%"
             )
         lines.append(line)
+    lines.append(textwrap.fill(probe_embeddings_note(probe), 100))
     if probe.cue_head is not None:
         layer, head, share = probe.cue_head
         lines.append(
             f'In layer {layer}, head {head}, "{probe.word}" attends most to the word that tells '
             f"its sense in {100 * share:.1f}% of the sentences (the best of every layer and head)."
         )
+    shown = ["mean cosine"] + (["separation", "accuracy"] if probe.separation is not None else [])
+    lines += [textwrap.fill(f"{name}: {MEASURES[name]}.", 100, subsequent_indent="  ")
+              for name in shown]  # fmt: skip
     return "\n".join(lines)
+
+
+def probe_embeddings_note(probe: Probe) -> str:
+    """Why the word's vectors at the embeddings are (or are not) all equal, from the numbers:
+    every occurrence is the same token, so only a position added there tells them apart."""
+    n = len(probe.sentences)
+    lowest = float(probe.similarity[0][~torch.eye(n, dtype=torch.bool)].min()) if n > 1 else 1.0
+    same = f'At the embeddings every "{probe.word}" is the same token'
+    if lowest > 1 - 1e-6:
+        return (f"{same}, and its vectors are equal (cosine 1): this model adds no position "
+                "there (its positions act inside attention).")  # fmt: skip
+    return (f"{same}; the cosines there are below 1 (lowest {lowest:.3f}) because the model "
+            "adds each token's position to its embedding, and the word sits at different "
+            "positions, after different words.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- interventions
@@ -76,12 +96,14 @@ def senses_lines(result: Senses) -> str:
     counts = ", ".join(f"{result.labels.count(s)} {s}" for s in dict.fromkeys(result.labels))
     return "\n".join([
         f"'{result.word}' after the last layer, in {len(result.sentences)} sentences ({counts}):",
-        f"  with its context:         same sense minus different {result.separation:+.3f}, "
-        f"sense accuracy {result.accuracy:.0%}",
-        f"  every other word hidden:  same sense minus different "
-        f"{result.hidden_separation:+.3f}, sense accuracy {result.hidden_accuracy:.0%}",
+        f"  with its context:         separation {result.separation:+.3f}, "
+        f"accuracy {result.accuracy:.0%}",
+        f"  every other word hidden:  separation "
+        f"{result.hidden_separation:+.3f}, accuracy {result.hidden_accuracy:.0%}",
         "  (hidden from it in every layer and head: what is left is the word itself, its",
         "  position and the special tokens)",
+        *(textwrap.fill(f"{name}: {MEASURES[name]}.", 100, subsequent_indent="  ")
+          for name in ("separation", "accuracy")),
     ])  # fmt: skip
 
 

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import torch
 
+from qkv.inspect.probe import MEASURES
 from qkv.viz import escape
 from qkv.viz.generation import render_generation_page
 from qkv.viz.heatmap import head_heatmap
+from qkv.viz.lines import probe_embeddings_note
 from qkv.viz.page import attention_page, drawn_weights
 from qkv.viz.report import strongest_head
 from qkv.viz.step_words import ROLES, multiplied
@@ -271,14 +273,17 @@ def probe_html(found) -> str:
     last = found.similarity[-1].tolist()
     return wrapped(
         f"<h4>{quoted(found.word)} across {what}, at every depth</h4>"
-        '<p class="note">Separation: the mean cosine between the word\'s vectors in sentences '
-        "of the same sense minus across senses; accuracy: each sentence's sense told by the "
-        "nearest sense centroid, leaving the sentence out. Depth 0 is the embeddings, before any"
-        " attention.</p>"
+        f'<p class="note">{escape.text(_measures(found))} Depth 0 is the embeddings, before '
+        f"any attention. {escape.text(probe_embeddings_note(found))}</p>"
         f'<table class="depths">{head}{"".join(rows)}</table>{cue}'
         f"<h4>Cosine similarity of {quoted(found.word)} at {escape.text(depths[-1])}</h4>"
         + grid_table(last, names, [str(i) for i in range(N)], name="cosine")
     )
+
+
+def _measures(found) -> str:
+    shown = ["mean cosine"] + (["separation", "accuracy"] if found.separation is not None else [])
+    return " ".join(f"{name[0].upper()}{name[1:]}: {MEASURES[name]}." for name in shown)
 
 
 def probe_repr(found) -> str:
