@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import textwrap
 
 from torch import Tensor
 
 from qkv.inspect.trace import Trace
 from qkv.inspect.why_parts import Why
 from qkv.viz.narrate_compressed import compressed_steps
+from qkv.viz.sinks import sink_sentence
 from qkv.viz.step_words import multiplied
 from qkv.viz.why_lines import why_step
 
@@ -116,6 +118,7 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
     lines += [
         f"     {row}",
         f"   {k} gets {percent(t.weight)}.",
+        *_sink_lines(t, q),
         f"5. Value vector: {_value_of(t, k)} times the value matrix{_value_words(t)}:",
         f"     {vector(t.value_vector)}",
         f"6. Scaled value vector: the value vector times {percent(t.weight)}:",
@@ -131,6 +134,14 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
         lines.append(f"   After attention, {q}'s MLP in this layer is a mixture of experts: it "
                      f"{t.experts}.")  # fmt: skip
     return "\n".join(lines)
+
+
+def _sink_lines(t: Trace, q: str) -> list[str]:
+    """Where the query's largest weight is on the first or a special token: that it is an
+    attention sink (cross-attention's keys are the source's: its first token too)."""
+    said = sink_sentence(t.tokens, t.weights.tolist(), q)
+    return [] if said is None else textwrap.wrap(said + ".", 97, initial_indent="   ",
+                                                 subsequent_indent="   ")  # fmt: skip
 
 
 def _value_of(t: Trace, k: str) -> str:

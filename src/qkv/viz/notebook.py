@@ -32,6 +32,7 @@ from qkv.viz.heatmap import head_heatmap
 from qkv.viz.lines import probe_embeddings_note
 from qkv.viz.page import attention_page, drawn_weights
 from qkv.viz.report import strongest_head
+from qkv.viz.sinks import sink_sentence
 from qkv.viz.step_words import ROLES, multiplied
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
@@ -215,6 +216,9 @@ def trace_html(found) -> str:
         for i in top
     )
     kind = "effective weights (linear attention)" if signed else "weights"
+    said = None if signed else sink_sentence(keys, weights, f'"{found.query}"')
+    sink = "" if said is None else f'<p class="note sink">{escape.text(said)}.</p>'
+
     if found.compressed is not None:  # a compressed layer's, spread from its entries
         kind = ("weights on the words (each compressed entry's spread over its block by the "
                 "compressor's coefficients, averaged over channels: an attribution)")  # fmt: skip
@@ -226,7 +230,7 @@ def trace_html(found) -> str:
         f'<table class="steps"><tr><th>step</th><th class="text">the article</th>'
         f"<th>the model's numbers</th></tr>{body}</table>"
         f"<h4>{q}'s {kind} in this head, the largest first</h4>"
-        f'<table class="row">{row}</table>'
+        f'<table class="row">{row}</table>{sink}'
     )
 
 

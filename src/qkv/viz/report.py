@@ -75,6 +75,7 @@ from qkv.viz.page_vectors import (
     vectors_data,
 )
 from qkv.viz.paths import html_path
+from qkv.viz.sinks import SAID, sink_indices
 from qkv.viz.step_words import multiplied_by_layer
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
@@ -338,6 +339,8 @@ def render_page(
         "whys": whys,
         # what each layer's query, key and value matrices multiply, in the CLI's words
         "multiplies": multiplied_by_layer(L, cross=cross),
+        # the keys a query's largest weight is named an attention sink on, and the words
+        "sinks": {"indices": sink_indices(tokens), "said": SAID},
     }
     slots = {
         "version": __version__,
