@@ -33,8 +33,8 @@ def sink_sentence(tokens: Sequence[str], weights: Sequence[float], query: str) -
     the largest weight is on another token.
 
     >>> said = sink_sentence(["[CLS]", "the", "bank", "[SEP]"], [0.62, 0.1, 0.2, 0.08], '"bank"')
-    >>> said[:60]
-    '"[CLS]" (token 0) takes "bank"\'s largest weight here, 62.00%'
+    >>> print(said[:60])
+    "[CLS]" (token 0) takes "bank"'s largest weight here, 62.00%
     >>> sink_sentence(["[CLS]", "the", "bank"], [0.2, 0.5, 0.3], '"bank"') is None
     True
     """
