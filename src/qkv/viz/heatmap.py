@@ -34,6 +34,7 @@ import numpy as np
 from qkv.attention.inputs import check_indices
 from qkv.io.files import write_atomically
 from qkv.viz.paths import png_path
+from qkv.viz.step_words import shifted_right
 
 DPI = 100
 CMAP = "viridis"
@@ -100,7 +101,9 @@ def head_heatmap(
             token_label(names[i]) if step == 1 else f"{i} {token_label(names[i])}" for i in shown
         ]
         axis.set_ticks(list(shown), labels, rotation=rotation, fontsize=size)
-    if cross:
+    if cross:  # the shift by one, said under the map where the learner sees it
+        figure.supxlabel(textwrap.fill(shifted_right(list(queries)), int(width * 11)),
+                         fontsize=8)  # fmt: skip
         ax.set_xlabel("source token (key)")
         ax.set_ylabel("target token (query)")
     else:
@@ -189,7 +192,8 @@ def model_view(
                     label="weight / the panel's largest")  # fmt: skip
     blocks = f"; each pixel the mean of {f} x {f} weights" if f > 1 else ""
     if cross:
-        what = f"cross-attention of {Tq} target tokens over {T} source tokens"
+        what = (f"cross-attention of {Tq} target tokens over {T} source tokens "
+                f"({shifted_right(list(queries))})")  # fmt: skip
         down = "target tokens (queries) down, source tokens (keys) across"
     else:
         what, down = f"attention weights over {T} tokens", "queries down, keys across"

@@ -11,7 +11,7 @@ from qkv.inspect.trace import Trace
 from qkv.inspect.why_parts import Why
 from qkv.viz.narrate_compressed import compressed_steps
 from qkv.viz.sinks import sink_sentence
-from qkv.viz.step_words import multiplied
+from qkv.viz.step_words import multiplied, shifted_right
 from qkv.viz.why_lines import why_step
 
 
@@ -62,6 +62,9 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
         f"Layer {t.layer}, head {t.head}{kind} of {t.source} ({t.num_layers} layers x "
         f"{t.num_heads} heads, counted from 0), {t.chosen}.",
     ]
+    if cross:
+        lines += textwrap.wrap(shifted_right(t.query_tokens), 97, initial_indent="  ",
+                               subsequent_indent="  ")  # fmt: skip
     if t.num_kv_heads != t.num_heads:
         group = t.num_heads // t.num_kv_heads
         first = t.kv_head * group

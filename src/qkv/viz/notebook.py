@@ -33,7 +33,7 @@ from qkv.viz.lines import probe_embeddings_note
 from qkv.viz.page import attention_page, drawn_weights
 from qkv.viz.report import strongest_head
 from qkv.viz.sinks import sink_sentence
-from qkv.viz.step_words import ROLES, multiplied
+from qkv.viz.step_words import ROLES, multiplied, shifted_right
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
 # iopub data rate limit (1 MB/s over 3 s windows by default), leaving a blank cell.
@@ -108,6 +108,7 @@ def _cross_html(seen, weights) -> str:
         f"{len(page) / 2**20:.1f} MB, more than a notebook output carries. Layer {model_layer}, "
         f"head {model_head} (counted from 0), the head holding the largest weight; every head "
         "is in <code>.weights</code> (L, H, Tq, Tk).</p>"
+        f'<p class="note">{escape.text(shifted_right(list(seen.query_tokens)))}</p>'
         + grid_table(matrix, seen.query_tokens, seen.pieces, name="weight", low=0.0)
     )
 

@@ -76,7 +76,7 @@ from qkv.viz.page_vectors import (
 )
 from qkv.viz.paths import html_path
 from qkv.viz.sinks import SAID, sink_indices
-from qkv.viz.step_words import multiplied_by_layer
+from qkv.viz.step_words import multiplied_by_layer, shifted_right
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
 CROSS_ENCODING = "float32, little-endian, row-major Tq x Tk, zlib, base64; one per head"
@@ -394,6 +394,7 @@ def _cross_header(queries: list[str], tokens: list[str]) -> str:
     return (
         f'<p id="kind"><b>{CROSS_HEADER}</b>: {len(queries)} target tokens, '
         f"{len(tokens)} source tokens.</p>"
+        f'<p id="shifted" class="note">{escape.text(shifted_right(queries))}</p>'
     )
 
 

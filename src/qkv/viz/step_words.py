@@ -43,3 +43,27 @@ def multiplied(role: Role, layer: int, *, cross: bool = False, whose: str = "its
 def multiplied_by_layer(num_layers: int, *, cross: bool = False) -> dict[str, list[str]]:
     """`multiplied` for every layer and role, as a page's data carries it: {role: [layer...]}."""
     return {r: [multiplied(r, layer, cross=cross) for layer in range(num_layers)] for r in ROLES}
+
+
+def shifted_right(query_tokens: list[str]) -> str:
+    """Why an encoder-decoder's cross-attention looks shifted by one: the decoder reads the
+    target after its start token, and each row is where it writes the next token.
+
+    >>> said = shifted_right(["</s>", "g", "f", "e"])
+    >>> said[:64]
+    'The decoder reads the target shifted right by one: row 0 is its '
+    >>> said[said.index("(") :][:34]
+    '(the row of "g" writes "f"), so a '
+    """
+    if len(query_tokens) < 2:
+        raise ValueError("cross-attention's rows are the start token and the target's tokens: "
+                         f"got {len(query_tokens)} row(s)")  # fmt: skip
+    example = ""
+    if len(query_tokens) >= 3:
+        example = f' (the row of "{query_tokens[1]}" writes "{query_tokens[2]}")'
+    return (
+        f"The decoder reads the target shifted right by one: row 0 is its start token "
+        f'"{query_tokens[0]}", and each row is where it writes the next target token{example}, '
+        "so a row's weight falls on the source token of the word it is about to write, one "
+        "place on from its own."
+    )
