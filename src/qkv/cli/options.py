@@ -27,3 +27,18 @@ PairHead = Annotated[int | None, typer.Option(help="counted from 0")]
 Target = Annotated[
     str | None, typer.Option(help="encoder-decoder models: the decoder's text (query word)")
 ]
+
+
+def say_metric_notes(metric: str | None, pretrained) -> None:
+    """One line on stderr for each of the metric's tokens typed without the leading space the
+    model's own token has ("prob: Paris" where it writes " Paris"): never silently."""
+    if metric is None:
+        return
+    from qkv.inspect.metrics import Metric
+
+    try:
+        parsed = Metric.parse(metric)
+    except ValueError:
+        return  # the verb refuses it itself, in its own words
+    for note in parsed.notes(pretrained.tokenizer):
+        typer.echo(note, err=True)

@@ -293,6 +293,8 @@ def lens_lines(found: Lens, terms: int = 10) -> str:
         f"logit lens: each depth's stream through the final norm and LM head; {followed} "
         "(rank 0: the top)",
     ]
+    if found.token_note is not None:
+        lines.insert(0, found.token_note)
     if several:
         lines[0] = f"{found.source}, {len(found.texts)} prompts; the next token after {at}"
         lines += _over(found)

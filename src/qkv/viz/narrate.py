@@ -29,6 +29,21 @@ def shown(token: str) -> str:
     return plain or token
 
 
+def split_words(trace: Trace) -> list[str]:
+    """A line for each traced word of several tokens: which of them stands for it."""
+    lines = []
+    for role, word, span in (("query", trace.query, trace.query_span),
+                             ("key", trace.key, trace.key_span)):  # fmt: skip
+        if span is None or span[1] - span[0] < 2:
+            continue
+        tokens = trace.query_tokens if role == "query" and trace.query_tokens else trace.tokens
+        parts = " ".join(repr(t) for t in tokens[span[0] : span[1]])
+        lines.append(f'"{word}" is {span[1] - span[0]} tokens ({parts}, tokens {span[0]}-'
+                     f"{span[1] - 1}): the {role} is its first, {tokens[span[0]]!r}, token "
+                     f"{span[0]}.")  # fmt: skip
+    return lines
+
+
 def percent(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -41,14 +56,14 @@ def tokens_line(trace: Trace) -> str:
             f"Tokens ({len(trace.tokens)}): {listing}\n"
             f'  "{trace.query}" is token {q} ({trace.tokens[q]!r}), '
             f'"{trace.key}" is token {k} ({trace.tokens[k]!r}); tokens count from 0.'
-        )
+        ) + "".join("\n  " + line for line in split_words(trace))
     return (
         f"Source tokens, read by the encoder ({len(trace.tokens)}): {listing}\n"
         f"Target tokens, read by the decoder ({len(trace.query_tokens)}): "
         f"{' '.join(shown(t) for t in trace.query_tokens)}\n"
         f'  Cross-attention: the query word "{trace.query}" is target token {q}, the key word '
         f'"{trace.key}" is source token {k}; tokens count from 0.'
-    )
+    ) + "".join("\n  " + line for line in split_words(trace))
 
 
 def narrate(trace: Trace, why: Why | str | None = None) -> str:
