@@ -120,6 +120,10 @@ class GenerateAnswer(BaseModel):
         description="end: the end-of-text token or max_new_tokens; time limit: generate_s"
     )
     limit_s: float
+    ended: str = Field(
+        description="what ended it, in words: the end-of-text token, "
+        "max_new_tokens (told apart by the count), the time limit or a cancel"
+    )
 
 
 class LongProgress(BaseModel):

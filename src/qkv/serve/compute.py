@@ -327,7 +327,33 @@ def generate(
         "text": "".join(pieces),
         "finished": finished,
         "limit_s": limits.generate_s,
+        "ended": ended(
+            finished,
+            len(pieces),
+            options.get("max_new_tokens"),
+            limits.generate_s,
+            stops=bool(options.get("stop")),
+        ),
     }
+
+
+def ended(finished: str, count: int, most: int | None, limit_s: float, stops=False) -> str:
+    """What ended a generation, in words: "end" is the model's end-of-text token or the
+    max_new_tokens asked, told apart by the count of tokens written.
+
+    >>> ended("end", 16, 16, 30.0)
+    'wrote 16 tokens, the most asked (max_new_tokens 16)'
+    >>> ended("end", 5, 16, 30.0)
+    'the model ended its text (its end-of-text token) after 5 tokens'
+    """
+    if finished == "cancelled":
+        return f"cancelled after {count} tokens"
+    if finished == "time limit":
+        return f"stopped at this server's time limit of {limit_s:g} s, after {count} tokens"
+    if most is not None and count >= most:
+        return f"wrote {count} tokens, the most asked (max_new_tokens {most})"
+    why = "its end-of-text token, or a stop text asked" if stops else "its end-of-text token"
+    return f"the model ended its text ({why}) after {count} tokens"
 
 
 def pack_float32(values: np.ndarray) -> str:
