@@ -42,3 +42,12 @@ def say_metric_notes(metric: str | None, pretrained) -> None:
         return  # the verb refuses it itself, in its own words
     for note in parsed.notes(pretrained.tokenizer):
         typer.echo(note, err=True)
+
+
+class Verb(typer.core.TyperCommand):
+    """A verb whose usage line names a required argument in capitals ("TEXT"), not in braces
+    ("{text}", typer's own way), which reads as a template left unfilled."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1].upper() if p[:1] == "{" and p[-1:] == "}" else p for p in pieces]
