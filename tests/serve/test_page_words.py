@@ -8,6 +8,7 @@ import pytest
 from browser import served, submit
 from qkv.serve import Limits, create_app
 from qkv.serve.compute import ended
+from qkv.viz.sinks import sink_sentence
 
 TEXT = "The bank on the side of the river"
 
@@ -59,3 +60,26 @@ def test_a_generation_says_what_ended_it(smollm2):
         == f"Done: {ended('end', 3, 3, 30.0)}."
         == ("Done: wrote 3 tokens, the most asked (max_new_tokens 3).")
     )
+
+
+def test_a_rows_largest_weight_on_cls_is_named_an_attention_sink(app, minilm):
+    seen = minilm.attentions(TEXT)
+    bank = seen.tokens.index("bank")
+    shown = {}
+    with served(app) as page:
+        submit(page, TEXT)
+        for layer, head in ((3, 0), (0, 10)):
+            page.select_option("#layer", str(layer))
+            page.select_option("#head", str(head))
+            page.locator(f"button.token[data-index='{bank}']").first.click()
+            page.wait_for_function(f"document.body.dataset.view === '{layer},{head},{bank},'")
+            shown[layer, head] = (page.inner_text("#sink"),
+                                  int(page.get_attribute("#sink", "data-top")))  # fmt: skip
+    for (layer, head), (text, top) in shown.items():
+        row = seen.weights[layer, head, bank]
+        assert top == int(row.argmax())
+        if top == 0:
+            assert text == sink_sentence(seen.tokens, row.tolist(), '"bank"') + "."
+        else:
+            assert text == ""
+    assert {top for _, top in shown.values()} == {0, seen.tokens.index("river")}

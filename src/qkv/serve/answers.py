@@ -73,6 +73,12 @@ class AttentionAnswer(BaseModel):
     effective_layers: list[int] = Field(
         default_factory=list, description="the layers sent as such shares"
     )
+    sinks: dict | None = Field(
+        None,
+        description="`indices`: the first and the special tokens, where a query's largest "
+        "weight is named an attention sink; `said`: the sentence, its {token}, {index}, {query} "
+        "and {weight} filled in by the page",
+    )
 
 
 class ContributionItem(BaseModel):

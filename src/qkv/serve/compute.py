@@ -35,6 +35,7 @@ from qkv.serve.held import Served
 from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
 from qkv.viz.page import drawn_weights
+from qkv.viz.sinks import SAID, sink_indices
 from qkv.viz.step_words import ROLES, multiplied
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
@@ -111,6 +112,8 @@ def attention(
         # where some layers keep a running memory (linear attention): what their weights are
         "effective": effective,
         "effective_layers": [n for n in layers if seen.records[n].linear is not None],
+        # a query's largest weight on one of these is named an attention sink (qkv.viz.sinks)
+        "sinks": {"indices": sink_indices(list(seen.tokens)), "said": SAID},
     }
     return (json.dumps(answer)[:-1] + ', "weights": [' + ", ".join(rows) + "]}").encode()
 

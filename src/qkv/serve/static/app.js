@@ -152,6 +152,7 @@ function render() {  // the selected head's views
   drawHeadView($("headview"), heads, seen.tokens, state);
   drawRow($("row"), $("row-title"), weights(), seen.tokens, state);
   showStrongest();
+  showSink();
   document.querySelectorAll(".token").forEach((el) =>
     el.classList.toggle("selected", Number(el.dataset.index) === state.query));
   document.querySelectorAll(".thumb").forEach((el) => el.classList.toggle("selected",
@@ -178,6 +179,21 @@ function showStrongest() {
     + `(${percent(best.w)})${here ? ", the one shown." : "; this one gives it "
     + percent(weights()[query * T + key]) + ". "}`, here ? "" : make("button",
     { type: "button", id: "strongest-show" }, `Show layer ${best.layer} head ${best.head}`));
+}
+
+// The row's largest weight on the first or a special token: named an attention sink, in the
+// words of qkv.viz.sinks that the server sends with the weights.
+function showSink() {
+  const box = $("sink"), { seen, query } = state;
+  box.textContent = "";
+  if (!seen || query === null || !seen.sinks) return;
+  const T = seen.tokens.length, w = weights(), row = w.subarray(query * T, (query + 1) * T);
+  const top = row.reduce((best, v, k) => (v > row[best] ? k : best), 0);
+  box.dataset.top = top;
+  if (!seen.sinks.indices.includes(top)) return;
+  const fill = { token: `"${shown(seen.tokens[top])}"`, index: top,
+    query: `"${shown(seen.tokens[query])}"`, weight: percent(row[top]) };
+  box.textContent = seen.sinks.said.replace(/\{(\w+)\}/g, (_, name) => fill[name]) + ".";
 }
 
 function resetTrace() {
