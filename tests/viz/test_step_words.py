@@ -29,8 +29,9 @@ def test_the_words_name_the_layer_and_say_embedding_only_in_the_first():
     later = multiplied("query", 3)
     assert "entering layer 3" in later and "changed by layers 0-2" in later
     assert multiplied("key", 1).endswith("changed by layer 0)")
-    assert "encoder's output" in multiplied("value", 4, cross=True)
-    assert "decoder's vector" in multiplied("query", 4, cross=True)
+    assert "out of the encoder" in multiplied("value", 4, cross=True)
+    assert "in the decoder's layer 4" in multiplied("query", 4, cross=True, whose='"g"\'s')
+    assert multiplied("query", 4, cross=True, whose='"g"\'s').startswith('"g"\'s vector')
     with pytest.raises(ValueError, match="role must be"):
         multiplied("score", 0)
     with pytest.raises(ValueError, match="layer must be"):

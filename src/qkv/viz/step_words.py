@@ -23,16 +23,16 @@ def multiplied(role: Role, layer: int, *, cross: bool = False, whose: str = "its
     >>> multiplied("key", 3, whose='"river"\\'s')
     '"river"\\'s vector entering layer 3 (its embedding changed by layers 0-2)'
     >>> multiplied("value", 2, cross=True)
-    "the encoder's output for it (the same in every layer)"
+    'its vector out of the encoder (the same in every layer)'
     """
     if role not in ("query", "key", "value"):
         raise ValueError(f"role must be 'query', 'key' or 'value', not {role!r}")
     if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
         raise ValueError(f"layer must be a whole number from 0, not {layer!r}")
     if cross and role != "query":  # keys and values come from the encoder's last layer
-        return "the encoder's output for it (the same in every layer)"
+        return f"{whose} vector out of the encoder (the same in every layer)"
     if cross:  # the decoder's cross-attention reads its stream after the layer's self-attention
-        return f"the decoder's vector for it in layer {layer}, after that layer's self-attention"
+        return f"{whose} vector in the decoder's layer {layer}, after that layer's self-attention"
     reader = f"{whose} vector"
     if layer == 0:
         return f"{reader} entering layer 0 (its embedding: the first layer)"
