@@ -11,7 +11,7 @@ from qkv.inspect.trace import Trace
 from qkv.inspect.why_parts import Why
 from qkv.viz.narrate_compressed import compressed_steps
 from qkv.viz.sinks import sink_sentence
-from qkv.viz.step_words import multiplied, shifted_right
+from qkv.viz.step_words import multiplied, shifted_right, split_words
 from qkv.viz.why_lines import why_step
 
 
@@ -27,21 +27,6 @@ def shown(token: str) -> str:
     sentencepiece's space mark (▁) are dropped or spelled out."""
     plain = token.replace("Ġ", "").replace("▁", "").replace("Ċ", "\\n")
     return plain or token
-
-
-def split_words(trace: Trace) -> list[str]:
-    """A line for each traced word of several tokens: which of them stands for it."""
-    lines = []
-    for role, word, span in (("query", trace.query, trace.query_span),
-                             ("key", trace.key, trace.key_span)):  # fmt: skip
-        if span is None or span[1] - span[0] < 2:
-            continue
-        tokens = trace.query_tokens if role == "query" and trace.query_tokens else trace.tokens
-        parts = " ".join(repr(t) for t in tokens[span[0] : span[1]])
-        lines.append(f'"{word}" is {span[1] - span[0]} tokens ({parts}, tokens {span[0]}-'
-                     f"{span[1] - 1}): the {role} is its first, {tokens[span[0]]!r}, token "
-                     f"{span[0]}.")  # fmt: skip
-    return lines
 
 
 def percent(x: float) -> str:

@@ -1,4 +1,5 @@
-"""What the query, key and value matrices multiply, in words: said once, read by every view.
+"""The words every view of a trace shares, said once: what the query, key and value matrices
+multiply, why cross-attention looks shifted, which token stands for a word of several.
 
 The article's step 1 multiplies "the embedding" by the query matrix; in a stack of layers that
 is only so in the first layer. After it, a layer's matrices multiply the vector entering that
@@ -67,3 +68,19 @@ def shifted_right(query_tokens: list[str]) -> str:
         "so a row's weight falls on the source token of the word it is about to write, one "
         "place on from its own."
     )
+
+
+def split_words(trace) -> list[str]:
+    """A line for each word of several tokens in a trace (`qkv.inspect.trace.Trace`):
+    which of its tokens stands for it ("riverbank" is traced at 'river')."""
+    lines = []
+    for role, word, span in (("query", trace.query, trace.query_span),
+                             ("key", trace.key, trace.key_span)):  # fmt: skip
+        if span is None or span[1] - span[0] < 2:
+            continue
+        tokens = trace.query_tokens if role == "query" and trace.query_tokens else trace.tokens
+        parts = " ".join(repr(t) for t in tokens[span[0] : span[1]])
+        lines.append(f'"{word}" is {span[1] - span[0]} tokens ({parts}, tokens {span[0]}-'
+                     f"{span[1] - 1}): the {role} is its first, {tokens[span[0]]!r}, token "
+                     f"{span[0]}.")  # fmt: skip
+    return lines
