@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 
 from browser import served, submit
+from qkv.inspect.hide import hide
 from qkv.serve import Limits, create_app
 from qkv.serve.compute import ended
+from qkv.viz.lines import hide_scale_text
 from qkv.viz.sinks import sink_sentence
 
 TEXT = "The bank on the side of the river"
@@ -83,3 +85,18 @@ def test_a_rows_largest_weight_on_cls_is_named_an_attention_sink(app, minilm):
         else:
             assert text == ""
     assert {top for _, top in shown.values()} == {0, seen.tokens.index("river")}
+
+
+def test_the_hide_panel_gives_the_scale_of_its_number(minilm):
+    text = "The bank of the river flooded the bank"
+    want = hide(minilm, text, "river", query="bank#1")
+    said = hide_scale_text(want)
+    assert said is not None and "'river' ranks" in said
+    app = create_app({"minilm": minilm}, Limits())  # its own: see test_hide_panel.py
+    with served(app) as page:
+        submit(page, text)
+        bank, river = want.tokens.index("bank"), want.tokens.index("river")
+        page.locator(f"#heatmap-table td[data-q='{bank}'][data-k='{river}']").click()
+        page.wait_for_selector("#hide-scale", timeout=60_000)
+        shown = page.inner_text("#hide-scale")
+    assert shown == said[0].upper() + said[1:] + "."

@@ -192,6 +192,7 @@ def hide(
     heads: Iterable[int] | None = None,
     table: bool = True,
     compare: bool = True,
+    scale: bool | None = None,
 ) -> Hidden:
     """Hide `key` from `query` (from every word if None) in `layers` and `heads` (all by
     default, counted from 0) and measure what changes (see `Hidden`).
@@ -203,7 +204,8 @@ def hide(
     decoder a word can only hide what comes before it. table=False skips the (L, H) table
     (`effect` is then all NaN) and runs only the model with the key hidden everywhere asked.
     compare=False (with table=False) skips the clean run too: one forward pass, the result
-    without any before/after comparison.
+    without any before/after comparison. scale (default: with the table): also hide each other
+    word instead, for one prompt (`Hidden.others`, `qkv.inspect.hide_scale`).
     """
     if not compare and table:
         raise ValueError("the table compares each head with the clean run: compare=False "
@@ -265,7 +267,7 @@ def hide(
     nan_grid = nan[0]
     one = prompts[0]
     others = []  # the scale: asked of the first prompt, where the table is asked
-    if table and len(texts) == 1:
+    if (table if scale is None else scale) and compare and len(texts) == 1:
         others = other_words(pretrained, encoded[0], one.keys, query, one.query, layers, heads,
                              causal)  # fmt: skip
     return Hidden(

@@ -34,6 +34,7 @@ from qkv.inspect.words import compressed_words
 from qkv.serve.held import Served
 from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
+from qkv.viz.lines import hide_scale_text
 from qkv.viz.page import drawn_weights
 from qkv.viz.sinks import SAID, sink_indices
 from qkv.viz.step_words import ROLES, multiplied
@@ -377,6 +378,7 @@ def hide_word(
     layers: list[int] | None,
     heads: list[int] | None,
     table: bool = True,
+    scale: bool | None = None,
     stop: threading.Event | None = None,
 ) -> dict:
     """`qkv.hide(...).to_dict()` (docs/hide.md), a layer at a time so that it can stop.
@@ -392,17 +394,19 @@ def hide_word(
     heads = served.choose_heads(heads, layers)  # each layer's own count (Qwen3.5's differ)
     going(stop)
     hidden = hide(served.pretrained, text, key, query=query, layers=layers, heads=heads,
-                  table=False)  # fmt: skip
+                  table=False, scale=table if scale is None else scale)  # fmt: skip
     for layer in layers if table else []:
         own = served.own_heads(heads, layer)
         if not own:
             continue  # none of the heads asked is this layer's
         going(stop)
-        row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=own)
+        row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=own,
+                   scale=False)  # fmt: skip
         for name in ("effect", "distance", "next_by_head"):
             if getattr(hidden, name) is not None:
                 getattr(hidden, name)[layer] = getattr(row, name)[layer]
     answer = hidden.to_dict()
+    answer["scale"] = hide_scale_text(hidden)  # the key's rank among the other words, in words
     if not table:  # no head alone was run: nothing to rank (and NaN is not JSON)
         answer["ranked"] = []
     return {"model": served.name, **answer}

@@ -281,13 +281,13 @@ async function hide(query, key) {  // the key hidden from the query, in every la
   try {
     // first the key hidden everywhere at once (one run), then each layer's heads alone: a
     // request per layer, so each stays short on a large model and the grid fills as it goes
-    const h = await post("/api/hide", { ...asked, table: false });
+    const h = await post("/api/hide", { ...asked, table: false, scale: true });
     if (ticket !== hides) return;
     Object.assign(h, { pair, done: 0 });
     state.hidden = h;
     drawHide(panel, h, state);
     for (const layer of h.layers) {
-      const row = await post("/api/hide", { ...asked, layers: [layer] });
+      const row = await post("/api/hide", { ...asked, layers: [layer], scale: false });
       if (ticket !== hides) return;
       for (const name of ["effect", "distance", "next_by_head"]) {
         if (h[name]) h[name][layer] = row[name][layer];

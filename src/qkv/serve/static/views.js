@@ -298,6 +298,7 @@ export function drawHide(panel, h, state) {
  data-head="${best.head}" data-effect="${best.effect}">layer ${best.layer}, head ${best.head}</b>
  (${tiny(best.effect)})${progress}. ` : `Each head alone${progress}… `}Hidden in every layer and
  head at once: <b id="hide-total" data-total="${h.total}">${tiny(h.total)}</b>.</p>
+${h.scale ? `<p id="hide-scale" class="note">${words.put(h.scale[0].toUpperCase() + h.scale.slice(1))}.</p>` : ""}
 ${next}<div class="scroll"><table id="hide-table"><thead><tr><th>head</th>${head}</tr></thead>
 <tbody>${rows}</tbody></table></div>`);
 }
