@@ -11,8 +11,10 @@ from qkv.cli.options import say_metric_notes
 from qkv.inspect.lens import lens, token_id_of
 from qkv.inspect.metrics import Metric
 from qkv.io.words import spaced_token, token_note
+from qkv.viz import escape
 from qkv.viz.lines import lens_lines
 from qkv.viz.narrate import tokens_line
+from qkv.viz.notebook import trace_html
 
 FRANCE = "The capital of France is"
 
@@ -70,4 +72,5 @@ def test_a_word_of_several_tokens_says_which_the_trace_reads(minilm):
     assert (f'"riverbank" is 2 tokens ({first!r} {second!r}, tokens {start}-{end - 1}): the query '
             f"is its first, {first!r}, token {start}.") in told  # fmt: skip
     assert "is 2 tokens" not in tokens_line(qkv.trace(minilm, "the river bank", "bank", "river"))
+    assert escape.text(told.splitlines()[-1].strip()) in trace_html(traced)  # the notebook too
     assert list(traced.to_dict()["query_span"]) == [start, end]

@@ -33,7 +33,7 @@ from qkv.viz.lines import probe_embeddings_note
 from qkv.viz.page import attention_page, drawn_weights
 from qkv.viz.report import strongest_head
 from qkv.viz.sinks import sink_sentence
-from qkv.viz.step_words import ROLES, multiplied, shifted_right
+from qkv.viz.step_words import ROLES, multiplied, shifted_right, split_words
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
 # iopub data rate limit (1 MB/s over 3 s windows by default), leaving a blank cell.
@@ -219,6 +219,7 @@ def trace_html(found) -> str:
     kind = "effective weights (linear attention)" if signed else "weights"
     said = None if signed else sink_sentence(keys, weights, f'"{found.query}"')
     sink = "" if said is None else f'<p class="note sink">{escape.text(said)}.</p>'
+    split = "".join(f'<p class="note split">{escape.text(line)}</p>' for line in split_words(found))
 
     if found.compressed is not None:  # a compressed layer's, spread from its entries
         kind = ("weights on the words (each compressed entry's spread over its block by the "
@@ -227,7 +228,7 @@ def trace_html(found) -> str:
         f"<h4>{q} gets context from {k}: {where}, counted from 0{chosen}</h4>"
         f"<p>{escape.text(found.source)} ({found.num_layers} layers x {found.num_heads} heads, D = "
         f"{found.head_dim}{', causal' if found.causal else ''}): "
-        f"<i>{escape.text(cut(shown, 120))}</i></p>"
+        f"<i>{escape.text(cut(shown, 120))}</i></p>{split}"
         f'<table class="steps"><tr><th>step</th><th class="text">the article</th>'
         f"<th>the model's numbers</th></tr>{body}</table>"
         f"<h4>{q}'s {kind} in this head, the largest first</h4>"
