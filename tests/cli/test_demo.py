@@ -33,9 +33,7 @@ def test_demo_walks_the_article_with_minilms_own_numbers(tmp_path, minilm):
     assert f"  {layer:>5}  {head:>4}   {effect:<8.3g}" in out
     senses = senses_without_context(minilm, "bank")
     assert senses.hidden_separation < senses.separation / 5
-    hidden_line = (
-        f"every other word hidden:  same sense minus different {senses.hidden_separation:+.3f}"
-    )
+    hidden_line = f"every other word hidden:  separation {senses.hidden_separation:+.3f}"
     assert hidden_line in out
     traced = qkv.trace(minilm, SENTENCE, "bank", "river")
     assert f'"river" gets {100 * traced.weight:.1f}%' in out

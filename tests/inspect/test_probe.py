@@ -177,7 +177,9 @@ def test_probe_command_prints_each_depth_writes_json_and_a_png(tmp_path):
     )
     table = run("bat", "--sentences", str(sentences), "--out", str(tmp_path / "pics" / "bat.png"))
     assert table.returncode == 0, table.stderr
-    depths = [line for line in table.stdout.splitlines() if "sense accuracy" in line]
+    depths = [
+        line for line in table.stdout.splitlines() if "accuracy" in line and ": mean cosine" in line
+    ]
     assert len(depths) == 7 and depths[0].strip().startswith("embeddings")
     assert (tmp_path / "pics" / "bat.png").stat().st_size > 0
     data = json.loads(run("bat", "--sentences", str(sentences), "--json").stdout)

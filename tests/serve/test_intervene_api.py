@@ -9,14 +9,20 @@ import pytest
 
 import qkv
 from qkv.inspect.article import SENTENCE  # the article's sentence
+from qkv.viz.lines import hide_scale_text
 
 TEXT = "The bank of the river flooded the bank"  # two banks: bank#1, bank#2
+
+
+def answer_of(hidden) -> dict:
+    """/api/hide's answer for a `qkv.hide` result: its JSON and the scale, in words."""
+    return {**hidden.to_dict(), "scale": hide_scale_text(hidden)}
 
 
 def test_hide_is_qkv_hide_for_a_pair(client, minilm):
     # the library first: a process's first run of batched heads also loads what torch
     # imports lazily (seconds on a busy machine), which the request's time limit need not pay
-    want = qkv.hide(minilm, TEXT, "river", query="bank#1").to_dict()
+    want = answer_of(qkv.hide(minilm, TEXT, "river", query="bank#1"))
     answer = client.post("/api/hide", json={"text": TEXT, "key": "river", "query": "bank#1"})
     assert answer.status_code == 200, answer.text
     assert answer.json() == {"model": "minilm", **want}  # every field, every digit
@@ -25,7 +31,7 @@ def test_hide_is_qkv_hide_for_a_pair(client, minilm):
 
 def test_hide_from_every_word_in_chosen_layers_and_heads(client, minilm):
     body = {"text": SENTENCE, "key": "river", "layers": [4, 1], "heads": [3, 0]}
-    want = qkv.hide(minilm, SENTENCE, "river", layers=[4, 1], heads=[3, 0]).to_dict()
+    want = answer_of(qkv.hide(minilm, SENTENCE, "river", layers=[4, 1], heads=[3, 0]))
     answer = client.post("/api/hide", json=body).json()
     assert answer == {"model": "minilm", **want}
     asked = {(n, h) for n, row in enumerate(answer["effect"]) for h, e in enumerate(row) if e}
@@ -35,7 +41,7 @@ def test_hide_from_every_word_in_chosen_layers_and_heads(client, minilm):
 def test_hide_in_a_decoder_gives_the_next_token_before_and_after(decoder_client, smollm2):
     text = "The bank of the river was"
     body = {"model": "smollm2", "text": text, "key": "river", "layers": [29, 27], "heads": [8, 0]}
-    want = qkv.hide(smollm2, text, "river", layers=[29, 27], heads=[8, 0]).to_dict()
+    want = answer_of(qkv.hide(smollm2, text, "river", layers=[29, 27], heads=[8, 0]))
     answer = decoder_client.post("/api/hide", json=body).json()
     assert answer == {"model": "smollm2", **want}
     assert answer["next"]["position"] == len(answer["tokens"]) - 1
@@ -143,3 +149,4 @@ def test_hide_without_the_table_is_the_total_alone(client, minilm):
     want = qkv.hide(minilm, TEXT, "river", query="bank#1", layers=[2, 3])
     assert answer["total"] == want.total and answer["total_distance"] == want.total_distance
     assert answer["ranked"] == [] and {e for row in answer["effect"] for e in row} == {None}
+    assert answer["others"] == [] and answer["scale"] is None  # no table asked: no scale

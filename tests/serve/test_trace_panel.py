@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import qkv
+from qkv.serve.compute import trace_answer
 from variant_models import TEXT, decoder, gemma2_like, tiny
 
 VIEWS = Path(qkv.__file__).parent / "serve" / "static" / "views.js"
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(shutil.which("node") is None, reason="needs node
 def drawn(traced, tmp_path: Path) -> str:
     """The panel's HTML, as drawTrace writes it for this trace."""
     shutil.copy(VIEWS, tmp_path / "views.mjs")  # an ES module, whatever node's defaults
-    (tmp_path / "trace.json").write_text(json.dumps({"model": "tiny", **traced.to_dict()}))
+    (tmp_path / "trace.json").write_text(json.dumps(trace_answer("tiny", traced)))
     script = (
         "import { drawTrace } from './views.mjs';\n"
         "import { readFileSync } from 'node:fs';\n"

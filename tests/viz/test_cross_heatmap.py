@@ -118,7 +118,7 @@ def test_model_view_draws_every_cross_attention_head(bart, tmp_path, drawn):
                       query_tokens=att.query_tokens)  # fmt: skip
     assert mpimg.imread(path)[..., :3].std() > 0.1
     L, H = att.weights.shape[:2]
-    titles = [ax.get_title() for ax in drawn[0].axes]
+    titles = [ax.get_title() for ax in drawn[0].axes[:-1]]  # the last: the colour bar
     assert titles == [f"L{layer} H{head}" for layer in range(L) for head in range(H)]
     np.testing.assert_array_equal(drawn[0].axes[H + 2].images[0].get_array(), att.weights[1, 2])
     title = drawn[0].get_suptitle()

@@ -70,7 +70,7 @@ def test_model_view_labels_every_panel_from_zero(att, tmp_path, drawn):
     image = mpimg.imread(path)
     assert image.shape[2] == 4 and image[..., :3].std() > 0.1
     L, H = att.weights.shape[:2]
-    titles = [ax.get_title() for ax in drawn[0].axes]
+    titles = [ax.get_title() for ax in drawn[0].axes[:-1]]  # the last: the colour bar
     assert titles == [f"L{layer} H{head}" for layer in range(L) for head in range(H)]
     # each panel is the model's own head, scaled to its own largest weight
     panel = drawn[0].axes[H + 4].images[0]  # L1 H4
@@ -83,7 +83,7 @@ def test_model_view_draws_only_the_chosen_layers_and_heads(att, tmp_path, drawn)
     some = mpimg.imread(
         model_view(att.weights, att.tokens, tmp_path / "some.png", layers=[0, 5], heads=[3])
     )
-    assert [ax.get_title() for ax in drawn[1].axes] == ["L0 H3", "L5 H3"]
+    assert [ax.get_title() for ax in drawn[1].axes[:-1]] == ["L0 H3", "L5 H3"]
     assert some.shape[0] < full.shape[0] and some.shape[1] < full.shape[1]
 
 

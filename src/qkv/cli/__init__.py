@@ -20,6 +20,7 @@ from qkv.cli.generate import generate
 from qkv.cli.info import backends, models, version
 from qkv.cli.interventions import ablate, hide
 from qkv.cli.lens import heads_census, lens
+from qkv.cli.options import Verb
 from qkv.cli.patch import patch, path_patch
 from qkv.cli.serve import serve
 from qkv.cli.show import show
@@ -41,9 +42,9 @@ def _root() -> None:
 
 for verb in (version, backends, models, generate, embed, explain, why, probe, show, train, plot,
              hide, ablate, patch, attribute, demo, serve, lens, circuits, atlas, tour):  # fmt: skip
-    app.command()(verb)
-app.command("heads")(heads_census)
-app.command("path-patch")(path_patch)
+    app.command(cls=Verb)(verb)
+app.command("heads", cls=Verb)(heads_census)
+app.command("path-patch", cls=Verb)(path_patch)
 
 
 def main() -> None:

@@ -14,7 +14,10 @@ from qkv.cli.options import Backend, Model
 
 
 def atlas(
-    corpus: Annotated[Path, typer.Argument(help="a UTF-8 text file, or .jsonl with a text field")],
+    corpus: Annotated[
+        Path,
+        typer.Argument(metavar="CORPUS", help="a UTF-8 text file, or .jsonl with a text field"),
+    ],
     out: Annotated[Path, typer.Option(help="the atlas's folder (new, or a stopped run's)")],
     model: Model = "smollm2",
     window: Annotated[int, typer.Option(help="tokens per window, markers included")] = 256,

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from qkv.cli.errors import user_errors
-from qkv.cli.options import Backend, Json, Model
+from qkv.cli.options import Backend, Json, Model, say_metric_notes
 
 
 def attribute(
@@ -58,6 +58,7 @@ def attribute(
         if metric is None and pairs is None:
             raise ValueError("give --metric, e.g. --metric 'diff: Mary, John'")
         pretrained = load(model, backend=backend)
+        say_metric_notes(metric, pretrained)
         if pairs is not None:
             result = run_attribute(pretrained, pairs, None, metric, edges=edges, steps=steps)
         else:

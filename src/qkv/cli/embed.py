@@ -12,7 +12,7 @@ from qkv.cli.options import Backend, Model
 
 
 def embed(
-    sentences: list[str],
+    sentences: Annotated[list[str], typer.Argument(metavar="SENTENCES...")],
     model: Model = "minilm",
     as_json: Annotated[bool, typer.Option("--json", help="one JSON line per sentence")] = False,
     backend: Backend = None,

@@ -14,7 +14,7 @@ from qkv.cli.options import Backend, Json, KeyWord, Model, PairHead, PairLayer, 
 
 
 def explain(
-    text: str,
+    text: Annotated[str, typer.Argument(metavar="TEXT")],
     query: QueryWord,
     key: KeyWord,
     model: Model = "minilm",
@@ -56,7 +56,7 @@ def _why(pretrained, traced, text: str, target: str | None):
 
 
 def probe(
-    word: str,
+    word: Annotated[str, typer.Argument(metavar="WORD")],
     sentences: Annotated[
         Path | None,
         typer.Option(

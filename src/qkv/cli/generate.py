@@ -14,7 +14,7 @@ from qkv.cli.options import Backend, Model
 
 
 def generate(
-    prompt: str,
+    prompt: Annotated[str, typer.Argument(metavar="PROMPT")],
     model: Model = "smollm2",
     max_new_tokens: Annotated[
         int | None,

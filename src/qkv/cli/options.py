@@ -27,3 +27,27 @@ PairHead = Annotated[int | None, typer.Option(help="counted from 0")]
 Target = Annotated[
     str | None, typer.Option(help="encoder-decoder models: the decoder's text (query word)")
 ]
+
+
+def say_metric_notes(metric: str | None, pretrained) -> None:
+    """One line on stderr for each of the metric's tokens typed without the leading space the
+    model's own token has ("prob: Paris" where it writes " Paris"): never silently."""
+    if metric is None:
+        return
+    from qkv.inspect.metrics import Metric
+
+    try:
+        parsed = Metric.parse(metric)
+    except ValueError:
+        return  # the verb refuses it itself, in its own words
+    for note in parsed.notes(pretrained.tokenizer):
+        typer.echo(note, err=True)
+
+
+class Verb(typer.core.TyperCommand):
+    """A verb whose usage line names a required argument in capitals ("TEXT"), not in braces
+    ("{text}", typer's own way), which reads as a template left unfilled."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:-1].upper() if p[:1] == "{" and p[-1:] == "}" else p for p in pieces]

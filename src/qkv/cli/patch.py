@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from qkv.cli.errors import check_out, user_errors
-from qkv.cli.options import Backend, Json, Layers, Model, Png
+from qkv.cli.options import Backend, Json, Layers, Model, Png, say_metric_notes
 
 Metric = Annotated[
     str | None,
@@ -77,6 +77,7 @@ def patch(
         first, second = _pairs(clean, corrupt, pairs)
         whats = [name.strip() for name in what.split(",") if name.strip()]
         pretrained = load(model, backend=backend)
+        say_metric_notes(metric, pretrained)
         L = stack_of(pretrained).config.num_layers
         result = run_patch(pretrained, first, second, metric, what=whats, seed=seed,
                            layers=parse_indices(layers, "layers", L, model))  # fmt: skip
@@ -122,7 +123,9 @@ def path_patch(
     with user_errors():
         first, second = _pairs(clean, corrupt, pairs)
         head, chosen = parse_head(sender), parse_receivers(receivers)  # before the model loads
-        result = run_path_patch(load(model, backend=backend), first, second, metric,
+        pretrained = load(model, backend=backend)
+        say_metric_notes(metric, pretrained)
+        result = run_path_patch(pretrained, first, second, metric,
                                 sender=head, receivers=chosen,
                                 via=via.replace(" ", "").split(","), seed=seed)  # fmt: skip
     typer.echo(json.dumps(result.to_dict()) if as_json else path_patch_lines(result))

@@ -13,7 +13,7 @@ from qkv.cli.options import Backend, Model
 
 
 def show(
-    text: str,
+    text: Annotated[str, typer.Argument(metavar="TEXT")],
     model: Model = "minilm",
     out: Annotated[
         Path,

@@ -70,7 +70,7 @@ def _layer_settings(layers: str | None) -> list[str]:
 
 
 def plot(
-    run: Path,
+    run: Annotated[Path, typer.Argument(metavar="RUN")],
     out: Annotated[
         Path | None, typer.Option(help="the PNG to write (default: RUN/loss.png)")
     ] = None,

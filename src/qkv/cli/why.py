@@ -14,7 +14,7 @@ from qkv.cli.options import Backend, Json, KeyWord, Model, PairHead, PairLayer, 
 
 
 def why(
-    text: str,
+    text: Annotated[str, typer.Argument(metavar="TEXT")],
     query: QueryWord,
     key: KeyWord,
     model: Model = "minilm",

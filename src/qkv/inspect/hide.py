@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qkv.inspect.hide_scale import OtherWord, other_words
 from qkv.inspect.layer_heads import heads_per_layer
 from qkv.inspect.probe import leave_one_out_accuracy, same_sense, sentences_and_labels
 from qkv.inspect.prompts import Spread
@@ -109,6 +110,8 @@ class Hidden(Shown):
     # next_by_head and top_change (the first next token's change)
     spreads: dict[str, Spread] = field(default_factory=dict)
     after: list[Token] | None = None  # decoders: the first prompt's next tokens, key hidden
+    # the scale (with the table): each other word of the first prompt hidden instead, at once
+    others: list[OtherWord] = field(default_factory=list)
 
     def ranked(self) -> list[tuple[int, int, float]]:
         """(layer, head, effect) of every head asked, largest effect first (none without
@@ -137,6 +140,7 @@ class Hidden(Shown):
             "next": None if self.next is None else self.next.to_dict(),
             "next_by_head": None if self.next_by_head is None else grid_dict(self.next_by_head),
             "after": None if self.after is None else [vars(t) for t in self.after],
+            "others": [vars(w) for w in self.others],
             # several prompts: each one's values, their mean and interval
             **({"spreads": spreads_dict(self.spreads)} if len(self.texts) > 1 else {}),
         }
@@ -188,6 +192,7 @@ def hide(
     heads: Iterable[int] | None = None,
     table: bool = True,
     compare: bool = True,
+    scale: bool | None = None,
 ) -> Hidden:
     """Hide `key` from `query` (from every word if None) in `layers` and `heads` (all by
     default, counted from 0) and measure what changes (see `Hidden`).
@@ -199,7 +204,8 @@ def hide(
     decoder a word can only hide what comes before it. table=False skips the (L, H) table
     (`effect` is then all NaN) and runs only the model with the key hidden everywhere asked.
     compare=False (with table=False) skips the clean run too: one forward pass, the result
-    without any before/after comparison.
+    without any before/after comparison. scale (default: with the table): also hide each other
+    word instead, for one prompt (`Hidden.others`, `qkv.inspect.hide_scale`).
     """
     if not compare and table:
         raise ValueError("the table compares each head with the clean run: compare=False "
@@ -260,6 +266,10 @@ def hide(
         spreads = spreads_of(found)
     nan_grid = nan[0]
     one = prompts[0]
+    others = []  # the scale: asked of the first prompt, where the table is asked
+    if (table if scale is None else scale) and compare and len(texts) == 1:
+        others = other_words(pretrained, encoded[0], one.keys, query, one.query, layers, heads,
+                             causal)  # fmt: skip
     return Hidden(
         source=pretrained.source, text=texts[0], tokens=list(encoded[0].tokens), key=key,
         query=query, key_spans=one.keys, query_span=one.query, layers=layers, heads=heads,
@@ -270,7 +280,7 @@ def hide(
         total_distance=float(spreads["total_distance"].mean) if compare else float("nan"),
         next=first.get("next"),
         next_by_head=spreads["next_by_head"].mean if compare and causal else None,
-        texts=texts, spreads=spreads, after=first.get("after"),
+        texts=texts, spreads=spreads, after=first.get("after"), others=others,
     )  # fmt: skip
 
 

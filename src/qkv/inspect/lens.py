@@ -43,6 +43,7 @@ from qkv.inspect.runs import (
     spreads_dict,
     spreads_of,
 )
+from qkv.io.words import spaced_token, token_note
 from qkv.models import Decoder, DecoderOutput
 from qkv.models.deepseek_v4 import DeepseekV4Decoder
 from qkv.nn import RMSNorm
@@ -147,6 +148,8 @@ class Lens(Shown):
     # per-prompt values, mean and interval of rank and logprob (L+1,) and of the attribution's
     # logit, embeddings, heads (L, H), attention_bias (L,), mlps (L,) and remainder
     spreads: dict[str, Spread] = field(default_factory=dict)
+    # the token asked has no leading space where the model's own token for the word has one
+    token_note: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-ready (see docs/lens.md); `logits` is left out: it is the vocabulary's size
@@ -162,6 +165,7 @@ class Lens(Shown):
             ],
             "token_id": self.token_id,
             "token": self.token,
+            "token_note": self.token_note,
             "rank": list(self.rank),
             "logprob": list(self.logprob),
             "attribution": None if self.attribution is None else self.attribution.to_dict(),
@@ -225,6 +229,8 @@ def lens(
             rows[p] = row
     result = _gathered(model, [r for r in rows if r is not None], top, spell, pretrained.source)
     result.tokens, result.texts = list(encoded[0].tokens), texts
+    if isinstance(token, str):
+        result.token_note = token_note(pretrained.tokenizer, token, "the token")
     return result
 
 
@@ -239,10 +245,12 @@ def token_id_of(pretrained, token: str | int) -> int:
     if not isinstance(token, str) or not token:
         raise ValueError(f"the token must be a text such as ' Paris' or an id, got {token!r}")
     found = pretrained.tokenizer.encode(token, add_special_tokens=False)
+    spaced = spaced_token(pretrained.tokenizer, token)
     if len(found.ids) != 1:
         raise ValueError(
             f"{token!r} is not one token of {pretrained.source}'s vocabulary: it tokenizes as "
             f"{list(found.tokens)}; give one of those (with its leading space where it has one)"
+            + (f", or {spaced!r}, one token" if spaced is not None else "")
         )
     return found.ids[0]
 

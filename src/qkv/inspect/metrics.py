@@ -28,6 +28,8 @@ from typing import Literal
 
 from torch import Tensor
 
+from qkv.io.words import spaced_token, token_note
+
 COUNTS = {"diff": 2, "prob": 1, "logprob": 1, "kl": 0, "fn": 0}
 FORMS = "'diff: A, B', 'prob: A', 'logprob: A', 'kl', or a function of the logits"
 
@@ -79,12 +81,20 @@ class Metric:
         for token in self.tokens:
             encoded = tokenizer.encode(token, add_special_tokens=False)
             if len(encoded.ids) != 1:
+                spaced = spaced_token(tokenizer, token)
+                offer = f", or {spaced!r}, one token" if spaced is not None else ""
                 raise ValueError(
                     f"the metric's token {token!r} is not one token of the vocabulary: it reads "
-                    f"as {list(encoded.tokens)}; give one of those, spaces as written"
+                    f"as {list(encoded.tokens)}; give one of those, spaces as written{offer}"
                 )
             found.append(encoded.ids[0])
         return found
+
+    def notes(self, tokenizer) -> list[str]:
+        """A line for each of the metric's tokens typed without the leading space the model's
+        own token for that word has ("prob: Paris" where the model writes " Paris")."""
+        said = (token_note(tokenizer, token, "the metric's token") for token in self.tokens)
+        return [line for line in said if line is not None]
 
     def score(self, logits: Tensor, ids: list[int], clean: Tensor | None = None) -> Tensor:
         """logits (…, vocab) -> the metric (…), float64. clean: the clean run's logits

@@ -2,11 +2,13 @@
 
 The article's example is "bank": by a river or where money is kept. Before any attention
 (the embeddings) every "bank" is the same token, so its vectors in different sentences are
-nearly equal; each layer adds context from the other words, and a model that understands
-the sentences moves the river banks and the money banks apart. `probe` runs a real model
-over sentences that use the word, takes the word's vector at every depth (the mean over its
-tokens), and measures how similar the word is to itself across sentences: a cosine matrix
-per depth, and, given each sentence's sense, how well the senses separate.
+nearly equal (below 1 only where the model adds each token's position there: the word sits
+at different positions, after different words); each layer adds context from the other
+words, and a model that understands the sentences moves the river banks and the money
+banks apart. `probe` runs a real model over sentences that use the word, takes the word's
+vector at every depth (the mean over its tokens), and measures how similar the word is to
+itself across sentences: a cosine matrix per depth, and, given each sentence's sense, how
+well the senses separate (`MEASURES` names and defines each measure for every view).
 
 >>> import qkv
 >>> result = probe(qkv.load("minilm"), "bank")  # the embedded labelled "bank" sentences
@@ -34,6 +36,15 @@ from qkv.inspect.words import on_words
 from qkv.io.words import parse_word
 from qkv.models import Decoder, self_attention_stack
 from qkv.views import Shown
+
+# The probe's measures: one name each, and what it means, for every view (CLI, PNG, notebook).
+MEASURES = {
+    "mean cosine": "the mean cosine similarity of the word's vectors in two different sentences",
+    "separation": "the mean cosine between sentences of the same sense minus the mean between "
+    "sentences of different senses (above 0: the senses stand apart)",
+    "accuracy": "the share of sentences whose sense is the nearest sense centroid's, each "
+    "sentence left out of the centroids it is told by (leave-one-out)",
+}
 
 
 @dataclass(repr=False)

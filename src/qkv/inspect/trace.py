@@ -12,7 +12,7 @@ anyone can check that the walk-through is the model's real computation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -149,6 +149,10 @@ class Trace(Shown):
     # `weights` are then the effective weights (signed, summing to anything)
     linear: str | None = None
     write_strength: float | None = None  # beta of the key word: how strongly it wrote its value
+    # each word's tokens [start, end) (the query's in the target for cross-attention): a word
+    # of several tokens is traced at its first, query_index / key_index
+    query_span: tuple[int, int] | None = None
+    key_span: tuple[int, int] | None = None
     # what the fades of the words after the key word (up to the query word) leave of its write:
     # the product of their g (per key channel in KDA: the mean of the channels' products)
     fade: float | None = None
@@ -209,10 +213,13 @@ def trace(
     source = pretrained.encode(text)
     if cross:  # the decoder reads its start token, then the target (see decoder_input)
         _, query_tokens, queries = pretrained.decoder_input(target)
-        query_index = 1 + queries.find(query)[0]
+        start, end = queries.find(query)
+        query_span = (1 + start, 1 + end)
     else:
-        query_index, query_tokens = source.find(query)[0], None
-    key_index = source.find(key)[0]
+        query_span, query_tokens = source.find(query), None
+    key_span = source.find(key)
+    query_index, key_index = query_span[0], key_span[0]  # a word of several tokens: its first
+    spans = {"query_span": tuple(query_span), "key_span": tuple(key_span)}
     L = layout.num_layers
     counts = [layout.heads_in(n) for n in range(L)]
     if layer is not None:
@@ -246,11 +253,13 @@ def trace(
     kv_head = head // record.shape.group
     steps = record.steps(head, query_index)  # the loop backend, on the layer's own q, k, v
     if record.linear is not None:
-        return _linear_trace(pretrained, text, source, query, key, query_index, key_index,
-                             layer, head, layout, chosen, record, steps, seen)  # fmt: skip
+        return replace(_linear_trace(pretrained, text, source, query, key, query_index,
+                                     key_index, layer, head, layout, chosen, record, steps,
+                                     seen), **spans)  # fmt: skip
     if isinstance(getattr(pretrained, "model", None), DeepseekV4Decoder):
-        return _deepseek_v4_trace(pretrained, text, source, query, key, query_index, key_index,
-                                  layer, head, layout, chosen, record, steps, seen)  # fmt: skip
+        return replace(_deepseek_v4_trace(pretrained, text, source, query, key, query_index,
+                                          key_index, layer, head, layout, chosen, record, steps,
+                                          seen), **spans)  # fmt: skip
     D = record.shape.value_size  # each head's output: its values' size
     with torch.inference_mode():
         # what each key word added, after the output projection's columns for this head (and
@@ -293,7 +302,7 @@ def trace(
         else record.k_before_rotary[0, kv_head, key_index].double(),
         target=target, query_tokens=query_tokens,
         softcap=record.softcap, bias=bias, window=record.window, outside_window=outside,
-        anatomy=layout.anatomy(layer), **late,
+        anatomy=layout.anatomy(layer), **late, **spans,
     )  # fmt: skip
 
 

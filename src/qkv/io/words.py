@@ -180,3 +180,38 @@ def _listing(words: list[Word], limit: int = 40) -> str:
     labels = [w.label for w in words]
     more = f" (and {len(labels) - limit} more)" if len(labels) > limit else ""
     return (", ".join(labels[:limit]) + more) if labels else "(none)"
+
+
+def spaced_token(tokenizer, token: str) -> str | None:
+    """The model's own token for a word typed without its leading space: " Paris" where the
+    user wrote "Paris" and the vocabulary has " Paris" as one token of its own (a byte-level
+    or sentencepiece vocabulary writes a word after a space so). None where the token already
+    starts with a space, or " " + token is not one token, or is the same token (WordPiece
+    drops the space).
+
+    A word the model writes after a space is its spaced token: "Paris" alone is another token
+    (rank 9,492 after "The capital of France is", where " Paris" is the top).
+    """
+    if not token or token[0].isspace():
+        return None
+    spaced = tokenizer.encode(" " + token, add_special_tokens=False)
+    if len(spaced.ids) != 1:
+        return None
+    plain = tokenizer.encode(token, add_special_tokens=False)
+    if list(plain.ids) == list(spaced.ids):
+        return None
+    return " " + token
+
+
+def token_note(tokenizer, token: str, what: str) -> str | None:
+    """One line telling a user who typed `token` (the `what`: "--token", "the metric's token")
+    that the model's own token for the word has a leading space; None where there is none."""
+    spaced = spaced_token(tokenizer, token)
+    if spaced is None:
+        return None
+    plain = tokenizer.encode(token, add_special_tokens=False)
+    reads = "one token" if len(plain.ids) == 1 else f"{len(plain.ids)} tokens {list(plain.tokens)}"
+    return (
+        f"{what} {token!r} has no leading space and reads as {reads}; after a word the "
+        f"model writes {spaced!r}, one token of its own: give {spaced!r} (quoted) for that"
+    )

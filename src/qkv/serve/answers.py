@@ -73,6 +73,12 @@ class AttentionAnswer(BaseModel):
     effective_layers: list[int] = Field(
         default_factory=list, description="the layers sent as such shares"
     )
+    sinks: dict | None = Field(
+        None,
+        description="`indices`: the first and the special tokens, where a query's largest "
+        "weight is named an attention sink; `said`: the sentence, its {token}, {index}, {query} "
+        "and {weight} filled in by the page",
+    )
 
 
 class ContributionItem(BaseModel):
@@ -120,6 +126,10 @@ class GenerateAnswer(BaseModel):
         description="end: the end-of-text token or max_new_tokens; time limit: generate_s"
     )
     limit_s: float
+    ended: str = Field(
+        description="what ended it, in words: the end-of-text token, "
+        "max_new_tokens (told apart by the count), the time limit or a cancel"
+    )
 
 
 class LongProgress(BaseModel):

@@ -178,6 +178,7 @@ async def hide(body: HideRequest, request: Request) -> dict:
         body.layers,
         body.heads,
         body.table,
+        body.scale,
     )
 
 

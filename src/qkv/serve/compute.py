@@ -34,7 +34,10 @@ from qkv.inspect.words import compressed_words
 from qkv.serve.held import Served
 from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
+from qkv.viz.lines import hide_scale_text
 from qkv.viz.page import drawn_weights
+from qkv.viz.sinks import SAID, sink_indices
+from qkv.viz.step_words import ROLES, multiplied
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
 
@@ -110,6 +113,8 @@ def attention(
         # where some layers keep a running memory (linear attention): what their weights are
         "effective": effective,
         "effective_layers": [n for n in layers if seen.records[n].linear is not None],
+        # a query's largest weight on one of these is named an attention sink (qkv.viz.sinks)
+        "sinks": {"indices": sink_indices(list(seen.tokens)), "said": SAID},
     }
     return (json.dumps(answer)[:-1] + ', "weights": [' + ", ".join(rows) + "]}").encode()
 
@@ -143,7 +148,15 @@ def trace_pair(
     encode(served, limits, text)
     going(stop)
     traced = trace(served.pretrained, text, query, key, layer=layer, head=head)
-    return {"model": served.name, **traced.to_dict()}
+    return trace_answer(served.name, traced)
+
+
+def trace_answer(model: str, traced) -> dict:
+    """A trace as /api/trace answers it: `to_dict()`, the model's name, and what the layer's
+    matrices multiply in the words the CLI and the report page use (`qkv.viz.step_words`)."""
+    cross = traced.query_tokens is not None
+    multiplies = {role: multiplied(role, traced.layer, cross=cross) for role in ROLES}
+    return {"model": model, **traced.to_dict(), "multiplies": multiplies}
 
 
 def why_pair(
@@ -318,7 +331,33 @@ def generate(
         "text": "".join(pieces),
         "finished": finished,
         "limit_s": limits.generate_s,
+        "ended": ended(
+            finished,
+            len(pieces),
+            options.get("max_new_tokens"),
+            limits.generate_s,
+            stops=bool(options.get("stop")),
+        ),
     }
+
+
+def ended(finished: str, count: int, most: int | None, limit_s: float, stops=False) -> str:
+    """What ended a generation, in words: "end" is the model's end-of-text token or the
+    max_new_tokens asked, told apart by the count of tokens written.
+
+    >>> ended("end", 16, 16, 30.0)
+    'wrote 16 tokens, the most asked (max_new_tokens 16)'
+    >>> ended("end", 5, 16, 30.0)
+    'the model ended its text (its end-of-text token) after 5 tokens'
+    """
+    if finished == "cancelled":
+        return f"cancelled after {count} tokens"
+    if finished == "time limit":
+        return f"stopped at this server's time limit of {limit_s:g} s, after {count} tokens"
+    if most is not None and count >= most:
+        return f"wrote {count} tokens, the most asked (max_new_tokens {most})"
+    why = "its end-of-text token, or a stop text asked" if stops else "its end-of-text token"
+    return f"the model ended its text ({why}) after {count} tokens"
 
 
 def pack_float32(values: np.ndarray) -> str:
@@ -339,6 +378,7 @@ def hide_word(
     layers: list[int] | None,
     heads: list[int] | None,
     table: bool = True,
+    scale: bool | None = None,
     stop: threading.Event | None = None,
 ) -> dict:
     """`qkv.hide(...).to_dict()` (docs/hide.md), a layer at a time so that it can stop.
@@ -354,17 +394,19 @@ def hide_word(
     heads = served.choose_heads(heads, layers)  # each layer's own count (Qwen3.5's differ)
     going(stop)
     hidden = hide(served.pretrained, text, key, query=query, layers=layers, heads=heads,
-                  table=False)  # fmt: skip
+                  table=False, scale=table if scale is None else scale)  # fmt: skip
     for layer in layers if table else []:
         own = served.own_heads(heads, layer)
         if not own:
             continue  # none of the heads asked is this layer's
         going(stop)
-        row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=own)
+        row = hide(served.pretrained, text, key, query=query, layers=[layer], heads=own,
+                   scale=False)  # fmt: skip
         for name in ("effect", "distance", "next_by_head"):
             if getattr(hidden, name) is not None:
                 getattr(hidden, name)[layer] = getattr(row, name)[layer]
     answer = hidden.to_dict()
+    answer["scale"] = hide_scale_text(hidden)  # the key's rank among the other words, in words
     if not table:  # no head alone was run: nothing to rank (and NaN is not JSON)
         answer["ranked"] = []
     return {"model": served.name, **answer}

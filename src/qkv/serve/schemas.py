@@ -233,6 +233,11 @@ class HideRequest(Request):
         description="false: only the key hidden in every layer and head asked at once (total, "
         "next: one run), no effect per head (null); the page asks that, then a layer at a time",
     )
+    scale: bool | None = Field(
+        None,
+        description="also hide each other word instead (`others`, and `scale` in words: the "
+        "key's rank among them); default: with the table. The page asks it with the total",
+    )
 
 
 class HeadsRequest(Request):

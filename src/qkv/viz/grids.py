@@ -32,7 +32,7 @@ def grid_plot(
     axes = figure.subplots(1, len(grids), width_ratios=widths, squeeze=False)[0]
     for ax, (name, grid, columns) in zip(axes, grids, strict=True):
         values = grid.double().numpy()
-        image = ax.imshow(values, cmap="magma", aspect="auto", interpolation="nearest")
+        image = ax.imshow(values, cmap="viridis", aspect="auto", interpolation="nearest")
         L, N = values.shape
         ax.set_title(name, fontsize=9)
         ax.set_ylabel("layer", fontsize=8)

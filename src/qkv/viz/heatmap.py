@@ -34,6 +34,7 @@ import numpy as np
 from qkv.attention.inputs import check_indices
 from qkv.io.files import write_atomically
 from qkv.viz.paths import png_path
+from qkv.viz.step_words import shifted_right
 
 DPI = 100
 CMAP = "viridis"
@@ -42,6 +43,7 @@ INCHES_PER_TOKEN = 0.28
 LABEL_POINTS = 9.0  # room one tick label needs along an axis; more tokens and labels thin out
 VALUES_UP_TO = 12  # write each weight in its cell when the text has at most this many tokens
 PANEL_MAX = 1.5  # inches of one (layer, head) panel in the model view
+PANEL_LABEL_POINTS = 6.0  # room a model-view panel gives one token label (5-point text)
 GRID_MAX_WIDTH, GRID_MAX_HEIGHT = 20.0, 30.0  # the model view shrinks its panels to fit
 
 
@@ -99,7 +101,9 @@ def head_heatmap(
             token_label(names[i]) if step == 1 else f"{i} {token_label(names[i])}" for i in shown
         ]
         axis.set_ticks(list(shown), labels, rotation=rotation, fontsize=size)
-    if cross:
+    if cross:  # the shift by one, said under the map where the learner sees it
+        figure.supxlabel(textwrap.fill(shifted_right(list(queries)), int(width * 11)),
+                         fontsize=8)  # fmt: skip
         ax.set_xlabel("source token (key)")
         ax.set_ylabel("target token (query)")
     else:
@@ -157,10 +161,12 @@ def model_view(
         Figure,  # matplotlib loads only when a PNG is drawn: import qkv.viz stays light
     )
 
-    size = (max(cols * panel, 4.0) + 0.3, rows * panel + 0.9)
+    # room for the token labels (left and below) and the colour bar (right)
+    size = (max(cols * panel, 4.0) + 1.9, rows * panel + 1.6)
     figure = Figure(figsize=size, dpi=DPI, layout="constrained")
     axes = figure.subplots(rows, cols, squeeze=False)
     Tq, T = stack.shape[-2:]
+    queries = tokens if query_tokens is None else query_tokens
     # a panel has about panel * DPI pixels a side: average f x f blocks of tokens down to that
     # ourselves, since resampling at draw time would let thin lines (a diagonal) fade away
     f = math.ceil(max(Tq, T) / (panel * DPI))
@@ -172,10 +178,22 @@ def model_view(
             top = float(matrix.max()) or 1.0
             ax.imshow(matrix, cmap=CMAP, vmin=0.0, vmax=top, interpolation="nearest", aspect=aspect)
             ax.set_title(f"L{layer} H{head}", fontsize=7, pad=2)
-            ax.set_axis_off()  # a frame would hide the first and last rows and columns
+            for spine in ax.spines.values():  # a frame would hide the first and last rows
+                spine.set_visible(False)
+            # the tokens along the left column (queries) and the bottom row (keys) only
+            _panel_ticks(ax.yaxis, queries if c == 0 else None, f, panel)
+            _panel_ticks(ax.xaxis, tokens if r == rows - 1 else None, f, panel, rotation=90)
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+
+    # one scale for every panel: each runs from 0 to its own largest weight
+    scale = ScalarMappable(Normalize(0.0, 1.0), cmap=CMAP)
+    figure.colorbar(scale, ax=axes, shrink=min(1.0, 3.0 / size[1]), pad=0.01,
+                    label="weight / the panel's largest")  # fmt: skip
     blocks = f"; each pixel the mean of {f} x {f} weights" if f > 1 else ""
     if cross:
-        what = f"cross-attention of {Tq} target tokens over {T} source tokens"
+        what = (f"cross-attention of {Tq} target tokens over {T} source tokens "
+                f"({shifted_right(list(queries))})")  # fmt: skip
         down = "target tokens (queries) down, source tokens (keys) across"
     else:
         what, down = f"attention weights over {T} tokens", "queries down, keys across"
@@ -297,6 +315,22 @@ def chosen_indices(chosen: Sequence[int] | None, count: int, name: str) -> list[
     if not indices:
         raise ValueError(f"no {name}s chosen; pick some of 0-{count - 1}")
     return indices
+
+
+def _panel_ticks(axis, names: Sequence[str] | None, f: int, panel: float, rotation=0) -> None:
+    """A model-view panel's token labels along `axis`, thinned to what fits a `panel`-inch side
+    (an index before each when thinned: a long text repeats its words); none where `names` is
+    None. `f`: the panel's pixels are means of f x f tokens."""
+    if names is None:
+        axis.set_ticks([])
+        return
+    T = len(names)
+    step = max(1, math.ceil(T * PANEL_LABEL_POINTS / (panel * 72)))
+    shown = range(0, T, step)
+    labels = [token_label(names[i], 8) if step == 1 else f"{i} {token_label(names[i], 8)}"
+              for i in shown]  # fmt: skip
+    axis.set_ticks([i / f for i in shown], labels, rotation=rotation, fontsize=5)
+    axis.set_tick_params(length=1, pad=1)
 
 
 def _tick_layout(T: int, side: float) -> tuple[int, float]:

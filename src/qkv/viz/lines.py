@@ -4,41 +4,64 @@ verbs print; the numbers are the results' own (`--json` gives every one)."""
 
 from __future__ import annotations
 
+import textwrap
+
 import torch
 
 from qkv.inspect.ablate import Ablated
 from qkv.inspect.census import SCORES, Census
 from qkv.inspect.hide import Hidden, Senses
+from qkv.inspect.hide_scale import key_rank
 from qkv.inspect.lens import Lens
 from qkv.inspect.patch import Patched
 from qkv.inspect.path_patch import PathPatched
-from qkv.inspect.probe import Probe
+from qkv.inspect.probe import MEASURES, Probe
 from qkv.inspect.runs import NextTokens, Token
 from qkv.viz.narrate import shown
 
 
 def probe_lines(probe: Probe) -> str:
     """Per depth: how alike the word's vectors are across sentences, and how far apart the
-    senses are (with labels)."""
+    senses are (with labels); each measure named as `MEASURES` names it, and defined."""
     n = len(probe.sentences)
     others = ~torch.eye(n, dtype=torch.bool)  # pairs of different sentences
     lines = [f'"{probe.word}" in {n} sentences; cosine similarity of its vectors:']
     for depth, name in enumerate(probe.layers):
         pairs = probe.similarity[depth][others]
-        line = f"  {name:>10}: mean {pairs.mean().item():.3f}, lowest {pairs.min().item():.3f}"
+        line = (
+            f"  {name:>10}: mean cosine {pairs.mean().item():.3f}, lowest {pairs.min().item():.3f}"
+        )
         if probe.separation is not None:
             line += (
-                f"; same sense minus different {probe.separation[depth]:+.3f}, "
-                f"sense accuracy {100 * probe.accuracy[depth]:.0f}%"
+                f"; separation {probe.separation[depth]:+.3f}, "
+                f"accuracy {100 * probe.accuracy[depth]:.0f}%"
             )
         lines.append(line)
+    lines.append(textwrap.fill(probe_embeddings_note(probe), 100))
     if probe.cue_head is not None:
         layer, head, share = probe.cue_head
         lines.append(
             f'In layer {layer}, head {head}, "{probe.word}" attends most to the word that tells '
             f"its sense in {100 * share:.1f}% of the sentences (the best of every layer and head)."
         )
+    shown = ["mean cosine"] + (["separation", "accuracy"] if probe.separation is not None else [])
+    lines += [textwrap.fill(f"{name}: {MEASURES[name]}.", 100, subsequent_indent="  ")
+              for name in shown]  # fmt: skip
     return "\n".join(lines)
+
+
+def probe_embeddings_note(probe: Probe) -> str:
+    """Why the word's vectors at the embeddings are (or are not) all equal, from the numbers:
+    every occurrence is the same token, so only a position added there tells them apart."""
+    n = len(probe.sentences)
+    lowest = float(probe.similarity[0][~torch.eye(n, dtype=torch.bool)].min()) if n > 1 else 1.0
+    same = f'At the embeddings every "{probe.word}" is the same token'
+    if lowest > 1 - 1e-6:
+        return (f"{same}, and its vectors are equal (cosine 1): this model adds no position "
+                "there (its positions act inside attention).")  # fmt: skip
+    return (f"{same}; the cosines there are below 1 (lowest {lowest:.3f}) because the model "
+            "adds each token's position to its embedding, and the word sits at different "
+            "positions, after different words.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- interventions
@@ -73,12 +96,14 @@ def senses_lines(result: Senses) -> str:
     counts = ", ".join(f"{result.labels.count(s)} {s}" for s in dict.fromkeys(result.labels))
     return "\n".join([
         f"'{result.word}' after the last layer, in {len(result.sentences)} sentences ({counts}):",
-        f"  with its context:         same sense minus different {result.separation:+.3f}, "
-        f"sense accuracy {result.accuracy:.0%}",
-        f"  every other word hidden:  same sense minus different "
-        f"{result.hidden_separation:+.3f}, sense accuracy {result.hidden_accuracy:.0%}",
+        f"  with its context:         separation {result.separation:+.3f}, "
+        f"accuracy {result.accuracy:.0%}",
+        f"  every other word hidden:  separation "
+        f"{result.hidden_separation:+.3f}, accuracy {result.hidden_accuracy:.0%}",
         "  (hidden from it in every layer and head: what is left is the word itself, its",
         "  position and the special tokens)",
+        *(textwrap.fill(f"{name}: {MEASURES[name]}.", 100, subsequent_indent="  ")
+          for name in ("separation", "accuracy")),
     ])  # fmt: skip
 
 
@@ -122,7 +147,27 @@ def hide_lines(result: Hidden, top: int = 10) -> str:
         f"{_interval(result, 'total')}, distance {result.total_distance:.3g}"
         f"{_interval(result, 'total_distance')}"
     )
+    scale = hide_scale_text(result)
+    if scale is not None:
+        lines.append(textwrap.fill(scale, 100, subsequent_indent="  "))
     return "\n".join(lines + _next_lines(result.next, f"with '{key}' hidden", result))
+
+
+def hide_scale_text(result: Hidden) -> str | None:
+    """The key's change set beside each other word's, hidden instead in the same heads (None
+    where the scale was not asked: several prompts, or no table)."""
+    others = result.others
+    if not others:
+        return None
+    key = result.key if isinstance(result.key, str) else ", ".join(result.key)
+    shown = len(result.layers) * len(result.heads)
+    rank = key_rank(result.total, others)
+    low, high = others[-1], others[0]
+    return (
+        f"for scale, each other word hidden instead (in the same {shown} heads at once): "
+        f"'{key}' ranks {rank} of {len(others) + 1}, the others change it by 1 - cosine "
+        f"{low.total:.3g} ('{low.word}') to {high.total:.3g} ('{high.word}')"
+    )
 
 
 def ablate_lines(result: Ablated, top: int = 10) -> str:
@@ -248,6 +293,8 @@ def lens_lines(found: Lens, terms: int = 10) -> str:
         f"logit lens: each depth's stream through the final norm and LM head; {followed} "
         "(rank 0: the top)",
     ]
+    if found.token_note is not None:
+        lines.insert(0, found.token_note)
     if several:
         lines[0] = f"{found.source}, {len(found.texts)} prompts; the next token after {at}"
         lines += _over(found)

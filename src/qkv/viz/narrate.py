@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
+import textwrap
 
 from torch import Tensor
 
 from qkv.inspect.trace import Trace
 from qkv.inspect.why_parts import Why
 from qkv.viz.narrate_compressed import compressed_steps
+from qkv.viz.sinks import sink_sentence
+from qkv.viz.step_words import multiplied, shifted_right, split_words
 from qkv.viz.why_lines import why_step
 
 
@@ -38,14 +41,14 @@ def tokens_line(trace: Trace) -> str:
             f"Tokens ({len(trace.tokens)}): {listing}\n"
             f'  "{trace.query}" is token {q} ({trace.tokens[q]!r}), '
             f'"{trace.key}" is token {k} ({trace.tokens[k]!r}); tokens count from 0.'
-        )
+        ) + "".join("\n  " + line for line in split_words(trace))
     return (
         f"Source tokens, read by the encoder ({len(trace.tokens)}): {listing}\n"
         f"Target tokens, read by the decoder ({len(trace.query_tokens)}): "
         f"{' '.join(shown(t) for t in trace.query_tokens)}\n"
         f'  Cross-attention: the query word "{trace.query}" is target token {q}, the key word '
         f'"{trace.key}" is source token {k}; tokens count from 0.'
-    )
+    ) + "".join("\n  " + line for line in split_words(trace))
 
 
 def narrate(trace: Trace, why: Why | str | None = None) -> str:
@@ -53,11 +56,15 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
     pair's `qkv.why`, told after step 3 ("Why this scalar"), or why it could not be had."""
     t, q, k = trace, f'"{trace.query}"', f'"{trace.key}"'
     D = t.head_dim
-    kind = " (decoder cross-attention)" if t.query_tokens is not None else ""
+    cross = t.query_tokens is not None
+    kind = " (decoder cross-attention)" if cross else ""
     lines = [
         f"Layer {t.layer}, head {t.head}{kind} of {t.source} ({t.num_layers} layers x "
         f"{t.num_heads} heads, counted from 0), {t.chosen}.",
     ]
+    if cross:
+        lines += textwrap.wrap(shifted_right(t.query_tokens), 97, initial_indent="  ",
+                               subsequent_indent="  ")  # fmt: skip
     if t.num_kv_heads != t.num_heads:
         group = t.num_heads // t.num_kv_heads
         first = t.kv_head * group
@@ -66,7 +73,8 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
             f"head {t.kv_head}."
         )
     lines += [
-        f"1. Query vector: {q}'s vector entering the layer, times the query matrix "
+        f"1. Query vector: {multiplied('query', t.layer, cross=cross, whose=q + chr(39) + 's')},"
+        " times the query matrix "
         f"({t.width} -> {D} numbers):",
         f"     {vector(t.query_vector)}",
         f"2. Key vector: {_key_of(t)} times the key matrix:",
@@ -113,7 +121,8 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
     lines += [
         f"     {row}",
         f"   {k} gets {percent(t.weight)}.",
-        f"5. Value vector: {k}'s vector times the value matrix{_value_words(t)}:",
+        *_sink_lines(t, q),
+        f"5. Value vector: {_value_of(t, k)} times the value matrix{_value_words(t)}:",
         f"     {vector(t.value_vector)}",
         f"6. Scaled value vector: the value vector times {percent(t.weight)}:",
         f"     {vector(t.scaled_value_vector)}",
@@ -130,12 +139,24 @@ def narrate(trace: Trace, why: Why | str | None = None) -> str:
     return "\n".join(lines)
 
 
+def _sink_lines(t: Trace, q: str) -> list[str]:
+    """Where the query's largest weight is on the first or a special token: that it is an
+    attention sink (cross-attention's keys are the source's: its first token too)."""
+    said = sink_sentence(t.tokens, t.weights.tolist(), q)
+    return [] if said is None else textwrap.wrap(said + ".", 97, initial_indent="   ",
+                                                 subsequent_indent="   ")  # fmt: skip
+
+
+def _value_of(t: Trace, k: str) -> str:
+    return multiplied("value", t.layer, cross=t.query_tokens is not None, whose=f"{k}'s")
+
+
 def _key_of(t: Trace) -> str:
     """Whose key step 2 shows: the key word's vector, or (compressed attention) the entry's
     pooled vector where the key word is outside the window."""
     c = t.compressed
     if c is None or c.key_entry is None:
-        return f'"{t.key}"\'s vector'
+        return multiplied("key", t.layer, cross=t.query_tokens is not None, whose=f'"{t.key}"\'s')
     e = next(e for e in c.entries if e.entry == c.key_entry)
     return (
         f"entry {e.entry}'s vector (the compressor's pool of words {e.first}..{e.last}, "

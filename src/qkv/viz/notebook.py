@@ -25,11 +25,15 @@ from pathlib import Path
 
 import torch
 
+from qkv.inspect.probe import MEASURES
 from qkv.viz import escape
 from qkv.viz.generation import render_generation_page
 from qkv.viz.heatmap import head_heatmap
+from qkv.viz.lines import probe_embeddings_note
 from qkv.viz.page import attention_page, drawn_weights
 from qkv.viz.report import strongest_head
+from qkv.viz.sinks import sink_sentence
+from qkv.viz.step_words import ROLES, multiplied, shifted_right, split_words
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its
 # iopub data rate limit (1 MB/s over 3 s windows by default), leaving a blank cell.
@@ -104,6 +108,7 @@ def _cross_html(seen, weights) -> str:
         f"{len(page) / 2**20:.1f} MB, more than a notebook output carries. Layer {model_layer}, "
         f"head {model_head} (counted from 0), the head holding the largest weight; every head "
         "is in <code>.weights</code> (L, H, Tq, Tk).</p>"
+        f'<p class="note">{escape.text(shifted_right(list(seen.query_tokens)))}</p>'
         + grid_table(matrix, seen.query_tokens, seen.pieces, name="weight", low=0.0)
     )
 
@@ -140,10 +145,12 @@ def trace_html(found) -> str:
     real numbers: each vector's first numbers and its norm shown, every number kept in the
     cell's data-value."""
     q, k = quoted(found.query), quoted(found.key)
+    cross, layer = found.query_tokens is not None, found.layer
+    source = {role: escape.text(multiplied(role, layer, cross=cross)) for role in ROLES}
     rows = [
-        ("1", "query", f"Query vector of {q} (its embedding times the query matrix)",
+        ("1", "query", f"Query vector of {q} ({source['query']} times the query matrix)",
          _vector(found.query_vector)),
-        ("2", "key", f"Key vector of {k} (its embedding times the key matrix)",
+        ("2", "key", f"Key vector of {k} ({source['key']} times the key matrix)",
          _vector(found.key_vector)),
         ("3", "scalar", "Dot product of the query and key vectors: the attention scalar",
          number_cell(found.attention_scalar)),
@@ -177,7 +184,7 @@ def trace_html(found) -> str:
                      f"{q}{why}", number_cell(found.weight, shown=f"{100 * found.weight:.2f}% "
                                               f"({found.weight:.6g})")))  # fmt: skip
     rows += [
-        ("5", "value", f"Value vector of {k} (its embedding times the value matrix)",
+        ("5", "value", f"Value vector of {k} ({source['value']} times the value matrix)",
          _vector(found.value_vector)),
         ("6", "scaled-value", "Scaled value vector: the weight times the value vector",
          _vector(found.scaled_value_vector)),
@@ -210,6 +217,10 @@ def trace_html(found) -> str:
         for i in top
     )
     kind = "effective weights (linear attention)" if signed else "weights"
+    said = None if signed else sink_sentence(keys, weights, f'"{found.query}"')
+    sink = "" if said is None else f'<p class="note sink">{escape.text(said)}.</p>'
+    split = "".join(f'<p class="note split">{escape.text(line)}</p>' for line in split_words(found))
+
     if found.compressed is not None:  # a compressed layer's, spread from its entries
         kind = ("weights on the words (each compressed entry's spread over its block by the "
                 "compressor's coefficients, averaged over channels: an attribution)")  # fmt: skip
@@ -217,11 +228,11 @@ def trace_html(found) -> str:
         f"<h4>{q} gets context from {k}: {where}, counted from 0{chosen}</h4>"
         f"<p>{escape.text(found.source)} ({found.num_layers} layers x {found.num_heads} heads, D = "
         f"{found.head_dim}{', causal' if found.causal else ''}): "
-        f"<i>{escape.text(cut(shown, 120))}</i></p>"
+        f"<i>{escape.text(cut(shown, 120))}</i></p>{split}"
         f'<table class="steps"><tr><th>step</th><th class="text">the article</th>'
         f"<th>the model's numbers</th></tr>{body}</table>"
         f"<h4>{q}'s {kind} in this head, the largest first</h4>"
-        f'<table class="row">{row}</table>'
+        f'<table class="row">{row}</table>{sink}'
     )
 
 
@@ -268,14 +279,17 @@ def probe_html(found) -> str:
     last = found.similarity[-1].tolist()
     return wrapped(
         f"<h4>{quoted(found.word)} across {what}, at every depth</h4>"
-        '<p class="note">Separation: the mean cosine between the word\'s vectors in sentences '
-        "of the same sense minus across senses; accuracy: each sentence's sense told by the "
-        "nearest sense centroid, leaving the sentence out. Depth 0 is the embeddings, before any"
-        " attention.</p>"
+        f'<p class="note">{escape.text(_measures(found))} Depth 0 is the embeddings, before '
+        f"any attention. {escape.text(probe_embeddings_note(found))}</p>"
         f'<table class="depths">{head}{"".join(rows)}</table>{cue}'
         f"<h4>Cosine similarity of {quoted(found.word)} at {escape.text(depths[-1])}</h4>"
         + grid_table(last, names, [str(i) for i in range(N)], name="cosine")
     )
+
+
+def _measures(found) -> str:
+    shown = ["mean cosine"] + (["separation", "accuracy"] if found.separation is not None else [])
+    return " ".join(f"{name[0].upper()}{name[1:]}: {MEASURES[name]}." for name in shown)
 
 
 def probe_repr(found) -> str:
@@ -389,7 +403,22 @@ def grid_table(values, rows, columns, *, name: str, low=None, raw=None, divergin
             )
         label = escape.text(cut(str(label), 24))
         lines.append(f'<tr><th class="text">{label}</th>{"".join(cells)}</tr>')
-    return f'<table class="grid" data-name="{escape.attribute(name)}">{"".join(lines)}</table>'
+    table = f'<table class="grid" data-name="{escape.attribute(name)}">{"".join(lines)}</table>'
+    return table + _legend(name, (-span, span) if diverging else (bottom, top), diverging)
+
+
+def _legend(name: str, scale: tuple[float, float], diverging: bool) -> str:
+    """The colour scale of a grid: its two ends' numbers beside a bar of its colours."""
+    low, high = scale
+    ends = [_diverging(-1.0), (255, 255, 255), _diverging(1.0)] if diverging else VIRIDIS
+    stops = ", ".join(f"rgb{tuple(c)} {100 * i / (len(ends) - 1):g}%" for i, c in enumerate(ends))
+    said = f"colour: {name}, from {low:.3g} to {high:.3g}"
+    return (
+        f'<p class="legend note" data-low="{low!r}" data-high="{high!r}">{escape.text(said)} '
+        f'<span role="img" aria-label="{escape.attribute(said)}" style="display:inline-block;'
+        f"width:10em;height:.8em;vertical-align:middle;background:linear-gradient(to right, "
+        f'{stops})"></span></p>'
+    )
 
 
 def _viridis(x: float) -> tuple[int, int, int]:

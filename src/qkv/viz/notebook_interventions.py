@@ -10,6 +10,7 @@ import torch
 
 from qkv.inspect.census import SCORES
 from qkv.viz import escape
+from qkv.viz.lines import hide_scale_text
 from qkv.viz.notebook import cut, grid_table, number_cell, quoted, wrapped
 
 
@@ -32,6 +33,9 @@ def hidden_html(found) -> str:
         f"{_interval_html(found, 'total')} (1 - cosine; distance {found.total_distance:.4f}). "
         f"<i>{escape.text(cut(found.text, 120))}</i></p>",
     ]
+    scale = hide_scale_text(found)
+    if scale is not None:
+        parts.append(f'<p class="scale">{escape.text(scale[0].upper() + scale[1:])}.</p>')
     if bool((found.effect == found.effect).any()):  # the table was asked for (table=True)
         parts.append("<p>Each (layer, head) alone, the change of the final vector "
                      "(1 - cosine); blank where not asked:</p>")  # fmt: skip

@@ -5,12 +5,13 @@ Figure of its own, written whole or not at all."""
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 import torch
 
 from qkv.inspect.census import Census
-from qkv.inspect.probe import Probe
+from qkv.inspect.probe import MEASURES, Probe
 from qkv.inspect.why_parts import Why
 from qkv.io.files import write_atomically
 from qkv.viz.heatmap import token_label
@@ -56,15 +57,20 @@ def probe_plot(probe: Probe, path: str | os.PathLike[str], layer: int | None = N
     if probe.labels is not None:
         ax = axes[2]
         xs = range(L + 1)
-        ax.plot(xs, probe.separation, marker="o", label="separation (within - across)")
-        ax.plot(xs, probe.accuracy, marker="s", label="leave-one-out accuracy")
+        ax.plot(xs, probe.separation, marker="o", label="separation")
+        ax.plot(xs, probe.accuracy, marker="s", label="accuracy")
         ax.set_xticks(list(xs), ["emb", *(str(i) for i in range(L))], fontsize=7)
         ax.set_xlabel("depth (embeddings, then layer)", fontsize=8)
         ax.set_title("senses apart, per depth", fontsize=10)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
+    shown = ["separation", "accuracy"] if probe.labels is not None else []
+    said = [f"{name}: {MEASURES[name]}." for name in ["mean cosine", *shown]]
+    figure.text(0.01, 0.0, "\n".join(textwrap.fill(line, 160) for line in said), fontsize=7,
+                va="top", ha="left", color="#444")  # fmt: skip
 
-    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100))
+    write_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100,
+                                                       bbox_inches="tight"))  # fmt: skip
     return path
 
 

@@ -75,6 +75,8 @@ from qkv.viz.page_vectors import (
     vectors_data,
 )
 from qkv.viz.paths import html_path
+from qkv.viz.sinks import SAID, sink_indices
+from qkv.viz.step_words import multiplied_by_layer, shifted_right
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"
 CROSS_ENCODING = "float32, little-endian, row-major Tq x Tk, zlib, base64; one per head"
@@ -335,6 +337,10 @@ def render_page(
         "vectors": None if kept is None else vectors_data(kept, scale, rules),
         "extra": extra,
         "whys": whys,
+        # what each layer's query, key and value matrices multiply, in the CLI's words
+        "multiplies": multiplied_by_layer(L, cross=cross),
+        # the keys a query's largest weight is named an attention sink on, and the words
+        "sinks": {"indices": sink_indices(tokens), "said": SAID},
     }
     slots = {
         "version": __version__,
@@ -388,6 +394,7 @@ def _cross_header(queries: list[str], tokens: list[str]) -> str:
     return (
         f'<p id="kind"><b>{CROSS_HEADER}</b>: {len(queries)} target tokens, '
         f"{len(tokens)} source tokens.</p>"
+        f'<p id="shifted" class="note">{escape.text(shifted_right(queries))}</p>'
     )
 
 

@@ -151,11 +151,49 @@ function render() {  // the selected head's views
     : [{ w: weights(), head: state.head }];
   drawHeadView($("headview"), heads, seen.tokens, state);
   drawRow($("row"), $("row-title"), weights(), seen.tokens, state);
+  showStrongest();
+  showSink();
   document.querySelectorAll(".token").forEach((el) =>
     el.classList.toggle("selected", Number(el.dataset.index) === state.query));
   document.querySelectorAll(".thumb").forEach((el) => el.classList.toggle("selected",
     Number(el.dataset.layer) === state.layer && Number(el.dataset.head) === state.head));
   document.body.dataset.view = [state.layer, state.head, state.query ?? "", state.key ?? ""].join(",");
+}
+
+// The head where the chosen pair's weight is largest, offered when another is shown: a pair
+// opened on head 0 may show 0.30% where another head gives it most of the query's weight.
+function showStrongest() {
+  const box = $("strongest"), { seen, query, key } = state;
+  if (!seen || query === null || key === null) { box.hidden = true; box.replaceChildren(); return; }
+  const T = seen.tokens.length;
+  let best = null;
+  seen.weights.forEach((row, l) => row.forEach((w, h) => {
+    if (w && (best === null || w[query * T + key] > best.w)) best = { layer: l, head: h, w: w[query * T + key] };
+  }));
+  box.hidden = false;
+  box.dataset.layer = best.layer;
+  box.dataset.head = best.head;
+  box.dataset.w = best.w;
+  const here = best.layer === state.layer && best.head === state.head;
+  box.replaceChildren(`Strongest head for this pair: layer ${best.layer} head ${best.head} `
+    + `(${percent(best.w)})${here ? ", the one shown." : "; this one gives it "
+    + percent(weights()[query * T + key]) + ". "}`, here ? "" : make("button",
+    { type: "button", id: "strongest-show" }, `Show layer ${best.layer} head ${best.head}`));
+}
+
+// The row's largest weight on the first or a special token: named an attention sink, in the
+// words of qkv.viz.sinks that the server sends with the weights.
+function showSink() {
+  const box = $("sink"), { seen, query } = state;
+  box.textContent = "";
+  if (!seen || query === null || !seen.sinks) return;
+  const T = seen.tokens.length, w = weights(), row = w.subarray(query * T, (query + 1) * T);
+  const top = row.reduce((best, v, k) => (v > row[best] ? k : best), 0);
+  box.dataset.top = top;
+  if (!seen.sinks.indices.includes(top)) return;
+  const fill = { token: `"${shown(seen.tokens[top])}"`, index: top,
+    query: `"${shown(seen.tokens[query])}"`, weight: percent(row[top]) };
+  box.textContent = seen.sinks.said.replace(/\{(\w+)\}/g, (_, name) => fill[name]) + ".";
 }
 
 function resetTrace() {
@@ -243,13 +281,13 @@ async function hide(query, key) {  // the key hidden from the query, in every la
   try {
     // first the key hidden everywhere at once (one run), then each layer's heads alone: a
     // request per layer, so each stays short on a large model and the grid fills as it goes
-    const h = await post("/api/hide", { ...asked, table: false });
+    const h = await post("/api/hide", { ...asked, table: false, scale: true });
     if (ticket !== hides) return;
     Object.assign(h, { pair, done: 0 });
     state.hidden = h;
     drawHide(panel, h, state);
     for (const layer of h.layers) {
-      const row = await post("/api/hide", { ...asked, layers: [layer] });
+      const row = await post("/api/hide", { ...asked, layers: [layer], scale: false });
       if (ticket !== hides) return;
       for (const name of ["effect", "distance", "next_by_head"]) {
         if (h[name]) h[name][layer] = row[name][layer];
@@ -340,7 +378,7 @@ async function generate() {  // streamed: server-sent events read from a POST's 
         buffer = buffer.slice(end + 2);
         const kind = /^event: (.*)$/m.exec(block)[1], data = JSON.parse(/^data: (.*)$/m.exec(block)[1]);
         if (kind === "token") $("gen-new").textContent += data.text;
-        else if (kind === "done") $("gen-status").textContent = `Done (${data.finished}).`;
+        else if (kind === "done") $("gen-status").textContent = `Done: ${data.ended}.`;
         else throw new Error(data.detail);
       }
     }
@@ -427,6 +465,15 @@ function wire() {
   wireLong({ choose: chooseLongHead, fail });
   $("overlay").addEventListener("change", (e) => { state.overlay = e.target.checked; render(); });
   $("clear").addEventListener("click", () => select(null));
+  $("strongest").addEventListener("click", (e) => {
+    if (e.target.id !== "strongest-show") return;
+    state.layer = Number($("strongest").dataset.layer);
+    state.head = Number($("strongest").dataset.head);
+    $("layer").value = String(state.layer);
+    fitHead();
+    $("head").value = String(state.head);
+    select(state.query, state.key);
+  });
   $("heatmap").addEventListener("keydown", moveCursor);
   $("compare-form").addEventListener("submit", (e) => { e.preventDefault(); compare(); });
   $("gen-form").addEventListener("submit", (e) => { e.preventDefault(); generate(); });

@@ -236,15 +236,15 @@ export function drawTrace(panel, t, note) {
  ${t.key_index}): layer ${t.layer}, head ${t.head} of ${words.put(t.model)}</h2>
 <p class="note">${words.put(note)}${gqa}</p>
 <ol>
-<li>Query vector: ${Q}'s vector entering the layer times the query matrix (${t.width} → ${D}
+<li>Query vector: ${Q}, ${words.put(t.multiplies.query)}, times the query matrix (${t.width} → ${D}
  numbers): ${vector("t-query", t.query_vector)}</li>
-<li>Key vector: ${K}'s vector times the key matrix: ${vector("t-key", t.key_vector)}</li>${qkNorm}${rotary}
+<li>Key vector: ${K}, ${words.put(t.multiplies.key)}, times the key matrix: ${vector("t-key", t.key_vector)}</li>${qkNorm}${rotary}
 <li>Attention scalar: query · key = ${number("t-scalar", t.attention_scalar, signed(t.attention_scalar))}
  (how much ${Q} should attend to ${K})</li>
 ${windowNote}<li>${scaling}:
  ${number("t-scaled", t.scaled_scalar, signed(t.scaled_scalar))}${score}; the softmax over the
  ${seen.length} keys ${Q} sees makes weights that sum to 100%, and ${weight}.</li>
-<li>Value vector of ${K}: ${vector("t-value", t.value_vector)}</li>
+<li>Value vector of ${K}, ${words.put(t.multiplies.value)}, times the value matrix: ${vector("t-value", t.value_vector)}</li>
 <li>Scaled value vector, the weight times the value vector: ${vector("t-scaled-value", t.scaled_value_vector)}</li>
 <li>Steps 1-6 for every key, then the sum of the ${t.tokens.length} scaled value vectors (and
  nothing else): ${Q}'s contextualized vector in this head, ${vector("t-contextualized", t.contextualized)}.
@@ -298,6 +298,7 @@ export function drawHide(panel, h, state) {
  data-head="${best.head}" data-effect="${best.effect}">layer ${best.layer}, head ${best.head}</b>
  (${tiny(best.effect)})${progress}. ` : `Each head alone${progress}… `}Hidden in every layer and
  head at once: <b id="hide-total" data-total="${h.total}">${tiny(h.total)}</b>.</p>
+${h.scale ? `<p id="hide-scale" class="note">${words.put(h.scale[0].toUpperCase() + h.scale.slice(1))}.</p>` : ""}
 ${next}<div class="scroll"><table id="hide-table"><thead><tr><th>head</th>${head}</tr></thead>
 <tbody>${rows}</tbody></table></div>`);
 }

@@ -1,0 +1,45 @@
+"""A scale for `hide`'s number: the same question asked of every other word.
+
+"Hiding 'river' from 'bank' changes its final vector by 1 - cosine 0.0388" says nothing
+until it is set beside something. The scale asked of the same model, the same text and the
+same heads: hide each other word of the text instead (everywhere asked at once) and rank the
+key's change among theirs. Each is `hide(..., table=False)`: a clean run and one knockout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OtherWord:
+    """One other word of the text, hidden instead of the key: its name (as `explain` takes
+    words, "the#2") and the change it makes (1 - cosine of the query's final vector)."""
+
+    word: str
+    total: float
+
+
+def other_words(pretrained, encoded, key_spans, query, query_span, layers, heads, causal):
+    """Every word of `encoded` (the first prompt) that is neither a key nor the query, hidden
+    in its place, largest change first. A decoder's query sees only earlier words: the words
+    after it are left out, as they cannot be hidden from it."""
+    from qkv.inspect.hide import hide  # hide calls this: imported when it runs
+
+    taken = {tuple(span) for span in key_spans}
+    if query_span is not None:
+        taken.add(tuple(query_span))
+    found = []
+    for word in encoded.words():
+        span = (word.token_start, word.token_end)
+        if span in taken or (causal and query_span is not None and span[0] >= query_span[1]):
+            continue
+        other = hide(pretrained, encoded.text, word.name, query=query, layers=layers,
+                     heads=heads, table=False)  # fmt: skip
+        found.append(OtherWord(word.name, other.total))
+    return sorted(found, key=lambda w: -w.total)
+
+
+def key_rank(total: float, others: list[OtherWord]) -> int:
+    """The key's place (from 1) among the other words by the change hiding it makes."""
+    return 1 + sum(other.total > total for other in others)
