@@ -7,10 +7,10 @@ import pytest
 
 from browser import served, submit
 from qkv.inspect.hide import hide
+from qkv.inspect.sinks import sink_sentence
 from qkv.serve import Limits, create_app
 from qkv.serve.compute import ended
 from qkv.viz.lines import hide_scale_text
-from qkv.viz.sinks import sink_sentence
 
 TEXT = "The bank on the side of the river"
 

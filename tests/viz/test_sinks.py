@@ -7,10 +7,10 @@ import pytest
 
 import qkv
 from browser import offline
+from qkv.inspect.sinks import is_sink, sink_sentence
 from qkv.viz import write_html
 from qkv.viz.narrate import narrate
 from qkv.viz.notebook import trace_html
-from qkv.viz.sinks import is_sink, sink_sentence
 
 SENTENCE = "The bank on the side of the river"
 

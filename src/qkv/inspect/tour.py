@@ -146,7 +146,7 @@ def tour(
     steps = (
         tokens_step(pretrained, encoded, found),
         embeddings_step(pretrained, stack, encoded, found, states),
-        qkv_step(found, tried["qkv"], why_scalar(pretrained, found), list(encoded.special)),
+        qkv_step(found, tried["qkv"], why_scalar(pretrained, found)),
         scaling_step(seen, found, tried["scaling"]),
         heads_step(stack, seen, found, tried["heads"]),
         layers_step(found, tried["vectors"], senses, tried["layers"]),

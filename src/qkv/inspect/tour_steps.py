@@ -21,6 +21,7 @@ from torch import Tensor
 from qkv.attention import attend, explain_choice
 from qkv.inspect.probe import probe
 from qkv.inspect.records import why_not_redone
+from qkv.inspect.sinks import is_sink, sink_sentence
 from qkv.inspect.why import why as explain_why
 from qkv.inspect.words import on_words
 from qkv.io.load import load_source
@@ -124,7 +125,7 @@ def why_scalar(pretrained, found, top: int = 5) -> dict:
                        for q, k, v in why.ranked(top)]}  # fmt: skip
 
 
-def qkv_step(found, tried, why=None, special=()):
+def qkv_step(found, tried, why=None):
     """One head's query, key and value vectors and the article's seven steps (the trace)."""
     t = found
     numbers = {
@@ -142,20 +143,16 @@ def qkv_step(found, tried, why=None, special=()):
     q, k = t.query, t.key
     top = int(t.weights.argmax())
     numbers["sink"] = None
-    if top != t.key_index and (top == 0 or special[top]):  # the row's most weight on a marker
+    if top != t.key_index and is_sink(t.tokens, top):  # the row's most weight on a marker
         numbers["sink"] = {"index": top, "token": t.tokens[top], "weight": float(t.weights[top])}
     says = (f"In layer {t.layer}, head {t.head}, {q!r} asks with its query vector and {k!r} "
             "answers with its key vector: their dot product is one scalar, scaled and then "
             "normalized with the softmax over every word; each word's value vector is scaled by "
             f"its weight, and the sum is the new vector of {q!r} (the original embedding is "
             "not added here).")  # fmt: skip
-    if numbers["sink"]:
-        sink = numbers["sink"]
-        says += (
-            f" The most weight here, {sink['weight']:.1%}, goes to {sink['token']!r} "
-            f"(token {sink['index']}), {'a special token' if special[top] else 'the first'}"
-            ": an attention sink, where a head puts weight when no word is relevant to it."
-        )
+    if numbers["sink"]:  # in the words every page uses (qkv.inspect.sinks)
+        said = sink_sentence(t.tokens, t.weights.tolist(), repr(q))
+        says += f" {said[0].upper()}{said[1:]}."
     return _step("qkv", "Query, key and value: the seven steps", says, numbers, tried)
 
 

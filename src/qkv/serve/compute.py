@@ -28,6 +28,7 @@ import torch
 from qkv.inspect import census
 from qkv.inspect.hide import hide
 from qkv.inspect.probe import probe
+from qkv.inspect.sinks import SAID, sink_indices
 from qkv.inspect.trace import trace
 from qkv.inspect.why import encoded_why
 from qkv.inspect.words import compressed_words
@@ -36,7 +37,6 @@ from qkv.serve.jobs import in_thread
 from qkv.serve.limits import Busy, Cancelled, Limits, TooLarge
 from qkv.viz.lines import hide_scale_text
 from qkv.viz.page import drawn_weights
-from qkv.viz.sinks import SAID, sink_indices
 from qkv.viz.step_words import ROLES, multiplied
 
 FLOAT32 = "float32, little-endian, row-major T x T, base64; one string per head"
@@ -113,7 +113,7 @@ def attention(
         # where some layers keep a running memory (linear attention): what their weights are
         "effective": effective,
         "effective_layers": [n for n in layers if seen.records[n].linear is not None],
-        # a query's largest weight on one of these is named an attention sink (qkv.viz.sinks)
+        # a query's largest weight on one of these is named an attention sink (qkv.inspect.sinks)
         "sinks": {"indices": sink_indices(list(seen.tokens)), "said": SAID},
     }
     return (json.dumps(answer)[:-1] + ', "weights": [' + ", ".join(rows) + "]}").encode()

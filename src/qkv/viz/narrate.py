@@ -7,10 +7,10 @@ import textwrap
 
 from torch import Tensor
 
+from qkv.inspect.sinks import sink_sentence
 from qkv.inspect.trace import Trace
 from qkv.inspect.why_parts import Why
 from qkv.viz.narrate_compressed import compressed_steps
-from qkv.viz.sinks import sink_sentence
 from qkv.viz.step_words import multiplied, shifted_right, split_words
 from qkv.viz.why_lines import why_step
 

@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 
 from qkv.inspect.probe import MEASURES
+from qkv.inspect.sinks import sink_sentence
 from qkv.viz import escape
 from qkv.viz.generation import render_generation_page
 from qkv.viz.heatmap import head_heatmap
 from qkv.viz.lines import probe_embeddings_note
 from qkv.viz.page import attention_page, drawn_weights
 from qkv.viz.report import strongest_head
-from qkv.viz.sinks import sink_sentence
 from qkv.viz.step_words import ROLES, multiplied, shifted_right, split_words
 
 # The most bytes of page a notebook output carries: Jupyter's server drops output beyond its

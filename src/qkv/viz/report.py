@@ -62,6 +62,7 @@ from pathlib import Path
 import numpy as np
 
 from qkv.attention.inputs import check_indices
+from qkv.inspect.sinks import SAID, sink_indices
 from qkv.io.files import write_atomically, write_folder_atomically
 from qkv.version import __version__
 from qkv.viz import escape
@@ -75,7 +76,6 @@ from qkv.viz.page_vectors import (
     vectors_data,
 )
 from qkv.viz.paths import html_path
-from qkv.viz.sinks import SAID, sink_indices
 from qkv.viz.step_words import multiplied_by_layer, shifted_right
 
 ENCODING = "float32, little-endian, row-major T x T, zlib, base64; one per head"

@@ -182,7 +182,7 @@ function showStrongest() {
 }
 
 // The row's largest weight on the first or a special token: named an attention sink, in the
-// words of qkv.viz.sinks that the server sends with the weights.
+// words of qkv.inspect.sinks that the server sends with the weights.
 function showSink() {
   const box = $("sink"), { seen, query } = state;
   box.textContent = "";
