@@ -56,3 +56,18 @@ def test_no_scale_without_the_table_or_over_several_prompts(minilm):
     several = hide(minilm, [SENTENCE, "The bank by the river"], "river", query="bank",
                    layers=[0], heads=[0])  # fmt: skip
     assert several.others == [] and "for scale" not in hide_lines(several)
+
+
+def test_a_long_text_asks_only_the_words_nearest_the_query(minilm, monkeypatch):
+    """At most hide_scale.MOST other words are hidden (each is a clean run and a knockout):
+    the nearest the query, and the text says how many of how many."""
+    import qkv.inspect.hide_scale as scale
+
+    monkeypatch.setattr(scale, "MOST", 3)
+    found = hide(minilm, SENTENCE, "river", query="bank", layers=[0], heads=[4])
+    # The(1) bank(2) on(3) the(4) side(5) of(6) the(7) river(8): nearest 'bank' are The, on, the#2
+    assert {w.word for w in found.others} == {"The#1", "on", "the#2"}
+    assert found.others_of == 6 and found.to_dict()["others_of"] == 6
+    assert "the 3 of 6 other words nearest the query hidden instead" in " ".join(
+        hide_lines(found).split()
+    )

@@ -112,6 +112,7 @@ class Hidden(Shown):
     after: list[Token] | None = None  # decoders: the first prompt's next tokens, key hidden
     # the scale (with the table): each other word of the first prompt hidden instead, at once
     others: list[OtherWord] = field(default_factory=list)
+    others_of: int = 0  # how many other words the text has (others: at most hide_scale.MOST)
 
     def ranked(self) -> list[tuple[int, int, float]]:
         """(layer, head, effect) of every head asked, largest effect first (none without
@@ -141,6 +142,7 @@ class Hidden(Shown):
             "next_by_head": None if self.next_by_head is None else grid_dict(self.next_by_head),
             "after": None if self.after is None else [vars(t) for t in self.after],
             "others": [vars(w) for w in self.others],
+            "others_of": self.others_of,
             # several prompts: each one's values, their mean and interval
             **({"spreads": spreads_dict(self.spreads)} if len(self.texts) > 1 else {}),
         }
@@ -266,9 +268,9 @@ def hide(
         spreads = spreads_of(found)
     nan_grid = nan[0]
     one = prompts[0]
-    others = []  # the scale: asked of the first prompt, where the table is asked
+    others, others_of = [], 0  # the scale: asked of the first prompt, with the table
     if (table if scale is None else scale) and compare and len(texts) == 1:
-        others = other_words(pretrained, encoded[0], one.keys, query, one.query, layers, heads,
+        others, others_of = other_words(pretrained, encoded[0], one.keys, query, one.query, layers, heads,
                              causal)  # fmt: skip
     return Hidden(
         source=pretrained.source, text=texts[0], tokens=list(encoded[0].tokens), key=key,
@@ -281,6 +283,7 @@ def hide(
         next=first.get("next"),
         next_by_head=spreads["next_by_head"].mean if compare and causal else None,
         texts=texts, spreads=spreads, after=first.get("after"), others=others,
+        others_of=others_of,
     )  # fmt: skip
 
 

@@ -3,12 +3,16 @@
 "Hiding 'river' from 'bank' changes its final vector by 1 - cosine 0.0388" says nothing
 until it is set beside something. The scale asked of the same model, the same text and the
 same heads: hide each other word of the text instead (everywhere asked at once) and rank the
-key's change among theirs. Each is `hide(..., table=False)`: a clean run and one knockout.
+key's change among theirs. Each is `hide(..., table=False)`: a clean run and one knockout;
+a long text asks at most MOST of them, the words nearest the query (the key where there is
+no query), so the scale costs a bounded number of runs beside the table's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+MOST = 24  # other words hidden for the scale, at most
 
 
 @dataclass(frozen=True)
@@ -21,23 +25,29 @@ class OtherWord:
 
 
 def other_words(pretrained, encoded, key_spans, query, query_span, layers, heads, causal):
-    """Every word of `encoded` (the first prompt) that is neither a key nor the query, hidden
-    in its place, largest change first. A decoder's query sees only earlier words: the words
-    after it are left out, as they cannot be hidden from it."""
+    """(the other words hidden, how many other words there are): each word of `encoded` (the
+    first prompt) that is neither a key nor the query, hidden in its place, largest change
+    first; the MOST nearest the query (or the first key) where there are more. A decoder's
+    query sees only earlier words: the words after it are left out, as they cannot be hidden
+    from it."""
     from qkv.inspect.hide import hide  # hide calls this: imported when it runs
 
     taken = {tuple(span) for span in key_spans}
     if query_span is not None:
         taken.add(tuple(query_span))
+    near = (query_span if query_span is not None else key_spans[0])[0]
+    candidates = [
+        word for word in encoded.words()
+        if (word.token_start, word.token_end) not in taken
+        and not (causal and query_span is not None and word.token_start >= query_span[1])
+    ]  # fmt: skip
+    asked = sorted(candidates, key=lambda word: abs(word.token_start - near))[:MOST]
     found = []
-    for word in encoded.words():
-        span = (word.token_start, word.token_end)
-        if span in taken or (causal and query_span is not None and span[0] >= query_span[1]):
-            continue
+    for word in asked:
         other = hide(pretrained, encoded.text, word.name, query=query, layers=layers,
                      heads=heads, table=False)  # fmt: skip
         found.append(OtherWord(word.name, other.total))
-    return sorted(found, key=lambda w: -w.total)
+    return sorted(found, key=lambda w: -w.total), len(candidates)
 
 
 def key_rank(total: float, others: list[OtherWord]) -> int:

@@ -163,8 +163,10 @@ def hide_scale_text(result: Hidden) -> str | None:
     shown = len(result.layers) * len(result.heads)
     rank = key_rank(result.total, others)
     low, high = others[-1], others[0]
+    which = ("each other word" if result.others_of <= len(others) else
+             f"the {len(others)} of {result.others_of} other words nearest the query")  # fmt: skip
     return (
-        f"for scale, each other word hidden instead (in the same {shown} heads at once): "
+        f"for scale, {which} hidden instead (in the same {shown} heads at once): "
         f"'{key}' ranks {rank} of {len(others) + 1}, the others change it by 1 - cosine "
         f"{low.total:.3g} ('{low.word}') to {high.total:.3g} ('{high.word}')"
     )
