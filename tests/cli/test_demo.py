@@ -42,7 +42,9 @@ def test_demo_walks_the_article_with_minilms_own_numbers(tmp_path, minilm):
     files = sorted(p.name for p in (tmp_path / "report").iterdir())
     assert files == ["bank_senses.png", f"head_L{traced.layer}_H{traced.head}.png", "index.html",
                      "model_view.png", "tour.html"]  # fmt: skip
-    weights, tokens = read_weights((tmp_path / "report" / "index.html").read_text())
+    index = (tmp_path / "report" / "index.html").read_text()
+    assert '<a href="tour.html">Start with the guided tour' in index  # the page opened first
+    weights, tokens = read_weights(index)
     seen = minilm.attentions(SENTENCE)
     assert tokens == seen.tokens
     assert abs(weights - seen.weights.numpy()).max() <= 0.5e-4 + 1e-7  # stored to 4 decimals

@@ -206,6 +206,19 @@ def test_text_that_looks_like_markup_stays_text(tmp_path):
     assert [text for _, text in Elements(page).tokens] == [*tokens[:3], '" "']
 
 
+def test_pages_beside_the_report_are_linked_under_its_title(att, tmp_path):
+    label = "The <tour> & more"
+    folder = write_report(tmp_path / "r", att.weights, att.tokens, title="t",
+                          beside={label: "tour.html"})  # fmt: skip
+    page = (folder / "index.html").read_text()
+    assert '<a href="tour.html">The &lt;tour&gt; &amp; more</a>' in page
+    assert page.index('id="beside"') < page.index('id="text"')  # under the title, first seen
+    for bad in ("../x.html", "https://example.com/t.html", "sub/tour.html", "tour.png", ".html"):
+        with pytest.raises(ValueError, match="is not a page's file name"):
+            write_report(tmp_path / "s", att.weights, att.tokens, title="t", beside={"a": bad})
+        assert not (tmp_path / "s").exists()
+
+
 def test_an_existing_folder_with_files_is_refused_and_untouched(att, tmp_path):
     folder = tmp_path / "taken"
     folder.mkdir()

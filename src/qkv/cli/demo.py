@@ -94,8 +94,8 @@ def article_walk(out: Path) -> Iterator[str]:
         query=traced.query_index,
         extra={
             "explained": f"bank <- river, layer {traced.layer}, head {traced.head}",
-            "tour": "tour.html beside this page: the article's steps, one by one",
         },
+        beside={"Start with the guided tour: the article's steps, one by one": "tour.html"},
         vectors=seen.vectors(),
         scale=seen.scale,
         causal=seen.causal,  # False: MiniLM is an encoder, every token sees every other

@@ -139,12 +139,14 @@ def write_report(
     scale: float | None = None,
     scores: Sequence[LayerScores] | None = None,
     query_tokens: Sequence[str] | None = None,
+    beside: dict[str, str] | None = None,
 ) -> Path:
     """Write a report folder: index.html (the page of `write_html`), model_view.png (every
     layer and head) and head_L{l}_H{h}.png (the head shown first, by default the
     `strongest_head`). All or nothing: the folder is built beside the target and renamed.
     `vectors`, `causal`, `scale`, `scores` and `query_tokens` (cross-attention) are as in
-    `write_html`.
+    `write_html`. `beside`: {label: file name} of pages the caller puts in the same folder
+    (`qkv demo`'s tour.html), linked under the page's title.
 
     The target must not exist or be an empty folder. Returns the folder.
     """
@@ -153,6 +155,7 @@ def write_report(
     page = render_page(
         weights, tokens, title=title, text=text, extra=extra, head=head, query=query,
         vectors=vectors, causal=causal, scale=scale, scores=scores, query_tokens=query_tokens,
+        beside=beside,
     )  # fmt: skip
     return report_folder(folder, page, weights, tokens, head=head, query_tokens=query_tokens)
 
@@ -254,6 +257,7 @@ def render_page(
     scores: Sequence[LayerScores] | None = None,
     query_tokens: Sequence[str] | None = None,
     whys: dict | None = None,
+    beside: dict[str, str] | None = None,
 ) -> bytes:
     """The page's HTML, UTF-8 encoded; every argument is checked before anything is built.
     With `query_tokens`, cross-attention: (L, H, Tq, Tk) weights, target rows, source columns.
@@ -361,6 +365,7 @@ def render_page(
             "target (queries) left, source (keys) right" if cross else "queries left, keys right"
         ),
         "extra": _extra_section(extra),
+        "beside": _beside_links(beside),
         "trace_note": escape.text(trace_note),
         "why_section": "" if whys is None else WHY_SECTION,
         "why_script": "" if whys is None else _why_script(),
@@ -413,6 +418,19 @@ def _options(count: int, selected: int, *, first: str) -> str:
 def _shown(token: str) -> str:
     """Whitespace-only tokens in quotes, as the page's script shows them too."""
     return json.dumps(token, ensure_ascii=False) if not token.strip() else token
+
+
+def _beside_links(beside: dict[str, str] | None) -> str:
+    """Links to pages in the report's own folder: a plain file name each (no folder, no
+    scheme), so a link can only open a sibling page, offline."""
+    if not beside:
+        return ""
+    links = []
+    for label, name in beside.items():
+        if not isinstance(name, str) or not re.fullmatch(r"[\w-][\w.-]*\.html", name):
+            raise ValueError(f"beside: {name!r} is not a page's file name in the report's folder")
+        links.append(f'<a href="{escape.attribute(name)}">{escape.text(label)}</a>')
+    return f'<p id="beside">{" · ".join(links)}</p>'
 
 
 def _extra_section(extra: dict | None) -> str:
