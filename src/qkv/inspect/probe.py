@@ -3,8 +3,8 @@
 The article's example is "bank": by a river or where money is kept. Before any attention
 (the embeddings) every "bank" is the same token, so its vectors in different sentences are
 nearly equal (below 1 only where the model adds each token's position there: the word sits
-at different positions, after different words); each layer adds context from the other
-words, and a model that understands the sentences moves the river banks and the money
+at different positions, and no other word reaches it yet); each layer adds context from the
+other words, and a model that understands the sentences moves the river banks and the money
 banks apart. `probe` runs a real model over sentences that use the word, takes the word's
 vector at every depth (the mean over its tokens), and measures how similar the word is to
 itself across sentences: a cosine matrix per depth, and, given each sentence's sense, how

@@ -61,7 +61,7 @@ def probe_embeddings_note(probe: Probe) -> str:
                 "there (its positions act inside attention).")  # fmt: skip
     return (f"{same}; the cosines there are below 1 (lowest {lowest:.3f}) because the model "
             "adds each token's position to its embedding, and the word sits at different "
-            "positions, after different words.")  # fmt: skip
+            "positions (before attention, no other word reaches it).")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- interventions
