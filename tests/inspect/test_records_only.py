@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 import qkv
 from qkv.inspect.article import SENTENCE
+from qkv.inspect.tour import tour
 from qkv.models import Encoder
 from qkv.viz.page_why import PAGE_WHYS
 
@@ -104,5 +105,13 @@ def test_the_demo_runs_once_for_its_sentence_once_for_the_probe_and_per_layer_to
     # hiding "river" from "bank": one clean pass, one pass per layer with its 12 heads side by
     # side (each resumed at its layer), one with the word hidden everywhere
     assert forwards[2:10] == [(1, 10)] + [(12, 10)] * 6 + [(1, 10)]
+    # the scale beside it: each of the sentence's 6 other words hidden instead, a clean and a
+    # hidden pass each
+    assert forwards[10:22] == [(1, 10)] * 12
     # every other word hidden from "bank" in each of the 16 sentences: a clean and a hidden pass
-    assert len(forwards) == 10 + 2 * 16 and all(b == 1 for b, _ in forwards[10:])
+    assert len(forwards) >= 22 + 2 * 16 and all(b == 1 for b, _ in forwards[22:54])
+    # then the tour written beside the report: the passes of the tour alone, no more
+    in_demo = forwards[54:]
+    forwards.clear()
+    tour(qkv.load("minilm"), SENTENCE)
+    assert in_demo == forwards

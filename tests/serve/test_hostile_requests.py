@@ -230,9 +230,10 @@ expected-statuses = ["400", "413", "422"]
 
 [[operations]]
 # what no schema can say: a word of the text or a token position in it, a layer or head of the
-# model chosen (the schema gives the largest model's), one label per sentence
+# model chosen (the schema gives the largest model's), one label per sentence, a tour's target
+# text (for encoder-decoder models only)
 include-path = ["/api/attention", "/api/trace", "/api/why", "/api/contributions", "/api/probe",
-                "/api/hide"]
+                "/api/hide", "/api/tour"]
 checks.positive_data_acceptance.expected-statuses = ["200", "422"]
 
 [[operations]]

@@ -270,8 +270,12 @@ def hide(
     one = prompts[0]
     others, others_of = [], 0  # the scale: asked of the first prompt, with the table
     if (table if scale is None else scale) and compare and len(texts) == 1:
-        others, others_of = other_words(pretrained, encoded[0], one.keys, query, one.query,
-                                        layers, heads, causal)  # fmt: skip
+
+        def total_of(word: str) -> float:  # that word hidden instead, in the same heads
+            return hide(pretrained, encoded[0].text, word, query=query, layers=layers,
+                        heads=heads, table=False).total  # fmt: skip
+
+        others, others_of = other_words(encoded[0], one.keys, one.query, causal, total_of)
     return Hidden(
         source=pretrained.source, text=texts[0], tokens=list(encoded[0].tokens), key=key,
         query=query, key_spans=one.keys, query_span=one.query, layers=layers, heads=heads,

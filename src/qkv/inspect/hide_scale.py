@@ -24,14 +24,12 @@ class OtherWord:
     total: float
 
 
-def other_words(pretrained, encoded, key_spans, query, query_span, layers, heads, causal):
+def other_words(encoded, key_spans, query_span, causal: bool, total_of) -> tuple[list, int]:
     """(the other words hidden, how many other words there are): each word of `encoded` (the
-    first prompt) that is neither a key nor the query, hidden in its place, largest change
-    first; the MOST nearest the query (or the first key) where there are more. A decoder's
-    query sees only earlier words: the words after it are left out, as they cannot be hidden
-    from it."""
-    from qkv.inspect.hide import hide  # hide calls this: imported when it runs
-
+    first prompt) that is neither a key nor the query, hidden in its place (`total_of(name)`:
+    the change hiding that word makes, hide's own), largest change first; the MOST nearest
+    the query (or the first key) where there are more. A decoder's query sees only earlier
+    words: the words after it are left out, as they cannot be hidden from it."""
     taken = {tuple(span) for span in key_spans}
     if query_span is not None:
         taken.add(tuple(query_span))
@@ -42,11 +40,7 @@ def other_words(pretrained, encoded, key_spans, query, query_span, layers, heads
         and not (causal and query_span is not None and word.token_start >= query_span[1])
     ]  # fmt: skip
     asked = sorted(candidates, key=lambda word: abs(word.token_start - near))[:MOST]
-    found = []
-    for word in asked:
-        other = hide(pretrained, encoded.text, word.name, query=query, layers=layers,
-                     heads=heads, table=False)  # fmt: skip
-        found.append(OtherWord(word.name, other.total))
+    found = [OtherWord(word.name, total_of(word.name)) for word in asked]
     return sorted(found, key=lambda w: -w.total), len(candidates)
 
 
