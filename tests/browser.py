@@ -99,7 +99,10 @@ def served(app, viewport: dict | None = None) -> Iterator:
 
 
 def submit(page, text: str, timeout: float = 30_000) -> None:
-    """Type `text` into the explorer's box, press Enter and wait until the page shows it."""
+    """Type `text` into the explorer's box, press Enter and wait until the page shows it.
+    The page may show that text already (its first example): the mark is cleared first, so
+    the wait is for this show, not the last one, whose end would reset a pair chosen now."""
     page.fill("#text", text)
+    page.evaluate("delete document.body.dataset.shown")
     page.press("#text", "Enter")
     page.wait_for_function(f"document.body.dataset.shown === {json.dumps(text)}", timeout=timeout)
