@@ -7,8 +7,8 @@ the diagram's names (docs/diagram.md): each is the record's own tensor, a block'
 made from them by the block's own norms and matrices, never a second model.
 
 >>> import qkv
->>> found = diagram_tensors(qkv.load("minilm"), "the bank of the river")  # doctest: +SKIP
->>> found["L3.q"].shape  # (B, H, T, D)  # doctest: +SKIP
+>>> found = diagram_tensors(qkv.load("minilm"), "the bank of the river")
+>>> found["L3.q"].shape  # (B, H, T, D)
 torch.Size([1, 12, 7, 32])
 """
 
