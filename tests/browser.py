@@ -106,3 +106,13 @@ def submit(page, text: str, timeout: float = 30_000) -> None:
     page.evaluate("delete document.body.dataset.shown")
     page.press("#text", "Enter")
     page.wait_for_function(f"document.body.dataset.shown === {json.dumps(text)}", timeout=timeout)
+
+
+def flat(value) -> list:
+    """Every leaf of a page's JSON data (dicts and lists walked): the numbers a test looks
+    for on the page."""
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in flat(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in flat(v)]
+    return [value]

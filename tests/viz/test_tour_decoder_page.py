@@ -8,19 +8,11 @@ import json
 
 import pytest
 
-from browser import offline
+from browser import flat, offline
 from qkv.inspect.tour import STEPS, tour
 from qkv.viz.tour import render_tour
 
 TEXT = "When Mary and John went to the store, John gave a drink to"
-
-
-def _flat(value) -> list:
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _flat(v)]
-    if isinstance(value, list):
-        return [x for v in value for x in _flat(v)]
-    return [value]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +32,8 @@ def test_a_decoders_tour_page(found, smollm2, tmp_path):
             shown = page.eval_on_selector_all(
                 "#step [data-value]", "ns => ns.map(n => JSON.parse(n.dataset.value))"
             )
-            known = set(_flat(step.numbers))
-            known |= {x * 1e3 for x in _flat(step.numbers) if isinstance(x, float)}
+            known = set(flat(step.numbers))
+            known |= {x * 1e3 for x in flat(step.numbers) if isinstance(x, float)}
             assert [x for x in shown if x not in known] == [], step.id
             for experiment in step.experiments:
                 where = f"#step .experiment[data-experiment='{experiment['id']}']"

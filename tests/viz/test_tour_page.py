@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qkv
-from browser import offline
+from browser import flat, offline
 from qkv.inspect.article import SENTENCE
 from qkv.inspect.probe import probe
 from qkv.inspect.tour import STEPS, tour
@@ -45,14 +45,6 @@ def _go(page, step: str) -> None:
     assert page.evaluate("document.body.dataset.step") == step
 
 
-def _flat(value) -> list:
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _flat(v)]
-    if isinstance(value, list):
-        return [x for v in value for x in _flat(v)]
-    return [value]
-
-
 def test_every_step_by_keyboard_lit_and_photographed(page, bank, tmp_path):
     page.click("#steps button[data-step='tokens']")
     images = Path(IMAGES) if IMAGES else tmp_path
@@ -83,8 +75,8 @@ def test_every_number_shown_is_the_tours(page, bank):
         shown = page.eval_on_selector_all(
             "#step [data-value]", "ns => ns.map(n => JSON.parse(n.dataset.value))"
         )
-        known = set(_flat(step.numbers))
-        known |= {x * 1e3 for x in _flat(step.numbers) if isinstance(x, float)}  # ms
+        known = set(flat(step.numbers))
+        known |= {x * 1e3 for x in flat(step.numbers) if isinstance(x, float)}  # ms
         missing = [x for x in shown if x not in known]
         assert not missing, (step.id, missing[:5])
         # a step without its own numbers says why (no cross-attention, no training run here)
