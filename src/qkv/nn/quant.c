@@ -1,0 +1,376 @@
+/* Products of a GGUF file's quantized matrices with 8-bit activations, as llama.cpp computes
+ * them: each block of 32 inputs rounded to bytes with one scale (Q8_0 / Q8_1), the bytes
+ * multiplied by the weights' own 4- or 8-bit integers and summed exactly in 32 bits, then
+ * scaled: y = sum over blocks of (d_w * d_x) * isum (+ m_w * s_x for Q4_1).
+ *
+ * Weights are repacked once into panels of 16 rows: for each block of 32 columns, 16 rows'
+ * integers lie so that one 64-byte load holds 4 consecutive columns of each of the 16 rows,
+ * the operand of one VNNI instruction (vpdpbusd: 16 lanes, each summing 4 byte products).
+ * Every variant (scalar, AVX2, AVX-VNNI, AVX-512 VNNI) does the same integer sums and then
+ * the same float operations in the same order (no fused multiply-add), so they agree bit for
+ * bit; tests/nn/test_native_quant.py holds each to a float64 reference. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qkv_native.h"
+
+#if defined(QKV_X86)
+#include <immintrin.h>
+#endif
+
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+#define QK 32   /* columns per block */
+#define ROWS 16 /* rows per panel */
+#define MTILE 32 /* activation rows per pass over a thread's panels (prefill) */
+
+/* bytes of one panel's block of integers */
+static int64_t panel_block_bytes(int fmt) { return fmt == Q8_0 ? ROWS * QK : ROWS * QK / 2; }
+
+static float half_to_float(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+static float rounded_to_half(float x) { return (float)(_Float16)x; }
+
+/* ---- repacking ----------------------------------------------------------------------- */
+
+/* raw: N rows of K/32 blocks as the file holds them (Q4_0: d f16, 16 bytes; Q4_1: d, m f16,
+ * 16 bytes; Q8_0: d f16, 32 int8). panels: ceil(N/16) * (K/32) * panel_block_bytes;
+ * scales, mins: ceil(N/16) * (K/32) * 16 floats (rows past N: zeros). */
+void qkv_quant_repack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *panels,
+                      float *scales, float *mins) {
+    const int64_t nb = K / QK, np = (N + ROWS - 1) / ROWS;
+    const int64_t raw_block = fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34;
+    const int64_t pbb = panel_block_bytes(fmt);
+    memset(panels, 0, (size_t)(np * nb * pbb));
+    memset(scales, 0, (size_t)(np * nb * ROWS) * sizeof(float));
+    memset(mins, 0, (size_t)(np * nb * ROWS) * sizeof(float));
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t p = n / ROWS, r = n % ROWS;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = raw + (n * nb + b) * raw_block;
+            uint16_t d, m = 0;
+            memcpy(&d, blk, 2);
+            if (fmt == Q4_1) memcpy(&m, blk + 2, 2);
+            const uint8_t *qs = blk + (fmt == Q4_1 ? 4 : 2);
+            const int64_t at = (p * nb + b) * ROWS + r;
+            scales[at] = half_to_float(d);
+            mins[at] = fmt == Q4_1 ? half_to_float(m) : 0.0f;
+            uint8_t *out = panels + (p * nb + b) * pbb;
+            /* step s holds columns 4s..4s+3 of every row: 64 bytes, row r's at 4r */
+            if (fmt == Q8_0) {
+                for (int s = 0; s < 8; s++) memcpy(out + s * 64 + r * 4, qs + 4 * s, 4);
+            } else { /* a byte's low nibble is column 4s+j, its high one column 16+4s+j */
+                for (int s = 0; s < 4; s++) memcpy(out + s * 64 + r * 4, qs + 4 * s, 4);
+            }
+        }
+    }
+}
+
+/* ---- activations ----------------------------------------------------------------------- */
+
+/* x (M, K) float32 -> q (M, K) int8, and per block of 32: d (the scale, rounded to float16 as
+ * llama.cpp stores it), s = float16(d_unrounded * sum q) (Q8_1's), sum q (an integer). */
+void qkv_quant_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s,
+                           int32_t *sums) {
+    const int64_t nb = K / QK;
+    for (int64_t i = 0; i < M * nb; i++) {
+        const float *v = x + i * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float scale = amax / 127.0f;
+        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int r = (int)roundf(v[j] * inverse);
+            q[i * QK + j] = (int8_t)r;
+            sum += r;
+        }
+        d[i] = rounded_to_half(scale);
+        s[i] = rounded_to_half(scale * (float)sum);
+        sums[i] = sum;
+    }
+}
+
+/* ---- the products ------------------------------------------------------------------------ */
+
+typedef struct {
+    int fmt;
+    const uint8_t *panels;
+    const float *scales, *mins, *bias;
+    int64_t N, K, M;
+    const int8_t *xq;
+    const float *xd, *xs;
+    const int32_t *xsum;
+    float *y;
+} product;
+
+/* One block's 16 integer sums -> the running float sums of 16 rows, the same operations in
+ * every variant: acc += (d_w * d_x) * isum; Q4_0: isum - 8 * sum(x) first; Q4_1: + m_w * s_x. */
+#define BLOCK_SCALAR(acc, isum, pr, at, i)                                                       \
+    do {                                                                                         \
+        for (int r = 0; r < ROWS; r++) {                                                         \
+            int32_t v = isum[r];                                                                 \
+            if (pr->fmt == Q4_0) v -= 8 * pr->xsum[i];                                           \
+            acc[r] = acc[r] + (pr->scales[at + r] * pr->xd[i]) * (float)v;                       \
+            if (pr->fmt == Q4_1) acc[r] = acc[r] + pr->mins[at + r] * pr->xs[i];                 \
+        }                                                                                        \
+    } while (0)
+
+static void store(const product *pr, int64_t p, int64_t m, const float *acc) {
+    const int64_t n0 = p * ROWS, rows = pr->N - n0 < ROWS ? pr->N - n0 : ROWS;
+    float *y = pr->y + m * pr->N + n0;
+    for (int64_t r = 0; r < rows; r++) y[r] = pr->bias ? acc[r] + pr->bias[n0 + r] : acc[r];
+}
+
+static void panel_scalar(const product *pr, int64_t p, int64_t m) {
+    const int64_t nb = pr->K / QK, pbb = panel_block_bytes(pr->fmt);
+    float acc[ROWS] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = pr->panels + (p * nb + b) * pbb;
+        const int8_t *x = pr->xq + m * pr->K + b * QK;
+        int32_t isum[ROWS] = {0};
+        for (int r = 0; r < ROWS; r++) {
+            int32_t t = 0;
+            if (pr->fmt == Q8_0) {
+                for (int s = 0; s < 8; s++)
+                    for (int j = 0; j < 4; j++) t += (int8_t)w[s * 64 + r * 4 + j] * x[4 * s + j];
+            } else {
+                for (int s = 0; s < 4; s++)
+                    for (int j = 0; j < 4; j++) {
+                        const uint8_t byte = w[s * 64 + r * 4 + j];
+                        t += (byte & 15) * x[4 * s + j] + (byte >> 4) * x[16 + 4 * s + j];
+                    }
+            }
+            isum[r] = t;
+        }
+        const int64_t at = (p * nb + b) * ROWS, i = m * nb + b;
+        BLOCK_SCALAR(acc, isum, pr, at, i);
+    }
+    store(pr, p, m, acc);
+}
+
+#if defined(QKV_X86)
+static inline int32_t four(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return v;
+}
+
+/* AVX2: a panel as two halves of 8 rows; byte products summed in pairs (vpmaddubsw: 15 * 128
+ * * 2 fits 16 bits; Q8_0's signed weights go as |w| and x with w's sign, which fits too). */
+__attribute__((target("avx2,fma"))) static void panel_avx2(const product *pr, int64_t p,
+                                                            int64_t m) {
+    const int64_t nb = pr->K / QK, pbb = panel_block_bytes(pr->fmt);
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = pr->panels + (p * nb + b) * pbb;
+        const int8_t *x = pr->xq + m * pr->K + b * QK;
+        const int64_t at = (p * nb + b) * ROWS, i = m * nb + b;
+        for (int h = 0; h < 2; h++) {
+            __m256i isum = _mm256_setzero_si256();
+            if (pr->fmt == Q8_0) {
+                for (int s = 0; s < 8; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                    const __m256i xs = _mm256_set1_epi32(four(x + 4 * s));
+                    const __m256i pairs =
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xs, v));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+                }
+            } else {
+                for (int s = 0; s < 4; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                    const __m256i lo = _mm256_and_si256(v, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(x + 4 * s)));
+                    const __m256i c =
+                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(x + 16 + 4 * s)));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_add_epi16(a, c), ones));
+                }
+            }
+            if (pr->fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * pr->xsum[i]));
+            const __m256 dd = _mm256_mul_ps(_mm256_loadu_ps(pr->scales + at + 8 * h),
+                                            _mm256_set1_ps(pr->xd[i]));
+            acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)));
+            if (pr->fmt == Q4_1)
+                acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_loadu_ps(pr->mins + at + 8 * h),
+                                                             _mm256_set1_ps(pr->xs[i])));
+        }
+    }
+    float out[ROWS];
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
+    store(pr, p, m, out);
+}
+
+/* AVX-VNNI (256 bits): as AVX2, four byte products summed into 32 bits by one vpdpbusd. */
+__attribute__((target("avx2,fma,avxvnni"))) static void panel_avx_vnni(const product *pr,
+                                                                       int64_t p, int64_t m) {
+    const int64_t nb = pr->K / QK, pbb = panel_block_bytes(pr->fmt);
+    const __m256i low = _mm256_set1_epi8(15);
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = pr->panels + (p * nb + b) * pbb;
+        const int8_t *x = pr->xq + m * pr->K + b * QK;
+        const int64_t at = (p * nb + b) * ROWS, i = m * nb + b;
+        for (int h = 0; h < 2; h++) {
+            __m256i isum = _mm256_setzero_si256(), other = _mm256_setzero_si256();
+            if (pr->fmt == Q8_0) {
+                for (int s = 0; s < 8; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                    const __m256i xs = _mm256_set1_epi32(four(x + 4 * s));
+                    isum = _mm256_dpbusd_avx_epi32(isum, _mm256_abs_epi8(v),
+                                                   _mm256_sign_epi8(xs, v));
+                }
+            } else {
+                for (int s = 0; s < 4; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                    const __m256i lo = _mm256_and_si256(v, low);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    isum = _mm256_dpbusd_avx_epi32(isum, lo, _mm256_set1_epi32(four(x + 4 * s)));
+                    other = _mm256_dpbusd_avx_epi32(other, hi,
+                                                    _mm256_set1_epi32(four(x + 16 + 4 * s)));
+                }
+                isum = _mm256_add_epi32(isum, other);
+            }
+            if (pr->fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * pr->xsum[i]));
+            const __m256 dd = _mm256_mul_ps(_mm256_loadu_ps(pr->scales + at + 8 * h),
+                                            _mm256_set1_ps(pr->xd[i]));
+            acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)));
+            if (pr->fmt == Q4_1)
+                acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_loadu_ps(pr->mins + at + 8 * h),
+                                                             _mm256_set1_ps(pr->xs[i])));
+        }
+    }
+    float out[ROWS];
+    _mm256_storeu_ps(out, acc[0]);
+    _mm256_storeu_ps(out + 8, acc[1]);
+    store(pr, p, m, out);
+}
+
+/* AVX-512 VNNI: a whole panel, 16 rows in the 16 lanes of one register. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void panel_avx512_vnni(
+    const product *pr, int64_t p, int64_t m) {
+    const int64_t nb = pr->K / QK, pbb = panel_block_bytes(pr->fmt);
+    const __m512i low = _mm512_set1_epi8(15), zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *w = pr->panels + (p * nb + b) * pbb;
+        const int8_t *x = pr->xq + m * pr->K + b * QK;
+        const int64_t at = (p * nb + b) * ROWS, i = m * nb + b;
+        __m512i isum = _mm512_setzero_si512(), other = _mm512_setzero_si512();
+        if (pr->fmt == Q8_0) {
+            for (int s = 0; s < 8; s += 2) {
+                const __m512i v = _mm512_loadu_si512(w + s * 64);
+                const __m512i u = _mm512_loadu_si512(w + s * 64 + 64);
+                const __m512i xv = _mm512_set1_epi32(four(x + 4 * s));
+                const __m512i xu = _mm512_set1_epi32(four(x + 4 * s + 4));
+                /* |w| times x carrying w's sign: x negated where w < 0 */
+                isum = _mm512_dpbusd_epi32(isum, _mm512_abs_epi8(v),
+                                           _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(v), zero, xv));
+                other = _mm512_dpbusd_epi32(other, _mm512_abs_epi8(u),
+                                            _mm512_mask_sub_epi8(xu, _mm512_movepi8_mask(u), zero, xu));
+            }
+        } else {
+            for (int s = 0; s < 4; s++) {
+                const __m512i v = _mm512_loadu_si512(w + s * 64);
+                const __m512i lo = _mm512_and_si512(v, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                isum = _mm512_dpbusd_epi32(isum, lo, _mm512_set1_epi32(four(x + 4 * s)));
+                other = _mm512_dpbusd_epi32(other, hi, _mm512_set1_epi32(four(x + 16 + 4 * s)));
+            }
+        }
+        isum = _mm512_add_epi32(isum, other);
+        if (pr->fmt == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * pr->xsum[i]));
+        const __m512 dd = _mm512_mul_ps(_mm512_loadu_ps(pr->scales + at), _mm512_set1_ps(pr->xd[i]));
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(isum)));
+        if (pr->fmt == Q4_1)
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(pr->mins + at),
+                                                   _mm512_set1_ps(pr->xs[i])));
+    }
+    float out[ROWS];
+    _mm512_storeu_ps(out, acc);
+    store(pr, p, m, out);
+}
+#endif
+
+typedef void (*panel_fn)(const product *, int64_t, int64_t);
+
+static panel_fn panel_of(int variant) {
+#if defined(QKV_X86)
+    switch (variant) {
+    case QKV_AVX2: return panel_avx2;
+    case QKV_AVX_VNNI: return panel_avx_vnni;
+    case QKV_AVX512_VNNI: return panel_avx512_vnni;
+    }
+#endif
+    (void)variant;
+    return panel_scalar;
+}
+
+typedef struct {
+    const product *pr;
+    panel_fn fn;
+} job;
+
+/* thread ith's share: a contiguous run of panels, for every activation row, MTILE rows at a
+ * time so that its panels stay in its cache while the rows pass */
+static void run_job(void *arg, int ith, int nth) {
+    const job *jb = arg;
+    const product *pr = jb->pr;
+    const int64_t np = (pr->N + ROWS - 1) / ROWS;
+    const int64_t first = np * ith / nth, last = np * (ith + 1) / nth;
+    for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
+        const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
+        for (int64_t p = first; p < last; p++)
+            for (int64_t m = m0; m < m1; m++) jb->fn(pr, p, m);
+    }
+}
+
+/* The variants this CPU runs: a bit mask of 1 << QKV_SCALAR, 1 << QKV_AVX2, ... (the OS's
+ * support for the registers included, as GCC's __builtin_cpu_supports checks it). */
+int qkv_quant_variants(void) {
+    int mask = 1 << QKV_SCALAR;
+#if defined(QKV_X86)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        mask |= 1 << QKV_AVX2;
+        if (__builtin_cpu_supports("avxvnni")) mask |= 1 << QKV_AVX_VNNI;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+            mask |= 1 << QKV_AVX512_VNNI;
+    }
+#endif
+    return mask;
+}
+
+/* y (M, N) = x (M, K) @ W.T (+ bias): W as qkv_quant_repack made it, x rounded to 8 bits per
+ * block (work: M * K bytes, then 3 * M * K/32 floats or integers). Returns 0, or -1 when the
+ * variant is not one this CPU runs (nothing is written then). */
+int qkv_quant_matmul(int variant, int fmt, const uint8_t *panels, const float *scales,
+                     const float *mins, const float *bias, int64_t N, int64_t K, const float *x,
+                     int64_t M, float *y, void *work, int nth) {
+    if (variant < 0 || variant >= QKV_VARIANTS || !(qkv_quant_variants() >> variant & 1))
+        return -1;
+    const int64_t nb = K / QK;
+    int8_t *xq = work;
+    float *xd = (float *)(xq + ((M * K + 63) / 64) * 64);
+    float *xs = xd + M * nb;
+    int32_t *xsum = (int32_t *)(xs + M * nb);
+    qkv_quant_activations(x, M, K, xq, xd, xs, xsum);
+    product pr = {fmt, panels, scales, mins, bias, N, K, M, xq, xd, xs, xsum, y};
+    job jb = {&pr, panel_of(variant)};
+    const int64_t np = (N + ROWS - 1) / ROWS;
+    if (nth > np) nth = (int)np;
+    qkv_parallel(run_job, &jb, nth < 1 ? 1 : nth);
+    return 0;
+}
+
+/* bytes of qkv_quant_matmul's `work` for M rows of K */
+int64_t qkv_quant_work_bytes(int64_t M, int64_t K) {
+    return ((M * K + 63) / 64) * 64 + 3 * M * (K / QK) * 4;
+}
