@@ -35,9 +35,10 @@ import tempfile
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # src/qkv
-# every C file of the library, relative to the qkv package, and its one header's folder
-SOURCES = ("native/pool.c", "nn/quant.c")
-HEADERS = ("native/qkv_native.h",)
+# every C file under the qkv package is part of the library (a new kernel's file beside its
+# caller is found by itself); headers are included from qkv/native
+SOURCES = tuple(sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.c")))
+HEADERS = tuple(sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.h")))
 # -ffp-contract=off: no multiply-add is fused behind the code's back, so that every
 # variant's float operations are the same ones, in the same order, and agree bit for bit
 FLAGS = ("-O2", "-std=gnu11", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno",
@@ -123,20 +124,18 @@ def why_not() -> str | None:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    """The argument and result types of every function the library exports."""
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.qkv_quant_variants.restype = i32
-    lib.qkv_quant_variants.argtypes = []
-    lib.qkv_quant_repack.restype = None
-    lib.qkv_quant_repack.argtypes = [i32, p, i64, i64, p, p, p]
-    lib.qkv_quant_activations.restype = None
-    lib.qkv_quant_activations.argtypes = [p, i64, i64, p, p, p, p]
-    lib.qkv_quant_matmul.restype = i32
-    lib.qkv_quant_matmul.argtypes = [i32, i32, p, p, p, p, i64, i64, p, i64, p, p, i32]
-    lib.qkv_quant_work_bytes.restype = i64
-    lib.qkv_quant_work_bytes.argtypes = [i64, i64]
-    lib.qkv_pool_check.restype = i32
-    lib.qkv_pool_check.argtypes = [p, i32]
+    """The types of the functions every caller shares; each kernel's own module declares its
+    own with `declare`."""
+    declare(lib, "qkv_quant_variants", ctypes.c_int)
+    declare(lib, "qkv_pool_check", ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+
+
+def declare(lib: ctypes.CDLL, name: str, result, *arguments) -> None:
+    """Give the library's function `name` its C result and argument types (ctypes then
+    converts and checks each call's arguments: pointers as c_void_p, sizes as c_int64)."""
+    function = getattr(lib, name)
+    function.restype = result
+    function.argtypes = list(arguments)
 
 
 def variants(lib: ctypes.CDLL | None = None) -> tuple[str, ...]:
