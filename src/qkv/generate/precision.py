@@ -16,6 +16,8 @@ from torch import nn
 
 from qkv.io import int4, int4_cache
 from qkv.io.families import Family
+from qkv.native import why_not as native_why
+from qkv.nn.quant_linear import QuantLinear, kernels
 from qkv.nn.quantized import Int4Linear, int4_available
 
 PRECISIONS = ("auto", "loaded", "int4")
@@ -66,8 +68,8 @@ class FourBits:
         parameter = next(model.parameters())
         if self.file is None:
             return f"{source} is not a .gguf file with 4-bit matrices"
-        if not int4_available():
-            return f"torch {torch.__version__} has no CPU int4 kernel"
+        if kernels() is None and not int4_available():
+            return f"torch {torch.__version__} has no CPU int4 kernel (and {native_why()})"
         if parameter.device.type != "cpu":
             return "the model is not on the CPU"
         if parameter.dtype != torch.float32:
@@ -86,6 +88,10 @@ class FourBits:
 
         shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
         twin = copy.deepcopy(model, shared)  # the modules copied, their tensors not
+        if kernels() is not None:  # the file's own blocks, for qkv's native kernels
+            int4.use_blocks(twin, family, config, gguf.read_blocks(self.file, int4.BLOCK_TYPES),
+                            source)  # fmt: skip
+            return twin.eval()
         cache = None
         if self.digest:
             cache = int4_cache.cache_path(self.digest, gguf.default_cache_dir())
@@ -99,7 +105,7 @@ class FourBits:
 
 def int4_loaded(model: nn.Module) -> bool:
     """Whether the model was loaded with int4=True (its 4-bit matrices are its own)."""
-    return any(isinstance(m, Int4Linear) for m in model.modules())
+    return any(isinstance(m, Int4Linear | QuantLinear) for m in model.modules())
 
 
 def file_stamp(path: Path | None) -> tuple | None:

@@ -121,6 +121,26 @@ def read_int4(path: str | os.PathLike) -> dict[str, tuple[Tensor, Tensor, Tensor
     return out
 
 
+def read_blocks(path: str | os.PathLike, types: tuple[str, ...]) -> dict[str, tuple[str, Tensor]]:
+    """The file's matrices of the GGML `types` (names: "Q4_1", "Q8_0", ...) as the file
+    holds them, under Hugging Face names: {name: (type, raw (rows, bytes per row) uint8)},
+    query and key rows in Hugging Face's order (a row's blocks move with it). Read straight
+    from the file: nothing is dequantized or cached."""
+    data, header, config, arch = _open(Path(path))
+    heads = _permuted(arch, config)
+    out = {}
+    for info in header.tensors:
+        kind = info.ggml_type.name
+        if kind not in types or len(info.shape) != 2 or arch.join_of(info.name):
+            continue
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=info.nbytes, offset=info.start)
+        raw = raw.view(info.shape[0], -1)  # each row's blocks, side by side
+        part = info.name.split(".")[-2]
+        out[arch.hf_name(info.name)] = (kind, _unpermute(raw, heads[part]) if part in heads
+                                        else raw.clone())  # fmt: skip
+    return out
+
+
 # How long ago a file must have been written for `file_digest` to note its hash: a write
 # within the same tick of a coarse clock (a FAT disk keeps 2 s) would leave its times as they
 # were (git's "racy" files).

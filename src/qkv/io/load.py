@@ -19,8 +19,9 @@ from qkv.io.embedded import EMBEDDED, embedded_path
 from qkv.io.families import Family, family_for
 from qkv.io.families.checks import family_config
 from qkv.io.hf_folder import Pooling, download, load_folder, read_pooling
-from qkv.io.int4 import use_int4
+from qkv.io.int4 import BLOCK_TYPES, use_blocks, use_int4
 from qkv.io.tokenizer import Tokenizer
+from qkv.nn.quant_linear import kernels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,13 +86,15 @@ def load_source(
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -> Loaded:
     # the gguf package (0.3 s to import) loads only for a .gguf file
-    from qkv.io.gguf import read_gguf, read_int4
+    from qkv.io.gguf import read_blocks, read_gguf, read_int4
 
     contents = read_gguf(path)
     family = family_for(contents.config)
     config = with_backend(family_config(family, contents.config, path), backend)
     model = build(family, config, contents.state_dict, dtype)
-    if int4:
+    if int4 and kernels() is not None:  # the file's own blocks, for qkv's native kernels
+        use_blocks(model, family, config, read_blocks(path, BLOCK_TYPES), name)
+    elif int4:
         use_int4(model, family, config, read_int4(path), name)
     tokenizer = Tokenizer(contents.tokenizer, **contents.tokenizer_config, copy=False)
     four_bit_file = path if contents.four_bit and not int4 else None

@@ -99,10 +99,16 @@ def build(directory: Path | None = None, sanitize: bool = False) -> Path:
     return target
 
 
-@functools.cache
 def _loaded() -> tuple[ctypes.CDLL | None, str]:
+    """The library and "", or None and why not; QKV_NATIVE=0 is read at every call, so that a
+    program (or a test) can turn the kernels off for the models it makes next."""
     if os.environ.get("QKV_NATIVE", "1").strip() == "0":
         return None, "QKV_NATIVE=0 asks for torch's kernels"
+    return _built()
+
+
+@functools.cache
+def _built() -> tuple[ctypes.CDLL | None, str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"qkv's kernels are written for x86-64 CPUs; this is {platform.machine()}"
     try:

@@ -1,0 +1,142 @@
+"""Linear layers that keep a GGUF file's own blocks (Q4_0, Q4_1, Q8_0) and multiply them as
+llama.cpp does, with qkv's native kernels (`qkv/nn/quant.c`).
+
+Each block of 32 inputs is rounded to bytes with one scale (llama.cpp's Q8_0 and Q8_1
+activations); the bytes times the weights' own 4- or 8-bit integers are summed exactly in 32
+bits, and each block's sum is scaled: y = sum over blocks of (d_w * d_x) * isum (+ m_w * s_x
+for Q4_1, whose weights are d * q + m). The file's scales are used as they are (float16),
+where torch's int4 kernel rounds them to bfloat16 and turns every weight into a float before
+it multiplies. The weights are repacked once into panels of 16 rows, the operand of one VNNI
+instruction (see quant.c); the variant for the CPU's instruction set is chosen at run time
+(`qkv.native.chosen_variant`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+from torch import Tensor, nn
+
+from qkv import native
+
+# format -> (the C kernels' number for it, bytes of one block of 32 weights in the file)
+FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}
+BLOCK = 32
+ROWS = 16  # rows per panel
+
+
+@functools.cache
+def _typed(lib):
+    """The library with the product's functions typed (once a process)."""
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    native.declare(lib, "qkv_quant_repack", None, i32, p, i64, i64, p, p, p)
+    native.declare(lib, "qkv_quant_activations", None, p, i64, i64, p, p, p, p)
+    native.declare(lib, "qkv_quant_matmul", i32, i32, i32, p, p, p, p, i64, i64, p, i64, p, p, i32)
+    native.declare(lib, "qkv_quant_work_bytes", i64, i64, i64)
+    return lib
+
+
+def kernels():
+    """The typed native library, or None where there is none (`native.why_not()` says why)."""
+    lib = native.library()
+    return None if lib is None else _typed(lib)
+
+
+@functools.cache
+def _variant(asked: str) -> int:  # keyed by QKV_NATIVE_ISA's value, so a change is seen
+    return native.chosen_variant(kernels())[0]
+
+
+def variant() -> int:
+    """The index of the kernel variant products run (`native.chosen_variant`)."""
+    return _variant(os.environ.get("QKV_NATIVE_ISA", ""))
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W (N, K) held as a GGUF file's blocks of one format.
+
+    fmt: "Q4_0", "Q4_1" or "Q8_0"; raw (N, K / 32 * block bytes) uint8: each row's blocks as
+    the file holds them; bias (N,) or None. Inputs of any float dtype are multiplied in
+    float32, and the output is in the input's dtype. CPU only; needs the native library (a ValueError
+    naming why where there is none).
+    """
+
+    def __init__(self, fmt: str, raw: Tensor, in_features: int, bias: Tensor | None = None):
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"QuantLinear holds {', '.join(FORMATS)} blocks, not {fmt!r}")
+        code, block = FORMATS[fmt]
+        K = in_features
+        if K < BLOCK or K % BLOCK:
+            raise ValueError(f"{fmt} rows hold blocks of {BLOCK} columns; {K} columns is not that")
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[0] < 1:
+            raise ValueError(f"{fmt} blocks come as (rows, bytes) uint8, got {tuple(raw.shape)} "
+                             f"{raw.dtype}")  # fmt: skip
+        N = raw.shape[0]
+        if raw.shape[1] != K // BLOCK * block:
+            raise ValueError(f"{fmt} rows of {K} columns hold {K // BLOCK * block} bytes, "
+                             f"not {raw.shape[1]}")  # fmt: skip
+        if bias is not None and bias.shape != (N,):
+            raise ValueError(f"a layer of {N} outputs needs a bias of ({N},)")
+        lib = kernels()
+        if lib is None:
+            raise ValueError(f"QuantLinear needs qkv's native kernels: {native.why_not()}")
+        self.fmt, self.code = fmt, code
+        self.in_features, self.out_features = K, N
+        panels = (N + ROWS - 1) // ROWS * (K // BLOCK)
+        raw = raw.contiguous().cpu()
+        self.register_buffer("panels", torch.empty(panels * ROWS * (32 if fmt == "Q8_0" else 16),
+                                                   dtype=torch.uint8))  # fmt: skip
+        self.register_buffer("scales", torch.empty(panels * ROWS))
+        self.register_buffer("mins", torch.empty(panels * ROWS))
+        lib.qkv_quant_repack(code, raw.data_ptr(), N, K, self.panels.data_ptr(),
+                             self.scales.data_ptr(), self.mins.data_ptr())  # fmt: skip
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), False)
+
+    def product(self, variant_index: int | None = None, threads: int | None = None):
+        """x (M, K) float32 contiguous -> x @ W.T (+ bias) (M, N): the product as one
+        function, everything but x looked up once (a decoding step calls it 200 times a
+        token). variant_index: the kernel variant (default `variant()`); threads: default
+        torch's."""
+        lib = kernels()
+        if lib is None:
+            raise ValueError(f"QuantLinear needs qkv's native kernels: {native.why_not()}")
+        run, work_bytes = lib.qkv_quant_matmul, lib.qkv_quant_work_bytes
+        chosen = variant() if variant_index is None else variant_index
+        nth = torch.get_num_threads() if threads is None else threads
+        code, N, K = self.code, self.out_features, self.in_features
+        panels, scales, mins = (t.data_ptr() for t in (self.panels, self.scales, self.mins))
+        bias = None if self.bias is None else self.bias.data_ptr()
+        keep = (self.panels, self.scales, self.mins, self.bias)  # alive as long as the function
+
+        def multiply(x: Tensor) -> Tensor:
+            M = x.shape[0]
+            y = torch.empty(M, N)
+            work = torch.empty(work_bytes(M, K), dtype=torch.uint8)
+            if run(chosen, code, panels, scales, mins, bias, N, K, x.data_ptr(), M,
+                   y.data_ptr(), work.data_ptr(), nth):  # fmt: skip
+                raise ValueError(f"this CPU does not run the kernel variant "
+                                 f"{native.VARIANTS[chosen]!r}")  # fmt: skip
+            return y
+
+        multiply.keep = keep
+        return multiply
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "cpu":
+            raise ValueError("a GGUF file's blocks run on the CPU; load without int4 for GPUs")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"the layer takes {self.in_features} inputs, got {x.shape[-1]}")
+        if not x.is_floating_point():
+            raise ValueError(f"the layer multiplies float inputs, got {x.dtype}")
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        if flat.shape[0] == 0:
+            return x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.float32)
+        y = self.product()(flat)
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
