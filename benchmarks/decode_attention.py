@@ -36,43 +36,49 @@ def main() -> None:
     print(f"native: {native.describe()}")
     print(f"SmolLM2's attention: H={H}, Hkv={HKV}, D={D}, {LAYERS} layers, {args.threads} "
           f"threads; ms per layer (median of {args.repeats}); ratio = torch / kernel")  # fmt: skip
-    print(f"{'tokens':>7} | {'torch f32':>9} | {'qkv f16':>8} {'ratio':>6} | {'qkv int8':>8} {'ratio':>6}")
-    scale = D**-0.5
+    print(f"{'tokens':>7} | {'torch f32':>9} | {'qkv f16':>8} {'ratio':>6} | "
+          f"{'qkv int8':>8} {'ratio':>6}")  # fmt: skip
     for T in args.lengths:
-        capacity = T + 64  # a slice of a longer cache, as FastStep attends
-        q = torch.randn(1, H, D)
-        keys = [torch.randn(1, HKV, capacity, D) for _ in range(LAYERS)]
-        values = [torch.randn(1, HKV, capacity, D) for _ in range(LAYERS)]
-        halves = [(k.half(), v.half()) for k, v in zip(keys, values, strict=True)]
-        bytes_ = [_bytes(k, v, T) for k, v in zip(keys, values, strict=True)]
-
-        def torch_pass():
-            for k, v in zip(keys, values, strict=True):
-                F.scaled_dot_product_attention(q[:, :, None], k[:, :, :T], v[:, :, :T],
-                                               scale=scale, enable_gqa=True)  # fmt: skip
-
-        def f16_pass():
-            for k, v in halves:
-                nd.decode_attention(q, k, v, length=T, scale=scale, threads=args.threads)
-
-        def int8_pass():
-            for k, v, ks, vs in bytes_:
-                nd.decode_attention(q, k, v, length=T, scale=scale, key_scales=ks,
-                                    value_scales=vs, threads=args.threads)  # fmt: skip
-
-        # the same numbers first: the kernel over the rounded cache is torch over it
-        k16, v16 = halves[0]
-        want = F.scaled_dot_product_attention(q[:, :, None], k16[:, :, :T].float(),
-                                              v16[:, :, :T].float(), scale=scale,
-                                              enable_gqa=True)[:, :, 0]  # fmt: skip
-        got, _ = nd.decode_attention(q, k16, v16, length=T, scale=scale, threads=args.threads)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-        with torch.inference_mode():
-            seconds = time_peers({"torch": torch_pass, "f16": f16_pass, "int8": int8_pass},
-                                 args.repeats, warmup=2)  # fmt: skip
-        ms = {name: 1e3 * s / LAYERS for name, s in seconds.items()}
+        ms = per_layer(T, args.threads, args.repeats)
         print(f"{T:>7} | {ms['torch']:>9.3f} | {ms['f16']:>8.3f} {ms['torch'] / ms['f16']:>5.2f}x"
               f" | {ms['int8']:>8.3f} {ms['torch'] / ms['int8']:>5.2f}x")  # fmt: skip
+
+
+def per_layer(T: int, threads: int, repeats: int) -> dict[str, float]:
+    """Milliseconds per layer of each peer over T cached tokens."""
+    scale = D**-0.5
+    capacity = T + 64  # a slice of a longer cache, as FastStep attends
+    q = torch.randn(1, H, D)
+    keys = [torch.randn(1, HKV, capacity, D) for _ in range(LAYERS)]
+    values = [torch.randn(1, HKV, capacity, D) for _ in range(LAYERS)]
+    halves = [(k.half(), v.half()) for k, v in zip(keys, values, strict=True)]
+    bytes_ = [_bytes(k, v, T) for k, v in zip(keys, values, strict=True)]
+
+    def torch_pass():
+        for k, v in zip(keys, values, strict=True):
+            F.scaled_dot_product_attention(q[:, :, None], k[:, :, :T], v[:, :, :T], scale=scale,
+                                           enable_gqa=True)  # fmt: skip
+
+    def f16_pass():
+        for k, v in halves:
+            nd.decode_attention(q, k, v, length=T, scale=scale, threads=threads)
+
+    def int8_pass():
+        for k, v, ks, vs in bytes_:
+            nd.decode_attention(q, k, v, length=T, scale=scale, key_scales=ks, value_scales=vs,
+                                threads=threads)  # fmt: skip
+
+    # the same numbers first: the kernel over the rounded cache is torch over it
+    k16, v16 = halves[0]
+    want = F.scaled_dot_product_attention(q[:, :, None], k16[:, :, :T].float(),
+                                          v16[:, :, :T].float(), scale=scale,
+                                          enable_gqa=True)[:, :, 0]  # fmt: skip
+    got, _ = nd.decode_attention(q, k16, v16, length=T, scale=scale, threads=threads)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    with torch.inference_mode():
+        seconds = time_peers({"torch": torch_pass, "f16": f16_pass, "int8": int8_pass}, repeats,
+                             warmup=2)  # fmt: skip
+    return {name: 1e3 * s / LAYERS for name, s in seconds.items()}
 
 
 def _bytes(k, v, T):

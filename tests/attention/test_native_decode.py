@@ -40,7 +40,10 @@ def random_cache(B, Hkv, cap, D, fmt, generator):
     v = torch.randn(B, Hkv, cap, D, generator=generator)
     if fmt == "float16":
         return k.half(), v.half(), None, None
-    keys, values = torch.empty(B, Hkv, cap, D, dtype=torch.int8), torch.empty_like(k, dtype=torch.int8)
+    keys, values = (
+        torch.empty(B, Hkv, cap, D, dtype=torch.int8),
+        torch.empty_like(k, dtype=torch.int8),
+    )
     ks, vs = torch.empty(B, Hkv, cap), torch.empty(B, Hkv, cap)
     for t in range(cap):  # the kernel's own rounding, row by row
         nd.append(keys, values, k[:, :, t].contiguous(), v[:, :, t].contiguous(), t,
@@ -119,7 +122,10 @@ def test_append_rounds_as_torch_does():
     nd.append(keys, values, k, v, 4)
     assert torch.equal(keys[:, :, 4], k.half()) and torch.equal(values[:, :, 4], v.half())
     assert (keys[:, :, :4] == 0).all() and (keys[:, :, 5:] == 0).all()
-    keys8, values8 = torch.zeros(B, Hkv, cap, D, dtype=torch.int8), torch.zeros(B, Hkv, cap, D, dtype=torch.int8)
+    keys8, values8 = (
+        torch.zeros(B, Hkv, cap, D, dtype=torch.int8),
+        torch.zeros(B, Hkv, cap, D, dtype=torch.int8),
+    )
     ks, vs = torch.zeros(B, Hkv, cap), torch.zeros(B, Hkv, cap)
     nd.append(keys8, values8, k, v, cap - 1, key_scales=ks, value_scales=vs)
     for x, cache, scales in ((k, keys8, ks), (v, values8, vs)):
@@ -147,7 +153,8 @@ HOSTILE = {
     "values of another dtype": dict(values=torch.randn(1, 2, 10, 8).bfloat16()),
     "values shorter": dict(values=torch.randn(1, 2, 9, 8).half()),
     "keys 3-d": dict(keys=torch.randn(2, 10, 8).half()),
-    "an empty cache": dict(keys=torch.randn(1, 2, 0, 8).half(), values=torch.randn(1, 2, 0, 8).half()),
+    "an empty cache": dict(keys=torch.randn(1, 2, 0, 8).half(),
+                           values=torch.randn(1, 2, 0, 8).half()),
     "length past the capacity": dict(length=11),
     "a negative length": dict(length=-1),
     "a length of True": dict(length=True),
@@ -162,11 +169,13 @@ HOSTILE = {
     "no threads": dict(threads=0),
     "too many threads": dict(threads=10_000),
     "a negative chunk": dict(chunk=-1),
-    "scales for a float16 cache": dict(key_scales=torch.ones(1, 2, 10), value_scales=torch.ones(1, 2, 10)),
+    "scales for a float16 cache": dict(key_scales=torch.ones(1, 2, 10),
+                                       value_scales=torch.ones(1, 2, 10)),
     "int8 without scales": dict(keys=torch.zeros(1, 2, 10, 8, dtype=torch.int8),
                                 values=torch.zeros(1, 2, 10, 8, dtype=torch.int8)),
     "int8 scales of the wrong shape": dict(
-        keys=torch.zeros(1, 2, 10, 8, dtype=torch.int8), values=torch.zeros(1, 2, 10, 8, dtype=torch.int8),
+        keys=torch.zeros(1, 2, 10, 8, dtype=torch.int8),
+        values=torch.zeros(1, 2, 10, 8, dtype=torch.int8),
         key_scales=torch.ones(1, 2, 9), value_scales=torch.ones(1, 2, 10)),
     "a chunk of 1 over a huge cache": dict(
         keys=torch.zeros(1, 2, 2**21, 8).half(), values=torch.zeros(1, 2, 2**21, 8).half(),
@@ -228,17 +237,20 @@ lib.qkv_cache_append.argtypes = [ctypes.c_int, p, p, p, p, p, p, i64, i64, i64, 
 ptr = lambda a: None if a is None else a.ctypes.data
 rng = np.random.default_rng()
 mask_of_variants = lib.qkv_decode_variants()
-for B, H, Hkv, cap, D, start, length, chunk in [(1, 1, 1, 1, 1, 0, 1, 0), (2, 6, 2, 37, 33, 5, 37, 4),
-        (1, 9, 3, 700, 64, 0, 690, 0), (2, 4, 2, 20, 16, 3, 3, 0), (1, 2, 1, 300, 20, 0, 299, 1)]:
+for B, H, Hkv, cap, D, start, length, chunk in [
+        (1, 1, 1, 1, 1, 0, 1, 0), (2, 6, 2, 37, 33, 5, 37, 4), (1, 9, 3, 700, 64, 0, 690, 0),
+        (2, 4, 2, 20, 16, 3, 3, 0), (1, 2, 1, 300, 20, 0, 299, 1)]:
     q = rng.standard_normal((B, H, D), dtype=np.float32)
     mask = (rng.random((B, cap)) > 0.3).astype(np.uint8)
     for fmt in (0, 1):
         keys = np.zeros((B, Hkv, cap, D), np.float16 if fmt == 0 else np.int8)
-        values, ks, vs = keys.copy(), np.zeros((B, Hkv, cap), np.float32), np.zeros((B, Hkv, cap), np.float32)
+        values = keys.copy()
+        ks, vs = np.zeros((B, Hkv, cap), np.float32), np.zeros((B, Hkv, cap), np.float32)
         for t in range(cap):
             k = rng.standard_normal((B, Hkv, D), dtype=np.float32)
             v = rng.standard_normal((B, Hkv, D), dtype=np.float32)
-            lib.qkv_cache_append(fmt, ptr(k), ptr(v), ptr(keys), ptr(values), ptr(ks), ptr(vs), B, Hkv, cap, D, t)
+            lib.qkv_cache_append(fmt, ptr(k), ptr(v), ptr(keys), ptr(values), ptr(ks), ptr(vs),
+                                 B, Hkv, cap, D, t)
         kf = keys.astype(np.float64) * (ks[..., None] if fmt else 1)
         vf = values.astype(np.float64) * (vs[..., None] if fmt else 1)
         for variant in range(4):
@@ -246,8 +258,9 @@ for B, H, Hkv, cap, D, start, length, chunk in [(1, 1, 1, 1, 1, 0, 1, 0), (2, 6,
                 continue
             out, lse = np.empty((B, H, D), np.float32), np.empty((B, H), np.float32)
             scales = (ptr(ks), ptr(vs)) if fmt else (None, None)
-            assert lib.qkv_decode_attention(variant, fmt, ptr(q), ptr(keys), ptr(values), *scales,
-                ptr(mask), B, H, Hkv, cap, D, start, length, 0.125, chunk, ptr(out), ptr(lse), 2) == 0
+            assert lib.qkv_decode_attention(variant, fmt, ptr(q), ptr(keys), ptr(values),
+                *scales, ptr(mask), B, H, Hkv, cap, D, start, length, 0.125, chunk, ptr(out),
+                ptr(lse), 2) == 0
             for b in range(B):
                 for h in range(H):
                     seen = mask[b, start:length] > 0

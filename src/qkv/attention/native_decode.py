@@ -110,7 +110,7 @@ def _cache_inputs(keys, values, key_scales, value_scales) -> tuple[int, tuple[in
     if not isinstance(keys, Tensor) or keys.dim() != 4:
         got = tuple(keys.shape) if isinstance(keys, Tensor) else type(keys).__name__
         raise ValueError(f"keys must be a tensor (B, Hkv, capacity, D), got {got}")
-    B, Hkv, cap, D = shape = tuple(keys.shape)
+    B, Hkv, cap, _ = shape = tuple(keys.shape)
     if min(shape) < 1:
         raise ValueError(f"keys (B, Hkv, capacity, D) = {shape}: every size must be >= 1")
     _tensor("keys", keys, shape, (torch.float16, torch.int8))
@@ -198,7 +198,8 @@ def decode_attention(
     partial_bytes = B * H * -(-(length - start) // used) * (D + 2) * 4  # (B, H, chunks, D + 2)
     if partial_bytes > MOST_PARTIAL_BYTES:
         raise ValueError(f"chunk={chunk} over {length - start} positions needs "
-                         f"{partial_bytes / 2**30:.1f} GiB of partial sums; take a longer chunk")  # fmt: skip
+                         f"{partial_bytes / 2**30:.1f} GiB of partial sums; take a longer "
+                         "chunk")  # fmt: skip
     out = q.new_empty(B, H, D)
     lse = q.new_empty(B, H)
     done = lib.qkv_decode_attention(
