@@ -287,3 +287,12 @@ def test_the_kernel_is_clean_under_address_and_undefined_behaviour_sanitizers(tm
                           capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "clean", done.stderr[-3000:]
     assert "runtime error" not in done.stderr and "AddressSanitizer" not in done.stderr
+
+
+def test_qkv_native_isa_forces_a_lower_variant(monkeypatch):
+    call = good_call()
+    for variant in nd.variants():
+        monkeypatch.setenv("QKV_NATIVE_ISA", variant)
+        forced = nd.decode_attention(**call)
+        named = nd.decode_attention(**call, variant=variant)
+        assert all(torch.equal(a, b) for a, b in zip(forced, named, strict=True)), variant
