@@ -296,3 +296,23 @@ def test_qkv_native_isa_forces_a_lower_variant(monkeypatch):
         forced = nd.decode_attention(**call)
         named = nd.decode_attention(**call, variant=variant)
         assert all(torch.equal(a, b) for a, b in zip(forced, named, strict=True)), variant
+
+
+def test_a_fresh_process_first_call_on_two_threads_returns():
+    """The pool's workers answer the task posted by the call that started them (it once hung
+    there: a worker that first ran after the task was posted waited for the next one)."""
+    code = (
+        "import torch; from qkv.attention import native_decode as nd\n"
+        "keys = torch.ones(1, 1, 64, 8).half()\n"
+        "for n in (2, 3, 2):\n"
+        "    out, lse = nd.decode_attention(torch.ones(1, 2, 8), keys, keys, length=64, chunk=8,"
+        " threads=n)\n"
+        "    print(*lse.flatten().tolist())\n"
+    )
+    source = str(Path(nd.__file__).parents[2])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": source})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = math.log(64) + 8 / math.sqrt(8)  # 64 equal scores of (1 . 1) / sqrt(8)
+    found = [float(x) for x in done.stdout.split()]
+    assert len(found) == 6 and all(math.isclose(x, expected, rel_tol=1e-6) for x in found)
