@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -74,6 +75,11 @@ def variants() -> tuple[str, ...]:
 
 
 def _variant_index(variant: str | None) -> int:
+    return _index(variant, os.environ.get("QKV_NATIVE_ISA", ""))
+
+
+@functools.cache  # a step's attention is 30 calls a token: the choice is made once per asking
+def _index(variant: str | None, _isa: str) -> int:
     having = variants()
     if variant is None:
         chosen, _ = native.chosen_variant()  # QKV_NATIVE_ISA's, or the CPU's best
