@@ -57,7 +57,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks docs
 
 # each benchmark's table goes to benchmarks/NAME.txt as well as the screen
-BENCHMARKS := attention_cpu linear_cpu generate encode attentions train long_text serve_load hide hf_backend why_hooks atlas
+BENCHMARKS := attention_cpu decode_attention linear_cpu generate encode attentions train long_text serve_load hide hf_backend why_hooks atlas
 bench: $(BENCH_STAMP)
 	set -o pipefail; cd benchmarks && for name in $(BENCHMARKS); do \
 		../$(PY) $$name.py | tee $$name.txt || exit 1; done

@@ -23,7 +23,7 @@ DESIGN = SRC.parents[1] / "docs" / "design.md"
 # Bottom to top. A package may import its own modules and those of the floors below it; two
 # packages on one floor do not import each other. docs/design.md draws the same list.
 FLOORS = (
-    ("device", "version", "views"),
+    ("device", "version", "views", "native"),
     ("attention",),
     ("nn",),
     ("models",),

@@ -26,6 +26,8 @@ static struct {
     int nth;
 } pool = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
+static unsigned born[MAX_THREADS]; /* each worker's first generation, set before it starts */
+
 static long now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -40,7 +42,9 @@ static inline void relax(void) {
 
 static void *worker(void *p) {
     int ith = (int)(intptr_t)p;
-    unsigned seen = atomic_load(&pool.generation);
+    /* the generation when it was made, not when it first runs: a task posted in between
+     * (by the very call that made it) is still its to do, or that call waits for ever */
+    unsigned seen = born[ith];
     for (;;) {
         unsigned g;
         long until = 0;
@@ -83,6 +87,7 @@ static int start_workers(int n) {
         pthread_attr_t attr;
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        born[pool.started + 1] = atomic_load(&pool.generation);
         int failed = pthread_create(&t, &attr, worker, (void *)(intptr_t)(pool.started + 1));
         pthread_attr_destroy(&attr);
         if (failed) break;
