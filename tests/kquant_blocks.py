@@ -15,7 +15,7 @@ def random_blocks(fmt: str, N: int, K: int, rng: np.random.Generator) -> np.ndar
     super-block scales random of either sign."""
     nsb = K // 256
     raw = rng.integers(0, 256, (N, nsb, BLOCK_BYTES[fmt]), dtype=np.uint8)
-    halves = (rng.uniform(1e-3, 2e-2, (N, nsb, 2)) * rng.choice([-1, 1], (N, nsb, 2)))
+    halves = rng.uniform(1e-3, 2e-2, (N, nsb, 2)) * rng.choice([-1, 1], (N, nsb, 2))
     halves = halves.astype(np.float16).view(np.uint8).reshape(N, nsb, 4)
     if fmt == "Q6_K":
         raw[:, :, 208:210] = halves[:, :, :2]

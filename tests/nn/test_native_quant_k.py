@@ -3,7 +3,6 @@ numpy (tests/kquant_blocks.py), against the dequantized matrix, and against each
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -14,8 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
-from kquant_blocks import q8_k, random_blocks, reference
 
+from kquant_blocks import q8_k, random_blocks, reference
 from qkv import native
 from qkv.nn import quant_k
 from qkv.nn.quant_k import activations_k, matmul_k, repack_k, variants_k
@@ -116,8 +115,8 @@ def test_threads_share_panels_and_agree_bit_for_bit():
         "    for n in (2, 3, 8):\n"
         "        assert torch.equal(matmul_k(p, x, threads=n), one), n\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(quant_k.__file__).parents[2]),
-                                                       str(Path(__file__).parents[1])]))  # fmt: skip
+    paths = [str(Path(quant_k.__file__).parents[2]), str(Path(__file__).parents[1])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

@@ -186,4 +186,3 @@ def matmul_k(
     if failed:  # checked above; the C refuses anyway
         raise ValueError(f"the kernels refused variant {VARIANTS[index]!r} for {fmt_name}")
     return y
-
