@@ -41,13 +41,16 @@ def test_activations_are_llama_cpps_q8_k_bit_for_bit():
     rng = np.random.default_rng(0)
     x = activations(rng, 7, 1024)
     x[1, 5] = -np.abs(x[1, :256]).max() * 2  # a negative largest value: d > 0
-    x[2, 256:512] = np.float32(0.5) * np.arange(256) / 127  # ties to round to even
+    # largest 127: the scale is -1 exactly and every x.5 is a tie, rounded to the even integer
+    x[2, 256:512] = (np.arange(256) % 120 - 60 + 0.5).astype(np.float32)
+    x[2, 300] = 127
     q, d, bsums = activations_k(torch.from_numpy(x))
     q_ref, d_ref, bsums_ref = q8_k(x)
     assert np.array_equal(q.numpy(), q_ref)
     assert np.array_equal(d.numpy().view(np.uint32), d_ref.view(np.uint32))
     assert np.array_equal(bsums.numpy(), bsums_ref)
-    assert d[1, 0] > 0 and d[0, 0] == 0 and (d[3:, 0] < 0).any()
+    assert d[1, 0] > 0 and d[0, 0] == 0 and (d[3:, 0] < 0).any() and d[2, 1] == -1
+    assert q[2, 256 + 60].item() == 0 and q[2, 256 + 61].item() == -2  # -0.5 -> 0, -1.5 -> -2
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
