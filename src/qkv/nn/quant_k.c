@@ -255,7 +255,7 @@ static inline int value_of(int fmt, const parts *at, int r, int g, int e, int s,
     return v;
 }
 
-static void panel_scalar(const product *pr, int64_t p, int64_t m) {
+static void panel_scalar_row(const product *pr, int64_t p, int64_t m) {
     const int fmt = pr->fmt;
     const int64_t nsb = pr->K / QK_K;
     float acc[ROWS] = {0};
@@ -320,7 +320,12 @@ static inline int32_t four(const int8_t *x) {
 #include "quant_k_512.h"
 #endif
 
-typedef void (*panel_fn)(const product *, int64_t, int64_t);
+static void panel_scalar(const product *pr, int64_t p, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) panel_scalar_row(pr, p, m);
+}
+
+/* panel p's 16 outputs for the activation rows m0..m1-1 */
+typedef void (*panel_fn)(const product *, int64_t, int64_t, int64_t);
 
 static panel_fn panel_of(int variant) {
 #if defined(QKV_X86)
@@ -350,7 +355,7 @@ static void run_job(void *arg, int ith, int nth) {
     for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
         const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
         for (int64_t p = first; p < last; p++)
-            for (int64_t m = m0; m < m1; m++) jb->fn(pr, p, m);
+            jb->fn(pr, p, m0, m1);
     }
 }
 

@@ -90,11 +90,14 @@ __attribute__((always_inline, target(TARGET))) static inline void CAT(NAME, _bod
 }
 
 /* one copy of the body per format, the format a constant in each */
-__attribute__((target(TARGET))) static void NAME(const product *pr, int64_t p, int64_t m) {
-    switch (pr->fmt) {
-    case Q4_K: CAT(NAME, _body)(pr, p, m, Q4_K); break;
-    case Q5_K: CAT(NAME, _body)(pr, p, m, Q5_K); break;
-    default: CAT(NAME, _body)(pr, p, m, Q6_K); break;
+__attribute__((target(TARGET))) static void NAME(const product *pr, int64_t p, int64_t m0,
+                                                 int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+        switch (pr->fmt) {
+        case Q4_K: CAT(NAME, _body)(pr, p, m, Q4_K); break;
+        case Q5_K: CAT(NAME, _body)(pr, p, m, Q5_K); break;
+        default: CAT(NAME, _body)(pr, p, m, Q6_K); break;
+        }
     }
 }
 
