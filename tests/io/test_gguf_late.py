@@ -459,18 +459,21 @@ def test_llama4_is_what_llama_cpp_computes(written):
     assert (temperature.strength, temperature.every, temperature.shift) == (0.1, 8192, 1.0)
 
 
-def test_int4_keeps_deepseeks_rope_rows_in_qkvs_order(tmp_path, monkeypatch):
+@pytest.mark.parametrize("native", ["1", "0"])  # qkv's kernels, then torch's int4 kernel
+def test_int4_keeps_deepseeks_rope_rows_in_qkvs_order(tmp_path, monkeypatch, native):
     """DeepSeek's q and kv_a rows come interleaved and qkv's rotary turns halves, so the
     family permutes them (`permuted_rows`); kept in 4 bits, their bits, scales and zeros are
     permuted alike, and the int4 load follows the float32 load of the same Q4_0 file up to
     bfloat16's rounding of the inputs."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("QKV_NATIVE", native)
     arch, model = tiny_model("deepseek2-q")
     convert(model, arch, tmp_path / "q4.gguf", q4=True, split_kv_b=True)
     dense = qkv.load(str(tmp_path / "q4.gguf"))
     packed = qkv.load(str(tmp_path / "q4.gguf"), int4=True)
     attention = packed.model.blocks[0].attn
-    assert [type(attention.q).__name__, type(attention.kv_a).__name__] == ["Int4Linear"] * 2
+    kind = "QuantLinear" if native == "1" else "Int4Linear"  # the file's own rows, moved
+    assert [type(attention.q).__name__, type(attention.kv_a).__name__] == [kind] * 2
     with torch.inference_mode():
         want, got = dense.model(_ids()).logits, packed.model(_ids()).logits
     spread = float(want.max() - want.min())

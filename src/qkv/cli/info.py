@@ -83,10 +83,14 @@ def _this_machine() -> None:
     typer.echo(f"embed(precision='auto'): {precision}, since {why}")
     library, why = choose_gemm()
     typer.echo(f"float32 Linear products: {GEMM_NAMES[library]}, since {why}")
+    from qkv import native
     from qkv.nn.quantized import int4_available
 
+    typer.echo(native.describe())
     typer.echo("generate(precision='auto'): a .gguf file's 4-bit matrices in 4 bits, "
-               + ("since this torch has the CPU int4 kernel" if int4_available() else
+               + ("multiplied by qkv's native kernels (the file's own blocks, 8-bit "
+                  "activations, as llama.cpp)" if native.library() is not None else
+                  "since this torch has the CPU int4 kernel" if int4_available() else
                   f"but torch {torch.__version__} has no CPU int4 kernel: the weights "
                   "as loaded"))  # fmt: skip
     typer.echo("  each token after the prompt's through FastStep (few operations a "

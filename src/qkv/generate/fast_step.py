@@ -29,6 +29,7 @@ from qkv.nn.attention import MultiHeadAttention
 from qkv.nn.mlps import MLP, GatedMLP
 from qkv.nn.norms import RMSNorm
 from qkv.nn.position import Rotation
+from qkv.nn.quant_linear import QuantLinear
 from qkv.nn.quantized import GROUP, Int4Linear, Int8Linear, choose_int8_inputs
 
 
@@ -209,6 +210,8 @@ def _matmul(linear, widen: bool = False):
     if type(linear) is torch.nn.Linear:
         weight, bias = linear.weight, linear.bias
         return _stacked(linear) or (lambda x: F.linear(x, weight, bias))
+    if type(linear) is QuantLinear:  # the file's own blocks: qkv's native kernel, one call
+        return linear.product()
     if type(linear) is Int4Linear:
         packed, scales, bias = linear.packed, linear.scales_and_zeros, linear.bias
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
@@ -259,6 +262,8 @@ def head_of(model: Decoder):
     (an int4 model's) with its inputs in 8 bits too where `choose_int8_inputs` says so;
     None where the head runs as its module."""
     head = model.lm_head
+    if type(head) is QuantLinear:
+        return head.product()
     if type(head) is Int8Linear:
         return head.with_int8_inputs if choose_int8_inputs()[0] == "int8" else None
     if type(head) is not torch.nn.Linear or head.bias is not None:

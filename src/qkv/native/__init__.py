@@ -165,7 +165,9 @@ def chosen_variant(lib: ctypes.CDLL | None = None) -> tuple[int, str]:
             raise ValueError(f"QKV_NATIVE_ISA={asked!r}: this CPU runs {', '.join(having)}")
         return VARIANTS.index(asked), f"{asked}, as QKV_NATIVE_ISA asks"
     best = having[-1]
-    return VARIANTS.index(best), f"{best}, the best of the variants this CPU runs ({', '.join(having)})"
+    return VARIANTS.index(best), (
+        f"{best}, the best of the variants this CPU runs ({', '.join(having)})"
+    )
 
 
 def describe() -> str:

@@ -13,7 +13,7 @@
 #include "qkv_native.h"
 
 #define MAX_THREADS 256
-#define SPIN_NS 2000000L /* how long a worker spins before it sleeps: 2 ms */
+#define SPIN_NS 50000L /* how long a worker spins before it sleeps: 50 us */
 
 static struct {
     pthread_mutex_t lock; /* one task at a time: callers from several Python threads queue */

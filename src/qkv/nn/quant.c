@@ -80,7 +80,17 @@ void qkv_quant_activations(const float *x, int64_t M, int64_t K, int8_t *q, floa
     for (int64_t i = 0; i < M * nb; i++) {
         const float *v = x + i * QK;
         float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        int finite = 1;
+        for (int j = 0; j < QK; j++) {
+            amax = fmaxf(amax, fabsf(v[j]));
+            finite &= isfinite(v[j]) != 0;
+        }
+        if (!finite) { /* NaN or infinity in: NaN out (NaN * 0), never a cast of NaN to int */
+            memset(q + i * QK, 0, QK);
+            d[i] = s[i] = NAN;
+            sums[i] = 0;
+            continue;
+        }
         const float scale = amax / 127.0f;
         const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
         int sum = 0;

@@ -60,8 +60,8 @@ class QuantLinear(nn.Module):
 
     fmt: "Q4_0", "Q4_1" or "Q8_0"; raw (N, K / 32 * block bytes) uint8: each row's blocks as
     the file holds them; bias (N,) or None. Inputs of any float dtype are multiplied in
-    float32, and the output is in the input's dtype. CPU only; needs the native library (a ValueError
-    naming why where there is none).
+    float32, and the output is in the input's dtype. CPU only; needs the native library (a
+    ValueError naming why where there is none).
     """
 
     def __init__(self, fmt: str, raw: Tensor, in_features: int, bias: Tensor | None = None):
@@ -97,22 +97,27 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), False)
 
     def product(self, variant_index: int | None = None, threads: int | None = None):
-        """x (M, K) float32 contiguous -> x @ W.T (+ bias) (M, N): the product as one
+        """x (M, K) -> x @ W.T (+ bias) (M, N) in float32: the product as one
         function, everything but x looked up once (a decoding step calls it 200 times a
-        token). variant_index: the kernel variant (default `variant()`); threads: default
-        torch's."""
+        token). variant_index: the kernel variant (default `variant()`); threads: default 1."""
         lib = kernels()
         if lib is None:
             raise ValueError(f"QuantLinear needs qkv's native kernels: {native.why_not()}")
         run, work_bytes = lib.qkv_quant_matmul, lib.qkv_quant_work_bytes
         chosen = variant() if variant_index is None else variant_index
-        nth = torch.get_num_threads() if threads is None else threads
+        # One thread unless asked: between products a step runs torch's operations, whose
+        # OpenMP threads and this pool's spin for the same 2 cores (SmolLM2 decoded at 6-18
+        # tokens/s on 2 threads, 42 on 1, torch's int4 path 40). The step in C, with the pool
+        # as its only threads, is what takes both cores (issue 39).
+        nth = 1 if threads is None else threads
         code, N, K = self.code, self.out_features, self.in_features
         panels, scales, mins = (t.data_ptr() for t in (self.panels, self.scales, self.mins))
         bias = None if self.bias is None else self.bias.data_ptr()
         keep = (self.panels, self.scales, self.mins, self.bias)  # alive as long as the function
 
         def multiply(x: Tensor) -> Tensor:
+            if not x.is_contiguous() or x.dtype != torch.float32:
+                x = x.float().contiguous()
             M = x.shape[0]
             y = torch.empty(M, N)
             work = torch.empty(work_bytes(M, K), dtype=torch.uint8)

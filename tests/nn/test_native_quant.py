@@ -1,0 +1,189 @@
+"""qkv's native products of GGUF blocks (Q4_0, Q4_1, Q8_0) by 8-bit activations
+(`qkv/nn/quant.c` through `QuantLinear`): every variant this CPU runs, the lower ones forced,
+agrees with the scalar one bit for bit; the 8-bit activations equal a numpy version of
+llama.cpp's rounding bit for bit; the products equal a float64 reference of the same
+integers, and follow x @ W.T within the activations' rounding; hostile shapes are refused
+before any C call; an ASan/UBSan build runs clean."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from qkv import native
+from qkv.nn.quant_linear import FORMATS, QuantLinear, kernels
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def raw_blocks(fmt: str, N: int, K: int, rng) -> np.ndarray:
+    """N rows of random blocks in the file's byte layout (full ranges of the integers)."""
+    nb, size = K // 32, FORMATS[fmt][1]
+    raw = np.zeros((N, nb, size), np.uint8)
+    d = (rng.random((N, nb)) * 0.02 + 1e-4).astype(np.float16)
+    raw[:, :, 0:2] = d.view(np.uint8).reshape(N, nb, 2)
+    if fmt == "Q4_1":
+        m = (-rng.random((N, nb)) * 0.1).astype(np.float16)
+        raw[:, :, 2:4] = m.view(np.uint8).reshape(N, nb, 2)
+    start = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[fmt]
+    raw[:, :, start:] = rng.integers(0, 256, (N, nb, size - start))
+    return raw.reshape(N, -1)
+
+
+def quantized(x: np.ndarray):
+    """llama.cpp's Q8_0/Q8_1 rounding of x (M, K) float32, in numpy: q, d, s per block."""
+    blocks = x.reshape(-1, 32)
+    scale = np.abs(blocks).max(-1) / np.float32(127)
+    inverse = np.where(scale != 0, np.float32(1) / np.where(scale != 0, scale, 1), 0)
+    t = (blocks * inverse[:, None].astype(np.float32)).astype(np.float64)
+    q = (np.sign(t) * np.floor(np.abs(t) + 0.5)).astype(np.int64)  # roundf: half away from 0
+    sums = q.sum(-1)
+    d = scale.astype(np.float16).astype(np.float64)
+    s = (scale * sums.astype(np.float32)).astype(np.float16).astype(np.float64)
+    return q, d, s
+
+
+def reference(fmt: str, raw: np.ndarray, K: int, x: np.ndarray) -> np.ndarray:
+    """sum over blocks of (d_w d_x) isum (+ m_w s_x), in float64 from the raw bytes."""
+    N, nb = raw.shape[0], K // 32
+    blocks = raw.reshape(N, nb, -1)
+    d_w = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64)
+    if fmt == "Q8_0":
+        w = blocks[:, :, 2:].copy().view(np.int8).astype(np.int64)
+    else:
+        qs = blocks[:, :, 4 if fmt == "Q4_1" else 2 :]
+        w = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64) - (8 if fmt == "Q4_0" else 0)
+    q, d_x, s_x = quantized(x)
+    M = x.shape[0]
+    isum = np.einsum("nbj,mbj->mnb", w, q.reshape(M, nb, 32))  # exact integers
+    y = (d_w[None] * d_x.reshape(M, 1, nb) * isum).sum(-1)
+    if fmt == "Q4_1":
+        m_w = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
+        y += (m_w[None] * s_x.reshape(M, 1, nb)).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_variant_agrees_bit_for_bit_and_with_the_float64_reference(fmt):
+    rng = np.random.default_rng()
+    seed = int(rng.integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    for N, K, M in ((37, 64, 1), (192, 576, 3), (20, 1536, 40)):
+        raw = raw_blocks(fmt, N, K, rng)
+        bias = torch.from_numpy(rng.standard_normal(N).astype(np.float32)) if M == 3 else None
+        layer = QuantLinear(fmt, torch.from_numpy(raw), K, bias)
+        x = torch.from_numpy(rng.standard_normal((M, K)).astype(np.float32))
+        outs = {name: layer.product(native.VARIANTS.index(name), threads)(x)
+                for name in native.variants() for threads in (1, 2)}  # fmt: skip
+        base = layer.product(0, 1)(x)
+        for name, y in outs.items():
+            assert torch.equal(y, base), f"{name} differs from scalar ({fmt}, seed {seed})"
+        want = reference(fmt, raw, K, x.numpy()) + (0 if bias is None else bias.numpy())
+        terms = reference(fmt, np.abs(raw.view(np.int8)).astype(np.uint8) * 0 + raw, K,
+                          np.abs(x.numpy()))  # fmt: skip
+        err = np.abs(base.numpy() - want) / (np.abs(terms) + np.abs(want) + 1e-3)
+        assert err.max() < 1e-5, f"{fmt} seed {seed}: {err.max():.2e}"
+        assert torch.equal(layer(x[None])[0], outs[native.variants()[-1]])
+
+
+def test_activations_round_as_llama_cpp_does():
+    lib = kernels()
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((5, 96)) * rng.random((5, 1)) * 10).astype(np.float32)
+    x[0, :32] = 0  # an all-zero block: scale 0, bytes 0
+    x[1, 3] = -x[1].__abs__().max() * 2  # the largest is negative
+    q = np.empty(x.shape, np.int8)
+    d, s = np.empty(15, np.float32), np.empty(15, np.float32)
+    sums = np.empty(15, np.int32)
+    lib.qkv_quant_activations(x.ctypes.data, 5, 96, q.ctypes.data, d.ctypes.data,
+                              s.ctypes.data, sums.ctypes.data)  # fmt: skip
+    want_q, want_d, want_s = quantized(x)
+    assert np.array_equal(q.reshape(-1, 32), want_q)
+    assert np.array_equal(d, want_d.astype(np.float32)) and np.array_equal(s, want_s)
+    assert np.array_equal(sums, want_q.sum(-1))
+
+
+def test_nan_inputs_give_nan_outputs_not_garbage():
+    raw = torch.from_numpy(raw_blocks("Q4_1", 16, 64, np.random.default_rng(0)))
+    layer = QuantLinear("Q4_1", raw, 64)
+    x = torch.randn(2, 64)
+    x[1, 5] = float("nan")
+    y = layer(x)
+    assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("Q5_0", torch.zeros(4, 22, dtype=torch.uint8), 32), "holds Q4_0"),
+        (("Q4_1", torch.zeros(4, 20, dtype=torch.uint8), 48), "blocks of 32"),
+        (("Q4_1", torch.zeros(4, 21, dtype=torch.uint8), 32), "hold 20 bytes"),
+        (("Q4_1", torch.zeros(4, 20, dtype=torch.int8), 32), "uint8"),
+        (("Q4_1", torch.zeros(0, 20, dtype=torch.uint8), 32), "uint8"),
+        (("Q8_0", torch.zeros(4, 34, dtype=torch.uint8), 32, torch.zeros(5)), "bias of"),
+    ],
+)
+def test_hostile_layers_are_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        QuantLinear(*args)
+
+
+def test_hostile_inputs_are_refused():
+    layer = QuantLinear("Q8_0", torch.zeros(4, 34, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match="takes 32 inputs"):
+        layer(torch.zeros(2, 33))
+    with pytest.raises(ValueError, match="float inputs"):
+        layer(torch.zeros(2, 32, dtype=torch.long))
+
+
+def test_the_kernels_run_clean_under_sanitizers(tmp_path):
+    """ASan and UBSan around every format and variant, in a process without torch (numpy and
+    ctypes), the sanitizers' runtime preloaded."""
+    built = native.build(tmp_path, sanitize=True)
+    asan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    script = textwrap.dedent(f"""
+        import ctypes, numpy as np
+        lib = ctypes.CDLL({str(built)!r})
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.qkv_quant_repack.argtypes = [ctypes.c_int, p, i64, i64, p, p, p]
+        lib.qkv_quant_matmul.argtypes = [ctypes.c_int] * 2 + [p] * 4 + [i64, i64, p, i64, p, p,
+                                                                        ctypes.c_int]
+        lib.qkv_quant_work_bytes.restype = i64
+        lib.qkv_quant_work_bytes.argtypes = [i64, i64]
+        rng = np.random.default_rng(0)
+        mask = lib.qkv_quant_variants()
+        for code, size in ((0, 18), (1, 20), (2, 34)):
+            for N, K, M in ((17, 64, 1), (40, 96, 5)):
+                raw = rng.integers(0, 256, (N, K // 32 * size)).astype(np.uint8)
+                raw.reshape(N, -1, size)[:, :, 1] = 0x2c  # finite float16 scales
+                raw.reshape(N, -1, size)[:, :, 3 if code == 1 else 1] = 0x2c
+                P = (N + 15) // 16 * (K // 32)
+                panels = np.empty(P * (512 if code == 2 else 256), np.uint8)
+                sc, mi = np.empty(P * 16, np.float32), np.empty(P * 16, np.float32)
+                lib.qkv_quant_repack(code, raw.ctypes.data, N, K, panels.ctypes.data,
+                                     sc.ctypes.data, mi.ctypes.data)
+                x = rng.standard_normal((M, K)).astype(np.float32)
+                work = np.empty(lib.qkv_quant_work_bytes(M, K), np.uint8)
+                outs = []
+                for v in range(4):
+                    if mask >> v & 1:
+                        y = np.empty((M, N), np.float32)
+                        assert lib.qkv_quant_matmul(v, code, panels.ctypes.data, sc.ctypes.data,
+                            mi.ctypes.data, None, N, K, x.ctypes.data, M, y.ctypes.data,
+                            work.ctypes.data, 2) == 0
+                        outs.append(y)
+                assert all(np.array_equal(o, outs[0]) for o in outs)
+        print("clean")
+    """)
+    env = {"LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0", "PATH": "/usr/bin:/bin",
+           "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "clean" in done.stdout, done.stderr[-2000:]
+    assert "runtime error" not in done.stderr
