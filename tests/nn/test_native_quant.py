@@ -84,10 +84,9 @@ def test_every_variant_agrees_bit_for_bit_and_with_the_float64_reference(fmt):
         for name, y in outs.items():
             assert torch.equal(y, base), f"{name} differs from scalar ({fmt}, seed {seed})"
         want = reference(fmt, raw, K, x.numpy()) + (0 if bias is None else bias.numpy())
-        terms = reference(fmt, np.abs(raw.view(np.int8)).astype(np.uint8) * 0 + raw, K,
-                          np.abs(x.numpy()))  # fmt: skip
-        err = np.abs(base.numpy() - want) / (np.abs(terms) + np.abs(want) + 1e-3)
-        assert err.max() < 1e-5, f"{fmt} seed {seed}: {err.max():.2e}"
+        # float32's rounding of at most 48 blocks' terms: far under 2e-5 of the largest output
+        err = np.abs(base.numpy() - want).max() / np.abs(want).max()
+        assert err < 2e-5, f"{fmt} seed {seed}: {err:.2e}"
         assert torch.equal(layer(x[None])[0], outs[native.variants()[-1]])
 
 
