@@ -389,12 +389,13 @@ def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2,
         fast.save("never-written")
 
 
-def test_native_smollm2_keeps_the_files_blocks_and_follows_the_float32_model(smollm2):
+def test_native_smollm2_keeps_the_files_blocks_and_follows_the_float32_model(smollm2, monkeypatch):
     """With qkv's native kernels (built in every CI run: gcc is there), int4 keeps the file's
     own Q4_1 blocks and its Q8_0 head, and greedy decoding follows float32's next token."""
     from qkv.nn.quant_linear import QuantLinear, kernels
 
     assert kernels() is not None, "the native kernels did not build here"
+    monkeypatch.setenv("QKV_NATIVE", "1")  # generation's kernels by choice, until the C step
     fast = qkv.load("smollm2", int4=True)
     layers = [m for m in fast.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 30 * 4 + 1 and {m.fmt for m in layers[:-1]} == {"Q4_1"}

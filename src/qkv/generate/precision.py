@@ -17,7 +17,7 @@ from torch import nn
 from qkv.io import int4, int4_cache
 from qkv.io.families import Family
 from qkv.native import why_not as native_why
-from qkv.nn.quant_linear import QuantLinear, kernels
+from qkv.nn.quant_linear import QuantLinear, in_generation
 from qkv.nn.quantized import Int4Linear, int4_available
 
 PRECISIONS = ("auto", "loaded", "int4")
@@ -68,7 +68,7 @@ class FourBits:
         parameter = next(model.parameters())
         if self.file is None:
             return f"{source} is not a .gguf file with 4-bit matrices"
-        if kernels() is None and not int4_available():
+        if not in_generation() and not int4_available():
             return f"torch {torch.__version__} has no CPU int4 kernel (and {native_why()})"
         if parameter.device.type != "cpu":
             return "the model is not on the CPU"
@@ -88,7 +88,7 @@ class FourBits:
 
         shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
         twin = copy.deepcopy(model, shared)  # the modules copied, their tensors not
-        if kernels() is not None:  # the file's own blocks, for qkv's native kernels
+        if in_generation():  # the file's own blocks, QKV_NATIVE=1
             int4.use_blocks(twin, family, config, gguf.read_blocks(self.file, int4.BLOCK_TYPES),
                             source)  # fmt: skip
             return twin.eval()

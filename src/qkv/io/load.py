@@ -21,7 +21,7 @@ from qkv.io.families.checks import family_config
 from qkv.io.hf_folder import Pooling, download, load_folder, read_pooling
 from qkv.io.int4 import BLOCK_TYPES, use_blocks, use_int4
 from qkv.io.tokenizer import Tokenizer
-from qkv.nn.quant_linear import kernels
+from qkv.nn.quant_linear import in_generation
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,7 +92,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -
     family = family_for(contents.config)
     config = with_backend(family_config(family, contents.config, path), backend)
     model = build(family, config, contents.state_dict, dtype)
-    if int4 and kernels() is not None:  # the file's own blocks, for qkv's native kernels
+    if int4 and in_generation():  # the file's own blocks, QKV_NATIVE=1
         use_blocks(model, family, config, read_blocks(path, BLOCK_TYPES), name)
     elif int4:
         use_int4(model, family, config, read_int4(path), name)

@@ -50,6 +50,14 @@ def _variant(asked: str) -> int:  # keyed by QKV_NATIVE_ISA's value, so a change
     return native.chosen_variant(kernels())[0]
 
 
+def in_generation() -> bool:
+    """Whether loading and generation keep a file's blocks in QuantLinears: where QKV_NATIVE=1
+    asks, until the decoding step runs in C. Measured on an AVX-512 Xeon (benchmarks/
+    generate.py --quick), the products alone on 1 thread decoded SmolLM2 at 20 ms a token
+    where torch's int4 kernel on 2 threads took less and llama.cpp 11.3 ms (issue 39)."""
+    return os.environ.get("QKV_NATIVE", "").strip() == "1" and kernels() is not None
+
+
 def variant() -> int:
     """The index of the kernel variant products run (`native.chosen_variant`)."""
     return _variant(os.environ.get("QKV_NATIVE_ISA", ""))
