@@ -69,7 +69,9 @@ class FourBits:
         if self.file is None:
             return f"{source} is not a .gguf file with 4-bit matrices"
         if not in_generation() and not int4_available():
-            return f"torch {torch.__version__} has no CPU int4 kernel (and {native_why()})"
+            off = native_why()  # None where the kernels are built but not asked for
+            return (f"torch {torch.__version__} has no CPU int4 kernel, and qkv's own run "
+                    f"where QKV_NATIVE=1" + (f" ({off})" if off else ""))  # fmt: skip
         if parameter.device.type != "cpu":
             return "the model is not on the CPU"
         if parameter.dtype != torch.float32:
