@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "qkv_native.h"
+#include "qkv_simd.h"
 
 #if defined(QKV_X86)
 #include <immintrin.h>
@@ -108,27 +109,6 @@ static float exps_scalar(float *s, int64_t n, float m) {
 
 #if defined(QKV_X86)
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
-
-/* exp(x) for x <= 0 (x - m of a softmax), Cephes' polynomial: about 1 ulp; 0 below -87 */
-AVX2 static inline __m256 exp_avx2(__m256 x) {
-    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                                _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(tiny, y);
-}
 
 AVX2 static float sum_avx2(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -222,7 +202,7 @@ AVX2 static float exps_avx2(float *s, int64_t n, float m) {
         const __m256 x = _mm256_loadu_ps(s + i);
         /* a hidden key's -inf minus m is -inf, which exp_avx2 already makes 0 */
         const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, hidden, _CMP_EQ_OQ),
-                                          exp_avx2(_mm256_sub_ps(x, mv)));
+                                          qkv_exp_avx2(_mm256_sub_ps(x, mv)));
         _mm256_storeu_ps(s + i, e);
         total = _mm256_add_ps(total, e);
     }

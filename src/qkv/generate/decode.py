@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from qkv.generate.fast_step import FastStep, fast_step_refusal, head_of
+from qkv.generate.native_step import NativeStep, native_step_refusal, threads
 from qkv.generate.sampling import Sampling
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.decoder import cap_logits
@@ -58,12 +59,16 @@ def decode_steps(
     yield token
     if max_new_tokens <= 1:
         return
-    # each later token through FastStep, where it computes what forward does
+    # each later token through one native call (NativeStep) or FastStep, where they compute
+    # what forward does
     use_fast = keep is None and fast_step_refusal(model, input_ids.device) is None
-    head, bias = _step_head(model, use_fast)
+    capacity = input_ids.shape[1] + max_new_tokens
     fast = None
-    if use_fast:
-        fast = FastStep(model, cache, input_ids.shape[1] + max_new_tokens, attention_mask)
+    if use_fast and native_step_refusal(model, len(input_ids), attention_mask is not None) is None:
+        fast = NativeStep(model, cache, capacity)
+    elif use_fast:
+        fast = FastStep(model, cache, capacity, attention_mask)
+    head, bias = _step_head(model, use_fast, native=isinstance(fast, NativeStep))
     for _ in range(max_new_tokens - 1):
         if positions is not None:
             positions = positions[:, -1:] + 1  # (B, 1)
@@ -122,14 +127,15 @@ def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, position
     return _head(model, head, bias, out.hidden[:, -1])
 
 
-def _step_head(model: Decoder, fast: bool) -> tuple:
+def _step_head(model: Decoder, fast: bool, native: bool = False) -> tuple:
     """The LM head each step after the prompt's reads, and its bias where it is not a module.
 
     The head reads the largest matrix once per token: stored (C, vocab) it is read in memory
     order, about twice as fast at one row as the (vocab, C) Linear weight, and in oneDNN's
     layout (FastStep's `head_of`) faster still; an 8-bit one (int4 models'), with 8-bit inputs
-    where the CPU has VNNI. A quantized head FastStep does not take computes itself."""
-    packed = head_of(model) if fast else None
+    where the CPU has VNNI; a file's own blocks (QuantLinear) on the native step's threads
+    where it runs. A quantized head FastStep does not take computes itself."""
+    packed = head_of(model, threads() if native else None) if fast else None
     if packed is not None:
         return packed, None
     head = model.lm_head

@@ -256,14 +256,15 @@ def _stacked(*linears):
     return lambda x: kernel(x, packed, bias, "none", [], "")
 
 
-def head_of(model: Decoder):
+def head_of(model: Decoder, threads: int | None = None):
     """The LM head as FastStep runs it: hidden (B, C) -> logits (B, vocab) before any
     scale or cap: a float32 Linear without a bias on its packed matrix, an 8-bit one
-    (an int4 model's) with its inputs in 8 bits too where `choose_int8_inputs` says so;
-    None where the head runs as its module."""
+    (an int4 model's) with its inputs in 8 bits too where `choose_int8_inputs` says so, a
+    file's own blocks through the native kernel (on `threads`, 1 by default); None where
+    the head runs as its module."""
     head = model.lm_head
     if type(head) is QuantLinear:
-        return head.product()
+        return head.product(threads=threads)
     if type(head) is Int8Linear:
         return head.with_int8_inputs if choose_int8_inputs()[0] == "int8" else None
     if type(head) is not torch.nn.Linear or head.bias is not None:

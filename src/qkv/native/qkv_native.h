@@ -17,6 +17,38 @@ void qkv_parallel(qkv_task fn, void *arg, int nth);
 /* Instruction-set variants of the kernels, lowest first; each runs where the CPU has it. */
 enum { QKV_SCALAR = 0, QKV_AVX2 = 1, QKV_AVX_VNNI = 2, QKV_AVX512_VNNI = 3, QKV_VARIANTS = 4 };
 
+/* One quantized matrix as qkv/nn/quant.c's repacking left it (QuantLinear's buffers): fmt 0
+ * Q4_0, 1 Q4_1, 2 Q8_0; N rows of K columns; bias (N) or NULL. */
+typedef struct {
+    int fmt;
+    int64_t N, K;
+    const uint8_t *panels;
+    const float *scales, *mins, *bias;
+} qkv_qmat;
+
+/* One vector's 8-bit blocks (qkv_quant_activations' output for M = 1) */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+    const int32_t *sum;
+} qkv_q8;
+
+/* quant.c: x (M, K) -> its 8-bit blocks; products of several matrices with one quantized
+ * vector, the panels of all of them shared by nth threads (ys[i]: matrix i's N outputs) */
+void qkv_quant_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s,
+                           int32_t *sums);
+void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
+                    const qkv_q8 *x, int nth);
+int qkv_quant_variants(void);
+
+/* attention/decode.c: one query per head over a float16 or 8-bit cache */
+int qkv_decode_attention(int variant, int fmt, const float *q, const void *keys,
+                         const void *values, const float *kscale, const float *vscale,
+                         const uint8_t *mask, int64_t B, int64_t H, int64_t Hkv, int64_t cap,
+                         int64_t D, int64_t start, int64_t length, float scale, int64_t chunk,
+                         float *out, float *lse, int nth);
+int qkv_decode_variants(void);
+
 #if defined(__x86_64__) || defined(_M_X64)
 #define QKV_X86 1
 #endif

@@ -380,6 +380,44 @@ int qkv_quant_matmul(int variant, int fmt, const uint8_t *panels, const float *s
     return 0;
 }
 
+#define MANY 8 /* matrices in one qkv_quant_many call at the most */
+
+typedef struct {
+    product pr[MANY];
+    int64_t first[MANY + 1]; /* matrix i's panels are [first[i], first[i + 1]) of them all */
+    int count;
+    panel_fn fn;
+} many_job;
+
+static void run_many(void *arg, int ith, int nth) {
+    const many_job *jb = arg;
+    const int64_t total = jb->first[jb->count];
+    const int64_t from = total * ith / nth, to = total * (ith + 1) / nth;
+    for (int i = 0; i < jb->count; i++) {
+        const int64_t a = from > jb->first[i] ? from : jb->first[i];
+        const int64_t b = to < jb->first[i + 1] ? to : jb->first[i + 1];
+        for (int64_t p = a; p < b; p++) jb->fn(&jb->pr[i], p - jb->first[i], 0);
+    }
+}
+
+/* ys[i] (N_i) = mats[i] @ x (+ bias) for one vector x already rounded to 8-bit blocks
+ * (qkv_quant_activations), every matrix with x's K columns: the panels of all of them cut
+ * into nth runs, so that a step's q, k and v (or gate and up) are one task of the pool. The
+ * caller (qkv/generate/step.c) has checked the variant, the sizes and count <= MANY. */
+void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
+                    const qkv_q8 *x, int nth) {
+    many_job jb = {.count = count, .fn = panel_of(variant)};
+    jb.first[0] = 0;
+    for (int i = 0; i < count; i++) {
+        const qkv_qmat *w = &mats[i];
+        jb.pr[i] = (product){w->fmt, w->panels, w->scales, w->mins, w->bias, w->N, w->K, 1,
+                             x->q, x->d, x->s, x->sum, ys[i]};
+        jb.first[i + 1] = jb.first[i] + (w->N + ROWS - 1) / ROWS;
+    }
+    if (nth > jb.first[count]) nth = (int)jb.first[count];
+    qkv_parallel(run_many, &jb, nth < 1 ? 1 : nth);
+}
+
 /* bytes of qkv_quant_matmul's `work` for M rows of K */
 int64_t qkv_quant_work_bytes(int64_t M, int64_t K) {
     return ((M * K + 63) / 64) * 64 + 3 * M * (K / QK) * 4;

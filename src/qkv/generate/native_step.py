@@ -1,0 +1,245 @@
+"""One decoding step in one native call: a plain Llama-like decoder whose matrices are a GGUF
+file's own blocks (QuantLinear), every block of it computed by qkv/generate/step.c.
+
+FastStep (fast_step.py) runs a step as about 400 calls from Python: each product in C, and
+torch's operations between them, whose threads and the kernels' own then contend for the same
+cores. `NativeStep` makes one call a token: the norms, the products, rotary, the float16
+cache's append, the split-K attention over the cache and the gated MLP, with the kernels'
+thread pool as the only threads. Its arithmetic is FastStep's (the same products, bit for
+bit); its cache holds keys and values in float16, as llama.cpp's does, where FastStep's holds
+float32 (tests/generate/test_native_step.py holds the two together).
+
+`native_step_refusal` names what it does not compute (a batch, padding, a QK-norm, a
+fused projection, a float matrix...), and `decode_steps` then takes FastStep. Every size the
+C code reads is checked here, before the first call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from qkv import native
+from qkv.models.decoder import Decoder, DecoderCache
+from qkv.nn.mlps import ACTIVATIONS, GatedMLP
+from qkv.nn.norms import RMSNorm
+from qkv.nn.quant_linear import ROWS, QuantLinear, kernels, variant
+
+MOST_THREADS = 256  # the pool's
+
+
+class _Matrix(ctypes.Structure):  # qkv_qmat
+    _fields_ = [("fmt", ctypes.c_int), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("mins", ctypes.c_void_p), ("bias", ctypes.c_void_p)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):  # qkv_step_layer
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
+                *((name, _Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")),
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p),
+                ("window", ctypes.c_int64), ("scale", ctypes.c_float)]  # fmt: skip
+
+
+class _Model(ctypes.Structure):  # qkv_step_model
+    _fields_ = [("variant", ctypes.c_int), ("attn_variant", ctypes.c_int), ("nth", ctypes.c_int),
+                *((name, ctypes.c_int64) for name in ("L", "C", "H", "Hkv", "D", "F", "cap")),
+                ("eps", ctypes.c_float), ("final_eps", ctypes.c_float),
+                ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("work", ctypes.c_void_p)]  # fmt: skip
+
+
+@functools.cache
+def _typed(lib):
+    i64 = ctypes.c_int64
+    native.declare(lib, "qkv_step", ctypes.c_int, ctypes.POINTER(_Model), ctypes.c_void_p, i64)
+    native.declare(lib, "qkv_step_work_floats", i64, i64, i64, i64, i64, i64)
+    return lib
+
+
+def threads() -> int:
+    """The step's threads: QKV_THREADS where set, else every core this process may use."""
+    asked = os.environ.get("QKV_THREADS", "").strip()
+    if asked:
+        if not asked.isdigit() or not 1 <= int(asked) <= MOST_THREADS:
+            raise ValueError(f"QKV_THREADS={asked!r} is not a count of threads (1..256)")
+        return int(asked)
+    return max(1, min(len(os.sched_getaffinity(0)), MOST_THREADS))
+
+
+def _plain_rms(norm, width: int) -> str | None:
+    if type(norm) is not RMSNorm or norm.plus_one:
+        return f"a {type(norm).__name__}{' (1 + weight)' if norm is not None else ''}, not RMSNorm"
+    if norm.weight.shape != (width,) or norm.weight.dtype != torch.float32:
+        return f"an RMSNorm of {tuple(norm.weight.shape)} {norm.weight.dtype}"
+    return None
+
+
+def _projections(module) -> tuple:
+    """q, k, v of an attention or gate, up of a gated MLP: the fused Linear once, or the
+    separate ones."""
+    fused = getattr(module, "qkv", None) or getattr(module, "gate_up", None)
+    if fused is not None:
+        return (fused,)
+    return (module.q, module.k, module.v) if hasattr(module, "q") else (module.gate, module.up)
+
+
+def _first_eps(model: Decoder) -> float:
+    return model.blocks[0].attn_norm.eps
+
+
+def native_step_refusal(model: Decoder, batch: int, padded: bool) -> str | None:
+    """Why NativeStep does not run this model's steps, or None. The caller has found FastStep
+    able to (`fast_step_refusal`): a plain decoder on the CPU, in eval mode."""
+    if kernels() is None:
+        return f"no native kernels: {native.why_not()}"
+    if batch != 1 or padded:
+        return "it decodes one sequence without padding"
+    C = model.config.block.width
+    rotary = model.rotary.full
+    if rotary is None or model.rotary.local is not None:
+        return "its layers turn keys by one rotary embedding"
+    if rotary.dims != rotary.head_dim or rotary.head_dim % 2:
+        return "its rotary embedding turns part of each head"
+    if rotary.scaling is not None and rotary.scaling.depends_on_length:
+        return "its rotary frequencies depend on the text's length"
+    first = model.blocks[0].attn
+    for i, block in enumerate(model.blocks):
+        attn, mlp = block.attn, block.mlp
+        if block.parallel or block.attn_out_norm is not None or block.mlp_out_norm is not None:
+            return f"block {i} is not a pre-norm block of one attention and one MLP"
+        for name, norm in (("attention", block.attn_norm), ("MLP", block.mlp_norm)):
+            wrong = _plain_rms(norm, C)
+            if wrong:
+                return f"block {i}'s {name} norm is {wrong}"
+            if norm.eps != _first_eps(model):
+                return f"block {i}'s norms differ in epsilon"
+        if model.rotary.for_layer(i) is not rotary:
+            return f"block {i} turns no keys (NoPE)"
+        if attn.qk_norm is not None:
+            return f"block {i} normalizes q and k"
+        if (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_dim,
+        ):
+            return f"block {i}'s heads differ from block 0's"
+        if type(mlp) is not GatedMLP or mlp.activation is not ACTIVATIONS["silu"]:
+            return f"block {i}'s MLP is not one gated by SiLU (SwiGLU)"
+        for linear in (*_projections(attn), attn.out, *_projections(mlp), mlp.down):
+            if type(linear) is not QuantLinear:
+                return f"block {i} multiplies a {type(linear).__name__}, not a file's blocks"
+        if mlp.down.in_features != model.blocks[0].mlp.down.in_features:
+            return f"block {i}'s MLP is wider or narrower than block 0's"
+        if any(n % ROWS for n in (attn.head_dim * attn.num_kv_heads, mlp.down.in_features)):
+            return f"block {i}'s fused projections do not split at a panel's 16 rows"
+    if model.norm is not None and _plain_rms(model.norm, C):
+        return f"the final norm is {_plain_rms(model.norm, C)}"
+    return None
+
+
+class NativeStep:
+    """The cache of a prompt already read (DecoderCache), then one token per call: as
+    FastStep, for one sequence. capacity: the most tokens the cache will hold. Each call
+    takes the next token (1,) and returns the final norm's output (1, C)."""
+
+    def __init__(self, model: Decoder, cache: DecoderCache, capacity: int):
+        why = native_step_refusal(model, 1, False)
+        if why:
+            raise ValueError(f"NativeStep cannot run this model: {why}")
+        self.model, self.length = model, cache.length
+        if capacity < self.length:
+            raise ValueError(f"capacity {capacity} is less than the {self.length} cached tokens")
+        lib = _typed(kernels())
+        attn0 = model.blocks[0].attn
+        H, Hkv, D = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        C, F, L = model.config.block.width, model.blocks[0].mlp.down.in_features, len(model.blocks)
+        self._keep = []  # every tensor whose memory the C side reads
+        self.keys, self.values = [], []  # each layer's (Hkv, capacity, D) float16 cache
+        layers = (_Layer * L)()
+        for i, block in enumerate(model.blocks):
+            attn, mlp = block.attn, block.mlp
+            k, v = cache.layers[i].stored()  # (1, Hkv, P, D)
+            keys = torch.zeros(Hkv, capacity, D, dtype=torch.float16)
+            values = torch.zeros(Hkv, capacity, D, dtype=torch.float16)
+            keys[:, : self.length] = k[0]
+            values[:, : self.length] = v[0]
+            norms = (block.attn_norm.weight.detach(), block.mlp_norm.weight.detach())
+            self.keys.append(keys)
+            self.values.append(values)
+            self._keep += [*norms]
+            q_k_v = self._split(_projections(attn), (H * D, Hkv * D, Hkv * D))
+            gate_up = self._split(_projections(mlp), (F, F))
+            layers[i] = _Layer(
+                norms[0].data_ptr(), norms[1].data_ptr(), *q_k_v, self._matrix(attn.out),
+                *gate_up, self._matrix(mlp.down), keys.data_ptr(), values.data_ptr(),
+                attn.window or 0, attn.scale,
+            )  # fmt: skip
+        with torch.inference_mode():
+            turns = model.rotary.full.cos_sin(torch.arange(capacity), torch.float32)
+            cos, sin = (t.contiguous() for t in turns)  # (capacity, D) each
+        work = torch.empty(lib.qkv_step_work_floats(C, H, Hkv, D, F) + 16)
+        final = None if model.norm is None else model.norm.weight.detach()
+        self._keep += [cos, sin, work, final, layers]
+        self._x = torch.empty(1, C)
+        chosen = variant()
+        attn_chosen = chosen if lib.qkv_decode_variants() >> chosen & 1 else 0
+        self._model = _Model(
+            chosen, attn_chosen, threads(), L, C, H, Hkv, D, F, capacity,
+            _first_eps(model), model.norm.eps if model.norm is not None else 0.0,
+            layers, None if final is None else final.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            (work.data_ptr() + 63) // 64 * 64,
+        )  # fmt: skip
+        self._step, self._capacity = lib.qkv_step, capacity
+
+    def _matrix(self, linear: QuantLinear, first: int = 0, rows: int | None = None) -> _Matrix:
+        """Rows [first, first + rows) of linear (all by default; first a multiple of the
+        panels' 16 rows) as the C side reads a matrix."""
+        rows = linear.out_features - first if rows is None else rows
+        if first % ROWS or not 0 < first + rows <= linear.out_features:
+            raise ValueError(f"rows {first}..{first + rows} of {linear} are not whole panels")
+        panel = first // ROWS * (linear.in_features // 32)  # panel blocks before the first row
+        bias = None if linear.bias is None else linear.bias.detach()
+        self._keep += [linear.panels, linear.scales, linear.mins, bias]
+        return _Matrix(linear.code, rows, linear.in_features,
+                       linear.panels.data_ptr() + panel * linear.panels.numel() //
+                       (linear.scales.numel() // ROWS),
+                       linear.scales.data_ptr() + panel * ROWS * 4,
+                       linear.mins.data_ptr() + panel * ROWS * 4,
+                       None if bias is None else bias.data_ptr() + first * 4)  # fmt: skip
+
+    def _split(self, linears: tuple, sizes: tuple) -> list:
+        """Matrices of `sizes` rows: the separate Linears, or one fused Linear's rows."""
+        if len(linears) == len(sizes):
+            if tuple(m.out_features for m in linears) != sizes:
+                raise ValueError(f"projections of {[m.out_features for m in linears]} rows, "
+                                 f"not {list(sizes)}")  # fmt: skip
+            return [self._matrix(m) for m in linears]
+        (fused,) = linears
+        if fused.out_features != sum(sizes):
+            raise ValueError(f"a fused projection of {fused.out_features} rows, not {sum(sizes)}")
+        starts = [sum(sizes[:j]) for j in range(len(sizes))]
+        return [self._matrix(fused, a, n) for a, n in zip(starts, sizes, strict=True)]
+
+    @torch.inference_mode()
+    def __call__(self, token: Tensor, positions: Tensor | None = None) -> Tensor:
+        at = self.length
+        if at >= self._capacity:
+            raise ValueError(f"the cache holds {at} tokens, its capacity")
+        if token.shape != (1,):
+            raise ValueError(f"NativeStep takes one token, (1,), got {tuple(token.shape)}")
+        if positions is not None and int(positions.reshape(-1)[0]) != at:
+            raise ValueError("NativeStep's positions are the cache's length")
+        where = torch.full((1,), at, dtype=torch.long)
+        x = self._x
+        x.copy_(self.model.embed(token[:, None], where)[:, 0])
+        failed = self._step(ctypes.byref(self._model), x.data_ptr(), at)
+        if failed:
+            raise RuntimeError(f"the native step failed ({failed})")
+        self.length = at + 1
+        return x.clone()

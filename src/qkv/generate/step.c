@@ -1,0 +1,183 @@
+/* One decoding step of a plain Llama-like decoder in one call: the fed-back token's vector
+ * through every block (RMSNorm, q k v, rotary, the float16 cache's append, attention over the
+ * cache, the output projection, the residual sum, RMSNorm, the SiLU-gated MLP, the residual
+ * sum) and the final norm, with the file's own quantized matrices (qkv/nn/quant.c) and the
+ * split-K decode attention (qkv/attention/decode.c).
+ *
+ * Python makes one call a token (qkv/generate/native_step.py checks every size first and
+ * refuses what this file does not compute). The products and the attention run on the kept
+ * thread pool: its workers wait between them, spinning, for the next task of the same call,
+ * so a step costs no thread start and no Python between its operations. The small operations
+ * between products (norms, rotary, the append, the gate) run on the calling thread: on
+ * SmolLM2 they are a few thousand floats a layer.
+ *
+ * The arithmetic is FastStep's (qkv/generate/fast_step.py), its reference: the same products
+ * bit for bit, x * cos + rotate_half(x) * sin as two products and a sum, silu(g) * u as
+ * g / (1 + exp(-g)) * u; the norm's mean of squares summed in double; keys and values rounded
+ * to float16 (nearest, ties to even) as they enter the cache, as llama.cpp's cache holds them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qkv_native.h"
+#include "qkv_simd.h"
+
+enum { CACHE_F16 = 0 }; /* decode.c's float16 format */
+
+typedef struct {
+    const float *attn_norm, *mlp_norm; /* (C) RMSNorm weights */
+    qkv_qmat q, k, v, o, gate, up, down;
+    uint16_t *keys, *values; /* (Hkv, cap, D) float16 */
+    int64_t window;          /* the positions a query sees at the most; 0: all */
+    float scale;             /* on q . k */
+} qkv_step_layer;
+
+typedef struct {
+    int variant, attn_variant, nth;
+    int64_t L, C, H, Hkv, D, F, cap;
+    float eps, final_eps;
+    const qkv_step_layer *layers;
+    const float *final_norm;  /* (C), or NULL: the hidden vector as the last block left it */
+    const float *cos, *sin;   /* (cap, D): each position's turn, rotate_half's layout */
+    float *work;              /* qkv_step_work_floats(...) floats, 64-byte aligned */
+} qkv_step_model;
+
+/* floats of a step's working memory */
+int64_t qkv_step_work_floats(int64_t C, int64_t H, int64_t Hkv, int64_t D, int64_t F) {
+    const int64_t widest = C > F ? C : F, wide = H * D > widest ? H * D : widest;
+    /* h, q, k, v, attention out, lse, gate, up, projected; then 8-bit x: wide bytes and 3
+     * floats per block of 32 */
+    return 2 * C + H * D + 2 * Hkv * D + H * D + H + 2 * F + C + wide / 4 + 3 * (wide / 32) + 64;
+}
+
+static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
+    double squares = 0.0;
+    for (int64_t i = 0; i < n; i++) squares += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(squares / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = (x[i] * r) * w[i];
+}
+
+/* x (heads, D) turned in place: out[i] = x[i] cos[i] - x[i + D/2] sin[i] for the first half,
+ * x[i] cos[i] + x[i - D/2] sin[i] for the second */
+static void rotate(float *x, int64_t heads, int64_t D, const float *cos, const float *sin) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] + (-b) * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+#if defined(QKV_X86)
+QKV_AVX2_FN static int64_t to_half_avx2(const float *x, uint16_t *h, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    return i;
+}
+
+QKV_AVX2_FN static int64_t silu_gate_avx2(float *gate, const float *up, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = qkv_exp_avx2(_mm256_or_ps(g, sign)); /* exp(-|g|) */
+        const __m256 top = _mm256_blendv_ps(e, one, _mm256_cmp_ps(g, zero, _CMP_GE_OQ));
+        const __m256 sig = _mm256_div_ps(top, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(gate + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+    return i;
+}
+#endif
+
+/* x rounded to float16, nearest and ties to even (F16C's conversion is the same rounding) */
+static void to_half(const float *x, uint16_t *h, int64_t n, int simd) {
+    int64_t i = 0;
+#if defined(QKV_X86)
+    if (simd) i = to_half_avx2(x, h, n);
+#endif
+    for (; i < n; i++) {
+        const _Float16 f = (_Float16)x[i];
+        memcpy(h + i, &f, 2);
+    }
+}
+
+/* gate = silu(gate) * up, silu(g) = g * sigmoid(g) with sigmoid from e = exp(-|g|): 1 / (1 + e)
+ * for g >= 0, e / (1 + e) below (no exp of a large number, which overflows and is slow) */
+static void silu_gate(float *gate, const float *up, int64_t n, int simd) {
+    int64_t i = 0;
+#if defined(QKV_X86)
+    if (simd) i = silu_gate_avx2(gate, up, n);
+#endif
+    for (; i < n; i++) {
+        const float g = gate[i], e = expf(-fabsf(g));
+        gate[i] = g * ((g >= 0.0f ? 1.0f : e) / (1.0f + e)) * up[i];
+    }
+}
+
+/* x's 8-bit blocks into the step's buffer */
+static qkv_q8 quantized(const float *x, int64_t K, int8_t *q, float *blocks) {
+    const int64_t nb = K / 32;
+    float *d = blocks, *s = blocks + nb;
+    int32_t *sum = (int32_t *)(blocks + 2 * nb);
+    qkv_quant_activations(x, 1, K, q, d, s, sum);
+    return (qkv_q8){q, d, s, sum};
+}
+
+/* x (C): the token's vector in, the final norm's output (or the last residual sum) out.
+ * at: its position, the cache's row it fills (the caller has checked at < cap). Returns 0,
+ * or the decode attention's error (-1: a variant this CPU lacks, -2: out of memory). */
+int qkv_step(const qkv_step_model *m, float *x, int64_t at) {
+    const int64_t C = m->C, H = m->H, Hkv = m->Hkv, D = m->D, F = m->F;
+    float *h = m->work, *q = h + C, *k = q + H * D, *v = k + Hkv * D, *att = v + Hkv * D;
+    float *lse = att + H * D, *gate = lse + H, *up = gate + F, *proj = up + F;
+    const int64_t widest = C > F ? C : F, wide = H * D > widest ? H * D : widest;
+    int8_t *xq = (int8_t *)(proj + C);
+    float *blocks = proj + C + wide / 4;
+    const float *cos = m->cos + at * D, *sin = m->sin + at * D;
+    const int simd = m->attn_variant != QKV_SCALAR; /* AVX2 with F16C, as decode.c's */
+    for (int64_t l = 0; l < m->L; l++) {
+        const qkv_step_layer *layer = &m->layers[l];
+        rms_norm(x, layer->attn_norm, m->eps, C, h);
+        qkv_q8 hq = quantized(h, C, xq, blocks);
+        float *qkv_out[3] = {q, k, v};
+        const qkv_qmat qkv_mats[3] = {layer->q, layer->k, layer->v};
+        qkv_quant_many(m->variant, 3, qkv_mats, qkv_out, &hq, m->nth);
+        rotate(q, H, D, cos, sin);
+        rotate(k, Hkv, D, cos, sin);
+        for (int64_t j = 0; j < Hkv; j++) {
+            to_half(k + j * D, layer->keys + (j * m->cap + at) * D, D, simd);
+            to_half(v + j * D, layer->values + (j * m->cap + at) * D, D, simd);
+        }
+        const int64_t length = at + 1;
+        const int64_t start = layer->window > 0 && length > layer->window ? length - layer->window : 0;
+        const int failed = qkv_decode_attention(m->attn_variant, CACHE_F16, q, layer->keys,
+                                                layer->values, NULL, NULL, NULL, 1, H, Hkv, m->cap,
+                                                D, start, length, layer->scale, 0, att, lse, m->nth);
+        if (failed) return failed;
+        qkv_q8 aq = quantized(att, H * D, xq, blocks);
+        float *o_out[1] = {proj};
+        qkv_quant_many(m->variant, 1, &layer->o, o_out, &aq, m->nth);
+        for (int64_t i = 0; i < C; i++) x[i] = x[i] + proj[i];
+        rms_norm(x, layer->mlp_norm, m->eps, C, h);
+        hq = quantized(h, C, xq, blocks);
+        float *gu_out[2] = {gate, up};
+        const qkv_qmat gu_mats[2] = {layer->gate, layer->up};
+        qkv_quant_many(m->variant, 2, gu_mats, gu_out, &hq, m->nth);
+        silu_gate(gate, up, F, simd);
+        qkv_q8 gq = quantized(gate, F, xq, blocks);
+        qkv_quant_many(m->variant, 1, &layer->down, o_out, &gq, m->nth);
+        for (int64_t i = 0; i < C; i++) x[i] = x[i] + proj[i];
+    }
+    if (m->final_norm) {
+        rms_norm(x, m->final_norm, m->final_eps, C, h);
+        memcpy(x, h, (size_t)C * sizeof(float));
+    }
+    return 0;
+}

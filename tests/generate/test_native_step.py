@@ -1,0 +1,261 @@
+"""NativeStep (qkv/generate/step.c): one decoding step of a plain Llama-like decoder in one
+native call, held to FastStep, its reference, which runs the same products from Python.
+
+NativeStep's cache holds float16 where FastStep's holds float32; with FastStep's cache rounded
+the same way (`HalfCacheStep`), the two give the same numbers at most steps and differ at
+the others by float32's rounding (the C step's attention and norms round differently from
+torch's in the last bits), on tiny models built here in every layout NativeStep reads
+(separate and fused projections, biases, grouped heads, a window). On the embedded SmolLM2's
+own file, its greedy tokens follow the float32 model's.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from qkv import native
+from qkv.generate import Sampling, decode_steps
+from qkv.generate.fast_step import FastStep, fast_step_refusal, head_of
+from qkv.generate.native_step import NativeStep, native_step_refusal
+from qkv.models import Decoder, DecoderConfig
+from qkv.nn import BlockConfig
+from qkv.nn.quant_linear import QuantLinear, kernels
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="no native kernels")
+VOCAB = 50
+
+
+def config(**block) -> DecoderConfig:
+    block = {"width": 64, "num_heads": 4, "num_kv_heads": 2, "mlp": "swiglu", "mlp_hidden": 96,
+             "norm": "rmsnorm", "bias": False, **block}  # fmt: skip
+    return DecoderConfig(
+        vocab_size=VOCAB, num_layers=3, position="rotary", block=BlockConfig(**block)
+    )
+
+
+KINDS = {
+    "llama": config(),
+    "qwen2": config(qkv_bias=True),
+    "fused": config(fused_qkv=True, fused_mlp=True, num_kv_heads=4),
+    "window": config(window=4, num_kv_heads=1),
+}
+
+
+def blocks_of(w: np.ndarray, fmt: str) -> np.ndarray:
+    """w (N, K) float as a GGUF file's rows of Q8_0 or Q4_1 blocks (N, K / 32 * bytes)."""
+    N, K = w.shape
+    b = w.reshape(N, K // 32, 32).astype(np.float32)
+    if fmt == "Q8_0":
+        d = np.abs(b).max(-1) / 127
+        q = np.round(b / np.where(d == 0, 1, d)[..., None]).clip(-127, 127).astype(np.int8)
+        head = d.astype(np.float16).view(np.uint8).reshape(N, K // 32, 2)
+        return np.concatenate([head, q.view(np.uint8)], -1).reshape(N, -1)
+    lo, hi = b.min(-1), b.max(-1)
+    d = (hi - lo) / 15
+    q = np.round((b - lo[..., None]) / np.where(d == 0, 1, d)[..., None]).clip(0, 15)
+    q = q.astype(np.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    scales = np.stack([d.astype(np.float16), lo.astype(np.float16)], -1).view(np.uint8)
+    return np.concatenate([scales.reshape(N, K // 32, 4), packed], -1).reshape(N, -1)
+
+
+def quantized_model(cfg: DecoderConfig, fmt: str = "Q4_1", seed: int = 0) -> Decoder:
+    """A random decoder whose every block matrix is a QuantLinear of fmt blocks."""
+    torch.manual_seed(seed)
+    model = Decoder(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    for block in model.blocks:
+        for module in (block.attn, block.mlp):
+            for name, linear in list(module.named_children()):
+                if type(linear) is torch.nn.Linear:
+                    raw = torch.from_numpy(blocks_of(linear.weight.detach().numpy(), fmt))
+                    setattr(module, name, QuantLinear(fmt, raw, linear.in_features, linear.bias))
+    return model
+
+
+def teacher_forced(step, model: Decoder, tokens: list[int]) -> torch.Tensor:
+    """The step's output (len(tokens), C) for each token fed in turn."""
+    return torch.cat([step(torch.tensor([t])) for t in tokens])
+
+
+class _Halved(torch.Tensor):
+    """A float32 cache whose every write is rounded to float16 first, as NativeStep's."""
+
+    def index_copy_(self, dim, index, source):
+        return super().index_copy_(dim, index, source.half().float())
+
+
+class HalfCacheStep(FastStep):
+    """FastStep with its cache rounded to float16, as NativeStep's: the reference that
+    NativeStep must give to float32's last bits (FastStep's own float32 cache moves a random
+    model's outputs by 2-5%)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.keys = [k.half().float().as_subclass(_Halved) for k in self.keys]
+        self.values = [v.half().float().as_subclass(_Halved) for v in self.values]
+
+
+def prompt_cache(model: Decoder, prompt: torch.Tensor):
+    cache = model.new_cache()
+    with torch.inference_mode():
+        model(prompt, cache=cache, logits=False)
+    return cache
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_each_step_follows_faststep(kind, fmt):
+    """Every step's output (the final norm's) within a few percent of FastStep's, fed the same
+    tokens, for every layout: a wrong offset, sign or order would be off by its whole size."""
+    model = quantized_model(KINDS[kind], fmt)
+    assert native_step_refusal(model, 1, False) is None
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = teacher_forced(HalfCacheStep(model, prompt_cache(model, prompt), 19), model, tokens)
+    step = NativeStep(model, prompt_cache(model, prompt), 19)
+    got = teacher_forced(step, model, tokens)
+    off = (got - want).abs().amax(-1) / want.abs().amax(-1)  # each step's, of its largest
+    # measured on an AMD EPYC (AVX2): equal at most steps, 2e-7 at the worst; an input
+    # rounded to the other side of an 8-bit boundary would move a step by up to 1e-3 here,
+    # and a mistake (a sign, an offset, a bias) by 100% and more
+    assert float(off.max()) < 1e-2, f"a step differs from FastStep's by {float(off.max()):.2%}"
+    # the cache holds every token's key, rounded to float16, and nothing past them
+    assert step.length == 19 and bool(step.keys[0][:, 19:].eq(0).all())
+    assert not bool(step.keys[-1][:, 18].eq(0).all())
+
+
+def test_decode_steps_take_it_where_it_runs_and_faststep_elsewhere(monkeypatch):
+    """Greedy decoding of one unpadded sequence goes through NativeStep and gives the tokens
+    of its reference (HalfCacheStep, by hand); a batch goes through FastStep."""
+    model = quantized_model(KINDS["llama"], "Q8_0")
+    calls = {"native": 0, "fast": 0}
+    for cls, name in ((NativeStep, "native"), (FastStep, "fast")):
+        real = cls.__call__
+        monkeypatch.setattr(cls, "__call__", lambda self, *a, _r=real, _n=name: (
+            calls.__setitem__(_n, calls[_n] + 1) or _r(self, *a)))  # fmt: skip
+    prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    greedy = Sampling(temperature=0.0)
+    got = torch.cat(list(decode_steps(model, prompt[:1], None, greedy, 8))).tolist()
+    assert calls == {"native": 7, "fast": 0}
+    cache, head = model.new_cache(), head_of(model)
+    with torch.inference_mode():
+        want = [int(model(prompt[:1], cache=cache).logits[0, -1].argmax())]
+        step = HalfCacheStep(model, cache, 14)
+        for _ in range(7):
+            want.append(int(head(step(torch.tensor(want[-1:])))[0].argmax()))
+    assert got == want
+    list(decode_steps(model, prompt, None, greedy, 8))
+    assert calls == {"native": 7, "fast": 14}  # 7 of HalfCacheStep's, 7 of the batch's
+
+
+def test_what_it_does_not_compute_is_refused_by_name():
+    model = quantized_model(KINDS["llama"])
+    assert "one sequence" in native_step_refusal(model, 2, False)
+    assert "one sequence" in native_step_refusal(model, 1, True)
+    model.blocks[1].mlp.down = torch.nn.Linear(96, 64)
+    assert (
+        native_step_refusal(model, 1, False) == "block 1 multiplies a Linear, not a file's blocks"
+    )
+    with pytest.raises(ValueError, match="cannot run this model"):
+        NativeStep(model, prompt_cache(model, torch.tensor([[1, 2]])), 4)
+    qk = quantized_model(config(qk_norm="head"))
+    assert fast_step_refusal(qk, torch.device("cpu")) is None
+    assert native_step_refusal(qk, 1, False) == "block 0 normalizes q and k"
+    gelu = quantized_model(config(mlp="geglu_tanh"))
+    assert "SiLU" in native_step_refusal(gelu, 1, False)
+
+
+def test_a_full_cache_and_a_wrong_token_are_refused_before_the_call():
+    model = quantized_model(KINDS["llama"])
+    step = NativeStep(model, prompt_cache(model, torch.tensor([[1, 2, 3]])), 4)
+    with pytest.raises(ValueError, match="one token"):
+        step(torch.tensor([1, 2]))
+    step(torch.tensor([4]))
+    with pytest.raises(ValueError, match="its capacity"):
+        step(torch.tensor([5]))
+    with pytest.raises(ValueError, match="less than the 3 cached"):
+        NativeStep(model, prompt_cache(model, torch.tensor([[1, 2, 3]])), 2)
+
+
+def test_the_step_runs_clean_under_sanitizers(tmp_path):
+    """ASan and UBSan around a whole step (a two-block model of random blocks, grouped heads,
+    a window), in a process without torch: numpy and ctypes, the sanitizers preloaded."""
+    built = native.build(tmp_path, sanitize=True)
+    asan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    script = textwrap.dedent(f"""
+        import ctypes, numpy as np
+        lib = ctypes.CDLL({str(built)!r})
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        class M(ctypes.Structure):
+            _fields_ = [("fmt", ctypes.c_int), ("N", i64), ("K", i64), ("panels", p),
+                        ("scales", p), ("mins", p), ("bias", p)]
+        class L(ctypes.Structure):
+            _fields_ = [("attn_norm", p), ("mlp_norm", p)] + [(n, M) for n in "qkvoGUD"] + [
+                ("keys", p), ("values", p), ("window", i64), ("scale", f32)]
+        class Model(ctypes.Structure):
+            _fields_ = [("variant", ctypes.c_int), ("attn_variant", ctypes.c_int),
+                        ("nth", ctypes.c_int)] + [(n, i64) for n in
+                        ("L", "C", "H", "Hkv", "D", "F", "cap")] + [("eps", f32),
+                        ("final_eps", f32), ("layers", ctypes.POINTER(L)), ("final_norm", p),
+                        ("cos", p), ("sin", p), ("work", p)]
+        lib.qkv_quant_repack.argtypes = [ctypes.c_int, p, i64, i64, p, p, p]
+        lib.qkv_step_work_floats.restype = i64
+        lib.qkv_step_work_floats.argtypes = [i64] * 5
+        lib.qkv_step.argtypes = [ctypes.POINTER(Model), p, i64]
+        rng = np.random.default_rng(0)
+        keep = []
+        def matrix(N, K, bias):
+            raw = rng.integers(0, 256, (N, K // 32 * 20)).astype(np.uint8)
+            raw.reshape(N, -1, 20)[:, :, 1] = raw.reshape(N, -1, 20)[:, :, 3] = 0x2c
+            P = (N + 15) // 16 * (K // 32)
+            panels, sc, mi = np.empty(P * 256, np.uint8), np.empty(P * 16, np.float32), \\
+                np.empty(P * 16, np.float32)
+            lib.qkv_quant_repack(1, raw.ctypes.data, N, K, panels.ctypes.data,
+                                 sc.ctypes.data, mi.ctypes.data)
+            b = rng.standard_normal(N).astype(np.float32) if bias else None
+            keep.extend([panels, sc, mi, b])
+            return M(1, N, K, panels.ctypes.data, sc.ctypes.data, mi.ctypes.data,
+                     None if b is None else b.ctypes.data)
+        C, H, Hkv, D, F, cap, nl = 64, 4, 2, 16, 96, 9, 2
+        layers = (L * nl)()
+        for i in range(nl):
+            norms = [np.ones(C, np.float32) for _ in range(2)]
+            caches = [np.zeros((Hkv, cap, D), np.uint16) for _ in range(2)]
+            keep.extend(norms + caches)
+            layers[i] = L(norms[0].ctypes.data, norms[1].ctypes.data, matrix(H * D, C, 1),
+                          matrix(Hkv * D, C, 1), matrix(Hkv * D, C, 1), matrix(C, H * D, 0),
+                          matrix(F, C, 0), matrix(F, C, 0), matrix(C, F, 0),
+                          caches[0].ctypes.data, caches[1].ctypes.data, 3 * i, 0.25)
+        angles = np.arange(cap)[:, None] * np.ones(D)[None]
+        cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        work = np.empty(lib.qkv_step_work_floats(C, H, Hkv, D, F) + 16, np.float32)
+        final = np.ones(C, np.float32)
+        aligned = (work.ctypes.data + 63) // 64 * 64
+        mask = lib.qkv_quant_variants()
+        for variant in [v for v in range(4) if mask >> v & 1]:
+            for nth in (1, 2):
+                model = Model(variant, min(variant, 1), nth, nl, C, H, Hkv, D, F, cap, 1e-5,
+                              1e-5, layers, final.ctypes.data, cos.ctypes.data,
+                              sin.ctypes.data, aligned)
+                for at in range(cap):
+                    x = rng.standard_normal(C).astype(np.float32)
+                    assert lib.qkv_step(ctypes.byref(model), x.ctypes.data, at) == 0
+                    assert np.isfinite(x).all()
+        print("clean")
+    """)
+    env = {"LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0", "PATH": "/usr/bin:/bin",
+           "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and "clean" in done.stdout, done.stderr[-2000:]
+    assert "runtime error" not in done.stderr
