@@ -390,25 +390,40 @@ def test_int4_smollm2_keeps_4_bit_weights_and_follows_the_float32_model(smollm2,
 
 
 def test_native_smollm2_keeps_the_files_blocks_and_follows_the_float32_model(smollm2, monkeypatch):
-    """With qkv's native kernels (built in every CI run: gcc is there), int4 keeps the file's
-    own Q4_1 blocks and its Q8_0 head, and greedy decoding follows float32's next token."""
+    """With qkv's native kernels (the default where they build: gcc is in every CI run), int4
+    keeps the file's own Q4_1 blocks and its Q8_0 head, and greedy decoding through the native
+    step (NativeStep) follows float32's next token at 95% of the positions, teacher-forced."""
+    from qkv.generate.fast_step import head_of
+    from qkv.generate.native_step import NativeStep
     from qkv.nn.quant_linear import QuantLinear, kernels
 
     assert kernels() is not None, "the native kernels did not build here"
-    monkeypatch.setenv("QKV_NATIVE", "1")  # generation's kernels by choice, until the C step
+    monkeypatch.delenv("QKV_NATIVE", raising=False)  # the default: the kernels where built
     fast = qkv.load("smollm2", int4=True)
     layers = [m for m in fast.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 30 * 4 + 1 and {m.fmt for m in layers[:-1]} == {"Q4_1"}
     assert isinstance(fast.model.lm_head, QuantLinear) and fast.model.lm_head.fmt == "Q8_0"
+    assert [m.parts for m in layers[:4]] == [2, 2, 1, 1]  # attention's q k v and out: 2 parts
     want, got = teacher_forced_logits(smollm2, fast, INT4_PROMPTS)  # (8, 16, vocab)
-    same, asked = int((got.argmax(-1) == want.argmax(-1)).sum()), want.shape[0] * want.shape[1]
+    asked = want.shape[0] * want.shape[1]
     spread = want.amax(-1) - want.amin(-1)
     worst = float(((got - want).abs().amax(-1) / spread).max())
-    # Measured on an Intel Xeon (AVX-512 VNNI; every variant gives the same numbers): the same
-    # token at 121 of 128 positions, where torch's int4 path gives 126-127: 8-bit
-    # activations (llama.cpp's) round more than bfloat16 inputs. Issue 39 asks for 95%: open.
-    assert same / asked >= 0.93, f"the native kernels chose float32's token at {same} of {asked}"
     assert worst < 0.05, f"the native kernels' logits differ by {worst:.1%} of their spread"
+    # each prompt read by the int4 model, then float32's greedy tokens fed to NativeStep, one
+    # call a token, and its head: what `generate` runs
+    model, head, same = fast.model, head_of(fast.model), 0
+    for prompt, logits in zip(INT4_PROMPTS, want, strict=True):
+        ids, tokens = torch.tensor([fast.tokenizer.encode(prompt).ids]), logits.argmax(-1)
+        cache = model.new_cache()
+        with torch.inference_mode():
+            hidden = [model(ids, cache=cache, logits=False).hidden[:, -1]]
+        step = NativeStep(model, cache, ids.shape[1] + len(tokens))
+        hidden += [step(tokens[j : j + 1]) for j in range(len(tokens) - 1)]
+        same += int((head(torch.cat(hidden)).argmax(-1) == tokens).sum())
+    # Measured on an AMD EPYC (AVX2): 125 of 128 (the forward pass, as above, 122); with
+    # llama.cpp's one 8-bit part for every input, 119-122: attention's inputs in two parts
+    # (QuantLinear's `parts`) are what keep this above 95%
+    assert same / asked >= 0.95, f"the native step chose float32's token at {same} of {asked}"
 
 
 def test_int4_decoding_rounds_the_heads_inputs_where_this_cpu_chose_it(smollm2, monkeypatch):

@@ -485,7 +485,9 @@ def test_trace_of_a_transformers_model_is_qkvs_own(both):
     assert (found.query_index, found.key_index, found.kv_head) == (4, 1, 1)
     for name in ("query_vector", "key_vector", "weights", "value_vector", "contextualized",
                  "model_output"):  # fmt: skip
-        torch.testing.assert_close(getattr(found, name), getattr(mine, name), atol=1e-6, rtol=0)
+        # float32's rounding apart (1.07e-6 measured on an AVX2 EPYC, where torch's kernels
+        # sum in another order than on AVX-512)
+        torch.testing.assert_close(getattr(found, name), getattr(mine, name), atol=1e-5, rtol=0)
     assert [c.token for c in found.contributions] == TEXT.split()
     torch.testing.assert_close(torch.tensor([c.size for c in found.contributions]),
                                torch.tensor([c.size for c in mine.contributions]))  # fmt: skip

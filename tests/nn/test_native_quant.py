@@ -90,6 +90,42 @@ def test_every_variant_agrees_bit_for_bit_and_with_the_float64_reference(fmt):
         assert torch.equal(layer(x[None])[0], outs[native.variants()[-1]])
 
 
+def dequantized(fmt: str, raw: np.ndarray, K: int) -> np.ndarray:
+    """The file's matrix (N, K) in float64: each row times the unit vectors, by `reference`
+    with inputs that round exactly (one 127 a block, the rest 0)."""
+    eye = np.eye(K, dtype=np.float32) * 127
+    return reference(fmt, raw, K, eye).T / 127
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_two_parts_are_two_llama_cpp_products_summed_and_hold_the_inputs_finer(fmt):
+    """parts=2: the input rounded, then what that left rounded; the two products of the
+    float64 reference summed (float32 apart), every variant bit for bit; and against the
+    file's matrix times the unrounded input, 1/40 of one part's error at the most."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    N, K, M = 40, 192, 3
+    raw = raw_blocks(fmt, N, K, rng)
+    bias = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
+    one = QuantLinear(fmt, torch.from_numpy(raw), K, bias)
+    two = QuantLinear(fmt, torch.from_numpy(raw), K, bias, parts=2)
+    x = torch.from_numpy((rng.standard_normal((M, K)) * np.exp(rng.standard_normal((M, K))))
+                         .astype(np.float32))  # fmt: skip
+    outs = [two.product(native.VARIANTS.index(name), threads)(x)
+            for name in native.variants() for threads in (1, 2)]  # fmt: skip
+    assert all(torch.equal(y, outs[0]) for y in outs)
+    xn = x.numpy()
+    q, d, _ = quantized(xn)
+    left = xn - (d.astype(np.float32)[:, None] * q.astype(np.float32)).reshape(M, K)
+    want = reference(fmt, raw, K, xn) + reference(fmt, raw, K, left) + bias.numpy()
+    assert np.abs(outs[0].numpy() - want).max() / np.abs(want).max() < 2e-5
+    exact = xn.astype(np.float64) @ dequantized(fmt, raw, K).T + bias.numpy()
+    err_one = np.abs(one(x).numpy() - exact).max()
+    err_two = np.abs(outs[0].numpy() - exact).max()
+    assert err_two < err_one / 40, f"two parts: {err_two:.2e}, one: {err_one:.2e}"
+    with pytest.raises(ValueError, match="1 or 2 parts"):
+        QuantLinear(fmt, torch.from_numpy(raw), K, parts=3)
+
+
 def test_activations_round_as_llama_cpp_does():
     lib = kernels()
     rng = np.random.default_rng()
@@ -151,10 +187,11 @@ def test_the_kernels_run_clean_under_sanitizers(tmp_path):
         lib = ctypes.CDLL({str(built)!r})
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.qkv_quant_repack.argtypes = [ctypes.c_int, p, i64, i64, p, p, p]
-        lib.qkv_quant_matmul.argtypes = [ctypes.c_int] * 2 + [p] * 4 + [i64, i64, p, i64, p, p,
+        lib.qkv_quant_matmul.argtypes = [ctypes.c_int] * 2 + [p] * 4 + [i64, i64, p, i64,
+                                                                        ctypes.c_int, p, p,
                                                                         ctypes.c_int]
         lib.qkv_quant_work_bytes.restype = i64
-        lib.qkv_quant_work_bytes.argtypes = [i64, i64]
+        lib.qkv_quant_work_bytes.argtypes = [i64, i64, i64, ctypes.c_int]
         rng = np.random.default_rng(0)
         mask = lib.qkv_quant_variants()
         for code, size in ((0, 18), (1, 20), (2, 34)):
@@ -168,16 +205,19 @@ def test_the_kernels_run_clean_under_sanitizers(tmp_path):
                 lib.qkv_quant_repack(code, raw.ctypes.data, N, K, panels.ctypes.data,
                                      sc.ctypes.data, mi.ctypes.data)
                 x = rng.standard_normal((M, K)).astype(np.float32)
-                work = np.empty(lib.qkv_quant_work_bytes(M, K), np.uint8)
-                outs = []
-                for v in range(4):
-                    if mask >> v & 1:
-                        y = np.empty((M, N), np.float32)
-                        assert lib.qkv_quant_matmul(v, code, panels.ctypes.data, sc.ctypes.data,
-                            mi.ctypes.data, None, N, K, x.ctypes.data, M, y.ctypes.data,
-                            work.ctypes.data, 2) == 0
-                        outs.append(y)
-                assert all(np.array_equal(o, outs[0]) for o in outs)
+                bias = rng.standard_normal(N).astype(np.float32)
+                for parts in (1, 2):
+                    work = np.empty(lib.qkv_quant_work_bytes(M, K, N, parts), np.uint8)
+                    outs = []
+                    for v in range(4):
+                        if mask >> v & 1:
+                            y = np.empty((M, N), np.float32)
+                            assert lib.qkv_quant_matmul(v, code, panels.ctypes.data,
+                                sc.ctypes.data, mi.ctypes.data, bias.ctypes.data, N, K,
+                                x.ctypes.data, M, parts, y.ctypes.data, work.ctypes.data,
+                                2) == 0
+                            outs.append(y)
+                    assert all(np.array_equal(o, outs[0]) for o in outs)
         print("clean")
     """)
     env = {"LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0", "PATH": "/usr/bin:/bin",

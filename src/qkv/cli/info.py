@@ -87,11 +87,10 @@ def _this_machine() -> None:
     from qkv.nn.quant_linear import in_generation
     from qkv.nn.quantized import int4_available
 
-    typer.echo(native.describe() + ("" if in_generation() else
-                                    "; generation uses them where QKV_NATIVE=1"))  # fmt: skip
+    typer.echo(native.describe())
     typer.echo("generate(precision='auto'): a .gguf file's 4-bit matrices in 4 bits, "
                + ("multiplied by qkv's native kernels (the file's own blocks, 8-bit "
-                  "activations, as llama.cpp)" if in_generation() else
+                  "activations, as llama.cpp; one native call a token)" if in_generation() else
                   "since this torch has the CPU int4 kernel" if int4_available() else
                   f"but torch {torch.__version__} has no CPU int4 kernel: the weights "
                   "as loaded"))  # fmt: skip

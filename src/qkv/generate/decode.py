@@ -7,17 +7,20 @@ that every sequence's next token is in the last column.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+from qkv import native
 from qkv.generate.fast_step import FastStep, fast_step_refusal, head_of
-from qkv.generate.native_step import NativeStep, native_step_refusal, threads
+from qkv.generate.native_step import NativeStep, native_step_refusal
 from qkv.generate.sampling import Sampling
 from qkv.models import Decoder, EncoderDecoder
 from qkv.models.decoder import cap_logits
 from qkv.nn import AttentionRecord
+from qkv.nn.quant_linear import QuantLinear, cores_to_the_kernels
 
 
 def decode_steps(
@@ -53,8 +56,9 @@ def decode_steps(
     # The prompt's token comes from the model's own head (model(ids).logits' arithmetic), and
     # is yielded before the copies that make each later step fast (0.1-0.2 s for SmolLM2's):
     # a stream shows it that much sooner.
-    logits = _next_logits(model, None, None, input_ids, attention_mask, positions, cache,
-                          layers, keep)  # fmt: skip
+    with _prompt_cores(model):
+        logits = _next_logits(model, None, None, input_ids, attention_mask, positions, cache,
+                              layers, keep)  # fmt: skip
     token = sampling.pick(logits, generator)  # (B,)
     yield token
     if max_new_tokens <= 1:
@@ -68,7 +72,7 @@ def decode_steps(
         fast = NativeStep(model, cache, capacity)
     elif use_fast:
         fast = FastStep(model, cache, capacity, attention_mask)
-    head, bias = _step_head(model, use_fast, native=isinstance(fast, NativeStep))
+    head, bias = _step_head(model, use_fast, native_step=isinstance(fast, NativeStep))
     for _ in range(max_new_tokens - 1):
         if positions is not None:
             positions = positions[:, -1:] + 1  # (B, 1)
@@ -127,7 +131,15 @@ def _next_logits(model: Decoder, head, bias, input_ids, attention_mask, position
     return _head(model, head, bias, out.hidden[:, -1])
 
 
-def _step_head(model: Decoder, fast: bool, native: bool = False) -> tuple:
+def _prompt_cores(model: Decoder):
+    """Where the model multiplies a file's blocks with qkv's kernels: its prompt's products on
+    every core and torch's operations on one (`cores_to_the_kernels`); elsewhere nothing."""
+    if any(type(m) is QuantLinear for m in model.modules()):
+        return cores_to_the_kernels()
+    return contextlib.nullcontext()
+
+
+def _step_head(model: Decoder, fast: bool, native_step: bool = False) -> tuple:
     """The LM head each step after the prompt's reads, and its bias where it is not a module.
 
     The head reads the largest matrix once per token: stored (C, vocab) it is read in memory
@@ -135,7 +147,7 @@ def _step_head(model: Decoder, fast: bool, native: bool = False) -> tuple:
     layout (FastStep's `head_of`) faster still; an 8-bit one (int4 models'), with 8-bit inputs
     where the CPU has VNNI; a file's own blocks (QuantLinear) on the native step's threads
     where it runs. A quantized head FastStep does not take computes itself."""
-    packed = head_of(model, threads() if native else None) if fast else None
+    packed = head_of(model, native.threads() if native_step else None) if fast else None
     if packed is not None:
         return packed, None
     head = model.lm_head

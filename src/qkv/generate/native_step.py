@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 from torch import Tensor
@@ -29,12 +28,10 @@ from qkv.nn.mlps import ACTIVATIONS, GatedMLP
 from qkv.nn.norms import RMSNorm
 from qkv.nn.quant_linear import ROWS, QuantLinear, kernels, variant
 
-MOST_THREADS = 256  # the pool's
-
 
 class _Matrix(ctypes.Structure):  # qkv_qmat
-    _fields_ = [("fmt", ctypes.c_int), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
-                ("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+    _fields_ = [("fmt", ctypes.c_int), ("parts", ctypes.c_int), ("N", ctypes.c_int64),
+                ("K", ctypes.c_int64), ("panels", ctypes.c_void_p), ("scales", ctypes.c_void_p),
                 ("mins", ctypes.c_void_p), ("bias", ctypes.c_void_p)]  # fmt: skip
 
 
@@ -60,16 +57,6 @@ def _typed(lib):
     native.declare(lib, "qkv_step", ctypes.c_int, ctypes.POINTER(_Model), ctypes.c_void_p, i64)
     native.declare(lib, "qkv_step_work_floats", i64, i64, i64, i64, i64, i64)
     return lib
-
-
-def threads() -> int:
-    """The step's threads: QKV_THREADS where set, else every core this process may use."""
-    asked = os.environ.get("QKV_THREADS", "").strip()
-    if asked:
-        if not asked.isdigit() or not 1 <= int(asked) <= MOST_THREADS:
-            raise ValueError(f"QKV_THREADS={asked!r} is not a count of threads (1..256)")
-        return int(asked)
-    return max(1, min(len(os.sched_getaffinity(0)), MOST_THREADS))
 
 
 def _plain_rms(norm, width: int) -> str | None:
@@ -190,7 +177,7 @@ class NativeStep:
         chosen = variant()
         attn_chosen = chosen if lib.qkv_decode_variants() >> chosen & 1 else 0
         self._model = _Model(
-            chosen, attn_chosen, threads(), L, C, H, Hkv, D, F, capacity,
+            chosen, attn_chosen, native.threads(), L, C, H, Hkv, D, F, capacity,
             _first_eps(model), model.norm.eps if model.norm is not None else 0.0,
             layers, None if final is None else final.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             (work.data_ptr() + 63) // 64 * 64,
@@ -206,7 +193,7 @@ class NativeStep:
         panel = first // ROWS * (linear.in_features // 32)  # panel blocks before the first row
         bias = None if linear.bias is None else linear.bias.detach()
         self._keep += [linear.panels, linear.scales, linear.mins, bias]
-        return _Matrix(linear.code, rows, linear.in_features,
+        return _Matrix(linear.code, linear.parts, rows, linear.in_features,
                        linear.panels.data_ptr() + panel * linear.panels.numel() //
                        (linear.scales.numel() // ROWS),
                        linear.scales.data_ptr() + panel * ROWS * 4,

@@ -69,9 +69,8 @@ class FourBits:
         if self.file is None:
             return f"{source} is not a .gguf file with 4-bit matrices"
         if not in_generation() and not int4_available():
-            off = native_why()  # None where the kernels are built but not asked for
-            return (f"torch {torch.__version__} has no CPU int4 kernel, and qkv's own run "
-                    f"where QKV_NATIVE=1" + (f" ({off})" if off else ""))  # fmt: skip
+            return (f"torch {torch.__version__} has no CPU int4 kernel, and qkv's own are "
+                    f"not here: {native_why()}")  # fmt: skip
         if parameter.device.type != "cpu":
             return "the model is not on the CPU"
         if parameter.dtype != torch.float32:
@@ -90,7 +89,7 @@ class FourBits:
 
         shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
         twin = copy.deepcopy(model, shared)  # the modules copied, their tensors not
-        if in_generation():  # the file's own blocks, QKV_NATIVE=1
+        if in_generation():  # the file's own blocks (not where QKV_NATIVE=0)
             int4.use_blocks(twin, family, config, gguf.read_blocks(self.file, int4.BLOCK_TYPES),
                             source)  # fmt: skip
             return twin.eval()

@@ -43,12 +43,42 @@ typedef struct {
     float *work;              /* qkv_step_work_floats(...) floats, 64-byte aligned */
 } qkv_step_model;
 
-/* floats of a step's working memory */
+/* The step's working memory, cut from one buffer of qkv_step_work_floats floats */
+typedef struct {
+    float *h, *q, *k, *v, *att, *lse, *gate, *up, *proj;
+    float *each;   /* the products of every part (2 rows a matrix) before they are summed */
+    int8_t *xq;    /* 8-bit inputs: two parts of the widest vector */
+    float *blocks; /* their d, s and sums */
+} scratch;
+
+static int64_t widest(int64_t C, int64_t H, int64_t D, int64_t F) {
+    const int64_t w = C > F ? C : F;
+    return H * D > w ? H * D : w;
+}
+
+static scratch cut(float *work, int64_t C, int64_t H, int64_t Hkv, int64_t D, int64_t F) {
+    scratch w;
+    const int64_t wide = widest(C, H, D, F);
+    w.h = work;
+    w.q = w.h + C;
+    w.k = w.q + H * D;
+    w.v = w.k + Hkv * D;
+    w.att = w.v + Hkv * D;
+    w.lse = w.att + H * D;
+    w.gate = w.lse + H;
+    w.up = w.gate + F;
+    w.proj = w.up + F;
+    w.each = w.proj + C;
+    w.xq = (int8_t *)(w.each + 2 * (H * D + 2 * Hkv * D + C + 2 * F));
+    w.blocks = (float *)(w.xq + 2 * wide);
+    return w;
+}
+
+/* floats of a step's working memory (cut's, and 64 to spare) */
 int64_t qkv_step_work_floats(int64_t C, int64_t H, int64_t Hkv, int64_t D, int64_t F) {
-    const int64_t widest = C > F ? C : F, wide = H * D > widest ? H * D : widest;
-    /* h, q, k, v, attention out, lse, gate, up, projected; then 8-bit x: wide bytes and 3
-     * floats per block of 32 */
-    return 2 * C + H * D + 2 * Hkv * D + H * D + H + 2 * F + C + wide / 4 + 3 * (wide / 32) + 64;
+    const int64_t wide = widest(C, H, D, F);
+    return 2 * C + 2 * H * D + 2 * Hkv * D + H + 2 * F + 2 * (H * D + 2 * Hkv * D + C + 2 * F) +
+           2 * wide / 4 + 3 * 2 * (wide / 32) + 64;
 }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
@@ -121,13 +151,39 @@ static void silu_gate(float *gate, const float *up, int64_t n, int simd) {
     }
 }
 
-/* x's 8-bit blocks into the step's buffer */
-static qkv_q8 quantized(const float *x, int64_t K, int8_t *q, float *blocks) {
+#define MANY 8 /* quant.c's most matrices a call */
+
+/* ys[i] (N_i) = mats[i] @ x (+ bias), x (K) rounded to 8 bits in mats[0].parts parts (the
+ * matrices of one call take the same): one call of the pool, then the parts summed in order
+ * and the bias added, as qkv_quant_matmul does for QuantLinear */
+static void products(const qkv_step_model *m, const scratch *w, int count, const qkv_qmat *mats,
+                     float *const *ys, const float *x, int64_t K) {
+    const int parts = mats[0].parts;
     const int64_t nb = K / 32;
-    float *d = blocks, *s = blocks + nb;
-    int32_t *sum = (int32_t *)(blocks + 2 * nb);
-    qkv_quant_activations(x, 1, K, q, d, s, sum);
-    return (qkv_q8){q, d, s, sum};
+    float *d = w->blocks, *s = d + parts * nb;
+    int32_t *sum = (int32_t *)(s + parts * nb);
+    qkv_quant_activations_parts(x, 1, K, parts, w->xq, d, s, sum);
+    const qkv_q8 xq = {w->xq, d, s, sum};
+    if (parts == 1) {
+        qkv_quant_many(m->variant, count, mats, ys, &xq, 1, m->nth);
+        return;
+    }
+    qkv_qmat bare[MANY];
+    float *each[MANY], *at = w->each;
+    for (int i = 0; i < count; i++) {
+        bare[i] = mats[i];
+        bare[i].bias = NULL;
+        each[i] = at;
+        at += 2 * mats[i].N;
+    }
+    qkv_quant_many(m->variant, count, bare, each, &xq, 2, m->nth);
+    for (int i = 0; i < count; i++) {
+        const int64_t N = mats[i].N;
+        for (int64_t n = 0; n < N; n++) {
+            const float t = each[i][n] + each[i][N + n];
+            ys[i][n] = mats[i].bias ? t + mats[i].bias[n] : t;
+        }
+    }
 }
 
 /* x (C): the token's vector in, the final norm's output (or the last residual sum) out.
@@ -135,49 +191,42 @@ static qkv_q8 quantized(const float *x, int64_t K, int8_t *q, float *blocks) {
  * or the decode attention's error (-1: a variant this CPU lacks, -2: out of memory). */
 int qkv_step(const qkv_step_model *m, float *x, int64_t at) {
     const int64_t C = m->C, H = m->H, Hkv = m->Hkv, D = m->D, F = m->F;
-    float *h = m->work, *q = h + C, *k = q + H * D, *v = k + Hkv * D, *att = v + Hkv * D;
-    float *lse = att + H * D, *gate = lse + H, *up = gate + F, *proj = up + F;
-    const int64_t widest = C > F ? C : F, wide = H * D > widest ? H * D : widest;
-    int8_t *xq = (int8_t *)(proj + C);
-    float *blocks = proj + C + wide / 4;
+    const scratch w = cut(m->work, C, H, Hkv, D, F);
     const float *cos = m->cos + at * D, *sin = m->sin + at * D;
     const int simd = m->attn_variant != QKV_SCALAR; /* AVX2 with F16C, as decode.c's */
     for (int64_t l = 0; l < m->L; l++) {
         const qkv_step_layer *layer = &m->layers[l];
-        rms_norm(x, layer->attn_norm, m->eps, C, h);
-        qkv_q8 hq = quantized(h, C, xq, blocks);
-        float *qkv_out[3] = {q, k, v};
+        rms_norm(x, layer->attn_norm, m->eps, C, w.h);
         const qkv_qmat qkv_mats[3] = {layer->q, layer->k, layer->v};
-        qkv_quant_many(m->variant, 3, qkv_mats, qkv_out, &hq, m->nth);
-        rotate(q, H, D, cos, sin);
-        rotate(k, Hkv, D, cos, sin);
+        float *const qkv_out[3] = {w.q, w.k, w.v};
+        products(m, &w, 3, qkv_mats, qkv_out, w.h, C);
+        rotate(w.q, H, D, cos, sin);
+        rotate(w.k, Hkv, D, cos, sin);
         for (int64_t j = 0; j < Hkv; j++) {
-            to_half(k + j * D, layer->keys + (j * m->cap + at) * D, D, simd);
-            to_half(v + j * D, layer->values + (j * m->cap + at) * D, D, simd);
+            to_half(w.k + j * D, layer->keys + (j * m->cap + at) * D, D, simd);
+            to_half(w.v + j * D, layer->values + (j * m->cap + at) * D, D, simd);
         }
         const int64_t length = at + 1;
         const int64_t start = layer->window > 0 && length > layer->window ? length - layer->window : 0;
-        const int failed = qkv_decode_attention(m->attn_variant, CACHE_F16, q, layer->keys,
+        const int failed = qkv_decode_attention(m->attn_variant, CACHE_F16, w.q, layer->keys,
                                                 layer->values, NULL, NULL, NULL, 1, H, Hkv, m->cap,
-                                                D, start, length, layer->scale, 0, att, lse, m->nth);
+                                                D, start, length, layer->scale, 0, w.att, w.lse,
+                                                m->nth);
         if (failed) return failed;
-        qkv_q8 aq = quantized(att, H * D, xq, blocks);
-        float *o_out[1] = {proj};
-        qkv_quant_many(m->variant, 1, &layer->o, o_out, &aq, m->nth);
-        for (int64_t i = 0; i < C; i++) x[i] = x[i] + proj[i];
-        rms_norm(x, layer->mlp_norm, m->eps, C, h);
-        hq = quantized(h, C, xq, blocks);
-        float *gu_out[2] = {gate, up};
+        float *const proj[1] = {w.proj};
+        products(m, &w, 1, &layer->o, proj, w.att, H * D);
+        for (int64_t i = 0; i < C; i++) x[i] = x[i] + w.proj[i];
+        rms_norm(x, layer->mlp_norm, m->eps, C, w.h);
         const qkv_qmat gu_mats[2] = {layer->gate, layer->up};
-        qkv_quant_many(m->variant, 2, gu_mats, gu_out, &hq, m->nth);
-        silu_gate(gate, up, F, simd);
-        qkv_q8 gq = quantized(gate, F, xq, blocks);
-        qkv_quant_many(m->variant, 1, &layer->down, o_out, &gq, m->nth);
-        for (int64_t i = 0; i < C; i++) x[i] = x[i] + proj[i];
+        float *const gu_out[2] = {w.gate, w.up};
+        products(m, &w, 2, gu_mats, gu_out, w.h, C);
+        silu_gate(w.gate, w.up, F, simd);
+        products(m, &w, 1, &layer->down, proj, w.gate, F);
+        for (int64_t i = 0; i < C; i++) x[i] = x[i] + w.proj[i];
     }
     if (m->final_norm) {
-        rms_norm(x, m->final_norm, m->final_eps, C, h);
-        memcpy(x, h, (size_t)C * sizeof(float));
+        rms_norm(x, m->final_norm, m->final_eps, C, w.h);
+        memcpy(x, w.h, (size_t)C * sizeof(float));
     }
     return 0;
 }

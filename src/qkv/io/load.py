@@ -92,7 +92,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, backend, int4: bool) -
     family = family_for(contents.config)
     config = with_backend(family_config(family, contents.config, path), backend)
     model = build(family, config, contents.state_dict, dtype)
-    if int4 and in_generation():  # the file's own blocks, QKV_NATIVE=1
+    if int4 and in_generation():  # the file's own blocks (not where QKV_NATIVE=0)
         use_blocks(model, family, config, read_blocks(path, BLOCK_TYPES), name)
     elif int4:
         use_int4(model, family, config, read_int4(path), name)

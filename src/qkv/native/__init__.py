@@ -49,6 +49,20 @@ LIBS = ("-lm", "-lpthread")
 VARIANTS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # C's QKV_SCALAR.. order
 
 
+MOST_THREADS = 256  # pool.c's
+
+
+def threads() -> int:
+    """How many threads the kernels' pool runs a parallel product or step on: QKV_THREADS
+    where set, else every core this process may use."""
+    asked = os.environ.get("QKV_THREADS", "").strip()
+    if asked:
+        if not asked.isdigit() or not 1 <= int(asked) <= MOST_THREADS:
+            raise ValueError(f"QKV_THREADS={asked!r} is not a count of threads (1..256)")
+        return int(asked)
+    return max(1, min(len(os.sched_getaffinity(0)), MOST_THREADS))
+
+
 def compiler() -> str | None:
     """The C compiler qkv builds with: $CC, else cc or gcc on the PATH (None: none)."""
     named = os.environ.get("CC")

@@ -18,27 +18,31 @@ void qkv_parallel(qkv_task fn, void *arg, int nth);
 enum { QKV_SCALAR = 0, QKV_AVX2 = 1, QKV_AVX_VNNI = 2, QKV_AVX512_VNNI = 3, QKV_VARIANTS = 4 };
 
 /* One quantized matrix as qkv/nn/quant.c's repacking left it (QuantLinear's buffers): fmt 0
- * Q4_0, 1 Q4_1, 2 Q8_0; N rows of K columns; bias (N) or NULL. */
+ * Q4_0, 1 Q4_1, 2 Q8_0; N rows of K columns; bias (N) or NULL; parts: its inputs rounded to
+ * 8 bits once (1) or twice, the second time what the first left (2). */
 typedef struct {
-    int fmt;
+    int fmt, parts;
     int64_t N, K;
     const uint8_t *panels;
     const float *scales, *mins, *bias;
 } qkv_qmat;
 
-/* One vector's 8-bit blocks (qkv_quant_activations' output for M = 1) */
+/* Rows of 8-bit blocks (qkv_quant_activations' output): q (rows, K), d, s, sum (rows, K/32) */
 typedef struct {
     const int8_t *q;
     const float *d, *s;
     const int32_t *sum;
 } qkv_q8;
 
-/* quant.c: x (M, K) -> its 8-bit blocks; products of several matrices with one quantized
- * vector, the panels of all of them shared by nth threads (ys[i]: matrix i's N outputs) */
+/* quant.c: x (M, K) -> its 8-bit blocks (in one part or two); products of several matrices
+ * with M quantized rows, the panels of all of them shared by nth threads (ys[i]: matrix i's
+ * (M, N) outputs) */
 void qkv_quant_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s,
                            int32_t *sums);
+void qkv_quant_activations_parts(const float *x, int64_t M, int64_t K, int parts, int8_t *q,
+                                 float *d, float *s, int32_t *sums);
 void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
-                    const qkv_q8 *x, int nth);
+                    const qkv_q8 *x, int64_t M, int nth);
 int qkv_quant_variants(void);
 
 /* attention/decode.c: one query per head over a float16 or 8-bit cache */

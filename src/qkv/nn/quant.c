@@ -72,37 +72,73 @@ void qkv_quant_repack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t
 
 /* ---- activations ----------------------------------------------------------------------- */
 
-/* x (M, K) float32 -> q (M, K) int8, and per block of 32: d (the scale, rounded to float16 as
- * llama.cpp stores it), s = float16(d_unrounded * sum q) (Q8_1's), sum q (an integer). */
+/* One block of 32 inputs -> its bytes q, d (the scale, rounded to float16 as llama.cpp stores
+ * it), s = float16(d_unrounded * sum q) (Q8_1's) and sum q (an integer). */
+static void quantize_block(const float *v, int8_t *q, float *d, float *s, int32_t *sum) {
+    float amax = 0.0f;
+    int finite = 1;
+    for (int j = 0; j < QK; j++) {
+        amax = fmaxf(amax, fabsf(v[j]));
+        finite &= isfinite(v[j]) != 0;
+    }
+    if (!finite) { /* NaN or infinity in: NaN out (NaN * 0), never a cast of NaN to int */
+        memset(q, 0, QK);
+        *d = *s = NAN;
+        *sum = 0;
+        return;
+    }
+    const float scale = amax / 127.0f;
+    const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    int total = 0;
+    for (int j = 0; j < QK; j++) {
+        const int r = (int)roundf(v[j] * inverse);
+        q[j] = (int8_t)r;
+        total += r;
+    }
+    *d = rounded_to_half(scale);
+    *s = rounded_to_half(scale * (float)total);
+    *sum = total;
+}
+
+/* x (M, K) float32 -> q (M, K) int8, and d, s, sum per block of 32 (quantize_block). */
 void qkv_quant_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s,
                            int32_t *sums) {
-    const int64_t nb = K / QK;
-    for (int64_t i = 0; i < M * nb; i++) {
-        const float *v = x + i * QK;
-        float amax = 0.0f;
-        int finite = 1;
-        for (int j = 0; j < QK; j++) {
-            amax = fmaxf(amax, fabsf(v[j]));
-            finite &= isfinite(v[j]) != 0;
-        }
-        if (!finite) { /* NaN or infinity in: NaN out (NaN * 0), never a cast of NaN to int */
-            memset(q + i * QK, 0, QK);
-            d[i] = s[i] = NAN;
-            sums[i] = 0;
-            continue;
-        }
-        const float scale = amax / 127.0f;
-        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
-        int sum = 0;
-        for (int j = 0; j < QK; j++) {
-            const int r = (int)roundf(v[j] * inverse);
-            q[i * QK + j] = (int8_t)r;
-            sum += r;
-        }
-        d[i] = rounded_to_half(scale);
-        s[i] = rounded_to_half(scale * (float)sum);
-        sums[i] = sum;
+    for (int64_t i = 0; i < M * (K / QK); i++)
+        quantize_block(x + i * QK, q + i * QK, d + i, s + i, sums + i);
+}
+
+/* x (M, K) as `parts` (1 or 2) rows of 8-bit blocks each, row i's part j at row i * parts + j:
+ * part 0 as qkv_quant_activations makes it, part 1 what part 0 leaves of x (x - d q, with d as
+ * rounded to float16), so that d0 q0 + d1 q1 holds x to about 15 bits. Each part's product is
+ * llama.cpp's arithmetic; their sum is a product with inputs rounded 128 times finer. */
+void qkv_quant_activations_parts(const float *x, int64_t M, int64_t K, int parts, int8_t *q,
+                                 float *d, float *s, int32_t *sums) {
+    if (parts == 1) {
+        qkv_quant_activations(x, M, K, q, d, s, sums);
+        return;
     }
+    const int64_t nb = K / QK;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + i * K + b * QK;
+            const int64_t first = 2 * i * nb + b, second = first + nb;
+            int8_t *q0 = q + first * QK;
+            quantize_block(v, q0, d + first, s + first, sums + first);
+            float left[QK];
+            for (int j = 0; j < QK; j++) left[j] = v[j] - d[first] * (float)q0[j];
+            quantize_block(left, q + second * QK, d + second, s + second, sums + second);
+        }
+}
+
+/* y (M, N) = parts (M * parts, N) summed in order, then the bias */
+static void sum_parts(const float *parts_y, int64_t M, int64_t N, int parts, const float *bias,
+                      float *y) {
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t n = 0; n < N; n++) {
+            float t = parts_y[(i * parts) * N + n];
+            for (int j = 1; j < parts; j++) t = t + parts_y[(i * parts + j) * N + n];
+            y[i * N + n] = bias ? t + bias[n] : t;
+        }
 }
 
 /* ---- the products ------------------------------------------------------------------------ */
@@ -171,50 +207,85 @@ static inline int32_t four(const int8_t *x) {
 }
 
 /* AVX2: a panel as two halves of 8 rows; byte products summed in pairs (vpmaddubsw: 15 * 128
- * * 2 fits 16 bits; Q8_0's signed weights go as |w| and x with w's sign, which fits too). */
-__attribute__((target("avx2,fma"))) static void panel_avx2(const product *pr, int64_t p,
-                                                            int64_t m) {
+ * * 2 fits 16 bits; Q8_0's signed weights go as |w| and x with w's sign, which fits too).
+ * R activation rows (1..4) at once: each panel block's integers are unpacked once for
+ * all of them (a prompt's rows, or an input in two parts). Row by row, the same operations in
+ * the same order as the other variants' (BLOCK_SCALAR's), so the same numbers bit for bit. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
+    const product *pr, int64_t p, int64_t m0, const int R) {
     const int64_t nb = pr->K / QK, pbb = panel_block_bytes(pr->fmt);
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 acc[4][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = pr->panels + (p * nb + b) * pbb;
-        const int8_t *x = pr->xq + m * pr->K + b * QK;
-        const int64_t at = (p * nb + b) * ROWS, i = m * nb + b;
+        const int64_t at = (p * nb + b) * ROWS;
+        const int8_t *x[4];
+        int64_t i[4];
+        for (int r = 0; r < R; r++) {
+            x[r] = pr->xq + (m0 + r) * pr->K + b * QK;
+            i[r] = (m0 + r) * nb + b;
+        }
         for (int h = 0; h < 2; h++) {
-            __m256i isum = _mm256_setzero_si256();
+            __m256i isum[4];
+            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
             if (pr->fmt == Q8_0) {
                 for (int s = 0; s < 8; s++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
-                    const __m256i xs = _mm256_set1_epi32(four(x + 4 * s));
-                    const __m256i pairs =
-                        _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(xs, v));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pairs, ones));
+                    const __m256i magnitude = _mm256_abs_epi8(v);
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xs = _mm256_set1_epi32(four(x[r] + 4 * s));
+                        const __m256i pairs =
+                            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs, v));
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+                    }
                 }
             } else {
                 for (int s = 0; s < 4; s++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
                     const __m256i lo = _mm256_and_si256(v, low);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    const __m256i a = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(x + 4 * s)));
-                    const __m256i c =
-                        _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(x + 16 + 4 * s)));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_add_epi16(a, c), ones));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i a =
+                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(x[r] + 4 * s)));
+                        const __m256i c =
+                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(x[r] + 16 + 4 * s)));
+                        isum[r] = _mm256_add_epi32(isum[r],
+                                                   _mm256_madd_epi16(_mm256_add_epi16(a, c), ones));
+                    }
                 }
             }
-            if (pr->fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * pr->xsum[i]));
-            const __m256 dd = _mm256_mul_ps(_mm256_loadu_ps(pr->scales + at + 8 * h),
-                                            _mm256_set1_ps(pr->xd[i]));
-            acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)));
-            if (pr->fmt == Q4_1)
-                acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_loadu_ps(pr->mins + at + 8 * h),
-                                                             _mm256_set1_ps(pr->xs[i])));
+            const __m256 scales = _mm256_loadu_ps(pr->scales + at + 8 * h);
+            const __m256 mins = _mm256_loadu_ps(pr->mins + at + 8 * h);
+            for (int r = 0; r < R; r++) {
+                __m256i t = isum[r];
+                if (pr->fmt == Q4_0) t = _mm256_sub_epi32(t, _mm256_set1_epi32(8 * pr->xsum[i[r]]));
+                const __m256 dd = _mm256_mul_ps(scales, _mm256_set1_ps(pr->xd[i[r]]));
+                acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(t)));
+                if (pr->fmt == Q4_1)
+                    acc[r][h] = _mm256_add_ps(acc[r][h],
+                                              _mm256_mul_ps(mins, _mm256_set1_ps(pr->xs[i[r]])));
+            }
         }
     }
-    float out[ROWS];
-    _mm256_storeu_ps(out, acc[0]);
-    _mm256_storeu_ps(out + 8, acc[1]);
-    store(pr, p, m, out);
+    for (int r = 0; r < R; r++) {
+        float out[ROWS];
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        store(pr, p, m0 + r, out);
+    }
+}
+
+/* rows m0..m0+count-1 of panel p: four at a time, then what is left */
+__attribute__((target("avx2,fma"))) static void panels_avx2(const product *pr, int64_t p,
+                                                             int64_t m0, int64_t count) {
+    int64_t m = m0;
+    for (; m + 4 <= m0 + count; m += 4) rows_avx2(pr, p, m, 4);
+    switch (m0 + count - m) {
+    case 3: rows_avx2(pr, p, m, 3); break;
+    case 2: rows_avx2(pr, p, m, 2); break;
+    case 1: rows_avx2(pr, p, m, 1); break;
+    }
 }
 
 /* AVX-VNNI (256 bits): as AVX2, four byte products summed into 32 bits by one vpdpbusd. */
@@ -308,23 +379,34 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void pane
 }
 #endif
 
-typedef void (*panel_fn)(const product *, int64_t, int64_t);
+typedef void (*panels_fn)(const product *, int64_t, int64_t, int64_t);
 
-static panel_fn panel_of(int variant) {
+/* rows m0..m0+count-1 of panel p, one at a time (the variants without a kernel of several) */
+#define ROW_BY_ROW(name, one)                                                                    \
+    static void name(const product *pr, int64_t p, int64_t m0, int64_t count) {                  \
+        for (int64_t m = m0; m < m0 + count; m++) one(pr, p, m);                                 \
+    }
+ROW_BY_ROW(panels_scalar, panel_scalar)
+#if defined(QKV_X86)
+ROW_BY_ROW(panels_avx_vnni, panel_avx_vnni)
+ROW_BY_ROW(panels_avx512_vnni, panel_avx512_vnni)
+#endif
+
+static panels_fn panel_of(int variant) {
 #if defined(QKV_X86)
     switch (variant) {
-    case QKV_AVX2: return panel_avx2;
-    case QKV_AVX_VNNI: return panel_avx_vnni;
-    case QKV_AVX512_VNNI: return panel_avx512_vnni;
+    case QKV_AVX2: return panels_avx2;
+    case QKV_AVX_VNNI: return panels_avx_vnni;
+    case QKV_AVX512_VNNI: return panels_avx512_vnni;
     }
 #endif
     (void)variant;
-    return panel_scalar;
+    return panels_scalar;
 }
 
 typedef struct {
     const product *pr;
-    panel_fn fn;
+    panels_fn fn;
 } job;
 
 /* thread ith's share: a contiguous run of panels, for every activation row, MTILE rows at a
@@ -336,8 +418,7 @@ static void run_job(void *arg, int ith, int nth) {
     const int64_t first = np * ith / nth, last = np * (ith + 1) / nth;
     for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
         const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
-        for (int64_t p = first; p < last; p++)
-            for (int64_t m = m0; m < m1; m++) jb->fn(pr, p, m);
+        for (int64_t p = first; p < last; p++) jb->fn(pr, p, m0, m1 - m0);
     }
 }
 
@@ -359,25 +440,34 @@ int qkv_quant_variants(void) {
 }
 
 /* y (M, N) = x (M, K) @ W.T (+ bias): W as qkv_quant_repack made it, x rounded to 8 bits per
- * block (work: M * K bytes, then 3 * M * K/32 floats or integers). Returns 0, or -1 when the
- * variant is not one this CPU runs (nothing is written then). */
+ * block in `parts` (1, or 2: qkv_quant_activations_parts) (work: qkv_quant_work_bytes). Returns
+ * 0, or -1 when the variant is not one this CPU runs (nothing is written then). */
 int qkv_quant_matmul(int variant, int fmt, const uint8_t *panels, const float *scales,
                      const float *mins, const float *bias, int64_t N, int64_t K, const float *x,
-                     int64_t M, float *y, void *work, int nth) {
+                     int64_t M, int parts, float *y, void *work, int nth) {
     if (variant < 0 || variant >= QKV_VARIANTS || !(qkv_quant_variants() >> variant & 1))
         return -1;
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, rows = M * parts;
     int8_t *xq = work;
-    float *xd = (float *)(xq + ((M * K + 63) / 64) * 64);
-    float *xs = xd + M * nb;
-    int32_t *xsum = (int32_t *)(xs + M * nb);
-    qkv_quant_activations(x, M, K, xq, xd, xs, xsum);
-    product pr = {fmt, panels, scales, mins, bias, N, K, M, xq, xd, xs, xsum, y};
+    float *xd = (float *)(xq + ((rows * K + 63) / 64) * 64);
+    float *xs = xd + rows * nb;
+    int32_t *xsum = (int32_t *)(xs + rows * nb);
+    float *each = parts > 1 ? (float *)(xsum + rows * nb) : y; /* every part's products */
+    qkv_quant_activations_parts(x, M, K, parts, xq, xd, xs, xsum);
+    product pr = {fmt, panels, scales, mins, parts > 1 ? NULL : bias, N, K, rows, xq, xd, xs,
+                  xsum, each};
     job jb = {&pr, panel_of(variant)};
     const int64_t np = (N + ROWS - 1) / ROWS;
     if (nth > np) nth = (int)np;
     qkv_parallel(run_job, &jb, nth < 1 ? 1 : nth);
+    if (parts > 1) sum_parts(each, M, N, parts, bias, y);
     return 0;
+}
+
+/* bytes of qkv_quant_matmul's `work` for M rows of K in `parts`, N outputs */
+int64_t qkv_quant_work_bytes(int64_t M, int64_t K, int64_t N, int parts) {
+    const int64_t rows = M * parts;
+    return ((rows * K + 63) / 64) * 64 + 3 * rows * (K / QK) * 4 + (parts > 1 ? rows * N * 4 : 0);
 }
 
 #define MANY 8 /* matrices in one qkv_quant_many call at the most */
@@ -386,7 +476,7 @@ typedef struct {
     product pr[MANY];
     int64_t first[MANY + 1]; /* matrix i's panels are [first[i], first[i + 1]) of them all */
     int count;
-    panel_fn fn;
+    panels_fn fn;
 } many_job;
 
 static void run_many(void *arg, int ith, int nth) {
@@ -396,29 +486,24 @@ static void run_many(void *arg, int ith, int nth) {
     for (int i = 0; i < jb->count; i++) {
         const int64_t a = from > jb->first[i] ? from : jb->first[i];
         const int64_t b = to < jb->first[i + 1] ? to : jb->first[i + 1];
-        for (int64_t p = a; p < b; p++) jb->fn(&jb->pr[i], p - jb->first[i], 0);
+        for (int64_t p = a; p < b; p++) jb->fn(&jb->pr[i], p - jb->first[i], 0, jb->pr[i].M);
     }
 }
 
-/* ys[i] (N_i) = mats[i] @ x (+ bias) for one vector x already rounded to 8-bit blocks
+/* ys[i] (M, N_i) = mats[i] @ x (+ bias) for M rows x already rounded to 8-bit blocks
  * (qkv_quant_activations), every matrix with x's K columns: the panels of all of them cut
  * into nth runs, so that a step's q, k and v (or gate and up) are one task of the pool. The
  * caller (qkv/generate/step.c) has checked the variant, the sizes and count <= MANY. */
 void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
-                    const qkv_q8 *x, int nth) {
+                    const qkv_q8 *x, int64_t M, int nth) {
     many_job jb = {.count = count, .fn = panel_of(variant)};
     jb.first[0] = 0;
     for (int i = 0; i < count; i++) {
         const qkv_qmat *w = &mats[i];
-        jb.pr[i] = (product){w->fmt, w->panels, w->scales, w->mins, w->bias, w->N, w->K, 1,
+        jb.pr[i] = (product){w->fmt, w->panels, w->scales, w->mins, w->bias, w->N, w->K, M,
                              x->q, x->d, x->s, x->sum, ys[i]};
         jb.first[i + 1] = jb.first[i] + (w->N + ROWS - 1) / ROWS;
     }
     if (nth > jb.first[count]) nth = (int)jb.first[count];
     qkv_parallel(run_many, &jb, nth < 1 ? 1 : nth);
-}
-
-/* bytes of qkv_quant_matmul's `work` for M rows of K */
-int64_t qkv_quant_work_bytes(int64_t M, int64_t K) {
-    return ((M * K + 63) / 64) * 64 + 3 * M * (K / QK) * 4;
 }

@@ -13,6 +13,7 @@ instruction (see quant.c); the variant for the CPU's instruction set is chosen a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -34,8 +35,9 @@ def _typed(lib):
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     native.declare(lib, "qkv_quant_repack", None, i32, p, i64, i64, p, p, p)
     native.declare(lib, "qkv_quant_activations", None, p, i64, i64, p, p, p, p)
-    native.declare(lib, "qkv_quant_matmul", i32, i32, i32, p, p, p, p, i64, i64, p, i64, p, p, i32)
-    native.declare(lib, "qkv_quant_work_bytes", i64, i64, i64)
+    native.declare(lib, "qkv_quant_matmul", i32, i32, i32, p, p, p, p, i64, i64, p, i64, i32, p, p,
+                   i32)  # fmt: skip
+    native.declare(lib, "qkv_quant_work_bytes", i64, i64, i64, i64, i32)
     return lib
 
 
@@ -51,11 +53,33 @@ def _variant(asked: str) -> int:  # keyed by QKV_NATIVE_ISA's value, so a change
 
 
 def in_generation() -> bool:
-    """Whether loading and generation keep a file's blocks in QuantLinears: where QKV_NATIVE=1
-    asks, until the decoding step runs in C. Measured on an AVX-512 Xeon (benchmarks/
-    generate.py --quick), the products alone on 1 thread decoded SmolLM2 at 20 ms a token
-    where torch's int4 kernel on 2 threads took less and llama.cpp 11.3 ms (issue 39)."""
-    return os.environ.get("QKV_NATIVE", "").strip() == "1" and kernels() is not None
+    """Whether loading and generation keep a file's blocks in QuantLinears: wherever the
+    native kernels are built and not turned off (QKV_NATIVE=0 turns them off; torch's int4
+    path runs then). With the decoding step in C (qkv/generate/step.c) they decoded SmolLM2
+    at 1.3x llama.cpp's speed on an AVX2 EPYC, where torch's int4 path ran at 0.8x (issue 39,
+    benchmarks/generate.py)."""
+    return kernels() is not None
+
+
+_forward_threads = [1]  # the pool's threads for a forward's products of several rows
+
+
+@contextlib.contextmanager
+def cores_to_the_kernels():
+    """Within: the products of a forward pass's rows (a prompt's) on every core
+    (`native.threads()`), and torch's own operations between them on one thread. Torch's
+    threads spin for a while after each operation, and the pool's between its tasks: on 2
+    cores of an AMD EPYC the two together read SmolLM2's 15-token prompt in 134 ms, the pool
+    alone in 67, one thread in 92 (torch's int4 path took 69). Outside, products run on one
+    thread and torch's threads are left as they were."""
+    before, torch_threads = _forward_threads[0], torch.get_num_threads()
+    _forward_threads[0] = native.threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _forward_threads[0] = before
+        torch.set_num_threads(torch_threads)
 
 
 def variant() -> int:
@@ -70,10 +94,19 @@ class QuantLinear(nn.Module):
     the file holds them; bias (N,) or None. Inputs of any float dtype are multiplied in
     float32, and the output is in the input's dtype. CPU only; needs the native library (a
     ValueError naming why where there is none).
+
+    parts: 1, each input rounded to 8 bits per block as llama.cpp rounds it; or 2, the input
+    rounded so and then what that left rounded again, the two products (each llama.cpp's
+    arithmetic) summed: the input held to about 15 bits for the same read of the weights, and
+    twice the integer work (`use_blocks` asks it of attention's projections).
     """
 
-    def __init__(self, fmt: str, raw: Tensor, in_features: int, bias: Tensor | None = None):
+    def __init__(self, fmt: str, raw: Tensor, in_features: int, bias: Tensor | None = None,
+                 parts: int = 1):  # fmt: skip
         super().__init__()
+        if parts not in (1, 2):
+            raise ValueError(f"a QuantLinear rounds its inputs in 1 or 2 parts, not {parts!r}")
+        self.parts = parts
         if fmt not in FORMATS:
             raise ValueError(f"QuantLinear holds {', '.join(FORMATS)} blocks, not {fmt!r}")
         code, block = FORMATS[fmt]
@@ -118,7 +151,7 @@ class QuantLinear(nn.Module):
         # tokens/s on 2 threads, 42 on 1, torch's int4 path 40). The step in C, with the pool
         # as its only threads, is what takes both cores (issue 39).
         nth = 1 if threads is None else threads
-        code, N, K = self.code, self.out_features, self.in_features
+        code, N, K, parts = self.code, self.out_features, self.in_features, self.parts
         panels, scales, mins = (t.data_ptr() for t in (self.panels, self.scales, self.mins))
         bias = None if self.bias is None else self.bias.data_ptr()
         keep = (self.panels, self.scales, self.mins, self.bias)  # alive as long as the function
@@ -128,8 +161,8 @@ class QuantLinear(nn.Module):
                 x = x.float().contiguous()
             M = x.shape[0]
             y = torch.empty(M, N)
-            work = torch.empty(work_bytes(M, K), dtype=torch.uint8)
-            if run(chosen, code, panels, scales, mins, bias, N, K, x.data_ptr(), M,
+            work = torch.empty(work_bytes(M, K, N, parts), dtype=torch.uint8)
+            if run(chosen, code, panels, scales, mins, bias, N, K, x.data_ptr(), M, parts,
                    y.data_ptr(), work.data_ptr(), nth):  # fmt: skip
                 raise ValueError(f"this CPU does not run the kernel variant "
                                  f"{native.VARIANTS[chosen]!r}")  # fmt: skip
@@ -148,8 +181,10 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).float().contiguous()
         if flat.shape[0] == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.float32)
-        y = self.product()(flat)
+        y = self.product(threads=1 if flat.shape[0] == 1 else _forward_threads[0])(flat)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+        parts = ", inputs in 2 parts" if self.parts == 2 else ""
+        sizes = f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"{sizes}, {self.fmt}{parts}"
