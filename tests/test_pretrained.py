@@ -517,6 +517,54 @@ def test_the_int4_cache_gives_back_what_use_int4_made(smollm2, tmp_path):
         assert torch.equal(restored(ids).logits, made(ids).logits)
 
 
+def test_the_native_copy_is_kept_and_read_back_with_its_parts(smollm2, tmp_path, monkeypatch):
+    """With qkv's kernels, the first copy of the file's own blocks is made by use_blocks and
+    kept under its own name; the next is read back from disk (use_blocks never runs): the same
+    modules, formats, parts and buffers bit for bit. A kept copy whose panels do not fit its
+    layer is refused by from_panels and the model left as it was."""
+    import copy
+
+    import qkv.io.gguf
+    import qkv.io.int4
+    from qkv.io import int4_cache
+    from qkv.nn.quant_linear import QuantLinear
+
+    monkeypatch.delenv("QKV_NATIVE", raising=False)
+    monkeypatch.setattr(qkv.io.gguf, "default_cache_dir", lambda: tmp_path)
+    args = (smollm2.model, smollm2.family, smollm2.config, smollm2.source)
+    first = smollm2.four_bits.four_bit_copy(*args)
+    (kept,) = tmp_path.glob(f"{smollm2.four_bits.digest}-blocks-*.safetensors")
+
+    def refused(*args, **kwargs):
+        raise AssertionError("use_blocks ran although the copy was kept")
+
+    monkeypatch.setattr(qkv.io.int4, "use_blocks", refused)
+    second = smollm2.four_bits.four_bit_copy(*args)
+    assert _layout(second) == _layout(first) and kept.is_file()
+    layers = [(m.fmt, m.parts) for m in second.modules() if type(m) is QuantLinear]
+    assert layers == [(m.fmt, m.parts) for m in first.modules() if type(m) is QuantLinear]
+    assert ("Q4_1", 2) in layers and ("Q4_1", 1) in layers and layers[-1] == ("Q8_0", 1)
+    pairs = zip(first.state_dict().values(), second.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    head = second.lm_head
+    with pytest.raises(ValueError, match="panels of a 49152x576 Q8_0 layer"):
+        QuantLinear.from_panels("Q8_0", head.panels[:-1], head.scales, head.mins, 576, 49152)
+    with pytest.raises(ValueError, match="1 or 2 parts|in 3 parts"):
+        QuantLinear.from_panels("Q8_0", head.panels, head.scales, head.mins, 576, 49152,
+                                parts=3)  # fmt: skip
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(kept, framework="pt") as file:
+        metadata, tensors = file.metadata(), {k: file.get_tensor(k) for k in file.keys()}  # noqa: SIM118
+    tensors["lm_head.scales"] = tensors["lm_head.scales"][:-16]
+    save_file(tensors, kept, metadata)
+    model = copy.deepcopy(smollm2.model)
+    before = _layout(model)
+    assert not int4_cache.restore(model, kept)
+    assert _layout(model) == before
+
+
 @pytest.mark.parametrize("damage", ["cut", "other format", "other model"])
 def test_an_int4_cache_that_does_not_fit_leaves_the_model_untouched(smollm2, tmp_path, damage):
     import copy

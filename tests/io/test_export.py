@@ -59,7 +59,8 @@ def test_smollm2_exported_from_gguf_loads_in_transformers(tmp_path):
     ids = tokenizer("The bank on the side of the river", return_tensors="pt").input_ids
     assert ids[0].tolist() == ours.tokenizer.encode("The bank on the side of the river").ids
     with torch.no_grad():
-        torch.testing.assert_close(ours.model(ids).logits, theirs(ids).logits, atol=1e-4, rtol=0)
+        # float32's rounding apart: logits of up to 20, 1.03e-4 measured on an AVX2 EPYC
+        torch.testing.assert_close(ours.model(ids).logits, theirs(ids).logits, atol=2e-4, rtol=0)
 
 
 def test_export_refuses_a_non_empty_folder_and_leaves_nothing_behind(tmp_path):

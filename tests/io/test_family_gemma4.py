@@ -137,9 +137,11 @@ def test_a_left_padded_row_equals_the_row_alone(name, folders):
     mask[1, :pad] = 0
     with torch.no_grad():
         together = ours(ids, attention_mask=mask).logits
-        torch.testing.assert_close(together[0], ours(ids[:1]).logits[0], atol=1e-5, rtol=0)
+        # float32's rounding apart (a batch of 2 sums in another order than a row alone:
+        # 1.13e-5 measured on an AVX2 EPYC)
+        torch.testing.assert_close(together[0], ours(ids[:1]).logits[0], atol=3e-5, rtol=0)
         alone = ours(ids[1:, pad:]).logits[0]
-        torch.testing.assert_close(together[1, pad:], alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(together[1, pad:], alone, atol=3e-5, rtol=0)
 
 
 @pytest.mark.parametrize("name", list(TINY))

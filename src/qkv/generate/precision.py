@@ -89,16 +89,17 @@ class FourBits:
 
         shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
         twin = copy.deepcopy(model, shared)  # the modules copied, their tensors not
-        if in_generation():  # the file's own blocks (not where QKV_NATIVE=0)
-            int4.use_blocks(twin, family, config, gguf.read_blocks(self.file, int4.BLOCK_TYPES),
-                            source)  # fmt: skip
-            return twin.eval()
+        blocks = in_generation()  # the file's own blocks (not where QKV_NATIVE=0)
         cache = None
         if self.digest:
-            cache = int4_cache.cache_path(self.digest, gguf.default_cache_dir())
+            cache = int4_cache.cache_path(self.digest, gguf.default_cache_dir(), blocks)
             if int4_cache.restore(twin, cache):
                 return twin.eval()
-        int4.use_int4(twin, family, config, gguf.read_int4(self.file), source)
+        if blocks:
+            int4.use_blocks(twin, family, config, gguf.read_blocks(self.file, int4.BLOCK_TYPES),
+                            source)  # fmt: skip
+        else:
+            int4.use_int4(twin, family, config, gguf.read_int4(self.file), source)
         if cache is not None:
             int4_cache.store(twin, cache)
         return twin.eval()

@@ -8,6 +8,10 @@ it is written once beside the dequantized weights (`$XDG_CACHE_HOME/qkv/gguf`), 
 file's SHA-256 and those, and later processes put it in place (`restore`): the same buffers,
 in the same modules, as `use_int4` makes (tests/test_pretrained.py holds them equal).
 
+qkv's own kernels' copy (`use_blocks`: the file's blocks read and repacked into QuantLinear's
+panels, 0.4-1.5 s of a cold start on 2 cores) is kept the same way, under its own name
+(`cache_path(..., blocks=True)`): it depends on the file and the layout of the panels only.
+
 A cache that is missing, damaged, or does not fit the model is not used: `restore` then
 leaves the model as it was, and the caller makes the matrices again and `store`s them.
 """
@@ -26,6 +30,7 @@ from torch import Tensor, nn
 
 from qkv.io.files import write_atomically
 from qkv.io.int4 import FUSED
+from qkv.nn.quant_linear import LAYOUT, QuantLinear
 from qkv.nn.quantized import Int4Linear, Int8Linear
 
 logger = logging.getLogger(__name__)
@@ -33,13 +38,17 @@ logger = logging.getLogger(__name__)
 FORMAT = "qkv-int4-1"  # bump when use_int4 would make other modules or buffers
 
 
-def cache_path(digest: str, cache_dir: Path) -> Path:
-    """Where the quantized matrices of the file of SHA-256 `digest` are kept for this torch
-    and this CPU (the int4 kernel's layout is theirs)."""
-    made_by = f"{FORMAT}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
-    return (
-        cache_dir / f"{digest}-int4-{hashlib.sha256(made_by.encode()).hexdigest()[:16]}.safetensors"
-    )
+def cache_path(digest: str, cache_dir: Path, blocks: bool = False) -> Path:
+    """Where the quantized matrices of the file of SHA-256 `digest` are kept: torch's int4
+    kernel's for this torch and this CPU (the layout is theirs), or, `blocks`, the file's own
+    blocks as qkv's kernels repack them (QuantLinear's panels: the same on every CPU)."""
+    if blocks:
+        made_by, kind = f"{FORMAT}|{LAYOUT}", "blocks"
+    else:
+        made_by = f"{FORMAT}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+        kind = "int4"
+    tag = hashlib.sha256(made_by.encode()).hexdigest()[:16]
+    return cache_dir / f"{digest}-{kind}-{tag}.safetensors"
 
 
 def store(model: nn.Module, path: Path) -> None:
@@ -52,6 +61,9 @@ def store(model: nn.Module, path: Path) -> None:
             kind, held = "int4", {"packed": module.packed, "scales": module.scales_and_zeros}
         elif type(module) is Int8Linear:
             kind, held = "int8", {"q": module.q, "scale": module.scale}
+        elif type(module) is QuantLinear:  # the kind names its format and its parts
+            kind = f"{module.fmt}/{module.parts}"
+            held = {"panels": module.panels, "scales": module.scales, "mins": module.mins}
         else:
             continue
         modules.append([name, kind, module.in_features, module.out_features])
@@ -120,6 +132,11 @@ def _swap(model: nn.Module, tensors: dict[str, Tensor], name: str, kind: str,
                                       bias, in_features, out_features)  # fmt: skip
     elif kind == "int8":
         made = Int8Linear.from_quantized(tensors[f"{name}.q"], tensors[f"{name}.scale"], bias)
+    elif kind.partition("/")[2] in ("1", "2"):  # a QuantLinear: its format / its parts
+        fmt, _, parts = kind.partition("/")
+        made = QuantLinear.from_panels(fmt, tensors[f"{name}.panels"], tensors[f"{name}.scales"],
+                                       tensors[f"{name}.mins"], in_features, out_features, bias,
+                                       int(parts))  # fmt: skip
     else:
         raise ValueError(f"unknown kind {kind}")
     return parent, replaced, child, made

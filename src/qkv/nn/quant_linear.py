@@ -27,6 +27,7 @@ from qkv import native
 FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}
 BLOCK = 32
 ROWS = 16  # rows per panel
+LAYOUT = "panels-16-1"  # names quant.c's repacked layout: changed with it, a kept copy is stale
 
 
 @functools.cache
@@ -136,6 +137,39 @@ class QuantLinear(nn.Module):
         lib.qkv_quant_repack(code, raw.data_ptr(), N, K, self.panels.data_ptr(),
                              self.scales.data_ptr(), self.mins.data_ptr())  # fmt: skip
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), False)
+
+    @classmethod
+    def from_panels(cls, fmt: str, panels: Tensor, scales: Tensor, mins: Tensor,
+                    in_features: int, out_features: int, bias: Tensor | None = None,
+                    parts: int = 1) -> QuantLinear:  # fmt: skip
+        """A QuantLinear of buffers an earlier one held (kept on disk by
+        `qkv.io.int4_cache`), nothing repacked: every size and dtype checked first, a
+        ValueError where one does not fit (a damaged or foreign copy)."""
+        if fmt not in FORMATS:
+            raise ValueError(f"QuantLinear holds {', '.join(FORMATS)} blocks, not {fmt!r}")
+        K, N = in_features, out_features
+        if K < BLOCK or K % BLOCK or N < 1 or parts not in (1, 2):
+            raise ValueError(f"no {fmt} layer has {K} inputs, {N} outputs in {parts} parts")
+        blocks = (N + ROWS - 1) // ROWS * (K // BLOCK) * ROWS
+        wanted = {"panels": (panels, torch.uint8, blocks * (32 if fmt == "Q8_0" else 16)),
+                  "scales": (scales, torch.float32, blocks),
+                  "mins": (mins, torch.float32, blocks)}  # fmt: skip
+        for name, (tensor, dtype, numel) in wanted.items():
+            if tensor.dtype != dtype or tensor.dim() != 1 or tensor.numel() != numel:
+                raise ValueError(f"{name} of a {N}x{K} {fmt} layer are {numel} {dtype}, "
+                                 f"not {tuple(tensor.shape)} {tensor.dtype}")  # fmt: skip
+        if bias is not None and bias.shape != (N,):
+            raise ValueError(f"a layer of {N} outputs needs a bias of ({N},)")
+        if kernels() is None:
+            raise ValueError(f"QuantLinear needs qkv's native kernels: {native.why_not()}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.parts, layer.fmt, layer.code = parts, fmt, FORMATS[fmt][0]
+        layer.in_features, layer.out_features = K, N
+        for name, (tensor, _, _) in wanted.items():
+            layer.register_buffer(name, tensor.contiguous())
+        layer.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), False)
+        return layer
 
     def product(self, variant_index: int | None = None, threads: int | None = None):
         """x (M, K) -> x @ W.T (+ bias) (M, N) in float32: the product as one
