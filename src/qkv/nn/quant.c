@@ -216,49 +216,80 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
     const int64_t nb = pr->K / QK, pbb = panel_block_bytes(pr->fmt);
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     __m256 acc[4][2];
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = pr->panels + (p * nb + b) * pbb;
         const int64_t at = (p * nb + b) * ROWS;
         const int8_t *x[4];
         int64_t i[4];
+        _Pragma("GCC unroll 8")
         for (int r = 0; r < R; r++) {
             x[r] = pr->xq + (m0 + r) * pr->K + b * QK;
             i[r] = (m0 + r) * nb + b;
         }
-        for (int h = 0; h < 2; h++) {
-            __m256i isum[4];
-            for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-            if (pr->fmt == Q8_0) {
-                for (int s = 0; s < 8; s++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
-                    const __m256i magnitude = _mm256_abs_epi8(v);
-                    for (int r = 0; r < R; r++) {
-                        const __m256i xs = _mm256_set1_epi32(four(x[r] + 4 * s));
-                        const __m256i pairs =
-                            _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xs, v));
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
-                    }
+        /* both halves of each step at once, so that each input broadcast serves 16 rows */
+        __m256i isum[4][2];
+        if (pr->fmt == Q8_0) {
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8")
+            for (int s = 0; s < 8; s++) {
+                __m256i v[2], magnitude[2];
+                _Pragma("GCC unroll 8")
+                for (int h = 0; h < 2; h++) {
+                    v[h] = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                    magnitude[h] = _mm256_abs_epi8(v[h]);
                 }
-            } else {
-                for (int s = 0; s < 4; s++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
-                    const __m256i lo = _mm256_and_si256(v, low);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    for (int r = 0; r < R; r++) {
-                        const __m256i a =
-                            _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four(x[r] + 4 * s)));
-                        const __m256i c =
-                            _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four(x[r] + 16 + 4 * s)));
-                        isum[r] = _mm256_add_epi32(isum[r],
-                                                   _mm256_madd_epi16(_mm256_add_epi16(a, c), ones));
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < R; r++) {
+                    const __m256i xs = _mm256_set1_epi32(four(x[r] + 4 * s));
+                    _Pragma("GCC unroll 8")
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i pairs =
+                            _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(xs, v[h]));
+                        isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(pairs, ones));
                     }
                 }
             }
+        } else {
+            /* 16-bit sums over the block's 4 steps: each lane adds 16 products of a nibble
+             * (<= 15) and a byte (|x| <= 127), at most 30480 in size: exact, then widened */
+            __m256i sums16[4][2];
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) sums16[r][0] = sums16[r][1] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8")
+            for (int s = 0; s < 4; s++) {
+                __m256i lo[2], hi[2];
+                _Pragma("GCC unroll 8")
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                    lo[h] = _mm256_and_si256(v, low);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < R; r++) {
+                    const __m256i xl = _mm256_set1_epi32(four(x[r] + 4 * s));
+                    const __m256i xh = _mm256_set1_epi32(four(x[r] + 16 + 4 * s));
+                    _Pragma("GCC unroll 8")
+                    for (int h = 0; h < 2; h++)
+                        sums16[r][h] = _mm256_add_epi16(
+                            sums16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                                           _mm256_maddubs_epi16(hi[h], xh)));
+                }
+            }
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++)
+                _Pragma("GCC unroll 8")
+                for (int h = 0; h < 2; h++) isum[r][h] = _mm256_madd_epi16(sums16[r][h], ones);
+        }
+        _Pragma("GCC unroll 8")
+        for (int h = 0; h < 2; h++) {
             const __m256 scales = _mm256_loadu_ps(pr->scales + at + 8 * h);
             const __m256 mins = _mm256_loadu_ps(pr->mins + at + 8 * h);
+            _Pragma("GCC unroll 8")
             for (int r = 0; r < R; r++) {
-                __m256i t = isum[r];
+                __m256i t = isum[r][h];
                 if (pr->fmt == Q4_0) t = _mm256_sub_epi32(t, _mm256_set1_epi32(8 * pr->xsum[i[r]]));
                 const __m256 dd = _mm256_mul_ps(scales, _mm256_set1_ps(pr->xd[i[r]]));
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(t)));
@@ -268,6 +299,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
             }
         }
     }
+    _Pragma("GCC unroll 8")
     for (int r = 0; r < R; r++) {
         float out[ROWS];
         _mm256_storeu_ps(out, acc[r][0]);

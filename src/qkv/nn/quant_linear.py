@@ -215,7 +215,7 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).float().contiguous()
         if flat.shape[0] == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.float32)
-        y = self.product(threads=1 if flat.shape[0] == 1 else _forward_threads[0])(flat)
+        y = self.product(threads=_forward_threads[0])(flat)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
