@@ -128,11 +128,19 @@ def _rope(config) -> dict:
 
 
 def convert(
-    model: hf.PreTrainedModel, arch: str, path, *, f16: bool = False, q4: bool = False
+    model: hf.PreTrainedModel,
+    arch: str,
+    path,
+    *,
+    f16: bool = False,
+    q4: bool = False,
+    raw: dict | None = None,
 ) -> None:
     """Write `model` as llama.cpp's convert_hf_to_gguf.py would: float32 tensors, or its
     --outtype f16 (matrices in float16, vectors kept in float32); q4: the blocks' matrices
-    in Q4_0 (as llama-quantize writes them; the token matrix kept in float32)."""
+    in Q4_0 (as llama-quantize writes them; the token matrix kept in float32); raw: {GGUF
+    name: (type name, blocks (rows, bytes) uint8)} written as they are, in place of those
+    tensors."""
     c = model.config
     rope = _rope(c)
     w = gguf.GGUFWriter(str(path), arch)
@@ -204,6 +212,11 @@ def convert(
         tensors["rope_factors_long.weight"] = np.asarray(rope["long_factor"], np.float32)
         tensors["rope_factors_short.weight"] = np.asarray(rope["short_factor"], np.float32)
     for name, data in tensors.items():
+        if raw and name in raw:
+            kind, blocks = raw[name]
+            w.add_tensor(name, blocks, raw_shape=blocks.shape,
+                         raw_dtype=getattr(gguf.GGMLQuantizationType, kind))  # fmt: skip
+            continue
         if q4 and data.ndim == 2 and name.startswith("blk.") and data.shape[1] % 32 == 0:
             packed = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
             w.add_tensor(name, packed, raw_shape=packed.shape,

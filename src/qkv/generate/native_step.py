@@ -26,7 +26,7 @@ from qkv import native
 from qkv.models.decoder import Decoder, DecoderCache
 from qkv.nn.mlps import ACTIVATIONS, GatedMLP
 from qkv.nn.norms import RMSNorm
-from qkv.nn.quant_linear import ROWS, QuantLinear, kernels, variant
+from qkv.nn.quant_linear import K_FORMATS, ROWS, QuantLinear, kernels, variant
 
 
 class _Matrix(ctypes.Structure):  # qkv_qmat
@@ -121,6 +121,8 @@ def native_step_refusal(model: Decoder, batch: int, padded: bool) -> str | None:
         for linear in (*_projections(attn), attn.out, *_projections(mlp), mlp.down):
             if type(linear) is not QuantLinear:
                 return f"block {i} multiplies a {type(linear).__name__}, not a file's blocks"
+            if linear.fmt in K_FORMATS:  # quant_k.c's products are FastStep's, one by one
+                return f"block {i} multiplies {linear.fmt} blocks, which the step does not yet"
         if mlp.down.in_features != model.blocks[0].mlp.down.in_features:
             return f"block {i}'s MLP is wider or narrower than block 0's"
         if any(n % ROWS for n in (attn.head_dim * attn.num_kv_heads, mlp.down.in_features)):

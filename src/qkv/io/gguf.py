@@ -49,6 +49,7 @@ from qkv.io.gguf_header import Header, TensorInfo, read_header
 from qkv.io.gguf_moe import experts_bounded
 from qkv.io.gguf_tokenizer import gguf_tokenizer
 from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
+from qkv.nn.quant_linear import in_generation
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -67,7 +68,7 @@ class GGUFModel:
     state_dict: dict[str, Tensor]  # that model's names and layouts, float32
     tokenizer: Tokenizer  # built from the file's own vocabulary and merges
     tokenizer_config: dict[str, Any]  # bos/eos/pad/unk tokens, add_bos_token, chat_template
-    four_bit: int = 0  # how many of its matrices are Q4_0 or Q4_1 (`read_int4` keeps them so)
+    four_bit: int = 0  # how many of its matrices generation keeps in 4 bits (below)
     digest: str = ""  # the file's SHA-256: what names its caches
 
 
@@ -98,7 +99,10 @@ def read_gguf(
     if state_dict is None:
         state_dict = _state_dict(header, data, config, arch, progress)
         _save_cache(cache, state_dict, path)
-    four_bit = sum(info.ggml_type in INT4_TYPES and len(info.shape) == 2 for info in header.tensors)
+    # the 4-bit matrices generation keeps as they are: Q4_0 and Q4_1 (torch's int4 kernel or
+    # qkv's), and Q4_K and Q5_K where qkv's kernels are built (QuantLinear holds them)
+    kept = {t.name for t in INT4_TYPES} | ({"Q4_K", "Q5_K"} if in_generation() else set())
+    four_bit = sum(info.ggml_type.name in kept and len(info.shape) == 2 for info in header.tensors)
     return GGUFModel(config, state_dict, tokenizer, tokenizer_config, four_bit, digest)
 
 

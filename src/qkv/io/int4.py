@@ -74,7 +74,8 @@ def use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) 
 
 
 # the blocks QuantLinear multiplies: every layer's 4-bit matrices, and 8-bit ones (LM heads)
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # what QuantLinear holds
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_K")  # a file of these is one to keep in 4 bits
 
 
 def use_blocks(model: nn.Module, family: Family, config, blocks: dict, name: str) -> None:
@@ -95,8 +96,8 @@ def use_blocks(model: nn.Module, family: Family, config, blocks: dict, name: str
         if raw is not None and raw.shape[0] == linear.out_features:
             held[owner] = (kind, raw, linear.bias)
     layers = [path for path in held if path.rpartition(".")[2] != "lm_head"]
-    if not any(held[path][0] in ("Q4_0", "Q4_1") for path in layers):
-        raise ValueError(f"{name} has no Q4_0 or Q4_1 matrices to keep in 4 bits")
+    if not any(held[path][0] in FOUR_BIT for path in layers):
+        raise ValueError(f"{name} has no {', '.join(FOUR_BIT)} matrices to keep in 4 bits")
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Linear) and "lm_head" not in held:
         tied = next((raw for weight in family.weights(config) for n in weight.names

@@ -22,12 +22,36 @@ import torch
 from torch import Tensor, nn
 
 from qkv import native
+from qkv.nn import quant_k
 
 # format -> (the C kernels' number for it, bytes of one block of 32 weights in the file)
 FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}
+K_FORMATS = quant_k.FORMATS  # Q4_K, Q5_K, Q6_K: llama.cpp's K-quants (qkv/nn/quant_k.c)
 BLOCK = 32
 ROWS = 16  # rows per panel
 LAYOUT = "panels-16-1"  # names quant.c's repacked layout: changed with it, a kept copy is stale
+
+
+def _block_of(fmt: str) -> tuple[int, int]:
+    """(columns, bytes) of one block of a format QuantLinear holds; a ValueError for others."""
+    if fmt in FORMATS:
+        return BLOCK, FORMATS[fmt][1]
+    if fmt in K_FORMATS:
+        return quant_k.SUPER, K_FORMATS[fmt][1]
+    raise ValueError(f"QuantLinear holds {', '.join((*FORMATS, *K_FORMATS))} blocks, not "
+                     f"{fmt!r}")  # fmt: skip
+
+
+def _code_of(fmt: str) -> int:
+    return FORMATS[fmt][0] if fmt in FORMATS else K_FORMATS[fmt][0]
+
+
+def _buffer_sizes(fmt: str, N: int, K: int) -> tuple[int, int]:
+    """(bytes of the panels, floats of the scales and of the minimums) of an (N, K) layer."""
+    if fmt in K_FORMATS:
+        return quant_k.panel_bytes(fmt, N, K), 0
+    blocks = (N + ROWS - 1) // ROWS * (K // BLOCK) * ROWS
+    return blocks * (32 if fmt == "Q8_0" else 16), blocks
 
 
 @functools.cache
@@ -107,35 +131,38 @@ class QuantLinear(nn.Module):
         super().__init__()
         if parts not in (1, 2):
             raise ValueError(f"a QuantLinear rounds its inputs in 1 or 2 parts, not {parts!r}")
-        self.parts = parts
-        if fmt not in FORMATS:
-            raise ValueError(f"QuantLinear holds {', '.join(FORMATS)} blocks, not {fmt!r}")
-        code, block = FORMATS[fmt]
+        columns, block = _block_of(fmt)
         K = in_features
-        if K < BLOCK or K % BLOCK:
-            raise ValueError(f"{fmt} rows hold blocks of {BLOCK} columns; {K} columns is not that")
+        if columns > K or K % columns:
+            raise ValueError(f"{fmt} rows hold blocks of {columns} columns; {K} columns is not "
+                             f"that")  # fmt: skip
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[0] < 1:
             raise ValueError(f"{fmt} blocks come as (rows, bytes) uint8, got {tuple(raw.shape)} "
                              f"{raw.dtype}")  # fmt: skip
         N = raw.shape[0]
-        if raw.shape[1] != K // BLOCK * block:
-            raise ValueError(f"{fmt} rows of {K} columns hold {K // BLOCK * block} bytes, "
+        if raw.shape[1] != K // columns * block:
+            raise ValueError(f"{fmt} rows of {K} columns hold {K // columns * block} bytes, "
                              f"not {raw.shape[1]}")  # fmt: skip
         if bias is not None and bias.shape != (N,):
             raise ValueError(f"a layer of {N} outputs needs a bias of ({N},)")
         lib = kernels()
         if lib is None:
             raise ValueError(f"QuantLinear needs qkv's native kernels: {native.why_not()}")
-        self.fmt, self.code = fmt, code
+        self.parts, self.fmt, self.code = parts, fmt, _code_of(fmt)
         self.in_features, self.out_features = K, N
-        panels = (N + ROWS - 1) // ROWS * (K // BLOCK)
         raw = raw.contiguous().cpu()
-        self.register_buffer("panels", torch.empty(panels * ROWS * (32 if fmt == "Q8_0" else 16),
-                                                   dtype=torch.uint8))  # fmt: skip
-        self.register_buffer("scales", torch.empty(panels * ROWS))
-        self.register_buffer("mins", torch.empty(panels * ROWS))
-        lib.qkv_quant_repack(code, raw.data_ptr(), N, K, self.panels.data_ptr(),
-                             self.scales.data_ptr(), self.mins.data_ptr())  # fmt: skip
+        if fmt in K_FORMATS:  # quant_k.c's panels hold their scales: none beside them
+            packed = quant_k.repack_k(fmt, raw, N, K)["panels"]
+            self.register_buffer("panels", packed)
+            self.register_buffer("scales", torch.empty(0))
+            self.register_buffer("mins", torch.empty(0))
+        else:
+            panel_bytes, floats = _buffer_sizes(fmt, N, K)
+            self.register_buffer("panels", torch.empty(panel_bytes, dtype=torch.uint8))
+            self.register_buffer("scales", torch.empty(floats))
+            self.register_buffer("mins", torch.empty(floats))
+            lib.qkv_quant_repack(self.code, raw.data_ptr(), N, K, self.panels.data_ptr(),
+                                 self.scales.data_ptr(), self.mins.data_ptr())  # fmt: skip
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(), False)
 
     @classmethod
@@ -145,15 +172,14 @@ class QuantLinear(nn.Module):
         """A QuantLinear of buffers an earlier one held (kept on disk by
         `qkv.io.int4_cache`), nothing repacked: every size and dtype checked first, a
         ValueError where one does not fit (a damaged or foreign copy)."""
-        if fmt not in FORMATS:
-            raise ValueError(f"QuantLinear holds {', '.join(FORMATS)} blocks, not {fmt!r}")
+        columns, _ = _block_of(fmt)
         K, N = in_features, out_features
-        if K < BLOCK or K % BLOCK or N < 1 or parts not in (1, 2):
+        if columns > K or K % columns or N < 1 or parts not in (1, 2):
             raise ValueError(f"no {fmt} layer has {K} inputs, {N} outputs in {parts} parts")
-        blocks = (N + ROWS - 1) // ROWS * (K // BLOCK) * ROWS
-        wanted = {"panels": (panels, torch.uint8, blocks * (32 if fmt == "Q8_0" else 16)),
-                  "scales": (scales, torch.float32, blocks),
-                  "mins": (mins, torch.float32, blocks)}  # fmt: skip
+        panel_bytes, floats = _buffer_sizes(fmt, N, K)
+        wanted = {"panels": (panels, torch.uint8, panel_bytes),
+                  "scales": (scales, torch.float32, floats),
+                  "mins": (mins, torch.float32, floats)}  # fmt: skip
         for name, (tensor, dtype, numel) in wanted.items():
             if tensor.dtype != dtype or tensor.dim() != 1 or tensor.numel() != numel:
                 raise ValueError(f"{name} of a {N}x{K} {fmt} layer are {numel} {dtype}, "
@@ -164,7 +190,7 @@ class QuantLinear(nn.Module):
             raise ValueError(f"QuantLinear needs qkv's native kernels: {native.why_not()}")
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        layer.parts, layer.fmt, layer.code = parts, fmt, FORMATS[fmt][0]
+        layer.parts, layer.fmt, layer.code = parts, fmt, _code_of(fmt)
         layer.in_features, layer.out_features = K, N
         for name, (tensor, _, _) in wanted.items():
             layer.register_buffer(name, tensor.contiguous())
@@ -185,6 +211,8 @@ class QuantLinear(nn.Module):
         # tokens/s on 2 threads, 42 on 1, torch's int4 path 40). The step in C, with the pool
         # as its only threads, is what takes both cores (issue 39).
         nth = 1 if threads is None else threads
+        if self.fmt in K_FORMATS:
+            return self._product_k(chosen, nth)
         code, N, K, parts = self.code, self.out_features, self.in_features, self.parts
         panels, scales, mins = (t.data_ptr() for t in (self.panels, self.scales, self.mins))
         bias = None if self.bias is None else self.bias.data_ptr()
@@ -203,6 +231,27 @@ class QuantLinear(nn.Module):
             return y
 
         multiply.keep = keep
+        return multiply
+
+    def _product_k(self, chosen: int, nth: int):
+        """product() of K-quant blocks: quant_k's kernel (the input rounded to llama.cpp's
+        Q8_K); in two parts, the products of the input and of what its rounding left, summed,
+        then the bias, as quant.c sums the parts."""
+        N, K, bias = self.out_features, self.in_features, self.bias
+        packed = {"fmt": self.fmt, "N": N, "K": K, "panels": self.panels}
+        if self.parts == 1:
+            return quant_k.product_k(packed, None if bias is None else bias.detach(), chosen,
+                                     nth)  # fmt: skip
+        bare = quant_k.product_k(packed, None, chosen, nth)
+
+        def multiply(x: Tensor) -> Tensor:
+            x = x.float().contiguous()
+            q, d, _ = quant_k.activations_k(x)
+            rounded = (q.view(len(x), -1, quant_k.SUPER).float() * d[..., None]).view(len(x), K)
+            y = bare(x) + bare(x - rounded)
+            return y if bias is None else y + bias.detach()
+
+        multiply.keep = (self.panels, bias)
         return multiply
 
     def forward(self, x: Tensor) -> Tensor:
