@@ -49,7 +49,6 @@ from qkv.io.gguf_header import Header, TensorInfo, read_header
 from qkv.io.gguf_moe import experts_bounded
 from qkv.io.gguf_tokenizer import gguf_tokenizer
 from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
-from qkv.nn.quant_linear import in_generation
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -100,8 +99,8 @@ def read_gguf(
         state_dict = _state_dict(header, data, config, arch, progress)
         _save_cache(cache, state_dict, path)
     # the 4-bit matrices generation keeps as they are: Q4_0 and Q4_1 (torch's int4 kernel or
-    # qkv's), and Q4_K and Q5_K where qkv's kernels are built (QuantLinear holds them)
-    kept = {t.name for t in INT4_TYPES} | ({"Q4_K", "Q5_K"} if in_generation() else set())
+    # qkv's), Q4_K and Q5_K (qkv's kernels; a load never builds them: 4 s in a fresh cache)
+    kept = {t.name for t in INT4_TYPES} | {"Q4_K", "Q5_K"}
     four_bit = sum(info.ggml_type.name in kept and len(info.shape) == 2 for info in header.tensors)
     return GGUFModel(config, state_dict, tokenizer, tokenizer_config, four_bit, digest)
 
