@@ -11,8 +11,6 @@ own file, its greedy tokens follow the float32 model's.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -26,6 +24,7 @@ from qkv.generate.native_step import NativeStep, native_step_refusal
 from qkv.models import Decoder, DecoderConfig
 from qkv.nn import BlockConfig
 from qkv.nn.quant_linear import QuantLinear, kernels
+from sanitized import run_sanitized
 
 pytestmark = pytest.mark.skipif(kernels() is None, reason="no native kernels")
 VOCAB = 50
@@ -190,8 +189,6 @@ def test_the_step_runs_clean_under_sanitizers(tmp_path):
     """ASan and UBSan around a whole step (a two-block model of random blocks, grouped heads,
     a window), in a process without torch: numpy and ctypes, the sanitizers preloaded."""
     built = native.build(tmp_path, sanitize=True)
-    asan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True,
-                          text=True, check=True).stdout.strip()  # fmt: skip
     script = textwrap.dedent(f"""
         import ctypes, numpy as np
         lib = ctypes.CDLL({str(built)!r})
@@ -253,9 +250,4 @@ def test_the_step_runs_clean_under_sanitizers(tmp_path):
                     assert np.isfinite(x).all()
         print("clean")
     """)
-    env = {"LD_PRELOAD": asan, "ASAN_OPTIONS": "detect_leaks=0", "PATH": "/usr/bin:/bin",
-           "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=120)  # fmt: skip
-    assert done.returncode == 0 and "clean" in done.stdout, done.stderr[-2000:]
-    assert "runtime error" not in done.stderr
+    run_sanitized(script)

@@ -193,11 +193,11 @@ class NativeStep:
         if first % ROWS or not 0 < first + rows <= linear.out_features:
             raise ValueError(f"rows {first}..{first + rows} of {linear} are not whole panels")
         panel = first // ROWS * (linear.in_features // 32)  # panel blocks before the first row
+        block_bytes = ROWS * (32 if linear.fmt == "Q8_0" else 16)  # one panel block's integers
         bias = None if linear.bias is None else linear.bias.detach()
         self._keep += [linear.panels, linear.scales, linear.mins, bias]
         return _Matrix(linear.code, linear.parts, rows, linear.in_features,
-                       linear.panels.data_ptr() + panel * linear.panels.numel() //
-                       (linear.scales.numel() // ROWS),
+                       linear.panels.data_ptr() + panel * block_bytes,
                        linear.scales.data_ptr() + panel * ROWS * 4,
                        linear.mins.data_ptr() + panel * ROWS * 4,
                        None if bias is None else bias.data_ptr() + first * 4)  # fmt: skip
