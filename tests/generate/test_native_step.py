@@ -132,6 +132,38 @@ def test_each_step_follows_faststep(kind, fmt):
     assert not bool(step.keys[-1][:, 18].eq(0).all())
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_prompt_read_in_one_call_is_its_steps(kind):
+    """NativeStep.read: a prompt's rows through each matrix at once, each row attending to
+    the cache up to itself, gives what feeding it one token at a time gives (attention's
+    inputs in two parts, as a file's models have them); then the steps go on from it."""
+    model = quantized_model(KINDS[kind], "Q4_1", seed=1)
+    for block in model.blocks:
+        for linear in block.attn.children():
+            if isinstance(linear, QuantLinear):
+                linear.parts = 2
+    tokens = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    one_by_one = NativeStep(model, None, 12)
+    want = teacher_forced(one_by_one, model, tokens[0].tolist())
+    at_once = NativeStep(model, None, 12)
+    last = at_once.read(tokens[:, :7])
+    more = at_once.read(tokens[:, 7:])  # a second read goes on from the first's cache
+    # each row's products add its blocks in one order, however many rows share an unpack
+    torch.testing.assert_close(last, want[6:7], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(more, want[8:9], rtol=1e-6, atol=1e-6)
+    mine_all, theirs_all = at_once.keys + at_once.values, one_by_one.keys + one_by_one.values
+    for mine, theirs in zip(mine_all, theirs_all, strict=True):
+        assert torch.equal(mine, theirs)
+    token = torch.tensor([3])
+    torch.testing.assert_close(at_once(token), one_by_one(token), rtol=1e-6, atol=1e-6)
+    assert at_once.length == one_by_one.length == 10
+    with pytest.raises(ValueError, match="overflow the cache"):
+        at_once.read(tokens[:, :3])
+    with pytest.raises(ValueError, match=r"reads input_ids \(1, T\)"):
+        at_once.read(tokens[0])
+    assert at_once.length == 10
+
+
 def test_decode_steps_take_it_where_it_runs_and_faststep_elsewhere(monkeypatch):
     """Greedy decoding of one unpadded sequence goes through NativeStep and gives the tokens
     of its reference (HalfCacheStep, by hand); a batch goes through FastStep."""
@@ -186,15 +218,17 @@ def test_a_full_cache_and_a_wrong_token_are_refused_before_the_call():
 
 
 def test_the_step_runs_clean_under_sanitizers(tmp_path):
-    """ASan and UBSan around a whole step (a two-block model of random blocks, grouped heads,
-    a window), in a process without torch: numpy and ctypes, the sanitizers preloaded."""
+    """ASan and UBSan around whole steps (a two-block model of random blocks, grouped heads,
+    a window, attention's inputs in two parts), a prompt of several rows then one row at a
+    time, in a process without torch: numpy and ctypes, the sanitizers preloaded."""
     built = native.build(tmp_path, sanitize=True)
     script = textwrap.dedent(f"""
         import ctypes, numpy as np
         lib = ctypes.CDLL({str(built)!r})
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         class M(ctypes.Structure):
-            _fields_ = [("fmt", ctypes.c_int), ("N", i64), ("K", i64), ("panels", p),
+            _fields_ = [("fmt", ctypes.c_int), ("parts", ctypes.c_int), ("N", i64), ("K", i64),
+                        ("panels", p),
                         ("scales", p), ("mins", p), ("bias", p)]
         class L(ctypes.Structure):
             _fields_ = [("attn_norm", p), ("mlp_norm", p)] + [(n, M) for n in "qkvoGUD"] + [
@@ -204,14 +238,14 @@ def test_the_step_runs_clean_under_sanitizers(tmp_path):
                         ("nth", ctypes.c_int)] + [(n, i64) for n in
                         ("L", "C", "H", "Hkv", "D", "F", "cap")] + [("eps", f32),
                         ("final_eps", f32), ("layers", ctypes.POINTER(L)), ("final_norm", p),
-                        ("cos", p), ("sin", p), ("work", p)]
+                        ("cos", p), ("sin", p)]
         lib.qkv_quant_repack.argtypes = [ctypes.c_int, p, i64, i64, p, p, p]
         lib.qkv_step_work_floats.restype = i64
-        lib.qkv_step_work_floats.argtypes = [i64] * 5
-        lib.qkv_step.argtypes = [ctypes.POINTER(Model), p, i64]
+        lib.qkv_step_work_floats.argtypes = [i64] * 6
+        lib.qkv_step.argtypes = [ctypes.POINTER(Model), p, i64, i64, p]
         rng = np.random.default_rng(0)
         keep = []
-        def matrix(N, K, bias):
+        def matrix(N, K, bias, parts=1):
             raw = rng.integers(0, 256, (N, K // 32 * 20)).astype(np.uint8)
             raw.reshape(N, -1, 20)[:, :, 1] = raw.reshape(N, -1, 20)[:, :, 3] = 0x2c
             P = (N + 15) // 16 * (K // 32)
@@ -221,7 +255,7 @@ def test_the_step_runs_clean_under_sanitizers(tmp_path):
                                  sc.ctypes.data, mi.ctypes.data)
             b = rng.standard_normal(N).astype(np.float32) if bias else None
             keep.extend([panels, sc, mi, b])
-            return M(1, N, K, panels.ctypes.data, sc.ctypes.data, mi.ctypes.data,
+            return M(1, parts, N, K, panels.ctypes.data, sc.ctypes.data, mi.ctypes.data,
                      None if b is None else b.ctypes.data)
         C, H, Hkv, D, F, cap, nl = 64, 4, 2, 16, 96, 9, 2
         layers = (L * nl)()
@@ -229,24 +263,26 @@ def test_the_step_runs_clean_under_sanitizers(tmp_path):
             norms = [np.ones(C, np.float32) for _ in range(2)]
             caches = [np.zeros((Hkv, cap, D), np.uint16) for _ in range(2)]
             keep.extend(norms + caches)
-            layers[i] = L(norms[0].ctypes.data, norms[1].ctypes.data, matrix(H * D, C, 1),
-                          matrix(Hkv * D, C, 1), matrix(Hkv * D, C, 1), matrix(C, H * D, 0),
+            layers[i] = L(norms[0].ctypes.data, norms[1].ctypes.data, matrix(H * D, C, 1, 2),
+                          matrix(Hkv * D, C, 1, 2), matrix(Hkv * D, C, 1, 2),
+                          matrix(C, H * D, 0, 2),
                           matrix(F, C, 0), matrix(F, C, 0), matrix(C, F, 0),
                           caches[0].ctypes.data, caches[1].ctypes.data, 3 * i, 0.25)
         angles = np.arange(cap)[:, None] * np.ones(D)[None]
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        work = np.empty(lib.qkv_step_work_floats(C, H, Hkv, D, F) + 16, np.float32)
+        work = np.empty(lib.qkv_step_work_floats(C, H, Hkv, D, F, 4) + 16, np.float32)
         final = np.ones(C, np.float32)
         aligned = (work.ctypes.data + 63) // 64 * 64
+        rows = [4, 1, 1, 2, 1]  # a prompt, steps, two more rows: the cache's 9
         mask = lib.qkv_quant_variants()
         for variant in [v for v in range(4) if mask >> v & 1]:
             for nth in (1, 2):
                 model = Model(variant, min(variant, 1), nth, nl, C, H, Hkv, D, F, cap, 1e-5,
                               1e-5, layers, final.ctypes.data, cos.ctypes.data,
-                              sin.ctypes.data, aligned)
-                for at in range(cap):
-                    x = rng.standard_normal(C).astype(np.float32)
-                    assert lib.qkv_step(ctypes.byref(model), x.ctypes.data, at) == 0
+                              sin.ctypes.data)
+                for at, m in zip(np.cumsum([0] + rows[:-1]), rows):
+                    x = rng.standard_normal((m, C)).astype(np.float32)
+                    assert lib.qkv_step(ctypes.byref(model), x.ctypes.data, m, at, aligned) == 0
                     assert np.isfinite(x).all()
         print("clean")
     """)

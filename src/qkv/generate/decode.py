@@ -22,6 +22,10 @@ from qkv.models.decoder import cap_logits
 from qkv.nn import AttentionRecord
 from qkv.nn.quant_linear import QuantLinear, cores_to_the_kernels
 
+# the longest prompt NativeStep reads in one call (its attention goes a row at a time, as the
+# steps', where Decoder.forward's is one product of matrices: a long prompt is faster there)
+NATIVE_PROMPT = 256
+
 
 def decode_steps(
     model: Decoder,
@@ -53,26 +57,35 @@ def decode_steps(
         positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
     else:
         attention_mask = None  # nothing padded: the faster unmasked path
-    # The prompt's token comes from the model's own head (model(ids).logits' arithmetic), and
-    # is yielded before the copies that make each later step fast (0.1-0.2 s for SmolLM2's):
-    # a stream shows it that much sooner.
-    with _prompt_cores(model):
-        logits = _next_logits(model, None, None, input_ids, attention_mask, positions, cache,
-                              layers, keep)  # fmt: skip
+    # each token after the prompt's through one native call (NativeStep) or FastStep, where they
+    # compute what forward does; a short prompt through NativeStep too
+    use_fast = keep is None and fast_step_refusal(model, input_ids.device) is None
+    native_steps = (
+        use_fast and native_step_refusal(model, len(input_ids), positions is not None) is None
+    )
+    capacity = input_ids.shape[1] + max_new_tokens
+    fast = None
+    if native_steps and input_ids.shape[1] <= NATIVE_PROMPT:
+        fast = NativeStep(model, None, capacity)
+        head, bias = _step_head(model, True, native_step=True)
+        logits = _head(model, head, bias, fast.read(input_ids))
+    else:
+        # The prompt's token comes from the model's own head (model(ids).logits' arithmetic),
+        # and is yielded before the copies that make each later step fast (0.1-0.2 s for
+        # SmolLM2's): a stream shows it that much sooner.
+        with _prompt_cores(model):
+            logits = _next_logits(model, None, None, input_ids, attention_mask, positions, cache,
+                                  layers, keep)  # fmt: skip
     token = sampling.pick(logits, generator)  # (B,)
     yield token
     if max_new_tokens <= 1:
         return
-    # each later token through one native call (NativeStep) or FastStep, where they compute
-    # what forward does
-    use_fast = keep is None and fast_step_refusal(model, input_ids.device) is None
-    capacity = input_ids.shape[1] + max_new_tokens
-    fast = None
-    if use_fast and native_step_refusal(model, len(input_ids), attention_mask is not None) is None:
-        fast = NativeStep(model, cache, capacity)
-    elif use_fast:
-        fast = FastStep(model, cache, capacity, attention_mask)
-    head, bias = _step_head(model, use_fast, native_step=isinstance(fast, NativeStep))
+    if fast is None:
+        if native_steps:
+            fast = NativeStep(model, cache, capacity)
+        elif use_fast:
+            fast = FastStep(model, cache, capacity, attention_mask)
+        head, bias = _step_head(model, use_fast, native_step=native_steps)
     for _ in range(max_new_tokens - 1):
         if positions is not None:
             positions = positions[:, -1:] + 1  # (B, 1)

@@ -47,15 +47,15 @@ class _Model(ctypes.Structure):  # qkv_step_model
                 *((name, ctypes.c_int64) for name in ("L", "C", "H", "Hkv", "D", "F", "cap")),
                 ("eps", ctypes.c_float), ("final_eps", ctypes.c_float),
                 ("layers", ctypes.POINTER(_Layer)), ("final_norm", ctypes.c_void_p),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
-                ("work", ctypes.c_void_p)]  # fmt: skip
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]  # fmt: skip
 
 
 @functools.cache
 def _typed(lib):
     i64 = ctypes.c_int64
-    native.declare(lib, "qkv_step", ctypes.c_int, ctypes.POINTER(_Model), ctypes.c_void_p, i64)
-    native.declare(lib, "qkv_step_work_floats", i64, i64, i64, i64, i64, i64)
+    p = ctypes.c_void_p
+    native.declare(lib, "qkv_step", ctypes.c_int, ctypes.POINTER(_Model), p, i64, i64, p)
+    native.declare(lib, "qkv_step_work_floats", i64, i64, i64, i64, i64, i64, i64)
     return lib
 
 
@@ -133,15 +133,16 @@ def native_step_refusal(model: Decoder, batch: int, padded: bool) -> str | None:
 
 
 class NativeStep:
-    """The cache of a prompt already read (DecoderCache), then one token per call: as
+    """The cache of a prompt already read (DecoderCache), or none, then one token per call: as
     FastStep, for one sequence. capacity: the most tokens the cache will hold. Each call
-    takes the next token (1,) and returns the final norm's output (1, C)."""
+    takes the next token (1,) and returns the final norm's output (1, C); `read` takes a
+    prompt, or a prompt's next tokens, in one call."""
 
-    def __init__(self, model: Decoder, cache: DecoderCache, capacity: int):
+    def __init__(self, model: Decoder, cache: DecoderCache | None, capacity: int):
         why = native_step_refusal(model, 1, False)
         if why:
             raise ValueError(f"NativeStep cannot run this model: {why}")
-        self.model, self.length = model, cache.length
+        self.model, self.length = model, 0 if cache is None else cache.length
         if capacity < self.length:
             raise ValueError(f"capacity {capacity} is less than the {self.length} cached tokens")
         lib = _typed(kernels())
@@ -153,11 +154,12 @@ class NativeStep:
         layers = (_Layer * L)()
         for i, block in enumerate(model.blocks):
             attn, mlp = block.attn, block.mlp
-            k, v = cache.layers[i].stored()  # (1, Hkv, P, D)
             keys = torch.zeros(Hkv, capacity, D, dtype=torch.float16)
             values = torch.zeros(Hkv, capacity, D, dtype=torch.float16)
-            keys[:, : self.length] = k[0]
-            values[:, : self.length] = v[0]
+            if cache is not None:
+                k, v = cache.layers[i].stored()  # (1, Hkv, P, D)
+                keys[:, : self.length] = k[0]
+                values[:, : self.length] = v[0]
             norms = (block.attn_norm.weight.detach(), block.mlp_norm.weight.detach())
             self.keys.append(keys)
             self.values.append(values)
@@ -172,9 +174,10 @@ class NativeStep:
         with torch.inference_mode():
             turns = model.rotary.full.cos_sin(torch.arange(capacity), torch.float32)
             cos, sin = (t.contiguous() for t in turns)  # (capacity, D) each
-        work = torch.empty(lib.qkv_step_work_floats(C, H, Hkv, D, F) + 16)
         final = None if model.norm is None else model.norm.weight.detach()
-        self._keep += [cos, sin, work, final, layers]
+        self._keep += [cos, sin, final, layers]
+        self._sizes = (C, H, Hkv, D, F)
+        self._work = self._memory(1)
         self._x = torch.empty(1, C)
         chosen = variant()
         attn_chosen = chosen if lib.qkv_decode_variants() >> chosen & 1 else 0
@@ -182,9 +185,13 @@ class NativeStep:
             chosen, attn_chosen, native.threads(), L, C, H, Hkv, D, F, capacity,
             _first_eps(model), model.norm.eps if model.norm is not None else 0.0,
             layers, None if final is None else final.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            (work.data_ptr() + 63) // 64 * 64,
         )  # fmt: skip
         self._step, self._capacity = lib.qkv_step, capacity
+
+    def _memory(self, rows: int) -> tuple[Tensor, int]:
+        """The C side's working memory for `rows` tokens, and its address aligned to 64."""
+        work = torch.empty(_typed(kernels()).qkv_step_work_floats(*self._sizes, rows) + 16)
+        return work, (work.data_ptr() + 63) // 64 * 64
 
     def _matrix(self, linear: QuantLinear, first: int = 0, rows: int | None = None) -> _Matrix:
         """Rows [first, first + rows) of linear (all by default; first a multiple of the
@@ -217,18 +224,36 @@ class NativeStep:
 
     @torch.inference_mode()
     def __call__(self, token: Tensor, positions: Tensor | None = None) -> Tensor:
-        at = self.length
-        if at >= self._capacity:
-            raise ValueError(f"the cache holds {at} tokens, its capacity")
         if token.shape != (1,):
             raise ValueError(f"NativeStep takes one token, (1,), got {tuple(token.shape)}")
-        if positions is not None and int(positions.reshape(-1)[0]) != at:
+        if positions is not None and int(positions.reshape(-1)[0]) != self.length:
             raise ValueError("NativeStep's positions are the cache's length")
-        where = torch.full((1,), at, dtype=torch.long)
         x = self._x
-        x.copy_(self.model.embed(token[:, None], where)[:, 0])
-        failed = self._step(ctypes.byref(self._model), x.data_ptr(), at)
+        self._run(token[None], x, self._work[1])
+        return x.clone()
+
+    @torch.inference_mode()
+    def read(self, input_ids: Tensor) -> Tensor:
+        """The next tokens of the sequence, input_ids (1, T), in one call: each row's keys and
+        values appended, each row attending to the cache up to itself (as T steps would, with
+        each matrix read once for all T). Returns the last row's final norm output (1, C)."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+            raise ValueError(f"NativeStep reads input_ids (1, T), got {tuple(input_ids.shape)}")
+        x = torch.empty(input_ids.shape[1], self._sizes[0])
+        work, address = self._memory(input_ids.shape[1])
+        self._run(input_ids, x, address)
+        del work  # held until the call is done
+        return x[-1:].clone()
+
+    def _run(self, input_ids: Tensor, x: Tensor, work: int) -> None:
+        """input_ids (1, T) through the C side into x (T, C), the cache's length moved on."""
+        at, rows = self.length, input_ids.shape[1]
+        if at + rows > self._capacity:
+            raise ValueError(f"{rows} more tokens overflow the cache: it holds {at} of its "
+                             f"capacity {self._capacity}")  # fmt: skip
+        where = torch.arange(at, at + rows)[None]
+        x.copy_(self.model.embed(input_ids, where)[0])
+        failed = self._step(ctypes.byref(self._model), x.data_ptr(), rows, at, work)
         if failed:
             raise RuntimeError(f"the native step failed ({failed})")
-        self.length = at + 1
-        return x.clone()
+        self.length = at + rows

@@ -1,15 +1,18 @@
-/* One decoding step of a plain Llama-like decoder in one call: the fed-back token's vector
- * through every block (RMSNorm, q k v, rotary, the float16 cache's append, attention over the
- * cache, the output projection, the residual sum, RMSNorm, the SiLU-gated MLP, the residual
- * sum) and the final norm, with the file's own quantized matrices (qkv/nn/quant.c) and the
- * split-K decode attention (qkv/attention/decode.c).
+/* Decoding steps of a plain Llama-like decoder in one call: the fed-back token's vector (or a
+ * prompt's M vectors, each a token at its own position) through every block (RMSNorm, q k v,
+ * rotary, the float16 cache's append, attention over the cache, the output projection, the
+ * residual sum, RMSNorm, the SiLU-gated MLP, the residual sum) and the final norm, with the
+ * file's own quantized matrices (qkv/nn/quant.c) and the split-K decode attention
+ * (qkv/attention/decode.c).
  *
- * Python makes one call a token (qkv/generate/native_step.py checks every size first and
- * refuses what this file does not compute). The products and the attention run on the kept
- * thread pool: its workers wait between them, spinning, for the next task of the same call,
- * so a step costs no thread start and no Python between its operations. The small operations
- * between products (norms, rotary, the append, the gate) run on the calling thread: on
- * SmolLM2 they are a few thousand floats a layer.
+ * Python makes one call a token, and one for a short prompt (qkv/generate/native_step.py
+ * checks every size first and refuses what this file does not compute): a prompt's products
+ * take its M rows at once (each matrix unpacked once for up to 4 rows), its attention one row
+ * at a time over the cache so far, as M decoding steps would. The products and the attention
+ * run on the kept thread pool: its workers wait between them, spinning, for the next task of
+ * the same call, so a step costs no thread start and no Python between its operations. The
+ * small operations between products (norms, rotary, the append, the gate) run on the calling
+ * thread: on SmolLM2 they are a few thousand floats a layer and row.
  *
  * The arithmetic is FastStep's (qkv/generate/fast_step.py), its reference: the same products
  * bit for bit, x * cos + rotate_half(x) * sin as two products and a sum, silu(g) * u as
@@ -40,14 +43,13 @@ typedef struct {
     const qkv_step_layer *layers;
     const float *final_norm;  /* (C), or NULL: the hidden vector as the last block left it */
     const float *cos, *sin;   /* (cap, D): each position's turn, rotate_half's layout */
-    float *work;              /* qkv_step_work_floats(...) floats, 64-byte aligned */
 } qkv_step_model;
 
-/* The step's working memory, cut from one buffer of qkv_step_work_floats floats */
+/* The working memory of M rows, cut from one buffer of qkv_step_work_floats floats */
 typedef struct {
-    float *h, *q, *k, *v, *att, *lse, *gate, *up, *proj;
-    float *each;   /* the products of every part (2 rows a matrix) before they are summed */
-    int8_t *xq;    /* 8-bit inputs: two parts of the widest vector */
+    float *h, *q, *k, *v, *att, *lse, *gate, *up, *proj; /* (M, width) each */
+    float *each;   /* the products of every part (2 rows a row) before they are summed */
+    int8_t *xq;    /* 8-bit inputs: two parts of M of the widest rows */
     float *blocks; /* their d, s and sums */
 } scratch;
 
@@ -56,29 +58,34 @@ static int64_t widest(int64_t C, int64_t H, int64_t D, int64_t F) {
     return H * D > w ? H * D : w;
 }
 
-static scratch cut(float *work, int64_t C, int64_t H, int64_t Hkv, int64_t D, int64_t F) {
+static scratch cut(float *work, int64_t M, int64_t C, int64_t H, int64_t Hkv, int64_t D,
+                   int64_t F) {
     scratch w;
     const int64_t wide = widest(C, H, D, F);
     w.h = work;
-    w.q = w.h + C;
-    w.k = w.q + H * D;
-    w.v = w.k + Hkv * D;
-    w.att = w.v + Hkv * D;
-    w.lse = w.att + H * D;
-    w.gate = w.lse + H;
-    w.up = w.gate + F;
-    w.proj = w.up + F;
-    w.each = w.proj + C;
-    w.xq = (int8_t *)(w.each + 2 * (H * D + 2 * Hkv * D + C + 2 * F));
-    w.blocks = (float *)(w.xq + 2 * wide);
+    w.q = w.h + M * C;
+    w.k = w.q + M * H * D;
+    w.v = w.k + M * Hkv * D;
+    w.att = w.v + M * Hkv * D;
+    w.lse = w.att + M * H * D;
+    w.gate = w.lse + M * H;
+    w.up = w.gate + M * F;
+    w.proj = w.up + M * F;
+    w.each = w.proj + M * C;
+    w.xq = (int8_t *)(w.each + 2 * M * (H * D + 2 * Hkv * D + C + 2 * F));
+    w.blocks = (float *)(w.xq + 2 * M * wide);
     return w;
 }
 
-/* floats of a step's working memory (cut's, and 64 to spare) */
-int64_t qkv_step_work_floats(int64_t C, int64_t H, int64_t Hkv, int64_t D, int64_t F) {
+/* floats of the working memory of M rows (cut's, and 64 to spare); the caller aligns it to 64
+ * bytes. wide is a multiple of 32 (the checked sizes), so the 8-bit rows keep the floats after
+ * them aligned. */
+int64_t qkv_step_work_floats(int64_t C, int64_t H, int64_t Hkv, int64_t D, int64_t F,
+                             int64_t M) {
     const int64_t wide = widest(C, H, D, F);
-    return 2 * C + 2 * H * D + 2 * Hkv * D + H + 2 * F + 2 * (H * D + 2 * Hkv * D + C + 2 * F) +
-           2 * wide / 4 + 3 * 2 * (wide / 32) + 64;
+    return M * (2 * C + 2 * H * D + 2 * Hkv * D + H + 2 * F +
+                2 * (H * D + 2 * Hkv * D + C + 2 * F) + 2 * wide / 4 + 3 * 2 * (wide / 32)) +
+           64;
 }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
@@ -153,19 +160,19 @@ static void silu_gate(float *gate, const float *up, int64_t n, int simd) {
 
 #define MANY 8 /* quant.c's most matrices a call */
 
-/* ys[i] (N_i) = mats[i] @ x (+ bias), x (K) rounded to 8 bits in mats[0].parts parts (the
- * matrices of one call take the same): one call of the pool, then the parts summed in order
- * and the bias added, as qkv_quant_matmul does for QuantLinear */
+/* ys[i] (M, N_i) = x @ mats[i]^T (+ bias), x (M, K) rounded to 8 bits in mats[0].parts parts
+ * (the matrices of one call take the same): one call of the pool, then the parts summed in
+ * order and the bias added, as qkv_quant_matmul does for QuantLinear */
 static void products(const qkv_step_model *m, const scratch *w, int count, const qkv_qmat *mats,
-                     float *const *ys, const float *x, int64_t K) {
+                     float *const *ys, const float *x, int64_t M, int64_t K) {
     const int parts = mats[0].parts;
-    const int64_t nb = K / 32;
+    const int64_t nb = M * K / 32;
     float *d = w->blocks, *s = d + parts * nb;
     int32_t *sum = (int32_t *)(s + parts * nb);
-    qkv_quant_activations_parts(x, 1, K, parts, w->xq, d, s, sum);
+    qkv_quant_activations_parts(x, M, K, parts, w->xq, d, s, sum);
     const qkv_q8 xq = {w->xq, d, s, sum};
     if (parts == 1) {
-        qkv_quant_many(m->variant, count, mats, ys, &xq, 1, m->nth);
+        qkv_quant_many(m->variant, count, mats, ys, &xq, M, m->nth);
         return;
     }
     qkv_qmat bare[MANY];
@@ -174,59 +181,72 @@ static void products(const qkv_step_model *m, const scratch *w, int count, const
         bare[i] = mats[i];
         bare[i].bias = NULL;
         each[i] = at;
-        at += 2 * mats[i].N;
+        at += 2 * M * mats[i].N;
     }
-    qkv_quant_many(m->variant, count, bare, each, &xq, 2, m->nth);
+    qkv_quant_many(m->variant, count, bare, each, &xq, 2 * M, m->nth);
     for (int i = 0; i < count; i++) {
         const int64_t N = mats[i].N;
-        for (int64_t n = 0; n < N; n++) {
-            const float t = each[i][n] + each[i][N + n];
-            ys[i][n] = mats[i].bias ? t + mats[i].bias[n] : t;
-        }
+        for (int64_t r = 0; r < M; r++) /* row r's parts are rows 2r and 2r + 1 */
+            for (int64_t n = 0; n < N; n++) {
+                const float t = each[i][2 * r * N + n] + each[i][(2 * r + 1) * N + n];
+                ys[i][r * N + n] = mats[i].bias ? t + mats[i].bias[n] : t;
+            }
     }
 }
 
-/* x (C): the token's vector in, the final norm's output (or the last residual sum) out.
- * at: its position, the cache's row it fills (the caller has checked at < cap). Returns 0,
- * or the decode attention's error (-1: a variant this CPU lacks, -2: out of memory). */
-int qkv_step(const qkv_step_model *m, float *x, int64_t at) {
+/* x (M, C): the vectors of M tokens at positions at .. at + M - 1 in, the final norm's outputs
+ * (or the last residual sums) out; the caller has checked at + M <= cap. Each row's keys and
+ * values enter the cache before its attention, which reads the cache up to its own position
+ * (a prompt's rows, causally, each as one decoding step would). work: qkv_step_work_floats(...,
+ * M) floats, 64-byte aligned. Returns 0, or the decode attention's error (-1: a variant this
+ * CPU lacks, -2: out of memory). */
+int qkv_step(const qkv_step_model *m, float *x, int64_t M, int64_t at, float *work) {
     const int64_t C = m->C, H = m->H, Hkv = m->Hkv, D = m->D, F = m->F;
-    const scratch w = cut(m->work, C, H, Hkv, D, F);
-    const float *cos = m->cos + at * D, *sin = m->sin + at * D;
+    const scratch w = cut(work, M, C, H, Hkv, D, F);
     const int simd = m->attn_variant != QKV_SCALAR; /* AVX2 with F16C, as decode.c's */
     for (int64_t l = 0; l < m->L; l++) {
         const qkv_step_layer *layer = &m->layers[l];
-        rms_norm(x, layer->attn_norm, m->eps, C, w.h);
+        for (int64_t r = 0; r < M; r++)
+            rms_norm(x + r * C, layer->attn_norm, m->eps, C, w.h + r * C);
         const qkv_qmat qkv_mats[3] = {layer->q, layer->k, layer->v};
         float *const qkv_out[3] = {w.q, w.k, w.v};
-        products(m, &w, 3, qkv_mats, qkv_out, w.h, C);
-        rotate(w.q, H, D, cos, sin);
-        rotate(w.k, Hkv, D, cos, sin);
-        for (int64_t j = 0; j < Hkv; j++) {
-            to_half(w.k + j * D, layer->keys + (j * m->cap + at) * D, D, simd);
-            to_half(w.v + j * D, layer->values + (j * m->cap + at) * D, D, simd);
+        products(m, &w, 3, qkv_mats, qkv_out, w.h, M, C);
+        for (int64_t r = 0; r < M; r++) {
+            const int64_t pos = at + r;
+            float *q = w.q + r * H * D, *k = w.k + r * Hkv * D, *v = w.v + r * Hkv * D;
+            rotate(q, H, D, m->cos + pos * D, m->sin + pos * D);
+            rotate(k, Hkv, D, m->cos + pos * D, m->sin + pos * D);
+            for (int64_t j = 0; j < Hkv; j++) {
+                to_half(k + j * D, layer->keys + (j * m->cap + pos) * D, D, simd);
+                to_half(v + j * D, layer->values + (j * m->cap + pos) * D, D, simd);
+            }
         }
-        const int64_t length = at + 1;
-        const int64_t start = layer->window > 0 && length > layer->window ? length - layer->window : 0;
-        const int failed = qkv_decode_attention(m->attn_variant, CACHE_F16, w.q, layer->keys,
-                                                layer->values, NULL, NULL, NULL, 1, H, Hkv, m->cap,
-                                                D, start, length, layer->scale, 0, w.att, w.lse,
-                                                m->nth);
-        if (failed) return failed;
+        for (int64_t r = 0; r < M; r++) {
+            const int64_t length = at + r + 1;
+            const int64_t start =
+                layer->window > 0 && length > layer->window ? length - layer->window : 0;
+            const int failed = qkv_decode_attention(
+                m->attn_variant, CACHE_F16, w.q + r * H * D, layer->keys, layer->values, NULL,
+                NULL, NULL, 1, H, Hkv, m->cap, D, start, length, layer->scale, 0,
+                w.att + r * H * D, w.lse + r * H, m->nth);
+            if (failed) return failed;
+        }
         float *const proj[1] = {w.proj};
-        products(m, &w, 1, &layer->o, proj, w.att, H * D);
-        for (int64_t i = 0; i < C; i++) x[i] = x[i] + w.proj[i];
-        rms_norm(x, layer->mlp_norm, m->eps, C, w.h);
+        products(m, &w, 1, &layer->o, proj, w.att, M, H * D);
+        for (int64_t i = 0; i < M * C; i++) x[i] = x[i] + w.proj[i];
+        for (int64_t r = 0; r < M; r++)
+            rms_norm(x + r * C, layer->mlp_norm, m->eps, C, w.h + r * C);
         const qkv_qmat gu_mats[2] = {layer->gate, layer->up};
         float *const gu_out[2] = {w.gate, w.up};
-        products(m, &w, 2, gu_mats, gu_out, w.h, C);
-        silu_gate(w.gate, w.up, F, simd);
-        products(m, &w, 1, &layer->down, proj, w.gate, F);
-        for (int64_t i = 0; i < C; i++) x[i] = x[i] + w.proj[i];
+        products(m, &w, 2, gu_mats, gu_out, w.h, M, C);
+        silu_gate(w.gate, w.up, M * F, simd);
+        products(m, &w, 1, &layer->down, proj, w.gate, M, F);
+        for (int64_t i = 0; i < M * C; i++) x[i] = x[i] + w.proj[i];
     }
-    if (m->final_norm) {
-        rms_norm(x, m->final_norm, m->final_eps, C, w.h);
-        memcpy(x, w.h, (size_t)C * sizeof(float));
-    }
+    if (m->final_norm)
+        for (int64_t r = 0; r < M; r++) {
+            rms_norm(x + r * C, m->final_norm, m->final_eps, C, w.h);
+            memcpy(x + r * C, w.h, (size_t)C * sizeof(float));
+        }
     return 0;
 }
