@@ -129,20 +129,38 @@ def test_two_parts_are_two_llama_cpp_products_summed_and_hold_the_inputs_finer(f
 
 
 def test_activations_round_as_llama_cpp_does():
+    """Every variant's rounding of activations (scalar, AVX2 where the CPU has it) gives the
+    bytes, scales and sums of a numpy version of llama.cpp's: halves away from zero, an
+    all-zero block, a negative largest value, scales past float16's range either way."""
     lib = kernels()
-    rng = np.random.default_rng()
-    x = (rng.standard_normal((5, 96)) * rng.random((5, 1)) * 10).astype(np.float32)
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((6, 96)) * rng.random((6, 1)) * 10).astype(np.float32)
     x[0, :32] = 0  # an all-zero block: scale 0, bytes 0
     x[1, 3] = -x[1].__abs__().max() * 2  # the largest is negative
-    q = np.empty(x.shape, np.int8)
-    d, s = np.empty(15, np.float32), np.empty(15, np.float32)
-    sums = np.empty(15, np.int32)
-    lib.qkv_quant_activations(x.ctypes.data, 5, 96, q.ctypes.data, d.ctypes.data,
-                              s.ctypes.data, sums.ctypes.data)  # fmt: skip
-    want_q, want_d, want_s = quantized(x)
-    assert np.array_equal(q.reshape(-1, 32), want_q)
-    assert np.array_equal(d, want_d.astype(np.float32)) and np.array_equal(s, want_s)
-    assert np.array_equal(sums, want_q.sum(-1))
+    x[2, :32] = rng.integers(-126, 126, 32) + 0.5  # scale 1 exactly: every product a half
+    x[2, 0] = 127
+    x[3, 32:64] = -x[2, :32]
+    x[4, 64:] *= 1e-5  # a scale below float16's normal numbers
+    x[5, :32] *= 1e5  # d near float16's largest, s (d times the bytes' sum) most often past it
+    with np.errstate(over="ignore"):  # s past float16's range: infinite, as the cast makes it
+        want_q, want_d, want_s = quantized(x)
+    assert np.abs(want_q[6] - x[2, :32]).max() == 0.5  # block 6 (row 2): halves to round
+    variants = [v for v in range(4) if lib.qkv_quant_variants() >> v & 1]
+    for variant in variants:
+        q = np.empty(x.shape, np.int8)
+        d, s = np.empty(18, np.float32), np.empty(18, np.float32)
+        sums = np.empty(18, np.int32)
+        assert lib.qkv_quant_activations_variant(variant, x.ctypes.data, 6, 96, q.ctypes.data,
+                                                 d.ctypes.data, s.ctypes.data,
+                                                 sums.ctypes.data) == 0  # fmt: skip
+        assert np.array_equal(q.reshape(-1, 32), want_q), f"variant {variant}"
+        assert np.array_equal(d, want_d.astype(np.float32)) and np.array_equal(s, want_s)
+        assert np.array_equal(sums, want_q.sum(-1))
+    missing = next((v for v in range(4) if not lib.qkv_quant_variants() >> v & 1), None)
+    if missing is not None:  # a variant this CPU lacks is refused, nothing written
+        assert lib.qkv_quant_activations_variant(missing, x.ctypes.data, 6, 96, 0, 0, 0, 0) == -1
 
 
 def test_nan_inputs_give_nan_outputs_not_garbage():

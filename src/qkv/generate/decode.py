@@ -24,7 +24,7 @@ from qkv.nn.quant_linear import QuantLinear, cores_to_the_kernels
 
 # the longest prompt NativeStep reads in one call (its attention goes a row at a time, as the
 # steps', where Decoder.forward's is one product of matrices: a long prompt is faster there)
-NATIVE_PROMPT = 256
+NATIVE_PROMPT = 128
 
 
 def decode_steps(

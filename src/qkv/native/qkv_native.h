@@ -39,6 +39,8 @@ typedef struct {
  * (M, N) outputs) */
 void qkv_quant_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s,
                            int32_t *sums);
+int qkv_quant_activations_variant(int variant, const float *x, int64_t M, int64_t K, int8_t *q,
+                                  float *d, float *s, int32_t *sums);
 void qkv_quant_activations_parts(const float *x, int64_t M, int64_t K, int parts, int8_t *q,
                                  float *d, float *s, int32_t *sums);
 void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,

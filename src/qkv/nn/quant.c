@@ -100,11 +100,108 @@ static void quantize_block(const float *v, int8_t *q, float *d, float *s, int32_
     *sum = total;
 }
 
-/* x (M, K) float32 -> q (M, K) int8, and d, s, sum per block of 32 (quantize_block). */
+#if defined(QKV_X86)
+/* quantize_block in AVX2, the same numbers: the largest magnitude and the products v * inverse
+ * are the same IEEE operations, and roundf's halves away from zero are made by hand (the
+ * instruction's own rounding takes halves to even): t = trunc(|p|), plus 1 where |p| - t (exact)
+ * is at least a half, then p's sign. */
+/* float16's rounding of x (nearest, ties to even: the cast's) in one instruction each way,
+ * where the cast calls a library routine */
+__attribute__((target("f16c"))) static inline float rounded_to_half_f16c(float x) {
+    return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void quantize_block_avx2(const float *v,
+                                                                         int8_t *q, float *d,
+                                                                         float *s, int32_t *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    __m256 x[4], amax = zero, finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x[i]));
+        /* x * 0 is 0 for a finite x, NaN for an infinity or a NaN */
+        finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_mul_ps(x[i], zero), zero, _CMP_EQ_OQ));
+    }
+    if (_mm256_movemask_ps(finite) != 0xff) {
+        quantize_block(v, q, d, s, sum); /* NaN or infinity: the scalar path's NaN out */
+        return;
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float scale = _mm_cvtss_f32(m4) / 127.0f;
+    const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    const __m256 inv = _mm256_set1_ps(inverse), half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256i r[4], total = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        const __m256 p = _mm256_mul_ps(x[i], inv);
+        const __m256 a = _mm256_andnot_ps(sign, p);
+        const __m256 t = _mm256_round_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __m256 up = _mm256_and_ps(one, _mm256_cmp_ps(_mm256_sub_ps(a, t), half, _CMP_GE_OQ));
+        const __m256 rounded = _mm256_or_ps(_mm256_add_ps(t, up), _mm256_and_ps(sign, p));
+        r[i] = _mm256_cvtps_epi32(rounded); /* an integer already: exact */
+        total = _mm256_add_epi32(total, r[i]);
+    }
+    /* 32 int32 -> 32 int8 in order: the packs interleave 128-bit lanes, the permute mends it */
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]),
+                                              _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                                          packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1));
+    const int32_t sum_q = _mm_cvtsi128_si32(t4);
+    *d = rounded_to_half_f16c(scale);
+    *s = rounded_to_half_f16c(scale * (float)sum_q);
+    *sum = sum_q;
+}
+
+/* one block's remainder after its first rounding: left = v - d q, as the scalar loop */
+__attribute__((target("avx2,fma"))) static void remainder_avx2(const float *v, const int8_t *q,
+                                                               float d, float *left) {
+    const __m256 dd = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; i++) {
+        const __m256 qf = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i))));
+        _mm256_storeu_ps(left + 8 * i,
+                         _mm256_sub_ps(_mm256_loadu_ps(v + 8 * i), _mm256_mul_ps(dd, qf)));
+    }
+}
+#endif
+
+/* 1 where the CPU runs the AVX2 rounding of activations, checked once */
+static int activations_in_avx2(void) {
+    static int known = -1;
+    if (known < 0) known = qkv_quant_variants() >> QKV_AVX2 & 1;
+    return known;
+}
+
+typedef void (*block_fn)(const float *, int8_t *, float *, float *, int32_t *);
+
+static block_fn block_of(int variant) {
+#if defined(QKV_X86)
+    if (variant >= QKV_AVX2) return quantize_block_avx2;
+#endif
+    (void)variant;
+    return quantize_block;
+}
+
+/* x (M, K) float32 -> q (M, K) int8, and d, s, sum per block of 32 (quantize_block), with the
+ * variant's code (every variant gives the same bytes; tests/nn/test_native_quant.py holds them
+ * to a numpy reference). Returns 0, or -1 for a variant this CPU does not run. */
+int qkv_quant_activations_variant(int variant, const float *x, int64_t M, int64_t K, int8_t *q,
+                                  float *d, float *s, int32_t *sums) {
+    if (variant < 0 || variant >= QKV_VARIANTS || !(qkv_quant_variants() >> variant & 1))
+        return -1;
+    const block_fn fn = block_of(variant);
+    for (int64_t i = 0; i < M * (K / QK); i++) fn(x + i * QK, q + i * QK, d + i, s + i, sums + i);
+    return 0;
+}
+
 void qkv_quant_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d, float *s,
                            int32_t *sums) {
-    for (int64_t i = 0; i < M * (K / QK); i++)
-        quantize_block(x + i * QK, q + i * QK, d + i, s + i, sums + i);
+    qkv_quant_activations_variant(activations_in_avx2(), x, M, K, q, d, s, sums);
 }
 
 /* x (M, K) as `parts` (1 or 2) rows of 8-bit blocks each, row i's part j at row i * parts + j:
@@ -118,15 +215,22 @@ void qkv_quant_activations_parts(const float *x, int64_t M, int64_t K, int parts
         return;
     }
     const int64_t nb = K / QK;
+    const int simd = activations_in_avx2();
+    const block_fn fn = block_of(simd);
     for (int64_t i = 0; i < M; i++)
         for (int64_t b = 0; b < nb; b++) {
             const float *v = x + i * K + b * QK;
             const int64_t first = 2 * i * nb + b, second = first + nb;
             int8_t *q0 = q + first * QK;
-            quantize_block(v, q0, d + first, s + first, sums + first);
+            fn(v, q0, d + first, s + first, sums + first);
             float left[QK];
-            for (int j = 0; j < QK; j++) left[j] = v[j] - d[first] * (float)q0[j];
-            quantize_block(left, q + second * QK, d + second, s + second, sums + second);
+#if defined(QKV_X86)
+            if (simd)
+                remainder_avx2(v, q0, d[first], left);
+            else
+#endif
+                for (int j = 0; j < QK; j++) left[j] = v[j] - d[first] * (float)q0[j];
+            fn(left, q + second * QK, d + second, s + second, sums + second);
         }
 }
 
@@ -299,12 +403,22 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
             }
         }
     }
+    const int64_t n0 = p * ROWS;
     _Pragma("GCC unroll 8")
     for (int r = 0; r < R; r++) {
-        float out[ROWS];
-        _mm256_storeu_ps(out, acc[r][0]);
-        _mm256_storeu_ps(out + 8, acc[r][1]);
-        store(pr, p, m0 + r, out);
+        if (pr->N - n0 < ROWS) { /* the last panel's rows past N are not stored */
+            float out[ROWS];
+            _mm256_storeu_ps(out, acc[r][0]);
+            _mm256_storeu_ps(out + 8, acc[r][1]);
+            store(pr, p, m0 + r, out);
+            continue;
+        }
+        float *y = pr->y + (m0 + r) * pr->N + n0; /* store's y = acc + bias, in vectors */
+        _Pragma("GCC unroll 8")
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(y + 8 * h, pr->bias ? _mm256_add_ps(acc[r][h],
+                                                                 _mm256_loadu_ps(pr->bias + n0 + 8 * h))
+                                                 : acc[r][h]);
     }
 }
 
@@ -460,7 +574,8 @@ int qkv_quant_variants(void) {
     int mask = 1 << QKV_SCALAR;
 #if defined(QKV_X86)
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) { /* F16C: the activations' scales rounded to float16 */
         mask |= 1 << QKV_AVX2;
         if (__builtin_cpu_supports("avxvnni")) mask |= 1 << QKV_AVX_VNNI;
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

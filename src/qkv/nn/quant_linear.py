@@ -60,6 +60,7 @@ def _typed(lib):
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     native.declare(lib, "qkv_quant_repack", None, i32, p, i64, i64, p, p, p)
     native.declare(lib, "qkv_quant_activations", None, p, i64, i64, p, p, p, p)
+    native.declare(lib, "qkv_quant_activations_variant", i32, i32, p, i64, i64, p, p, p, p)
     native.declare(lib, "qkv_quant_matmul", i32, i32, i32, p, p, p, p, i64, i64, p, i64, i32, p, p,
                    i32)  # fmt: skip
     native.declare(lib, "qkv_quant_work_bytes", i64, i64, i64, i64, i32)
