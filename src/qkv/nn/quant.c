@@ -415,10 +415,11 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
         }
         float *y = pr->y + (m0 + r) * pr->N + n0; /* store's y = acc + bias, in vectors */
         _Pragma("GCC unroll 8")
-        for (int h = 0; h < 2; h++)
-            _mm256_storeu_ps(y + 8 * h, pr->bias ? _mm256_add_ps(acc[r][h],
-                                                                 _mm256_loadu_ps(pr->bias + n0 + 8 * h))
-                                                 : acc[r][h]);
+        for (int h = 0; h < 2; h++) {
+            __m256 out = acc[r][h];
+            if (pr->bias) out = _mm256_add_ps(out, _mm256_loadu_ps(pr->bias + n0 + 8 * h));
+            _mm256_storeu_ps(y + 8 * h, out);
+        }
     }
 }
 
