@@ -7,6 +7,7 @@ change the CPU it runs on. This machine's own choice is tested in test_pretraine
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from qkv.device import (
     cpu_flags,
     cpu_vendor,
 )
+from qkv.nn.quant_linear import in_generation
 from qkv.nn.quantized import choose_int8_inputs, int8_inputs_available
 
 EPYC_AVX2 = """processor\t: 0
@@ -57,15 +59,20 @@ def test_flags_are_the_first_processors_and_arm_names_them_features():
     assert not Capability("DEFAULT", cpu_flags("Features : fp asimd bf16\n")).bfloat16
 
 
-def test_float32_products_go_to_onednn_on_amd_cpus_and_stay_with_mkl_on_intels():
+def test_float32_products_go_to_onednn_on_amd_cpus_with_avx512_and_stay_with_mkl_elsewhere():
     assert cpu_vendor(EPYC_AVX2) == "AuthenticAMD" and cpu_vendor(XEON_AMX) == ""
     intel = Capability("AVX512", cpu_flags(XEON_AMX), "GenuineIntel")
     assert choose_gemm(intel) == ("blas", "MKL's own kernels for this CPU (GenuineIntel)")
     assert choose_gemm(Capability("AVX2", frozenset()))[0] == "blas"  # vendor unknown
-    library, why = choose_gemm(Capability("AVX2", cpu_flags(EPYC_AVX2), "AuthenticAMD"))
     has_both = torch.backends.mkldnn.is_available() and torch.backends.mkl.is_available()
+    # with AVX-512 MKL takes its AVX2 path all the same; with AVX2 alone that path is the best
+    avx512 = cpu_flags(EPYC_AVX2) | {"avx512f", "avx512bw"}
+    library, why = choose_gemm(Capability("AVX512", avx512, "AuthenticAMD"))
     assert library == ("onednn" if has_both else "blas")
     assert ("AVX2 path on this AuthenticAMD CPU" in why) == has_both
+    library, why = choose_gemm(Capability("AVX2", cpu_flags(EPYC_AVX2), "AuthenticAMD"))
+    assert library == "blas"
+    assert ("it has no AVX-512" in why) == has_both
 
 
 @pytest.mark.parametrize(
@@ -95,10 +102,18 @@ def test_backends_verbose_says_what_this_cpu_chose_and_why():
     named = {"onednn": "oneDNN", "blas": "torch's BLAS"}[library]
     assert f"float32 Linear products: {named}, since {why}" in done.stdout
     assert f"this CPU: {capability().describe()}" in done.stdout
-    inputs, why = choose_int8_inputs()
-    named = {"int8": "8-bit inputs (oneDNN)", "bfloat16": "bfloat16 inputs"}[inputs]
-    assert f"its 8-bit LM head with {named}, since {why}" in done.stdout
+    if in_generation():  # the file's blocks on qkv's kernels, the head too
+        assert "through NativeStep (one native call)" in done.stdout
+        assert "its 8-bit LM head: the file's Q8_0 blocks" in done.stdout
+    else:
+        inputs, why = choose_int8_inputs()
+        named = {"int8": "8-bit inputs (oneDNN)", "bfloat16": "bfloat16 inputs"}[inputs]
+        assert f"its 8-bit LM head with {named}, since {why}" in done.stdout
     assert "sdpa" in done.stdout.splitlines()[1]
+    native_off = subprocess.run([sys.executable, "-m", "qkv.cli", "backends", "--verbose"],
+                                capture_output=True, text=True, check=True,
+                                env={**os.environ, "QKV_NATIVE": "0"})  # fmt: skip
+    assert "NativeStep" not in native_off.stdout and "8-bit LM head with" in native_off.stdout
 
 
 # In a fresh process: a 24 MB tensor made and dropped, and where glibc kept it (its own

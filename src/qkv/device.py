@@ -111,7 +111,10 @@ def choose_gemm(cpu: Capability | None = None) -> tuple[str, str]:
     AVX-512 AMD EPYC (2 cores, benchmarks/linear_cpu.py) it multiplied 512 rows by SmolLM2's
     matrices at 185-215 GFLOP/s where MKL reached 110-200 (1.07-1.5x, MKL the less steady),
     a training step's products 1.1-1.3x as fast, and the LM head 2.1-2.7x at 1 to 128 rows;
-    held to AVX2 it was still 1.1-1.3x MKL. On Intel's own CPUs MKL is left to do its work.
+    held to AVX2 it was still 1.1-1.3x MKL. But on an AMD EPYC with AVX2 alone, MKL's AVX2
+    path multiplied MiniLM's and SmolLM2's shapes at 173-182 GFLOP/s where oneDNN reached
+    151-156 (2 cores, 2026-12-05), so such CPUs keep MKL. On Intel's own CPUs MKL is left to
+    do its work.
     Like the precision, this depends on the machine alone, never on a timing.
 
     >>> choose_gemm(Capability("AVX512", frozenset(), "GenuineIntel"))[0]
@@ -125,6 +128,11 @@ def choose_gemm(cpu: Capability | None = None) -> tuple[str, str]:
         return "blas", "this torch's BLAS is not MKL, so nothing is known to be faster"
     if cpu.vendor != "AuthenticAMD":  # the vendor where MKL's path was measured slower
         return "blas", f"MKL's own kernels for this CPU ({cpu.vendor or 'vendor unknown'})"
+    if "avx512f" not in cpu.flags:
+        return "blas", (
+            f"MKL's AVX2 path is this {cpu.vendor} CPU's best (it has no AVX-512): 1.13-1.2x "
+            "oneDNN's float32 products where measured"
+        )
     return "onednn", (
         f"MKL picks its kernels by vendor and takes an AVX2 path on this {cpu.vendor} CPU; "
         "oneDNN picks by the instructions (1.07-2.7x MKL's float32 products where measured)"

@@ -94,10 +94,19 @@ def _this_machine() -> None:
                   "since this torch has the CPU int4 kernel" if int4_available() else
                   f"but torch {torch.__version__} has no CPU int4 kernel: the weights "
                   "as loaded"))  # fmt: skip
-    typer.echo("  each token after the prompt's through FastStep (few operations a "
-               "step), where a model's blocks allow it")  # fmt: skip
-    inputs, why = choose_int8_inputs()
-    typer.echo(f"  its 8-bit LM head with {INPUT_NAMES[inputs]}, since {why}")
+    if in_generation():
+        from qkv.generate.decode import NATIVE_PROMPT
+
+        typer.echo(f"  a prompt of up to {NATIVE_PROMPT} tokens and each token after it through "
+                   "NativeStep (one native call), where a model's blocks allow it; FastStep "
+                   "(few operations a step) elsewhere")  # fmt: skip
+        typer.echo("  its 8-bit LM head: the file's Q8_0 blocks times 8-bit inputs, on the "
+                   "native kernels")  # fmt: skip
+    else:
+        typer.echo("  each token after the prompt's through FastStep (few operations a "
+                   "step), where a model's blocks allow it")  # fmt: skip
+        inputs, why = choose_int8_inputs()
+        typer.echo(f"  its 8-bit LM head with {INPUT_NAMES[inputs]}, since {why}")
     typer.echo(f"memory: {freed_memory()}")
 
 
