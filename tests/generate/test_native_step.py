@@ -165,18 +165,20 @@ def test_a_prompt_read_in_one_call_is_its_steps(kind):
 
 
 def test_decode_steps_take_it_where_it_runs_and_faststep_elsewhere(monkeypatch):
-    """Greedy decoding of one unpadded sequence goes through NativeStep and gives the tokens
-    of its reference (HalfCacheStep, by hand); a batch goes through FastStep."""
+    """Greedy decoding of one unpadded sequence reads a short prompt through NativeStep.read
+    and each later token through NativeStep, giving the tokens of its reference (HalfCacheStep,
+    by hand); a longer prompt is read by Decoder.forward first; a batch goes through FastStep."""
     model = quantized_model(KINDS["llama"], "Q8_0")
-    calls = {"native": 0, "fast": 0}
-    for cls, name in ((NativeStep, "native"), (FastStep, "fast")):
-        real = cls.__call__
-        monkeypatch.setattr(cls, "__call__", lambda self, *a, _r=real, _n=name: (
+    calls = {"native": 0, "fast": 0, "read": 0}
+    for cls, method, name in ((NativeStep, "__call__", "native"), (FastStep, "__call__", "fast"),
+                              (NativeStep, "read", "read")):  # fmt: skip
+        real = getattr(cls, method)
+        monkeypatch.setattr(cls, method, lambda self, *a, _r=real, _n=name: (
             calls.__setitem__(_n, calls[_n] + 1) or _r(self, *a)))  # fmt: skip
     prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
     greedy = Sampling(temperature=0.0)
     got = torch.cat(list(decode_steps(model, prompt[:1], None, greedy, 8))).tolist()
-    assert calls == {"native": 7, "fast": 0}
+    assert calls == {"native": 7, "fast": 0, "read": 1}
     cache, head = model.new_cache(), head_of(model)
     with torch.inference_mode():
         want = [int(model(prompt[:1], cache=cache).logits[0, -1].argmax())]
@@ -184,8 +186,11 @@ def test_decode_steps_take_it_where_it_runs_and_faststep_elsewhere(monkeypatch):
         for _ in range(7):
             want.append(int(head(step(torch.tensor(want[-1:])))[0].argmax()))
     assert got == want
+    monkeypatch.setattr("qkv.generate.decode.NATIVE_PROMPT", 5)  # 6 tokens: forward reads them
+    assert torch.cat(list(decode_steps(model, prompt[:1], None, greedy, 8))).tolist() == want
+    assert calls == {"native": 14, "fast": 7, "read": 1}  # fast: HalfCacheStep's 7
     list(decode_steps(model, prompt, None, greedy, 8))
-    assert calls == {"native": 7, "fast": 14}  # 7 of HalfCacheStep's, 7 of the batch's
+    assert calls == {"native": 14, "fast": 14, "read": 1}  # and the batch's 7
 
 
 def test_what_it_does_not_compute_is_refused_by_name():

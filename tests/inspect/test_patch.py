@@ -19,6 +19,7 @@ from intervention_models import (
     snapshot,
 )
 from qkv.inspect.patch import WHATS, Metric, patch
+from qkv.inspect.prompts import Spread, bootstrap
 from qkv.inspect.runs import run
 from qkv.nn.edit import Edit, Swap
 from variant_models import TEXT, decoder, tiny
@@ -136,9 +137,15 @@ def test_the_interval_holds_the_mean_and_is_seeded(model, batched):
         assert bool((spread.mean <= spread.high + 1e-12).all())
     six = PAIRS * 2  # three values each twice: the 2.5% quantile is no longer the least
     runs = [patch(model, [p[0] for p in six], [p[1] for p in six], [p[2] for p in six],
-                  what="heads", seed=seed).grids["heads"] for seed in (0, 0, 1)]  # fmt: skip
+                  what="heads", seed=seed).grids["heads"] for seed in (0, 0, 1, 2)]  # fmt: skip
     assert torch.equal(runs[0].low, runs[1].low) and torch.equal(runs[0].high, runs[1].high)
-    assert not torch.equal(runs[0].low, runs[2].low)
+    # six values, three distinct: a resampled mean takes one of 28 values, and the 2.5%
+    # quantile lands on the same one for most seeds; the seed is passed on all the same
+    assert [run.seed for run in runs] == [0, 0, 1, 2]
+    again = Spread.of(runs[3].values, 2)
+    assert torch.equal(again.low, runs[3].low) and torch.equal(again.high, runs[3].high)
+    continuous = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(bootstrap(continuous, 0)[0], bootstrap(continuous, 1)[0])
     data = batched.to_dict()
     assert data["what"] == EVERY and len(data["pairs"]) == 3
     assert len(data["spreads"]["head_positions"]["per_prompt"]) == 3
