@@ -10,6 +10,11 @@ module builds all of them into one shared library and loads it once a process:
   the sources, the flags and the compiler's version, and written atomically: a second
   process, or a second run, loads it in a millisecond. `make` builds it ahead
   (`python -m qkv.native`).
+- **Or built at install.** `pip install .` (a wheel, not an editable install) compiles the
+  same library into the package (`qkv/native/built/`), stamped with the hash of the sources
+  and flags it came from (`prebuilt`): a process then loads it without a compiler. Built
+  where the install runs, it is used wherever those sources are; a changed source makes the
+  stamp wrong, and the cache's build is used instead.
 - **Every instruction set in one build.** No `-march=native`: each kernel has a variant per
   instruction set (AVX2, AVX-VNNI, AVX-512 VNNI), compiled for that set alone
   (`__attribute__((target))`), and the CPU's own cpuid chooses among them at run time
@@ -76,6 +81,40 @@ def cache_dir() -> Path:
     return Path(base) / "qkv" / "native"
 
 
+PREBUILT = PACKAGE / "native" / "built"  # where a wheel's build puts the library
+PREBUILT_NAME, STAMP_NAME = "libqkv.so", "libqkv.stamp"
+
+
+def _sources_digest(flags: tuple[str, ...]) -> str:
+    """The hash of every source and header under the package, and the flags."""
+    digest = hashlib.sha256()
+    for part in (*SOURCES, *HEADERS):
+        digest.update(part.encode() + b"\0" + (PACKAGE / part).read_bytes() + b"\0")
+    digest.update("|".join((platform.machine(), *flags, *LIBS)).encode())
+    return digest.hexdigest()
+
+
+def build_prebuilt(directory: Path = PREBUILT) -> Path:
+    """The library compiled into `directory` with its stamp (the hash of what it was built
+    from), for a wheel: `setup.py`'s build runs this. Raises OSError as `build` does."""
+    built = build(directory)
+    target = directory / PREBUILT_NAME
+    os.replace(built, target)
+    (directory / STAMP_NAME).write_text(_sources_digest(FLAGS) + "\n")
+    return target
+
+
+def prebuilt(directory: Path = PREBUILT) -> Path | None:
+    """The library built at install, where its stamp names these sources and flags; None
+    where there is none or it was built from other sources."""
+    target, stamp = directory / PREBUILT_NAME, directory / STAMP_NAME
+    try:
+        said = stamp.read_text().strip()
+    except OSError:
+        return None
+    return target if target.is_file() and said == _sources_digest(FLAGS) else None
+
+
 def build(directory: Path | None = None, sanitize: bool = False) -> Path:
     """The library compiled (or found compiled) in `directory` (default: `cache_dir()`);
     sanitize: with AddressSanitizer and UndefinedBehaviorSanitizer, for the tests. Raises
@@ -89,12 +128,9 @@ def build(directory: Path | None = None, sanitize: bool = False) -> Path:
     except (OSError, subprocess.SubprocessError, IndexError) as e:
         raise OSError(f"the C compiler {cc} does not run: {e}") from e
     flags = (*FLAGS, *(SANITIZE if sanitize else ()))
-    digest = hashlib.sha256()
-    for part in (*SOURCES, *HEADERS):
-        digest.update(part.encode() + b"\0" + (PACKAGE / part).read_bytes() + b"\0")
-    digest.update("|".join((version, platform.machine(), *flags, *LIBS)).encode())
+    digest = hashlib.sha256((_sources_digest(flags) + version).encode()).hexdigest()
     directory = directory or cache_dir()
-    target = directory / f"libqkv-{'asan-' if sanitize else ''}{digest.hexdigest()[:16]}.so"
+    target = directory / f"libqkv-{'asan-' if sanitize else ''}{digest[:16]}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -126,7 +162,7 @@ def _built() -> tuple[ctypes.CDLL | None, str]:
     if platform.machine() not in ("x86_64", "AMD64"):
         return None, f"qkv's kernels are written for x86-64 CPUs; this is {platform.machine()}"
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(prebuilt() or build()))
     except OSError as e:
         return None, str(e)
     _declare(lib)
@@ -193,4 +229,7 @@ def describe() -> str:
         _, why = chosen_variant(lib)
     except ValueError as e:
         return f"native kernels: built, but {e}"
+    installed = prebuilt()
+    if installed:
+        return f"native kernels: {why}; built at install ({installed})"
     return f"native kernels: {why}; built with {compiler()} in {build().parent}"
