@@ -2,6 +2,7 @@
 written here with gguf.GGUFWriter against the tensors written, the cache, and bad files."""
 
 import shutil
+import sys
 from pathlib import Path
 
 import gguf
@@ -490,3 +491,21 @@ def test_rope_freqs_that_are_not_a_list_of_factors_are_refused(tmp_path):
     write_tiny(tmp_path / "bad.gguf", extra="rope_freqs.weight")  # (4, C): not one per freq
     with pytest.raises(ValueError, match="rope_freqs.weight should be a short list of float"):
         read_gguf(tmp_path / "bad.gguf", cache_dir=tmp_path / "cache")
+
+
+def test_a_byte_level_token_spelled_in_utf8_reads_as_transformers_reads_it(tmp_path, monkeypatch):
+    """A token the file spells in plain UTF-8, outside the byte-level alphabet (as some
+    converters write added words), is spelled in the alphabet before the BPE sees it, where
+    every other token is taken as the file spells it."""
+    tokens, types, merges = byte_level_vocab()
+    spelled = ["日本", "été"]  # "été": é is in the alphabet (its own byte), 日 is not
+    monkeypatch.setattr(sys.modules[__name__], "byte_level_vocab",
+                        lambda: ([*tokens, *spelled], [*types, 1, 1], merges))  # fmt: skip
+    write_tiny(tmp_path / "tiny.gguf")
+    model = read_gguf(tmp_path / "tiny.gguf", cache_dir=tmp_path / "cache")
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
+    vocab = model.tokenizer.get_vocab()
+    assert vocab["æĹ¥æľ¬"] == len(tokens) and "日本" not in vocab  # re-spelled: 日本's bytes
+    assert vocab["été"] == len(tokens) + 1
+    for text in ("日本 the cat", "été 12", *STRINGS):
+        assert model.tokenizer.encode(text).ids == expected(text)["input_ids"], text
