@@ -136,7 +136,7 @@ def _byte_level(meta: dict[str, Any]) -> Tokenizer:
     alphabet = frozenset(spelling.values())
     tokens = meta["tokenizer.ggml.tokens"]
     if _outside(alphabet).search("".join(tokens)) is None:  # every token spelled in it: 0.03 s
-        vocab = dict(zip(tokens, range(len(tokens))))
+        vocab = dict(zip(tokens, range(len(tokens)), strict=True))
     else:
         vocab = {
             t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): index
