@@ -1,4 +1,4 @@
-"""qkv's native products of GGUF blocks (Q4_0, Q4_1, Q8_0) by 8-bit activations
+"""qkv's native products of GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) by 8-bit activations
 (`qkv/nn/quant.c` through `QuantLinear`): every variant this CPU runs, the lower ones forced,
 agrees with the scalar one bit for bit; the 8-bit activations equal a numpy version of
 llama.cpp's rounding bit for bit; the products equal a float64 reference of the same
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -26,12 +27,32 @@ def raw_blocks(fmt: str, N: int, K: int, rng) -> np.ndarray:
     raw = np.zeros((N, nb, size), np.uint8)
     d = (rng.random((N, nb)) * 0.02 + 1e-4).astype(np.float16)
     raw[:, :, 0:2] = d.view(np.uint8).reshape(N, nb, 2)
-    if fmt == "Q4_1":
+    if fmt in ("Q4_1", "Q5_1"):
         m = (-rng.random((N, nb)) * 0.1).astype(np.float16)
         raw[:, :, 2:4] = m.view(np.uint8).reshape(N, nb, 2)
-    start = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}[fmt]
+    start = START[fmt]
     raw[:, :, start:] = rng.integers(0, 256, (N, nb, size - start))
     return raw.reshape(N, -1)
+
+
+START = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2, "Q5_0": 2, "Q5_1": 4}  # where a block's integers are
+
+
+def integers(fmt: str, blocks: np.ndarray) -> np.ndarray:
+    """The weights' integers (N, nb, 32) of blocks (N, nb, bytes), as ggml's dequantization
+    reads them: Q8_0's bytes; Q4's nibbles (a byte's low one column j, its high one 16 + j),
+    less 8 for Q4_0; Q5's the same with bit j of the 4 bytes before them as column j's
+    fifth, less 16 for Q5_0."""
+    qs = blocks[:, :, START[fmt] :]
+    if fmt == "Q8_0":
+        return qs.copy().view(np.int8).astype(np.int64)
+    if fmt in ("Q5_0", "Q5_1"):
+        high = qs[:, :, :4].copy().view("<u4").astype(np.int64)  # (N, nb, 1)
+        qs = qs[:, :, 4:]
+    w = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64)
+    if fmt in ("Q5_0", "Q5_1"):
+        w |= (high >> np.arange(32) & 1) << 4
+    return w - {"Q4_0": 8, "Q5_0": 16}.get(fmt, 0)
 
 
 def quantized(x: np.ndarray):
@@ -52,16 +73,12 @@ def reference(fmt: str, raw: np.ndarray, K: int, x: np.ndarray) -> np.ndarray:
     N, nb = raw.shape[0], K // 32
     blocks = raw.reshape(N, nb, -1)
     d_w = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float64)
-    if fmt == "Q8_0":
-        w = blocks[:, :, 2:].copy().view(np.int8).astype(np.int64)
-    else:
-        qs = blocks[:, :, 4 if fmt == "Q4_1" else 2 :]
-        w = np.concatenate([qs & 15, qs >> 4], -1).astype(np.int64) - (8 if fmt == "Q4_0" else 0)
+    w = integers(fmt, blocks)
     q, d_x, s_x = quantized(x)
     M = x.shape[0]
     isum = np.einsum("nbj,mbj->mnb", w, q.reshape(M, nb, 32))  # exact integers
     y = (d_w[None] * d_x.reshape(M, 1, nb) * isum).sum(-1)
-    if fmt == "Q4_1":
+    if fmt in ("Q4_1", "Q5_1"):
         m_w = blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         y += (m_w[None] * s_x.reshape(M, 1, nb)).sum(-1)
     return y
@@ -94,6 +111,19 @@ def dequantized(fmt: str, raw: np.ndarray, K: int) -> np.ndarray:
     with inputs that round exactly (one 127 a block, the rest 0)."""
     eye = np.eye(K, dtype=np.float32) * 127
     return reference(fmt, raw, K, eye).T / 127
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_reference_reads_blocks_as_the_gguf_package_does(fmt):
+    """`integers` and `reference` (the float64 side of these tests) against gguf-py's own
+    dequantization of the same bytes: the reference is not qkv's reading of the format."""
+    rng = np.random.default_rng()
+    N, K = 24, 96
+    raw = raw_blocks(fmt, N, K, rng)
+    theirs = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).astype(np.float64)
+    assert theirs.shape == (N, K)
+    ours = dequantized(fmt, raw, K)  # float64: gguf's float32 rounds d * q + m once
+    assert np.allclose(ours, theirs, rtol=1e-6, atol=1e-7), np.abs(ours - theirs).max()
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -175,7 +205,7 @@ def test_nan_inputs_give_nan_outputs_not_garbage():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("Q5_0", torch.zeros(4, 22, dtype=torch.uint8), 32), "holds Q4_0"),
+        (("Q2_K", torch.zeros(4, 84, dtype=torch.uint8), 256), "holds Q4_0"),
         (("Q4_1", torch.zeros(4, 20, dtype=torch.uint8), 48), "blocks of 32"),
         (("Q4_1", torch.zeros(4, 21, dtype=torch.uint8), 32), "hold 20 bytes"),
         (("Q4_1", torch.zeros(4, 20, dtype=torch.int8), 32), "uint8"),

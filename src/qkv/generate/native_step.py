@@ -24,9 +24,12 @@ from torch import Tensor
 
 from qkv import native
 from qkv.models.decoder import Decoder, DecoderCache
+from qkv.nn import quant_k
 from qkv.nn.mlps import ACTIVATIONS, GatedMLP
 from qkv.nn.norms import RMSNorm
-from qkv.nn.quant_linear import K_FORMATS, ROWS, QuantLinear, kernels, variant
+from qkv.nn.quant_linear import K_FORMATS, ROWS, QuantLinear, kernels, panel_block_bytes, variant
+
+FMT_K = 16  # qkv_native.h's QKV_FMT_K: a qkv_qmat's format past it is quant_k.c's
 
 
 class _Matrix(ctypes.Structure):  # qkv_qmat
@@ -121,8 +124,12 @@ def native_step_refusal(model: Decoder, batch: int, padded: bool) -> str | None:
         for linear in (*_projections(attn), attn.out, *_projections(mlp), mlp.down):
             if type(linear) is not QuantLinear:
                 return f"block {i} multiplies a {type(linear).__name__}, not a file's blocks"
-            if linear.fmt in K_FORMATS:  # quant_k.c's products are FastStep's, one by one
-                return f"block {i} multiplies {linear.fmt} blocks, which the step does not yet"
+        for what, together in (
+            ("q, k and v", _projections(attn)),
+            ("gate and up", _projections(mlp)),
+        ):
+            if len({linear.parts for linear in together}) > 1:  # step.c rounds x once for all
+                return f"block {i}'s {what} round their inputs in different parts"
         if mlp.down.in_features != model.blocks[0].mlp.down.in_features:
             return f"block {i}'s MLP is wider or narrower than block 0's"
         if any(n % ROWS for n in (attn.head_dim * attn.num_kv_heads, mlp.down.in_features)):
@@ -199,10 +206,15 @@ class NativeStep:
         rows = linear.out_features - first if rows is None else rows
         if first % ROWS or not 0 < first + rows <= linear.out_features:
             raise ValueError(f"rows {first}..{first + rows} of {linear} are not whole panels")
-        panel = first // ROWS * (linear.in_features // 32)  # panel blocks before the first row
-        block_bytes = ROWS * (32 if linear.fmt == "Q8_0" else 16)  # one panel block's integers
         bias = None if linear.bias is None else linear.bias.detach()
         self._keep += [linear.panels, linear.scales, linear.mins, bias]
+        if linear.fmt in K_FORMATS:  # quant_k.c's panels, their scales inside
+            before = quant_k.panel_bytes(linear.fmt, first, linear.in_features) if first else 0
+            return _Matrix(FMT_K + linear.code, linear.parts, rows, linear.in_features,
+                           linear.panels.data_ptr() + before, None, None,
+                           None if bias is None else bias.data_ptr() + first * 4)  # fmt: skip
+        panel = first // ROWS * (linear.in_features // 32)  # panel blocks before the first row
+        block_bytes = panel_block_bytes(linear.fmt)  # one panel block's integers
         return _Matrix(linear.code, linear.parts, rows, linear.in_features,
                        linear.panels.data_ptr() + panel * block_bytes,
                        linear.scales.data_ptr() + panel * ROWS * 4,

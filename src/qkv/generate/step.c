@@ -2,7 +2,8 @@
  * prompt's M vectors, each a token at its own position) through every block (RMSNorm, q k v,
  * rotary, the float16 cache's append, attention over the cache, the output projection, the
  * residual sum, RMSNorm, the SiLU-gated MLP, the residual sum) and the final norm, with the
- * file's own quantized matrices (qkv/nn/quant.c) and the split-K decode attention
+ * file's own quantized matrices (qkv/nn/quant.c, and quant_k.c's K-quants) and the split-K
+ * decode attention
  * (qkv/attention/decode.c).
  *
  * Python makes one call a token, and one for a short prompt (qkv/generate/native_step.py
@@ -51,6 +52,8 @@ typedef struct {
     float *each;   /* the products of every part (2 rows a row) before they are summed */
     int8_t *xq;    /* 8-bit inputs: two parts of M of the widest rows */
     float *blocks; /* their d, s and sums */
+    float *left;   /* (M, widest): what Q8_K's rounding leaves of a K-quant product's input */
+    void *kwork;   /* quant_k.c's working memory for M of the widest rows */
 } scratch;
 
 static int64_t widest(int64_t C, int64_t H, int64_t D, int64_t F) {
@@ -74,6 +77,8 @@ static scratch cut(float *work, int64_t M, int64_t C, int64_t H, int64_t Hkv, in
     w.each = w.proj + M * C;
     w.xq = (int8_t *)(w.each + 2 * M * (H * D + 2 * Hkv * D + C + 2 * F));
     w.blocks = (float *)(w.xq + 2 * M * wide);
+    w.left = w.blocks + 3 * 2 * M * (wide / 32);
+    w.kwork = w.left + M * wide;
     return w;
 }
 
@@ -84,8 +89,9 @@ int64_t qkv_step_work_floats(int64_t C, int64_t H, int64_t Hkv, int64_t D, int64
                              int64_t M) {
     const int64_t wide = widest(C, H, D, F);
     return M * (2 * C + 2 * H * D + 2 * Hkv * D + H + 2 * F +
-                2 * (H * D + 2 * Hkv * D + C + 2 * F) + 2 * wide / 4 + 3 * 2 * (wide / 32)) +
-           64;
+                2 * (H * D + 2 * Hkv * D + C + 2 * F) + 2 * wide / 4 + 3 * 2 * (wide / 32) +
+                wide) +
+           (qkv_quantk_work_bytes(M, wide) + 3) / 4 + 64;
 }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
@@ -160,11 +166,54 @@ static void silu_gate(float *gate, const float *up, int64_t n, int simd) {
 
 #define MANY 8 /* quant.c's most matrices a call */
 
+/* y (M, N) = x @ mat^T (+ bias) for a K-quant matrix: quant_k.c's product, which rounds x to
+ * Q8_K itself; in two parts, the products of x and of what Q8_K's rounding left of it (x - q
+ * d, in float32) summed, then the bias, as QuantLinear's K-quant product does. Returns 0, or
+ * -1 for a variant this CPU lacks. */
+static int product_k(const qkv_step_model *m, const scratch *w, const qkv_qmat *mat, float *y,
+                     const float *x, int64_t M, int64_t K) {
+    const int fmt = mat->fmt - QKV_FMT_K;
+    const int64_t N = mat->N;
+    if (mat->parts == 1)
+        return qkv_quantk_matmul(m->variant, fmt, mat->panels, mat->bias, N, K, x, M, y,
+                                 w->kwork, m->nth);
+    int8_t *q = w->kwork; /* quant_k.c's own layout of its work: bytes, then the scales */
+    float *d = (float *)(q + (M * K + 63) / 64 * 64);
+    qkv_quantk_activations(x, M, K, q, d, (int16_t *)(d + M * (K / 256)));
+    for (int64_t i = 0; i < M * K; i++) w->left[i] = x[i] - (float)q[i] * d[i / 256];
+    float *first = w->each, *second = w->each + M * N;
+    if (qkv_quantk_matmul(m->variant, fmt, mat->panels, NULL, N, K, x, M, first, w->kwork,
+                          m->nth) ||
+        qkv_quantk_matmul(m->variant, fmt, mat->panels, NULL, N, K, w->left, M, second,
+                          w->kwork, m->nth))
+        return -1;
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t n = 0; n < N; n++) {
+            const float t = first[r * N + n] + second[r * N + n];
+            y[r * N + n] = mat->bias ? t + mat->bias[n] : t;
+        }
+    return 0;
+}
+
 /* ys[i] (M, N_i) = x @ mats[i]^T (+ bias), x (M, K) rounded to 8 bits in mats[0].parts parts
- * (the matrices of one call take the same): one call of the pool, then the parts summed in
- * order and the bias added, as qkv_quant_matmul does for QuantLinear */
-static void products(const qkv_step_model *m, const scratch *w, int count, const qkv_qmat *mats,
-                     float *const *ys, const float *x, int64_t M, int64_t K) {
+ * (the matrices of one call take the same): the K-quant ones one by one (product_k), the rest
+ * in one call of the pool, then the parts summed in order and the bias added, as
+ * qkv_quant_matmul does for QuantLinear. Returns 0, or -1 (product_k's). */
+static int products(const qkv_step_model *m, const scratch *w, int count, const qkv_qmat *all,
+                    float *const *all_ys, const float *x, int64_t M, int64_t K) {
+    qkv_qmat mats[MANY];
+    float *ys[MANY];
+    int plain = 0;
+    for (int i = 0; i < count; i++) {
+        if (all[i].fmt >= QKV_FMT_K) {
+            if (product_k(m, w, &all[i], all_ys[i], x, M, K)) return -1;
+            continue;
+        }
+        mats[plain] = all[i];
+        ys[plain++] = all_ys[i];
+    }
+    count = plain;
+    if (count == 0) return 0;
     const int parts = mats[0].parts;
     const int64_t nb = M * K / 32;
     float *d = w->blocks, *s = d + parts * nb;
@@ -173,7 +222,7 @@ static void products(const qkv_step_model *m, const scratch *w, int count, const
     const qkv_q8 xq = {w->xq, d, s, sum};
     if (parts == 1) {
         qkv_quant_many(m->variant, count, mats, ys, &xq, M, m->nth);
-        return;
+        return 0;
     }
     qkv_qmat bare[MANY];
     float *each[MANY], *at = w->each;
@@ -192,14 +241,15 @@ static void products(const qkv_step_model *m, const scratch *w, int count, const
                 ys[i][r * N + n] = mats[i].bias ? t + mats[i].bias[n] : t;
             }
     }
+    return 0;
 }
 
 /* x (M, C): the vectors of M tokens at positions at .. at + M - 1 in, the final norm's outputs
  * (or the last residual sums) out; the caller has checked at + M <= cap. Each row's keys and
  * values enter the cache before its attention, which reads the cache up to its own position
  * (a prompt's rows, causally, each as one decoding step would). work: qkv_step_work_floats(...,
- * M) floats, 64-byte aligned. Returns 0, or the decode attention's error (-1: a variant this
- * CPU lacks, -2: out of memory). */
+ * M) floats, 64-byte aligned. Returns 0, or the products' or the decode attention's error (-1:
+ * a variant this CPU lacks, -2: out of memory). */
 int qkv_step(const qkv_step_model *m, float *x, int64_t M, int64_t at, float *work) {
     const int64_t C = m->C, H = m->H, Hkv = m->Hkv, D = m->D, F = m->F;
     const scratch w = cut(work, M, C, H, Hkv, D, F);
@@ -210,7 +260,7 @@ int qkv_step(const qkv_step_model *m, float *x, int64_t M, int64_t at, float *wo
             rms_norm(x + r * C, layer->attn_norm, m->eps, C, w.h + r * C);
         const qkv_qmat qkv_mats[3] = {layer->q, layer->k, layer->v};
         float *const qkv_out[3] = {w.q, w.k, w.v};
-        products(m, &w, 3, qkv_mats, qkv_out, w.h, M, C);
+        if (products(m, &w, 3, qkv_mats, qkv_out, w.h, M, C)) return -1;
         for (int64_t r = 0; r < M; r++) {
             const int64_t pos = at + r;
             float *q = w.q + r * H * D, *k = w.k + r * Hkv * D, *v = w.v + r * Hkv * D;
@@ -232,15 +282,15 @@ int qkv_step(const qkv_step_model *m, float *x, int64_t M, int64_t at, float *wo
             if (failed) return failed;
         }
         float *const proj[1] = {w.proj};
-        products(m, &w, 1, &layer->o, proj, w.att, M, H * D);
+        if (products(m, &w, 1, &layer->o, proj, w.att, M, H * D)) return -1;
         for (int64_t i = 0; i < M * C; i++) x[i] = x[i] + w.proj[i];
         for (int64_t r = 0; r < M; r++)
             rms_norm(x + r * C, layer->mlp_norm, m->eps, C, w.h + r * C);
         const qkv_qmat gu_mats[2] = {layer->gate, layer->up};
         float *const gu_out[2] = {w.gate, w.up};
-        products(m, &w, 2, gu_mats, gu_out, w.h, M, C);
+        if (products(m, &w, 2, gu_mats, gu_out, w.h, M, C)) return -1;
         silu_gate(w.gate, w.up, M * F, simd);
-        products(m, &w, 1, &layer->down, proj, w.gate, M, F);
+        if (products(m, &w, 1, &layer->down, proj, w.gate, M, F)) return -1;
         for (int64_t i = 0; i < M * C; i++) x[i] = x[i] + w.proj[i];
     }
     if (m->final_norm)

@@ -48,7 +48,9 @@ from qkv.io.gguf_arch import ROPE_TENSORS, Arch, arch_of, rope_tensors
 from qkv.io.gguf_header import Header, TensorInfo, read_header
 from qkv.io.gguf_moe import experts_bounded
 from qkv.io.gguf_tokenizer import gguf_tokenizer
+from qkv.io.int4 import FOUR_BIT
 from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
+from qkv.nn.quant_linear import in_generation
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -99,8 +101,12 @@ def read_gguf(
         state_dict = _state_dict(header, data, config, arch, progress)
         _save_cache(cache, state_dict, path)
     # the 4-bit matrices generation keeps as they are: Q4_0 and Q4_1 (torch's int4 kernel or
-    # qkv's), Q4_K and Q5_K (qkv's kernels; a load never builds them: 4 s in a fresh cache)
-    kept = {t.name for t in INT4_TYPES} | {"Q4_K", "Q5_K"}
+    # qkv's), and where qkv's kernels run, Q4_K, Q5_K, Q5_0 and Q5_1 (the blocks of a
+    # SmolLM2-sized Q4_K_M file, whose 576 columns are no whole K-quant super-blocks); a load
+    # never builds them (4 s in a fresh cache)
+    kept = {t.name for t in INT4_TYPES}
+    if in_generation():
+        kept |= set(FOUR_BIT)
     four_bit = sum(info.ggml_type.name in kept and len(info.shape) == 2 for info in header.tensors)
     return GGUFModel(config, state_dict, tokenizer, tokenizer_config, four_bit, digest)
 

@@ -74,8 +74,9 @@ def use_int4(model: nn.Module, family: Family, config, groups: dict, name: str) 
 
 
 # the blocks QuantLinear multiplies: every layer's 4-bit matrices, and 8-bit ones (LM heads)
-BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # what QuantLinear holds
-FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_K")  # a file of these is one to keep in 4 bits
+BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # QuantLinear's
+# a file of these is one to keep in its own blocks (4 or 5 bits a weight, with their scales)
+FOUR_BIT = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
 
 
 def use_blocks(model: nn.Module, family: Family, config, blocks: dict, name: str) -> None:

@@ -18,8 +18,11 @@ void qkv_parallel(qkv_task fn, void *arg, int nth);
 enum { QKV_SCALAR = 0, QKV_AVX2 = 1, QKV_AVX_VNNI = 2, QKV_AVX512_VNNI = 3, QKV_VARIANTS = 4 };
 
 /* One quantized matrix as qkv/nn/quant.c's repacking left it (QuantLinear's buffers): fmt 0
- * Q4_0, 1 Q4_1, 2 Q8_0; N rows of K columns; bias (N) or NULL; parts: its inputs rounded to
- * 8 bits once (1) or twice, the second time what the first left (2). */
+ * Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1; or, for generate/step.c, QKV_FMT_K + quant_k.c's
+ * format (Q4_K, Q5_K, Q6_K: panels only, scales and mins NULL); N rows of K columns; bias (N)
+ * or NULL; parts: its inputs rounded to 8 bits once (1) or twice, the second time what the
+ * first left (2). */
+enum { QKV_FMT_K = 16 };
 typedef struct {
     int fmt, parts;
     int64_t N, K;
@@ -46,6 +49,14 @@ void qkv_quant_activations_parts(const float *x, int64_t M, int64_t K, int parts
 void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
                     const qkv_q8 *x, int64_t M, int nth);
 int qkv_quant_variants(void);
+
+/* nn/quant_k.c: K-quant products, the input rounded to Q8_K inside (work:
+ * qkv_quantk_work_bytes(M, K) bytes) */
+void qkv_quantk_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
+                            int16_t *bsums);
+int qkv_quantk_matmul(int variant, int fmt, const uint8_t *panels, const float *bias, int64_t N,
+                      int64_t K, const float *x, int64_t M, float *y, void *work, int nth);
+int64_t qkv_quantk_work_bytes(int64_t M, int64_t K);
 
 /* attention/decode.c: one query per head over a float16 or 8-bit cache */
 int qkv_decode_attention(int variant, int fmt, const float *q, const void *keys,

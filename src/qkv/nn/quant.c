@@ -1,7 +1,9 @@
 /* Products of a GGUF file's quantized matrices with 8-bit activations, as llama.cpp computes
  * them: each block of 32 inputs rounded to bytes with one scale (Q8_0 / Q8_1), the bytes
- * multiplied by the weights' own 4- or 8-bit integers and summed exactly in 32 bits, then
- * scaled: y = sum over blocks of (d_w * d_x) * isum (+ m_w * s_x for Q4_1).
+ * multiplied by the weights' own 4-, 5- or 8-bit integers and summed exactly in 32 bits, then
+ * scaled: y = sum over blocks of (d_w * d_x) * isum (+ m_w * s_x for Q4_1 and Q5_1). Q4_0's
+ * and Q5_0's integers are unsigned less 8 or 16: isum = sum(q x) - 8 (16) sum(x), the same
+ * integer as llama.cpp's sum((q - 8) x).
  *
  * Weights are repacked once into panels of 16 rows: for each block of 32 columns, 16 rows'
  * integers lie so that one 64-byte load holds 4 consecutive columns of each of the 16 rows,
@@ -19,13 +21,20 @@
 #include <immintrin.h>
 #endif
 
-enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 };
+enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4 };
 #define QK 32   /* columns per block */
 #define ROWS 16 /* rows per panel */
 #define MTILE 32 /* activation rows per pass over a thread's panels (prefill) */
 
-/* bytes of one panel's block of integers */
-static int64_t panel_block_bytes(int fmt) { return fmt == Q8_0 ? ROWS * QK : ROWS * QK / 2; }
+/* Q4_0 and Q4_1 panels hold two integers a byte; Q8_0's hold one signed byte a weight, and
+ * Q5_0's and Q5_1's one unsigned byte (0..31: the nibble and the fifth bit joined once, at
+ * the repacking), 1.45x the file's bytes for a product without bit shuffling */
+static int64_t panel_block_bytes(int fmt) { return fmt >= Q8_0 ? ROWS * QK : ROWS * QK / 2; }
+
+/* what each unsigned integer stands for less: Q4_0's 8, Q5_0's 16 */
+static int32_t offset_of(int fmt) { return fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0; }
+
+static int has_min(int fmt) { return fmt == Q4_1 || fmt == Q5_1; }
 
 static float half_to_float(uint16_t h) {
     _Float16 f;
@@ -38,12 +47,14 @@ static float rounded_to_half(float x) { return (float)(_Float16)x; }
 /* ---- repacking ----------------------------------------------------------------------- */
 
 /* raw: N rows of K/32 blocks as the file holds them (Q4_0: d f16, 16 bytes; Q4_1: d, m f16,
- * 16 bytes; Q8_0: d f16, 32 int8). panels: ceil(N/16) * (K/32) * panel_block_bytes;
- * scales, mins: ceil(N/16) * (K/32) * 16 floats (rows past N: zeros). */
+ * 16 bytes; Q8_0: d f16, 32 int8; Q5_0: d f16, 4 bytes of fifth bits (bit j: column j's),
+ * 16 bytes of nibbles as Q4_0's; Q5_1: d, m f16, then as Q5_0). panels: ceil(N/16) * (K/32)
+ * * panel_block_bytes; scales, mins: ceil(N/16) * (K/32) * 16 floats (rows past N: zeros). */
 void qkv_quant_repack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t *panels,
                       float *scales, float *mins) {
     const int64_t nb = K / QK, np = (N + ROWS - 1) / ROWS;
-    const int64_t raw_block = fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34;
+    static const int64_t raw_bytes[] = {18, 20, 34, 22, 24}; /* by format */
+    const int64_t raw_block = raw_bytes[fmt];
     const int64_t pbb = panel_block_bytes(fmt);
     memset(panels, 0, (size_t)(np * nb * pbb));
     memset(scales, 0, (size_t)(np * nb * ROWS) * sizeof(float));
@@ -54,15 +65,24 @@ void qkv_quant_repack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t
             const uint8_t *blk = raw + (n * nb + b) * raw_block;
             uint16_t d, m = 0;
             memcpy(&d, blk, 2);
-            if (fmt == Q4_1) memcpy(&m, blk + 2, 2);
-            const uint8_t *qs = blk + (fmt == Q4_1 ? 4 : 2);
+            if (has_min(fmt)) memcpy(&m, blk + 2, 2);
+            const uint8_t *qs = blk + (has_min(fmt) ? 4 : 2);
             const int64_t at = (p * nb + b) * ROWS + r;
             scales[at] = half_to_float(d);
-            mins[at] = fmt == Q4_1 ? half_to_float(m) : 0.0f;
+            mins[at] = has_min(fmt) ? half_to_float(m) : 0.0f;
             uint8_t *out = panels + (p * nb + b) * pbb;
             /* step s holds columns 4s..4s+3 of every row: 64 bytes, row r's at 4r */
             if (fmt == Q8_0) {
                 for (int s = 0; s < 8; s++) memcpy(out + s * 64 + r * 4, qs + 4 * s, 4);
+            } else if (fmt >= Q5_0) { /* the 4 bytes of fifth bits, then Q4_0's nibbles */
+                uint8_t q[QK];
+                const uint32_t high = (uint32_t)qs[0] | (uint32_t)qs[1] << 8 |
+                                      (uint32_t)qs[2] << 16 | (uint32_t)qs[3] << 24;
+                for (int j = 0; j < QK; j++) {
+                    const uint8_t nibble = j < 16 ? qs[4 + j] & 15 : qs[4 + j - 16] >> 4;
+                    q[j] = (uint8_t)(nibble | (high >> j & 1) << 4);
+                }
+                for (int s = 0; s < 8; s++) memcpy(out + s * 64 + r * 4, q + 4 * s, 4);
             } else { /* a byte's low nibble is column 4s+j, its high one column 16+4s+j */
                 for (int s = 0; s < 4; s++) memcpy(out + s * 64 + r * 4, qs + 4 * s, 4);
             }
@@ -259,14 +279,15 @@ typedef struct {
 } product;
 
 /* One block's 16 integer sums -> the running float sums of 16 rows, the same operations in
- * every variant: acc += (d_w * d_x) * isum; Q4_0: isum - 8 * sum(x) first; Q4_1: + m_w * s_x. */
+ * every variant: acc += (d_w * d_x) * isum; Q4_0, Q5_0: isum - 8 (16) * sum(x) first; Q4_1,
+ * Q5_1: + m_w * s_x. */
 #define BLOCK_SCALAR(acc, isum, pr, at, i)                                                       \
     do {                                                                                         \
         for (int r = 0; r < ROWS; r++) {                                                         \
             int32_t v = isum[r];                                                                 \
-            if (pr->fmt == Q4_0) v -= 8 * pr->xsum[i];                                           \
+            v -= offset_of(pr->fmt) * pr->xsum[i];                                               \
             acc[r] = acc[r] + (pr->scales[at + r] * pr->xd[i]) * (float)v;                       \
-            if (pr->fmt == Q4_1) acc[r] = acc[r] + pr->mins[at + r] * pr->xs[i];                 \
+            if (has_min(pr->fmt)) acc[r] = acc[r] + pr->mins[at + r] * pr->xs[i];                \
         }                                                                                        \
     } while (0)
 
@@ -288,6 +309,9 @@ static void panel_scalar(const product *pr, int64_t p, int64_t m) {
             if (pr->fmt == Q8_0) {
                 for (int s = 0; s < 8; s++)
                     for (int j = 0; j < 4; j++) t += (int8_t)w[s * 64 + r * 4 + j] * x[4 * s + j];
+            } else if (pr->fmt >= Q5_0) {
+                for (int s = 0; s < 8; s++)
+                    for (int j = 0; j < 4; j++) t += w[s * 64 + r * 4 + j] * x[4 * s + j];
             } else {
                 for (int s = 0; s < 4; s++)
                     for (int j = 0; j < 4; j++) {
@@ -311,7 +335,8 @@ static inline int32_t four(const int8_t *x) {
 }
 
 /* AVX2: a panel as two halves of 8 rows; byte products summed in pairs (vpmaddubsw: 15 * 128
- * * 2 fits 16 bits; Q8_0's signed weights go as |w| and x with w's sign, which fits too).
+ * * 2 fits 16 bits, Q5's 31 * 128 * 2 too; Q8_0's signed weights go as |w| and x with w's
+ * sign, which fits too).
  * R activation rows (1..4) at once: each panel block's integers are unpacked once for
  * all of them (a prompt's rows, or an input in two parts). Row by row, the same operations in
  * the same order as the other variants' (BLOCK_SCALAR's), so the same numbers bit for bit. */
@@ -356,6 +381,25 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
                     }
                 }
             }
+        } else if (pr->fmt >= Q5_0) { /* unsigned bytes: vpmaddubsw takes them as they are */
+            _Pragma("GCC unroll 8")
+            for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+            _Pragma("GCC unroll 8")
+            for (int s = 0; s < 8; s++) {
+                __m256i v[2];
+                _Pragma("GCC unroll 8")
+                for (int h = 0; h < 2; h++)
+                    v[h] = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                _Pragma("GCC unroll 8")
+                for (int r = 0; r < R; r++) {
+                    const __m256i xs = _mm256_set1_epi32(four(x[r] + 4 * s));
+                    _Pragma("GCC unroll 8")
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i pairs = _mm256_maddubs_epi16(v[h], xs);
+                        isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(pairs, ones));
+                    }
+                }
+            }
         } else {
             /* 16-bit sums over the block's 4 steps: each lane adds 16 products of a nibble
              * (<= 15) and a byte (|x| <= 127), at most 30480 in size: exact, then widened */
@@ -390,14 +434,18 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
         _Pragma("GCC unroll 8")
         for (int h = 0; h < 2; h++) {
             const __m256 scales = _mm256_loadu_ps(pr->scales + at + 8 * h);
-            const __m256 mins = _mm256_loadu_ps(pr->mins + at + 8 * h);
+            /* the minimums are read only where the format has them: Q8_0's LM head would
+             * read 4 bytes of zeros for each 34 of its own */
+            const __m256 mins = has_min(pr->fmt) ? _mm256_loadu_ps(pr->mins + at + 8 * h)
+                                                 : _mm256_setzero_ps();
             _Pragma("GCC unroll 8")
             for (int r = 0; r < R; r++) {
                 __m256i t = isum[r][h];
-                if (pr->fmt == Q4_0) t = _mm256_sub_epi32(t, _mm256_set1_epi32(8 * pr->xsum[i[r]]));
+                if (offset_of(pr->fmt))
+                    t = _mm256_sub_epi32(t, _mm256_set1_epi32(offset_of(pr->fmt) * pr->xsum[i[r]]));
                 const __m256 dd = _mm256_mul_ps(scales, _mm256_set1_ps(pr->xd[i[r]]));
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(t)));
-                if (pr->fmt == Q4_1)
+                if (has_min(pr->fmt))
                     acc[r][h] = _mm256_add_ps(acc[r][h],
                                               _mm256_mul_ps(mins, _mm256_set1_ps(pr->xs[i[r]])));
             }
@@ -454,6 +502,11 @@ __attribute__((target("avx2,fma,avxvnni"))) static void panel_avx_vnni(const pro
                     isum = _mm256_dpbusd_avx_epi32(isum, _mm256_abs_epi8(v),
                                                    _mm256_sign_epi8(xs, v));
                 }
+            } else if (pr->fmt >= Q5_0) {
+                for (int s = 0; s < 8; s++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                    isum = _mm256_dpbusd_avx_epi32(isum, v, _mm256_set1_epi32(four(x + 4 * s)));
+                }
             } else {
                 for (int s = 0; s < 4; s++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
@@ -465,11 +518,12 @@ __attribute__((target("avx2,fma,avxvnni"))) static void panel_avx_vnni(const pro
                 }
                 isum = _mm256_add_epi32(isum, other);
             }
-            if (pr->fmt == Q4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * pr->xsum[i]));
+            if (offset_of(pr->fmt))
+                isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset_of(pr->fmt) * pr->xsum[i]));
             const __m256 dd = _mm256_mul_ps(_mm256_loadu_ps(pr->scales + at + 8 * h),
                                             _mm256_set1_ps(pr->xd[i]));
             acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(isum)));
-            if (pr->fmt == Q4_1)
+            if (has_min(pr->fmt))
                 acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(_mm256_loadu_ps(pr->mins + at + 8 * h),
                                                              _mm256_set1_ps(pr->xs[i])));
         }
@@ -503,6 +557,13 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void pane
                 other = _mm512_dpbusd_epi32(other, _mm512_abs_epi8(u),
                                             _mm512_mask_sub_epi8(xu, _mm512_movepi8_mask(u), zero, xu));
             }
+        } else if (pr->fmt >= Q5_0) {
+            for (int s = 0; s < 8; s += 2) {
+                isum = _mm512_dpbusd_epi32(isum, _mm512_loadu_si512(w + s * 64),
+                                           _mm512_set1_epi32(four(x + 4 * s)));
+                other = _mm512_dpbusd_epi32(other, _mm512_loadu_si512(w + s * 64 + 64),
+                                            _mm512_set1_epi32(four(x + 4 * s + 4)));
+            }
         } else {
             for (int s = 0; s < 4; s++) {
                 const __m512i v = _mm512_loadu_si512(w + s * 64);
@@ -513,10 +574,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void pane
             }
         }
         isum = _mm512_add_epi32(isum, other);
-        if (pr->fmt == Q4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * pr->xsum[i]));
+        if (offset_of(pr->fmt))
+            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset_of(pr->fmt) * pr->xsum[i]));
         const __m512 dd = _mm512_mul_ps(_mm512_loadu_ps(pr->scales + at), _mm512_set1_ps(pr->xd[i]));
         acc = _mm512_add_ps(acc, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(isum)));
-        if (pr->fmt == Q4_1)
+        if (has_min(pr->fmt))
             acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(pr->mins + at),
                                                    _mm512_set1_ps(pr->xs[i])));
     }

@@ -1,14 +1,15 @@
-"""Linear layers that keep a GGUF file's own blocks (Q4_0, Q4_1, Q8_0) and multiply them as
-llama.cpp does, with qkv's native kernels (`qkv/nn/quant.c`).
+"""Linear layers that keep a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, and the
+K-quants Q4_K, Q5_K, Q6_K) and multiply them as llama.cpp does, with qkv's native kernels
+(`qkv/nn/quant.c`, `qkv/nn/quant_k.c`).
 
 Each block of 32 inputs is rounded to bytes with one scale (llama.cpp's Q8_0 and Q8_1
-activations); the bytes times the weights' own 4- or 8-bit integers are summed exactly in 32
-bits, and each block's sum is scaled: y = sum over blocks of (d_w * d_x) * isum (+ m_w * s_x
-for Q4_1, whose weights are d * q + m). The file's scales are used as they are (float16),
-where torch's int4 kernel rounds them to bfloat16 and turns every weight into a float before
-it multiplies. The weights are repacked once into panels of 16 rows, the operand of one VNNI
-instruction (see quant.c); the variant for the CPU's instruction set is chosen at run time
-(`qkv.native.chosen_variant`).
+activations; Q8_K's blocks of 256 for the K-quants); the bytes times the weights' own 4-, 5-
+or 8-bit integers are summed exactly in 32 bits, and each block's sum is scaled: y = sum over
+blocks of (d_w * d_x) * isum (+ m_w * s_x for Q4_1 and Q5_1, whose weights are d * q + m).
+The file's scales are used as they are (float16), where torch's int4 kernel rounds them to
+bfloat16 and turns every weight into a float before it multiplies. The weights are repacked
+once into panels of 16 rows, the operand of one VNNI instruction (see quant.c); the variant
+for the CPU's instruction set is chosen at run time (`qkv.native.chosen_variant`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from qkv import native
 from qkv.nn import quant_k
 
 # format -> (the C kernels' number for it, bytes of one block of 32 weights in the file)
-FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}
+FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34), "Q5_0": (3, 22), "Q5_1": (4, 24)}
+BYTE_PANELS = ("Q8_0", "Q5_0", "Q5_1")  # panels of a byte a weight (quant.c); the rest 4 bits
 K_FORMATS = quant_k.FORMATS  # Q4_K, Q5_K, Q6_K: llama.cpp's K-quants (qkv/nn/quant_k.c)
 BLOCK = 32
 ROWS = 16  # rows per panel
-LAYOUT = "panels-16-1"  # names quant.c's repacked layout: changed with it, a kept copy is stale
+# names quant.c's repacked layout: changed with it, a kept copy is stale ("-2": Q5_0 and Q5_1
+# held too, where a copy kept before holds their matrices in float32)
+LAYOUT = "panels-16-2"
 
 
 def _block_of(fmt: str) -> tuple[int, int]:
@@ -51,7 +55,12 @@ def _buffer_sizes(fmt: str, N: int, K: int) -> tuple[int, int]:
     if fmt in K_FORMATS:
         return quant_k.panel_bytes(fmt, N, K), 0
     blocks = (N + ROWS - 1) // ROWS * (K // BLOCK) * ROWS
-    return blocks * (32 if fmt == "Q8_0" else 16), blocks
+    return blocks * panel_block_bytes(fmt) // ROWS, blocks
+
+
+def panel_block_bytes(fmt: str) -> int:
+    """Bytes of one panel's block of integers (16 rows of 32 columns) in quant.c's layout."""
+    return ROWS * (32 if fmt in BYTE_PANELS else 16)
 
 
 @functools.cache
@@ -116,9 +125,10 @@ def variant() -> int:
 class QuantLinear(nn.Module):
     """y = x @ W.T (+ bias) with W (N, K) held as a GGUF file's blocks of one format.
 
-    fmt: "Q4_0", "Q4_1" or "Q8_0"; raw (N, K / 32 * block bytes) uint8: each row's blocks as
-    the file holds them; bias (N,) or None. Inputs of any float dtype are multiplied in
-    float32, and the output is in the input's dtype. CPU only; needs the native library (a
+    fmt: "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0" or a K-quant (`K_FORMATS`); raw (N, K /
+    columns * block bytes) uint8: each row's blocks as the file holds them; bias (N,) or
+    None. Inputs of any float dtype are multiplied in float32, and the output is in the
+    input's dtype. CPU only; needs the native library (a
     ValueError naming why where there is none).
 
     parts: 1, each input rounded to 8 bits per block as llama.cpp rounds it; or 2, the input
