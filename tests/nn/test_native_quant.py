@@ -242,13 +242,15 @@ def test_the_kernels_run_clean_under_sanitizers(tmp_path):
         lib.qkv_quant_work_bytes.argtypes = [i64, i64, i64, ctypes.c_int]
         rng = np.random.default_rng(0)
         mask = lib.qkv_quant_variants()
-        for code, size in ((0, 18), (1, 20), (2, 34)):
+        # (code, bytes of a file's block, bytes of a panel block): Q4_0, Q4_1, Q8_0, Q5_0, Q5_1
+        for code, size, each in ((0, 18, 256), (1, 20, 256), (2, 34, 512), (3, 22, 320),
+                                 (4, 24, 320)):
             for N, K, M in ((17, 64, 1), (40, 96, 5)):
                 raw = rng.integers(0, 256, (N, K // 32 * size)).astype(np.uint8)
                 raw.reshape(N, -1, size)[:, :, 1] = 0x2c  # finite float16 scales
-                raw.reshape(N, -1, size)[:, :, 3 if code == 1 else 1] = 0x2c
+                raw.reshape(N, -1, size)[:, :, 3 if code in (1, 4) else 1] = 0x2c
                 P = (N + 15) // 16 * (K // 32)
-                panels = np.empty(P * (512 if code == 2 else 256), np.uint8)
+                panels = np.empty(P * each, np.uint8)
                 sc, mi = np.empty(P * 16, np.float32), np.empty(P * 16, np.float32)
                 lib.qkv_quant_repack(code, raw.ctypes.data, N, K, panels.ctypes.data,
                                      sc.ctypes.data, mi.ctypes.data)

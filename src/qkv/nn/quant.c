@@ -26,10 +26,17 @@ enum { Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, Q5_0 = 3, Q5_1 = 4 };
 #define ROWS 16 /* rows per panel */
 #define MTILE 32 /* activation rows per pass over a thread's panels (prefill) */
 
-/* Q4_0 and Q4_1 panels hold two integers a byte; Q8_0's hold one signed byte a weight, and
- * Q5_0's and Q5_1's one unsigned byte (0..31: the nibble and the fifth bit joined once, at
- * the repacking), 1.45x the file's bytes for a product without bit shuffling */
-static int64_t panel_block_bytes(int fmt) { return fmt >= Q8_0 ? ROWS * QK : ROWS * QK / 2; }
+/* Q4_0 and Q4_1 panels hold two integers a byte; Q8_0's one signed byte a weight; Q5_0's and
+ * Q5_1's the low four bits as Q4_0's, then a plane of the fifth bits (FIFTHS) */
+static int64_t panel_block_bytes(int fmt) {
+    return fmt == Q8_0 ? ROWS * QK : fmt >= Q5_0 ? ROWS * QK / 2 + ROWS * QK / 8 : ROWS * QK / 2;
+}
+
+/* A Q5 panel block's fifth bits: 64 bytes after its 256 of nibbles, byte 4r + j of row r
+ * holding, in bits 2s and 2s + 1, the fifth bits of the columns whose low bits are in the low
+ * and the high nibble of step s's byte 4r + j (columns 4s + j and 16 + 4s + j). One 64-byte
+ * load serves the block's 4 steps: step s's are shifted to bit 4 of each byte. */
+#define FIFTHS (ROWS * QK / 2)
 
 /* what each unsigned integer stands for less: Q4_0's 8, Q5_0's 16 */
 static int32_t offset_of(int fmt) { return fmt == Q4_0 ? 8 : fmt == Q5_0 ? 16 : 0; }
@@ -75,14 +82,15 @@ void qkv_quant_repack(int fmt, const uint8_t *raw, int64_t N, int64_t K, uint8_t
             if (fmt == Q8_0) {
                 for (int s = 0; s < 8; s++) memcpy(out + s * 64 + r * 4, qs + 4 * s, 4);
             } else if (fmt >= Q5_0) { /* the 4 bytes of fifth bits, then Q4_0's nibbles */
-                uint8_t q[QK];
                 const uint32_t high = (uint32_t)qs[0] | (uint32_t)qs[1] << 8 |
                                       (uint32_t)qs[2] << 16 | (uint32_t)qs[3] << 24;
-                for (int j = 0; j < QK; j++) {
-                    const uint8_t nibble = j < 16 ? qs[4 + j] & 15 : qs[4 + j - 16] >> 4;
-                    q[j] = (uint8_t)(nibble | (high >> j & 1) << 4);
+                for (int s = 0; s < 4; s++) {
+                    memcpy(out + s * 64 + r * 4, qs + 4 + 4 * s, 4);
+                    for (int j = 0; j < 4; j++)
+                        out[FIFTHS + r * 4 + j] |= (uint8_t)((high >> (4 * s + j) & 1) << (2 * s) |
+                                                             (high >> (16 + 4 * s + j) & 1)
+                                                                 << (2 * s + 1));
                 }
-                for (int s = 0; s < 8; s++) memcpy(out + s * 64 + r * 4, q + 4 * s, 4);
             } else { /* a byte's low nibble is column 4s+j, its high one column 16+4s+j */
                 for (int s = 0; s < 4; s++) memcpy(out + s * 64 + r * 4, qs + 4 * s, 4);
             }
@@ -309,14 +317,15 @@ static void panel_scalar(const product *pr, int64_t p, int64_t m) {
             if (pr->fmt == Q8_0) {
                 for (int s = 0; s < 8; s++)
                     for (int j = 0; j < 4; j++) t += (int8_t)w[s * 64 + r * 4 + j] * x[4 * s + j];
-            } else if (pr->fmt >= Q5_0) {
-                for (int s = 0; s < 8; s++)
-                    for (int j = 0; j < 4; j++) t += w[s * 64 + r * 4 + j] * x[4 * s + j];
             } else {
+                const int five = pr->fmt >= Q5_0;
                 for (int s = 0; s < 4; s++)
                     for (int j = 0; j < 4; j++) {
                         const uint8_t byte = w[s * 64 + r * 4 + j];
-                        t += (byte & 15) * x[4 * s + j] + (byte >> 4) * x[16 + 4 * s + j];
+                        const uint8_t bits = five ? w[FIFTHS + r * 4 + j] : 0;
+                        const int lo = (byte & 15) | (bits >> (2 * s) & 1) << 4;
+                        const int hi = (byte >> 4) | (bits >> (2 * s + 1) & 1) << 4;
+                        t += lo * x[4 * s + j] + hi * x[16 + 4 * s + j];
                     }
             }
             isum[r] = t;
@@ -334,6 +343,21 @@ static inline int32_t four(const int8_t *x) {
     return v;
 }
 
+/* bit b of each byte of a Q5 fifths plane, moved to bit 4 (then masked): shifts of 16-bit
+ * lanes by at most 4, so no byte's bit 4 comes from the byte beside it */
+__attribute__((target("avx2"), always_inline)) static inline __m256i fifth_at(__m256i v, int b) {
+    switch (b) {
+    case 0: return _mm256_slli_epi16(v, 4);
+    case 1: return _mm256_slli_epi16(v, 3);
+    case 2: return _mm256_slli_epi16(v, 2);
+    case 3: return _mm256_slli_epi16(v, 1);
+    case 4: return v;
+    case 5: return _mm256_srli_epi16(v, 1);
+    case 6: return _mm256_srli_epi16(v, 2);
+    default: return _mm256_srli_epi16(v, 3);
+    }
+}
+
 /* AVX2: a panel as two halves of 8 rows; byte products summed in pairs (vpmaddubsw: 15 * 128
  * * 2 fits 16 bits, Q5's 31 * 128 * 2 too; Q8_0's signed weights go as |w| and x with w's
  * sign, which fits too).
@@ -341,9 +365,10 @@ static inline int32_t four(const int8_t *x) {
  * all of them (a prompt's rows, or an input in two parts). Row by row, the same operations in
  * the same order as the other variants' (BLOCK_SCALAR's), so the same numbers bit for bit. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
-    const product *pr, int64_t p, int64_t m0, const int R) {
-    const int64_t nb = pr->K / QK, pbb = panel_block_bytes(pr->fmt);
+    const product *pr, int64_t p, int64_t m0, const int R, const int F) {
+    const int64_t nb = pr->K / QK, pbb = panel_block_bytes(F);
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i bit4 = _mm256_set1_epi8(16);
     __m256 acc[4][2];
     _Pragma("GCC unroll 8")
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
@@ -359,7 +384,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
         }
         /* both halves of each step at once, so that each input broadcast serves 16 rows */
         __m256i isum[4][2];
-        if (pr->fmt == Q8_0) {
+        if (F == Q8_0) {
             _Pragma("GCC unroll 8")
             for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8")
@@ -381,21 +406,36 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
                     }
                 }
             }
-        } else if (pr->fmt >= Q5_0) { /* unsigned bytes: vpmaddubsw takes them as they are */
+        } else if (F >= Q5_0) {
+            /* the nibbles with their fifth bits (FIFTHS) shifted to bit 4: a step's two
+             * products of 5-bit integers (<= 31) and bytes sum to at most 15,748, so each
+             * step's sums are widened to 32 bits before the next (the 4-bit ones wait) */
+            __m256i fifths[2];
+            _Pragma("GCC unroll 8")
+            for (int h = 0; h < 2; h++)
+                fifths[h] = _mm256_loadu_si256((const __m256i *)(w + FIFTHS + h * 32));
             _Pragma("GCC unroll 8")
             for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8")
-            for (int s = 0; s < 8; s++) {
-                __m256i v[2];
+            for (int s = 0; s < 4; s++) {
+                __m256i lo[2], hi[2];
                 _Pragma("GCC unroll 8")
-                for (int h = 0; h < 2; h++)
-                    v[h] = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                for (int h = 0; h < 2; h++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
+                    lo[h] = _mm256_or_si256(_mm256_and_si256(v, low),
+                                            _mm256_and_si256(fifth_at(fifths[h], 2 * s), bit4));
+                    hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                            _mm256_and_si256(fifth_at(fifths[h], 2 * s + 1),
+                                                             bit4));
+                }
                 _Pragma("GCC unroll 8")
                 for (int r = 0; r < R; r++) {
-                    const __m256i xs = _mm256_set1_epi32(four(x[r] + 4 * s));
+                    const __m256i xl = _mm256_set1_epi32(four(x[r] + 4 * s));
+                    const __m256i xh = _mm256_set1_epi32(four(x[r] + 16 + 4 * s));
                     _Pragma("GCC unroll 8")
                     for (int h = 0; h < 2; h++) {
-                        const __m256i pairs = _mm256_maddubs_epi16(v[h], xs);
+                        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
+                                                               _mm256_maddubs_epi16(hi[h], xh));
                         isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(pairs, ones));
                     }
                 }
@@ -436,16 +476,16 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
             const __m256 scales = _mm256_loadu_ps(pr->scales + at + 8 * h);
             /* the minimums are read only where the format has them: Q8_0's LM head would
              * read 4 bytes of zeros for each 34 of its own */
-            const __m256 mins = has_min(pr->fmt) ? _mm256_loadu_ps(pr->mins + at + 8 * h)
+            const __m256 mins = has_min(F) ? _mm256_loadu_ps(pr->mins + at + 8 * h)
                                                  : _mm256_setzero_ps();
             _Pragma("GCC unroll 8")
             for (int r = 0; r < R; r++) {
                 __m256i t = isum[r][h];
-                if (offset_of(pr->fmt))
-                    t = _mm256_sub_epi32(t, _mm256_set1_epi32(offset_of(pr->fmt) * pr->xsum[i[r]]));
+                if (offset_of(F))
+                    t = _mm256_sub_epi32(t, _mm256_set1_epi32(offset_of(F) * pr->xsum[i[r]]));
                 const __m256 dd = _mm256_mul_ps(scales, _mm256_set1_ps(pr->xd[i[r]]));
                 acc[r][h] = _mm256_add_ps(acc[r][h], _mm256_mul_ps(dd, _mm256_cvtepi32_ps(t)));
-                if (has_min(pr->fmt))
+                if (has_min(F))
                     acc[r][h] = _mm256_add_ps(acc[r][h],
                                               _mm256_mul_ps(mins, _mm256_set1_ps(pr->xs[i[r]])));
             }
@@ -471,15 +511,28 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
     }
 }
 
-/* rows m0..m0+count-1 of panel p: four at a time, then what is left */
+/* rows m0..m0+count-1 of panel p: four at a time, then what is left; each format's code
+ * apart (F a constant: no format test left in the block loop, 5-10% of a Q4_1 product's
+ * time where the five formats' code shared one loop) */
+#define ROWS_AVX2(F)                                                                             \
+    do {                                                                                         \
+        for (; m + 4 <= m0 + count; m += 4) rows_avx2(pr, p, m, 4, F);                           \
+        switch (m0 + count - m) {                                                                \
+        case 3: rows_avx2(pr, p, m, 3, F); break;                                                \
+        case 2: rows_avx2(pr, p, m, 2, F); break;                                                \
+        case 1: rows_avx2(pr, p, m, 1, F); break;                                                \
+        }                                                                                        \
+    } while (0)
+
 __attribute__((target("avx2,fma"))) static void panels_avx2(const product *pr, int64_t p,
                                                              int64_t m0, int64_t count) {
     int64_t m = m0;
-    for (; m + 4 <= m0 + count; m += 4) rows_avx2(pr, p, m, 4);
-    switch (m0 + count - m) {
-    case 3: rows_avx2(pr, p, m, 3); break;
-    case 2: rows_avx2(pr, p, m, 2); break;
-    case 1: rows_avx2(pr, p, m, 1); break;
+    switch (pr->fmt) {
+    case Q4_0: ROWS_AVX2(Q4_0); break;
+    case Q4_1: ROWS_AVX2(Q4_1); break;
+    case Q8_0: ROWS_AVX2(Q8_0); break;
+    case Q5_0: ROWS_AVX2(Q5_0); break;
+    default: ROWS_AVX2(Q5_1); break;
     }
 }
 
@@ -503,10 +556,20 @@ __attribute__((target("avx2,fma,avxvnni"))) static void panel_avx_vnni(const pro
                                                    _mm256_sign_epi8(xs, v));
                 }
             } else if (pr->fmt >= Q5_0) {
-                for (int s = 0; s < 8; s++) {
+                const __m256i bit4 = _mm256_set1_epi8(16);
+                const __m256i fifths = _mm256_loadu_si256((const __m256i *)(w + FIFTHS + h * 32));
+                for (int s = 0; s < 4; s++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
-                    isum = _mm256_dpbusd_avx_epi32(isum, v, _mm256_set1_epi32(four(x + 4 * s)));
+                    const __m256i lo = _mm256_or_si256(
+                        _mm256_and_si256(v, low), _mm256_and_si256(fifth_at(fifths, 2 * s), bit4));
+                    const __m256i hi =
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
+                                        _mm256_and_si256(fifth_at(fifths, 2 * s + 1), bit4));
+                    isum = _mm256_dpbusd_avx_epi32(isum, lo, _mm256_set1_epi32(four(x + 4 * s)));
+                    other = _mm256_dpbusd_avx_epi32(other, hi,
+                                                    _mm256_set1_epi32(four(x + 16 + 4 * s)));
                 }
+                isum = _mm256_add_epi32(isum, other);
             } else {
                 for (int s = 0; s < 4; s++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
@@ -534,6 +597,12 @@ __attribute__((target("avx2,fma,avxvnni"))) static void panel_avx_vnni(const pro
     store(pr, p, m, out);
 }
 
+/* fifth_at in 512 bits */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m512i fifth_at512(
+    __m512i v, int b) {
+    return b <= 4 ? _mm512_slli_epi16(v, (unsigned)(4 - b)) : _mm512_srli_epi16(v, (unsigned)(b - 4));
+}
+
 /* AVX-512 VNNI: a whole panel, 16 rows in the 16 lanes of one register. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void panel_avx512_vnni(
     const product *pr, int64_t p, int64_t m) {
@@ -558,11 +627,16 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void pane
                                             _mm512_mask_sub_epi8(xu, _mm512_movepi8_mask(u), zero, xu));
             }
         } else if (pr->fmt >= Q5_0) {
-            for (int s = 0; s < 8; s += 2) {
-                isum = _mm512_dpbusd_epi32(isum, _mm512_loadu_si512(w + s * 64),
-                                           _mm512_set1_epi32(four(x + 4 * s)));
-                other = _mm512_dpbusd_epi32(other, _mm512_loadu_si512(w + s * 64 + 64),
-                                            _mm512_set1_epi32(four(x + 4 * s + 4)));
+            const __m512i bit4 = _mm512_set1_epi8(16), fifths = _mm512_loadu_si512(w + FIFTHS);
+            for (int s = 0; s < 4; s++) {
+                const __m512i v = _mm512_loadu_si512(w + s * 64);
+                const __m512i lo = _mm512_or_si512(
+                    _mm512_and_si512(v, low), _mm512_and_si512(fifth_at512(fifths, 2 * s), bit4));
+                const __m512i hi =
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                    _mm512_and_si512(fifth_at512(fifths, 2 * s + 1), bit4));
+                isum = _mm512_dpbusd_epi32(isum, lo, _mm512_set1_epi32(four(x + 4 * s)));
+                other = _mm512_dpbusd_epi32(other, hi, _mm512_set1_epi32(four(x + 16 + 4 * s)));
             }
         } else {
             for (int s = 0; s < 4; s++) {

@@ -27,13 +27,14 @@ from qkv.nn import quant_k
 
 # format -> (the C kernels' number for it, bytes of one block of 32 weights in the file)
 FORMATS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34), "Q5_0": (3, 22), "Q5_1": (4, 24)}
-BYTE_PANELS = ("Q8_0", "Q5_0", "Q5_1")  # panels of a byte a weight (quant.c); the rest 4 bits
+# bytes of a row's 32 integers in quant.c's panels: 4 bits each, 8 for Q8_0, 4 + 1 for Q5's
+PANEL_ROW_BYTES = {"Q4_0": 16, "Q4_1": 16, "Q8_0": 32, "Q5_0": 20, "Q5_1": 20}
 K_FORMATS = quant_k.FORMATS  # Q4_K, Q5_K, Q6_K: llama.cpp's K-quants (qkv/nn/quant_k.c)
 BLOCK = 32
 ROWS = 16  # rows per panel
-# names quant.c's repacked layout: changed with it, a kept copy is stale ("-2": Q5_0 and Q5_1
-# held too, where a copy kept before holds their matrices in float32)
-LAYOUT = "panels-16-2"
+# names quant.c's repacked layout: changed with it, a kept copy is stale ("-3": Q5_0 and Q5_1
+# held too, in 5 bits, where a copy kept before holds them in float32 or in bytes)
+LAYOUT = "panels-16-3"
 
 
 def _block_of(fmt: str) -> tuple[int, int]:
@@ -60,7 +61,7 @@ def _buffer_sizes(fmt: str, N: int, K: int) -> tuple[int, int]:
 
 def panel_block_bytes(fmt: str) -> int:
     """Bytes of one panel's block of integers (16 rows of 32 columns) in quant.c's layout."""
-    return ROWS * (32 if fmt in BYTE_PANELS else 16)
+    return ROWS * PANEL_ROW_BYTES[fmt]
 
 
 @functools.cache
