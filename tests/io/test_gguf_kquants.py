@@ -13,6 +13,7 @@ from test_gguf_arches import TOKENS, convert
 
 import qkv
 from kquant_blocks import random_blocks
+from qkv.generate import precision
 from qkv.generate.native_step import native_step_refusal
 from qkv.nn.quant_linear import QuantLinear, kernels
 
@@ -67,3 +68,11 @@ def test_a_k_quant_file_keeps_its_blocks_and_follows_its_float32_load(tmp_path, 
     assert "4-bit" in why and {m.fmt for m in gen.modules() if type(m) is QuantLinear} == layers
     assert native_step_refusal(gen, 1, False) is None
     assert dense.generate("a b", 4, precision="auto") == packed.generate("a b", 4)
+    # without qkv's kernels (no compiler, QKV_NATIVE=0) no kernel holds K-quants: the model
+    # as loaded decodes, and says why (it had raised from torch's int4 path)
+    fresh = qkv.load(str(path))
+    monkeypatch.setattr(precision, "in_generation", lambda: False)
+    model, why = fresh.generation_model("auto")
+    assert model is fresh.model and "no Q4_0 or Q4_1 matrices" in why, why
+    with pytest.raises(ValueError, match="no Q4_0 or Q4_1 matrices"):
+        fresh.generation_model("int4")

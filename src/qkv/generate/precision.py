@@ -71,6 +71,12 @@ class FourBits:
         if not in_generation() and not int4_available():
             return (f"torch {torch.__version__} has no CPU int4 kernel, and qkv's own are "
                     f"not here: {native_why()}")  # fmt: skip
+        if not in_generation():
+            from qkv.io import gguf  # the gguf package: only a .gguf file's model needs it
+
+            if not gguf.int4_matrices(self.file):  # a file of K-quants or Q5 blocks, say
+                return (f"{self.file.name} has no Q4_0 or Q4_1 matrices for torch's int4 "
+                        f"kernel, and qkv's own kernels are not here: {native_why()}")  # fmt: skip
         if parameter.device.type != "cpu":
             return "the model is not on the CPU"
         if parameter.dtype != torch.float32:

@@ -50,7 +50,6 @@ from qkv.io.gguf_moe import experts_bounded
 from qkv.io.gguf_tokenizer import gguf_tokenizer
 from qkv.io.int4 import FOUR_BIT
 from qkv.io.quants import INT4_TYPES, SUPPORTED, dequantize, int4_groups
-from qkv.nn.quant_linear import in_generation
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -100,15 +99,19 @@ def read_gguf(
     if state_dict is None:
         state_dict = _state_dict(header, data, config, arch, progress)
         _save_cache(cache, state_dict, path)
-    # the 4-bit matrices generation keeps as they are: Q4_0 and Q4_1 (torch's int4 kernel or
-    # qkv's), and where qkv's kernels run, Q4_K, Q5_K, Q5_0 and Q5_1 (the blocks of a
-    # SmolLM2-sized Q4_K_M file, whose 576 columns are no whole K-quant super-blocks); a load
-    # never builds them (4 s in a fresh cache)
-    kept = {t.name for t in INT4_TYPES}
-    if in_generation():
-        kept |= set(FOUR_BIT)
-    four_bit = sum(info.ggml_type.name in kept and len(info.shape) == 2 for info in header.tensors)
+    # the matrices generation keeps as the file's blocks: Q4_0 and Q4_1 (torch's int4 kernel or
+    # qkv's), Q4_K, Q5_K, Q5_0 and Q5_1 (qkv's kernels: a SmolLM2-sized Q4_K_M file's, whose 576
+    # columns are no whole K-quant super-blocks, are mostly Q5_0); a load never builds them (4 s
+    # in a fresh cache), nor qkv's kernels (`FourBits.why_not` asks at generation)
+    four_bit = sum(info.ggml_type.name in FOUR_BIT and len(info.shape) == 2
+                   for info in header.tensors)  # fmt: skip
     return GGUFModel(config, state_dict, tokenizer, tokenizer_config, four_bit, digest)
+
+
+def int4_matrices(path: str | os.PathLike) -> int:
+    """How many of the file's matrices torch's int4 kernel can keep (Q4_0, Q4_1)."""
+    _, header, _, _ = _open(Path(path))
+    return sum(info.ggml_type in INT4_TYPES and len(info.shape) == 2 for info in header.tensors)
 
 
 def read_int4(path: str | os.PathLike) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
