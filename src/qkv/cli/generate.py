@@ -32,7 +32,8 @@ def generate(
     precision: Annotated[
         str,
         typer.Option(
-            help="auto: a .gguf file's 4-bit matrices in 4 bits on the CPU; loaded: "
+            help="auto: a .gguf file's own 4- and 5-bit blocks, as the file holds them, on the "
+            "CPU; loaded: "
             "the weights as loaded (transformers' numbers); int4"
         ),
     ] = "auto",

@@ -61,7 +61,7 @@ class FourBits:
             return model, f"the model as loaded ({lacks})"
         if self.made is None:
             self.made = self.four_bit_copy(model, family, config, source), weights_state(model)
-        return self.made[0], f"{self.file.name}'s own 4-bit matrices, in 4 bits"
+        return self.made[0], f"{self.file.name}'s {kept_as(self.made[0])}"
 
     def why_not(self, model: nn.Module, source: str) -> str | None:
         """Why the 4-bit copy cannot decode for `model` now, or None."""
@@ -109,6 +109,16 @@ class FourBits:
         if cache is not None:
             int4_cache.store(twin, cache)
         return twin.eval()
+
+
+def kept_as(model: nn.Module) -> str:
+    """How a 4-bit copy holds the file's matrices: its own blocks (by format), or torch's
+    int4 kernel's 4 bits."""
+    held = {m.fmt for m in model.modules() if type(m) is QuantLinear}
+    if not held:
+        return "own 4-bit matrices, in 4 bits"
+    formats = [f for f in int4.BLOCK_TYPES if f in held]
+    return f"own blocks ({', '.join(formats)}), as the file holds them"
 
 
 def int4_loaded(model: nn.Module) -> bool:
