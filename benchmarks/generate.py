@@ -234,14 +234,16 @@ def agreement(tokens: list[int], reference: list[int], N: int) -> str:
     return f"all {N} of its tokens are" if same is None else f"the first {same} of its tokens are"
 
 
-def llama_cpp_decode(ids: list[int], N: int):
-    """(a call that decodes N greedy tokens after `ids` with llama.cpp on the embedded file,
-    (its tokens, its version)), or None where llama-cpp-python is not installed."""
+def llama_cpp_decode(ids: list[int], N: int, path: Path | None = None):
+    """(a call that decodes N greedy tokens after `ids` with llama.cpp on `path` (the embedded
+    file by default), (its tokens, its version)), or None where llama-cpp-python is not
+    installed."""
     try:
         import llama_cpp
     except ImportError:
         return None
-    llm = llama_cpp.Llama(model_path=str(embedded_path("smollm2")), n_ctx=512, n_batch=512,
+    path = path or embedded_path("smollm2")
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512,
                           n_threads=CORES, n_threads_batch=CORES, verbose=False)  # fmt: skip
 
     def decode() -> list[int]:

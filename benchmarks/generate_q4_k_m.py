@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 import qkv
+from generate import PROMPT, llama_cpp_decode
 from qkv import native
 from qkv.generate import Sampling, decode_steps
 from qkv.generate.native_step import native_step_refusal
@@ -29,8 +30,6 @@ from qkv.io.embedded import embedded_path
 from qkv.io.gguf import _map
 from qkv.io.gguf_header import read_header
 from timing import CORES, machine, time_peers
-
-PROMPT = "Once upon a time, in a small village by the sea, there lived"
 
 
 def q4_k_m(folder: Path) -> Path:
@@ -54,30 +53,17 @@ def mixture(path: Path) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
 
 
-def llama_decode(path: Path, ids: list[int], N: int):
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=512, n_threads=CORES,
-                          n_threads_batch=CORES, verbose=False)  # fmt: skip
-
-    def decode() -> list[int]:
-        llm.reset()  # it reads the prompt on every call, as qkv does
-        out = []
-        for token in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
-            out.append(int(token))
-            if len(out) == N:
-                break
-        return out
-
-    return decode, llama_cpp.__version__
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new", type=int, default=64, help="new tokens a call")
     args = parser.parse_args()
     N = args.new
+    try:
+        import llama_cpp  # noqa: F401  (its quantizer makes the file; it is the peer)
+    except ImportError:
+        print("llama-cpp-python is not installed (make bench installs it): nothing to measure")
+        return
     print(machine())
     print(native.describe())
     with tempfile.TemporaryDirectory() as folder:
@@ -90,8 +76,7 @@ def main() -> None:
         ids, _ = ours.tokenizer.encode_batch([PROMPT], padding_side="left")
         T = ids.shape[1]
         mine = [int(t) for t in decode_steps(model, ids, None, Sampling(), N)]
-        llama, version = llama_decode(path, ids[0].tolist(), N)
-        theirs = llama()
+        llama, (theirs, version) = llama_cpp_decode(ids[0].tolist(), N, path)
         same = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), N)
         print(f"llama.cpp (llama-cpp-python {version}): the same greedy tokens as qkv's for the "
               f"first {same} of {N}")  # fmt: skip
@@ -109,7 +94,7 @@ def main() -> None:
         ratio = seconds["llama.cpp"] / seconds["qkv"]
         print(f"qkv/llama.cpp: {ratio:.2f}x; target >= 1.3x -> "
               f"{'PASS' if ratio >= 1.3 else 'MISS'}")  # fmt: skip
-        one_llama, _ = llama_decode(path, ids[0].tolist(), 1)
+        one_llama, _ = llama_cpp_decode(ids[0].tolist(), 1, path)
         first = time_peers({"qkv": qkv_decode(1), "llama.cpp": one_llama}, args.repeats)
         each = {k: (seconds[k] - first[k]) / (N - 1) for k in seconds}
         print(f"each token after the prompt: qkv {1e3 * each['qkv']:.2f} ms, llama.cpp "
