@@ -67,8 +67,9 @@ def blocks_of(w: np.ndarray, fmt: str) -> np.ndarray:
     return np.concatenate([scales.reshape(N, K // 32, 4), packed], -1).reshape(N, -1)
 
 
-def quantized_model(cfg: DecoderConfig, fmt: str = "Q4_1", seed: int = 0) -> Decoder:
-    """A random decoder whose every block matrix is a QuantLinear of fmt blocks."""
+def random_model(cfg: DecoderConfig, seed: int, swap) -> Decoder:
+    """A random decoder whose every block matrix is what swap(name, linear, in_attention)
+    makes of it (a QuantLinear)."""
     torch.manual_seed(seed)
     model = Decoder(cfg).eval()
     with torch.no_grad():
@@ -78,9 +79,18 @@ def quantized_model(cfg: DecoderConfig, fmt: str = "Q4_1", seed: int = 0) -> Dec
         for module in (block.attn, block.mlp):
             for name, linear in list(module.named_children()):
                 if type(linear) is torch.nn.Linear:
-                    raw = torch.from_numpy(blocks_of(linear.weight.detach().numpy(), fmt))
-                    setattr(module, name, QuantLinear(fmt, raw, linear.in_features, linear.bias))
+                    setattr(module, name, swap(name, linear, module is block.attn))
     return model
+
+
+def quantized_model(cfg: DecoderConfig, fmt: str = "Q4_1", seed: int = 0) -> Decoder:
+    """A random decoder whose every block matrix is a QuantLinear of fmt blocks."""
+
+    def swap(name, linear, in_attention):
+        raw = torch.from_numpy(blocks_of(linear.weight.detach().numpy(), fmt))
+        return QuantLinear(fmt, raw, linear.in_features, linear.bias)
+
+    return random_model(cfg, seed, swap)
 
 
 def teacher_forced(step, model: Decoder, tokens: list[int]) -> torch.Tensor:
@@ -150,32 +160,24 @@ def mixed_model(formats: dict[str, str], seed: int = 0) -> Decoder:
     """A random two-block decoder 256 wide (whole K-quant super-blocks) of `formats`' blocks:
     the 32-column formats quantized from its weights by gguf-py, the K-quants random blocks
     of small scales (gguf-py quantizes none of them)."""
-    torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
+
+    def swap(name, linear, in_attention):
+        fmt, (N, K) = formats[name], linear.weight.shape
+        if fmt in kquant_blocks.BLOCK_BYTES:
+            raw = kquant_blocks.random_blocks(fmt, N, K, rng).reshape(N, K // 256, -1)
+            at, size = (208, 2) if fmt == "Q6_K" else (0, 4)  # the float16 d (, dmin)
+            small = rng.uniform(1e-4, 5e-4, (N, K // 256, 2)).astype(np.float16)
+            raw[:, :, at : at + size] = small.view(np.uint8)[..., :size]
+            raw = raw.reshape(N, -1)
+        else:
+            raw = gguf.quants.quantize(linear.weight.detach().numpy(),
+                                       gguf.GGMLQuantizationType[fmt])  # fmt: skip
+        return QuantLinear(fmt, torch.from_numpy(raw), K, linear.bias,
+                           parts=2 if in_attention else 1)  # fmt: skip
+
     cfg = config(width=256, num_heads=4, num_kv_heads=2, mlp_hidden=512)
-    model = Decoder(dataclasses.replace(cfg, num_layers=2)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.2)
-    for block in model.blocks:
-        for module in (block.attn, block.mlp):
-            for name, linear in list(module.named_children()):
-                if type(linear) is not torch.nn.Linear:
-                    continue
-                fmt, (N, K) = formats[name], linear.weight.shape
-                if fmt in kquant_blocks.BLOCK_BYTES:
-                    raw = kquant_blocks.random_blocks(fmt, N, K, rng).reshape(N, K // 256, -1)
-                    at, size = (208, 2) if fmt == "Q6_K" else (0, 4)  # the float16 d (, dmin)
-                    small = rng.uniform(1e-4, 5e-4, (N, K // 256, 2)).astype(np.float16)
-                    raw[:, :, at : at + size] = small.view(np.uint8)[..., :size]
-                    raw = raw.reshape(N, -1)
-                else:
-                    raw = gguf.quants.quantize(linear.weight.detach().numpy(),
-                                               gguf.GGMLQuantizationType[fmt])  # fmt: skip
-                layer = QuantLinear(fmt, torch.from_numpy(raw), K, linear.bias,
-                                    parts=2 if module is block.attn else 1)  # fmt: skip
-                setattr(module, name, layer)
-    return model
+    return random_model(dataclasses.replace(cfg, num_layers=2), seed, swap)
 
 
 @pytest.mark.parametrize("mixture", MIXTURES)

@@ -406,27 +406,34 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
                     }
                 }
             }
-        } else if (F >= Q5_0) {
-            /* the nibbles with their fifth bits (FIFTHS) shifted to bit 4: a step's two
-             * products of 5-bit integers (<= 31) and bytes sum to at most 15,748, so each
-             * step's sums are widened to 32 bits before the next (the 4-bit ones wait) */
-            __m256i fifths[2];
+        } else {
+            /* nibbles (Q5: with their fifth bits, FIFTHS, shifted to bit 4). Q4's 16-bit sums
+             * wait over the block's 4 steps: each lane adds 16 products of a nibble (<= 15)
+             * and a byte (|x| <= 127), at most 30480, exact, then widened. Q5's two products
+             * of a step (5-bit integers, <= 31) reach 15,748, so each step's are widened. */
+            const int five = F >= Q5_0;
+            __m256i fifths[2], sums16[4][2];
             _Pragma("GCC unroll 8")
             for (int h = 0; h < 2; h++)
-                fifths[h] = _mm256_loadu_si256((const __m256i *)(w + FIFTHS + h * 32));
+                fifths[h] = five ? _mm256_loadu_si256((const __m256i *)(w + FIFTHS + h * 32))
+                                 : _mm256_setzero_si256();
             _Pragma("GCC unroll 8")
-            for (int r = 0; r < R; r++) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+            for (int r = 0; r < R; r++)
+                sums16[r][0] = sums16[r][1] = isum[r][0] = isum[r][1] = _mm256_setzero_si256();
             _Pragma("GCC unroll 8")
             for (int s = 0; s < 4; s++) {
                 __m256i lo[2], hi[2];
                 _Pragma("GCC unroll 8")
                 for (int h = 0; h < 2; h++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
-                    lo[h] = _mm256_or_si256(_mm256_and_si256(v, low),
-                                            _mm256_and_si256(fifth_at(fifths[h], 2 * s), bit4));
-                    hi[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                            _mm256_and_si256(fifth_at(fifths[h], 2 * s + 1),
-                                                             bit4));
+                    lo[h] = _mm256_and_si256(v, low);
+                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (five) {
+                        lo[h] = _mm256_or_si256(
+                            lo[h], _mm256_and_si256(fifth_at(fifths[h], 2 * s), bit4));
+                        hi[h] = _mm256_or_si256(
+                            hi[h], _mm256_and_si256(fifth_at(fifths[h], 2 * s + 1), bit4));
+                    }
                 }
                 _Pragma("GCC unroll 8")
                 for (int r = 0; r < R; r++) {
@@ -436,40 +443,20 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
                     for (int h = 0; h < 2; h++) {
                         const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
                                                                _mm256_maddubs_epi16(hi[h], xh));
-                        isum[r][h] = _mm256_add_epi32(isum[r][h], _mm256_madd_epi16(pairs, ones));
+                        if (five)
+                            isum[r][h] = _mm256_add_epi32(isum[r][h],
+                                                          _mm256_madd_epi16(pairs, ones));
+                        else
+                            sums16[r][h] = _mm256_add_epi16(sums16[r][h], pairs);
                     }
                 }
             }
-        } else {
-            /* 16-bit sums over the block's 4 steps: each lane adds 16 products of a nibble
-             * (<= 15) and a byte (|x| <= 127), at most 30480 in size: exact, then widened */
-            __m256i sums16[4][2];
-            _Pragma("GCC unroll 8")
-            for (int r = 0; r < R; r++) sums16[r][0] = sums16[r][1] = _mm256_setzero_si256();
-            _Pragma("GCC unroll 8")
-            for (int s = 0; s < 4; s++) {
-                __m256i lo[2], hi[2];
+            if (!five) {
                 _Pragma("GCC unroll 8")
-                for (int h = 0; h < 2; h++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
-                    lo[h] = _mm256_and_si256(v, low);
-                    hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                }
-                _Pragma("GCC unroll 8")
-                for (int r = 0; r < R; r++) {
-                    const __m256i xl = _mm256_set1_epi32(four(x[r] + 4 * s));
-                    const __m256i xh = _mm256_set1_epi32(four(x[r] + 16 + 4 * s));
+                for (int r = 0; r < R; r++)
                     _Pragma("GCC unroll 8")
-                    for (int h = 0; h < 2; h++)
-                        sums16[r][h] = _mm256_add_epi16(
-                            sums16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], xl),
-                                                           _mm256_maddubs_epi16(hi[h], xh)));
-                }
+                    for (int h = 0; h < 2; h++) isum[r][h] = _mm256_madd_epi16(sums16[r][h], ones);
             }
-            _Pragma("GCC unroll 8")
-            for (int r = 0; r < R; r++)
-                _Pragma("GCC unroll 8")
-                for (int h = 0; h < 2; h++) isum[r][h] = _mm256_madd_epi16(sums16[r][h], ones);
         }
         _Pragma("GCC unroll 8")
         for (int h = 0; h < 2; h++) {
@@ -555,26 +542,21 @@ __attribute__((target("avx2,fma,avxvnni"))) static void panel_avx_vnni(const pro
                     isum = _mm256_dpbusd_avx_epi32(isum, _mm256_abs_epi8(v),
                                                    _mm256_sign_epi8(xs, v));
                 }
-            } else if (pr->fmt >= Q5_0) {
+            } else { /* nibbles, and Q5's fifth bits (FIFTHS) shifted to bit 4 */
+                const int five = pr->fmt >= Q5_0;
                 const __m256i bit4 = _mm256_set1_epi8(16);
-                const __m256i fifths = _mm256_loadu_si256((const __m256i *)(w + FIFTHS + h * 32));
+                const __m256i fifths =
+                    five ? _mm256_loadu_si256((const __m256i *)(w + FIFTHS + h * 32))
+                         : _mm256_setzero_si256();
                 for (int s = 0; s < 4; s++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
-                    const __m256i lo = _mm256_or_si256(
-                        _mm256_and_si256(v, low), _mm256_and_si256(fifth_at(fifths, 2 * s), bit4));
-                    const __m256i hi =
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low),
-                                        _mm256_and_si256(fifth_at(fifths, 2 * s + 1), bit4));
-                    isum = _mm256_dpbusd_avx_epi32(isum, lo, _mm256_set1_epi32(four(x + 4 * s)));
-                    other = _mm256_dpbusd_avx_epi32(other, hi,
-                                                    _mm256_set1_epi32(four(x + 16 + 4 * s)));
-                }
-                isum = _mm256_add_epi32(isum, other);
-            } else {
-                for (int s = 0; s < 4; s++) {
-                    const __m256i v = _mm256_loadu_si256((const __m256i *)(w + s * 64 + h * 32));
-                    const __m256i lo = _mm256_and_si256(v, low);
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    __m256i lo = _mm256_and_si256(v, low);
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (five) {
+                        lo = _mm256_or_si256(lo, _mm256_and_si256(fifth_at(fifths, 2 * s), bit4));
+                        hi = _mm256_or_si256(hi,
+                                             _mm256_and_si256(fifth_at(fifths, 2 * s + 1), bit4));
+                    }
                     isum = _mm256_dpbusd_avx_epi32(isum, lo, _mm256_set1_epi32(four(x + 4 * s)));
                     other = _mm256_dpbusd_avx_epi32(other, hi,
                                                     _mm256_set1_epi32(four(x + 16 + 4 * s)));
@@ -626,23 +608,19 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void pane
                 other = _mm512_dpbusd_epi32(other, _mm512_abs_epi8(u),
                                             _mm512_mask_sub_epi8(xu, _mm512_movepi8_mask(u), zero, xu));
             }
-        } else if (pr->fmt >= Q5_0) {
-            const __m512i bit4 = _mm512_set1_epi8(16), fifths = _mm512_loadu_si512(w + FIFTHS);
+        } else { /* nibbles, and Q5's fifth bits (FIFTHS) shifted to bit 4 */
+            const int five = pr->fmt >= Q5_0;
+            const __m512i bit4 = _mm512_set1_epi8(16);
+            const __m512i fifths = five ? _mm512_loadu_si512(w + FIFTHS) : _mm512_setzero_si512();
             for (int s = 0; s < 4; s++) {
                 const __m512i v = _mm512_loadu_si512(w + s * 64);
-                const __m512i lo = _mm512_or_si512(
-                    _mm512_and_si512(v, low), _mm512_and_si512(fifth_at512(fifths, 2 * s), bit4));
-                const __m512i hi =
-                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low),
-                                    _mm512_and_si512(fifth_at512(fifths, 2 * s + 1), bit4));
-                isum = _mm512_dpbusd_epi32(isum, lo, _mm512_set1_epi32(four(x + 4 * s)));
-                other = _mm512_dpbusd_epi32(other, hi, _mm512_set1_epi32(four(x + 16 + 4 * s)));
-            }
-        } else {
-            for (int s = 0; s < 4; s++) {
-                const __m512i v = _mm512_loadu_si512(w + s * 64);
-                const __m512i lo = _mm512_and_si512(v, low);
-                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                __m512i lo = _mm512_and_si512(v, low);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (five) {
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(fifth_at512(fifths, 2 * s), bit4));
+                    hi = _mm512_or_si512(hi,
+                                         _mm512_and_si512(fifth_at512(fifths, 2 * s + 1), bit4));
+                }
                 isum = _mm512_dpbusd_epi32(isum, lo, _mm512_set1_epi32(four(x + 4 * s)));
                 other = _mm512_dpbusd_epi32(other, hi, _mm512_set1_epi32(four(x + 16 + 4 * s)));
             }
