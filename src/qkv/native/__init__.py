@@ -98,9 +98,10 @@ def build_prebuilt(directory: Path = PREBUILT) -> Path:
     """The library compiled into `directory` with its stamp (the hash of what it was built
     from), for a wheel: `setup.py`'s build runs this. Raises OSError as `build` does."""
     built = build(directory)
-    target = directory / PREBUILT_NAME
+    target, stamp = directory / PREBUILT_NAME, directory / STAMP_NAME
+    stamp.unlink(missing_ok=True)  # no stamp of an earlier build beside the new library
     os.replace(built, target)
-    (directory / STAMP_NAME).write_text(_sources_digest(FLAGS) + "\n")
+    stamp.write_text(_sources_digest(FLAGS) + "\n")  # last: a stamp cut short names nothing
     return target
 
 
