@@ -14,10 +14,11 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from kquant_blocks import q8_k, random_blocks, reference
+from kquant_blocks import BLOCK_BYTES, q8_k, random_blocks, reference
 from qkv import native
 from qkv.nn import quant_k
 from qkv.nn.quant_k import activations_k, matmul_k, repack_k, variants_k
+from qkv.nn.quant_linear import QuantLinear
 
 FORMATS = ("Q4_K", "Q5_K", "Q6_K")
 SHAPES = [(37, 256, 1), (70, 512, 3), (5, 768, 40), (16, 256, 2)]  # (N, K, M)
@@ -234,3 +235,60 @@ def test_the_kernels_run_clean_under_address_and_undefined_behaviour_sanitizers(
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0 and "clean" in done.stdout, done.stderr[-3000:]
     assert "runtime error" not in done.stderr and "AddressSanitizer" not in done.stderr
+
+
+def extreme_blocks(fmt: str, N: int, K: int) -> np.ndarray:
+    """Blocks whose every product with an input of -127 is as large as the format allows:
+    Q4_K's and Q5_K's integers 15 and 31 with scales and minimums 63, Q6_K's 0 (0 - 32) with
+    scales -128; small positive float16 scales."""
+    nsb = K // 256
+    raw = np.full((N, nsb, BLOCK_BYTES[fmt]), 0xFF, dtype=np.uint8)
+    small = np.full((N, nsb, 2), 1e-3, np.float16).view(np.uint8).reshape(N, nsb, 4)
+    if fmt == "Q6_K":
+        raw[:, :, :192] = 0  # ql, qh: every integer 0
+        raw[:, :, 192:208] = 0x80  # int8 scales -128
+        raw[:, :, 208:210] = small[:, :, :2]
+    else:
+        raw[:, :, :4] = small  # d, dmin; the scale bytes and the integers stay all ones
+    return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_largest_sums_a_format_allows_stay_exact_in_every_variant(fmt):
+    """Every input rounding to -127 against the largest integers and scales: AVX2 sums a
+    sub-block's products in 16 bits (30,480, 31,496 and 32,512 here, of 32,767): the float64
+    reference of exact integers, and every variant bit for bit."""
+    N, K, M = 32, 512, 3
+    raw = extreme_blocks(fmt, N, K)
+    packed = repack_k(fmt, torch.from_numpy(raw), N, K)
+    x = np.full((M, K), -1.0, np.float32)
+    x[1] *= 3.5  # every block's largest: all of them -127
+    x[2, ::2] = 1.0  # half the products of the other sign
+    q, _, _ = q8_k(x)
+    assert (q[:2] == -127).all()
+    want, magnitude = reference(fmt, raw, K, x)
+    scalar = matmul_k(packed, torch.from_numpy(x), variant="scalar", threads=1)
+    tolerance = 4 * np.finfo(np.float32).eps * (K // 256 + 2) * magnitude
+    assert (np.abs(scalar.numpy() - want) <= tolerance).all()
+    for name in variants_k():
+        got = matmul_k(packed, torch.from_numpy(x), variant=name, threads=2)
+        assert torch.equal(got.view(torch.int32), scalar.view(torch.int32)), name
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_nan_or_infinite_input_gives_nan_outputs_not_numbers(fmt, bad):
+    """As quant.c's products: the row that held it all NaN (llama.cpp rounds a NaN to some
+    integer and returns a number), the other rows untouched; in one part and in two."""
+    N, K = 20, 512
+    packed, raw, rng = packed_and_raw(fmt, N, K, seed=5)
+    x = torch.from_numpy(activations(rng, 3, K))
+    clean = matmul_k(packed, x, variant="scalar", threads=1)
+    x[1, 300] = bad
+    for name in variants_k():
+        y = matmul_k(packed, x, variant=name, threads=1)
+        assert torch.isnan(y[1]).all(), name
+        assert torch.equal(y[[0, 2]], clean[[0, 2]]), name
+    layer = QuantLinear(fmt, torch.from_numpy(raw), K, parts=2)
+    y = layer(x)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()

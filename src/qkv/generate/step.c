@@ -53,7 +53,7 @@ typedef struct {
     int8_t *xq;    /* 8-bit inputs: two parts of M of the widest rows */
     float *blocks; /* their d, s and sums */
     float *left;   /* (M, widest): what Q8_K's rounding leaves of a K-quant product's input */
-    void *kwork;   /* quant_k.c's working memory for M of the widest rows */
+    void *kwork;   /* quant_k.c's working memory for 2M of the widest rows (two parts) */
 } scratch;
 
 static int64_t widest(int64_t C, int64_t H, int64_t D, int64_t F) {
@@ -91,7 +91,7 @@ int64_t qkv_step_work_floats(int64_t C, int64_t H, int64_t Hkv, int64_t D, int64
     return M * (2 * C + 2 * H * D + 2 * Hkv * D + H + 2 * F +
                 2 * (H * D + 2 * Hkv * D + C + 2 * F) + 2 * wide / 4 + 3 * 2 * (wide / 32) +
                 wide) +
-           (qkv_quantk_work_bytes(M, wide) + 3) / 4 + 64;
+           (qkv_quantk_work_bytes(2 * M, wide) + 3) / 4 + 64;
 }
 
 static void rms_norm(const float *x, const float *w, float eps, int64_t n, float *out) {
@@ -166,80 +166,61 @@ static void silu_gate(float *gate, const float *up, int64_t n, int simd) {
 
 #define MANY 8 /* quant.c's most matrices a call */
 
-/* y (M, N) = x @ mat^T (+ bias) for a K-quant matrix: quant_k.c's product, which rounds x to
- * Q8_K itself; in two parts, the products of x and of what Q8_K's rounding left of it (x - q
- * d, in float32) summed, then the bias, as QuantLinear's K-quant product does. Returns 0, or
- * -1 for a variant this CPU lacks. */
-static int product_k(const qkv_step_model *m, const scratch *w, const qkv_qmat *mat, float *y,
-                     const float *x, int64_t M, int64_t K) {
-    const int fmt = mat->fmt - QKV_FMT_K;
-    const int64_t N = mat->N;
-    if (mat->parts == 1)
-        return qkv_quantk_matmul(m->variant, fmt, mat->panels, mat->bias, N, K, x, M, y,
-                                 w->kwork, m->nth);
-    int8_t *q = w->kwork; /* quant_k.c's own layout of its work: bytes, then the scales */
-    float *d = (float *)(q + (M * K + 63) / 64 * 64);
-    qkv_quantk_activations(x, M, K, q, d, (int16_t *)(d + M * (K / 256)));
-    for (int64_t i = 0; i < M * K; i++) w->left[i] = x[i] - (float)q[i] * d[i / 256];
-    float *first = w->each, *second = w->each + M * N;
-    if (qkv_quantk_matmul(m->variant, fmt, mat->panels, NULL, N, K, x, M, first, w->kwork,
-                          m->nth) ||
-        qkv_quantk_matmul(m->variant, fmt, mat->panels, NULL, N, K, w->left, M, second,
-                          w->kwork, m->nth))
-        return -1;
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t n = 0; n < N; n++) {
-            const float t = first[r * N + n] + second[r * N + n];
-            y[r * N + n] = mat->bias ? t + mat->bias[n] : t;
-        }
-    return 0;
-}
-
 /* ys[i] (M, N_i) = x @ mats[i]^T (+ bias), x (M, K) rounded to 8 bits in mats[0].parts parts
- * (the matrices of one call take the same): the K-quant ones one by one (product_k), the rest
- * in one call of the pool, then the parts summed in order and the bias added, as
- * qkv_quant_matmul does for QuantLinear. Returns 0, or -1 (product_k's). */
+ * (the matrices of one call take the same), as QuantLinear does: the K-quant matrices in one
+ * task of the pool (qkv_quantk_many, x rounded to Q8_K), the rest in another (qkv_quant_many,
+ * 8-bit blocks of 32); in two parts, each the product of both parts' rows at once (quant.c's
+ * rows 2r and 2r + 1 are row r's parts, quant_k.c's rows r and M + r), then the parts summed in
+ * order and the bias added. Returns 0 (the callers have checked the variant and sizes). */
 static int products(const qkv_step_model *m, const scratch *w, int count, const qkv_qmat *all,
                     float *const *all_ys, const float *x, int64_t M, int64_t K) {
-    qkv_qmat mats[MANY];
-    float *ys[MANY];
-    int plain = 0;
+    const int parts = all[0].parts;
+    qkv_qmat mats[MANY], kmats[MANY];
+    float *ys[MANY], *kys[MANY], *at = w->each;
+    int plain = 0, kquant = 0;
     for (int i = 0; i < count; i++) {
-        if (all[i].fmt >= QKV_FMT_K) {
-            if (product_k(m, w, &all[i], all_ys[i], x, M, K)) return -1;
-            continue;
+        qkv_qmat mat = all[i];
+        float *y = all_ys[i];
+        if (parts == 2) { /* both parts' outputs, summed below */
+            mat.bias = NULL;
+            y = at;
+            at += 2 * M * mat.N;
         }
-        mats[plain] = all[i];
-        ys[plain++] = all_ys[i];
+        if (mat.fmt >= QKV_FMT_K) {
+            kmats[kquant] = mat;
+            kys[kquant++] = y;
+        } else {
+            mats[plain] = mat;
+            ys[plain++] = y;
+        }
     }
-    count = plain;
-    if (count == 0) return 0;
-    const int parts = mats[0].parts;
-    const int64_t nb = M * K / 32;
-    float *d = w->blocks, *s = d + parts * nb;
-    int32_t *sum = (int32_t *)(s + parts * nb);
-    qkv_quant_activations_parts(x, M, K, parts, w->xq, d, s, sum);
-    const qkv_q8 xq = {w->xq, d, s, sum};
-    if (parts == 1) {
-        qkv_quant_many(m->variant, count, mats, ys, &xq, M, m->nth);
-        return 0;
+    if (kquant) {
+        qkv_q8k xk;
+        qkv_quantk_prepare(x, M, K, parts, w->left, w->kwork, &xk);
+        qkv_quantk_many(m->variant, kquant, kmats, kys, &xk, parts * M, m->nth);
     }
-    qkv_qmat bare[MANY];
-    float *each[MANY], *at = w->each;
+    if (plain) {
+        const int64_t nb = M * K / 32;
+        float *d = w->blocks, *s = d + parts * nb;
+        int32_t *sum = (int32_t *)(s + parts * nb);
+        qkv_quant_activations_parts(x, M, K, parts, w->xq, d, s, sum);
+        const qkv_q8 xq = {w->xq, d, s, sum};
+        qkv_quant_many(m->variant, plain, mats, ys, &xq, parts * M, m->nth);
+    }
+    if (parts == 1) return 0;
+    at = w->each;
     for (int i = 0; i < count; i++) {
-        bare[i] = mats[i];
-        bare[i].bias = NULL;
-        each[i] = at;
-        at += 2 * M * mats[i].N;
-    }
-    qkv_quant_many(m->variant, count, bare, each, &xq, 2 * M, m->nth);
-    for (int i = 0; i < count; i++) {
-        const int64_t N = mats[i].N;
-        for (int64_t r = 0; r < M; r++) /* row r's parts are rows 2r and 2r + 1 */
+        const int64_t N = all[i].N;
+        const float *bias = all[i].bias;
+        const int k = all[i].fmt >= QKV_FMT_K;
+        for (int64_t r = 0; r < M; r++) {
+            const float *first = at + (k ? r : 2 * r) * N, *second = at + (k ? M + r : 2 * r + 1) * N;
             for (int64_t n = 0; n < N; n++) {
-                const float t = each[i][2 * r * N + n] + each[i][(2 * r + 1) * N + n];
-                ys[i][r * N + n] = mats[i].bias ? t + mats[i].bias[n] : t;
+                const float t = first[n] + second[n];
+                all_ys[i][r * N + n] = bias ? t + bias[n] : t;
             }
+        }
+        at += 2 * M * N;
     }
     return 0;
 }

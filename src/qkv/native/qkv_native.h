@@ -51,7 +51,20 @@ void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *
 int qkv_quant_variants(void);
 
 /* nn/quant_k.c: K-quant products, the input rounded to Q8_K inside (work:
- * qkv_quantk_work_bytes(M, K) bytes) */
+ * qkv_quantk_work_bytes(M, K) bytes); or rounded first, in one or two parts
+ * (qkv_quantk_prepare: q (rows, K), d
+ * (rows, K/256), bsums (rows, K/16), pairs (rows, K/256, 4)) for the products of several
+ * matrices in one task of the pool (qkv_quantk_many, as qkv_quant_many) */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int16_t *bsums;
+    const int32_t *pairs;
+} qkv_q8k;
+void qkv_quantk_prepare(const float *x, int64_t M, int64_t K, int parts, float *left, void *work,
+                        qkv_q8k *out);
+void qkv_quantk_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
+                     const qkv_q8k *x, int64_t M, int nth);
 void qkv_quantk_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
                             int16_t *bsums);
 int qkv_quantk_matmul(int variant, int fmt, const uint8_t *panels, const float *bias, int64_t N,

@@ -14,7 +14,8 @@
  * of x, 16 * 32 * 128 = 65,536; times a scale (63, or 128 for Q6_K's int8) and over 8 (16)
  * sub-blocks: at most 64 M (134 M) < 2^31. The minimums: 8 * 63 * 4,096 = 2 M. AVX2's
  * vpmaddubsw sums two byte products into 16 bits with saturation: 2 * 63 * 128 = 16,128 <
- * 32,767, so it never saturates, and every variant's integers are the same exact numbers.
+ * 32,767, so it never saturates; its sums over a sub-block's steps stay in 16 bits too, for
+ * |x| <= 127 (quant_k_avx2.h), and every variant's integers are the same exact numbers.
  * Then each variant does the same float operations in the same order (the library is built
  * with -ffp-contract=off), so all agree bit for bit (tests/nn/test_native_quant_k.py).
  *
@@ -28,6 +29,7 @@
  *   scales: one byte a sub-block a row, [sub-block][row] (Q6_K: int8, 16 sub-blocks)
  *   mins:   Q4_K, Q5_K: [pair of sub-blocks k][row][2] bytes, one vpmaddwd's operand
  *   d, dmin: 16 floats each (Q6_K: d only). Rows past N are zeros. */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -167,29 +169,33 @@ static inline int nearest_int(float f) {
 
 /* x (M, K) float32 -> q (M, K) int8, d (M, K/256) float32, bsums (M, K/16) int16, as
  * llama.cpp's quantize_row_q8_K_ref: the scale is -max/127 of the value largest in magnitude
- * (the first such), so that value becomes -127 and d carries its sign. */
+ * (the first such), so that value becomes -127 and d carries its sign. A block holding a NaN
+ * or an infinity is zeros with d NaN, so that its products are NaN (llama.cpp's are any
+ * number). */
 void qkv_quantk_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
                             int16_t *bsums) {
     for (int64_t i = 0; i < M * (K / QK_K); i++) {
         const float *v = x + i * QK_K;
         int8_t *out = q + i * QK_K;
         float max = 0.0f, amax = 0.0f;
+        int finite = 1;
         for (int j = 0; j < QK_K; j++) {
             const float ax = fabsf(v[j]);
+            finite &= ax <= FLT_MAX; /* false for a NaN and an infinity */
             if (ax > amax) {
                 amax = ax;
                 max = v[j];
             }
         }
-        if (amax == 0.0f) {
-            d[i] = 0.0f;
+        if (amax == 0.0f || !finite) { /* a NaN or an infinity in: NaN out, as quant.c's */
+            d[i] = finite ? 0.0f : NAN;
             memset(out, 0, QK_K);
             memset(bsums + i * 16, 0, 16 * sizeof(int16_t));
             continue;
         }
         const float iscale = -127.0f / max;
         for (int j = 0; j < QK_K; j++) {
-            const int r = nearest_int(iscale * v[j]);
+            const int r = nearest_int(iscale * v[j]); /* never below -127: the largest is */
             out[j] = (int8_t)(r < 127 ? r : 127);
         }
         for (int j = 0; j < 16; j++) {
@@ -299,14 +305,10 @@ static inline int32_t four(const int8_t *x) {
     return v;
 }
 
-/* 256 bits, 8 rows at a time: AVX2 (two byte products summed by vpmaddubsw, then pairs by
- * vpmaddwd), AVX-VNNI (vpdpbusd), and the same code in AVX-512's encoding (the twin) */
-#define NAME panel_avx2
-#define TARGET "avx2,fma"
-#define DOT(acc, u, x) \
-    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
-#include "quant_k_256.h"
+#include "quant_k_avx2.h"
 
+/* 256 bits, 8 rows at a time: AVX-VNNI (vpdpbusd), and the same code in AVX-512's encoding
+ * (the twin) */
 #define NAME panel_avx_vnni
 #define TARGET "avx2,fma,avxvnni"
 #define DOT(acc, u, x) _mm256_dpbusd_avx_epi32(acc, u, x)
@@ -340,25 +342,6 @@ static panel_fn panel_of(int variant) {
     return panel_scalar;
 }
 
-typedef struct {
-    const product *pr;
-    panel_fn fn;
-} job;
-
-/* thread ith's share: a contiguous run of panels, for every activation row, MTILE rows at a
- * time so that its panels stay in its cache while the rows pass */
-static void run_job(void *arg, int ith, int nth) {
-    const job *jb = arg;
-    const product *pr = jb->pr;
-    const int64_t np = (pr->N + ROWS - 1) / ROWS;
-    const int64_t first = np * ith / nth, last = np * (ith + 1) / nth;
-    for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
-        const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
-        for (int64_t p = first; p < last; p++)
-            jb->fn(pr, p, m0, m1);
-    }
-}
-
 /* The variants this CPU runs, a bit mask as qkv_quant_variants's, with bit 4 for the twin
  * (AVX-VNNI's code in AVX-512's encoding; where AVX-512 VNNI is). */
 int qkv_quantk_variants(void) {
@@ -372,6 +355,77 @@ int64_t qkv_quantk_work_bytes(int64_t M, int64_t K) {
     return (M * K + 63) / 64 * 64 + M * nsb * (4 + 16 + 32 + 32);
 }
 
+/* Rows of x rounded to Q8_K in work (qkv_quantk_work_bytes(parts * M, K) bytes), with the
+ * sums of sub-block pairs that the minimums take: what out then points at. parts 1: x's M
+ * rows; 2: 2M rows, x's, then what their rounding left (x - q d in float32, written to left
+ * (M, K)), each rounded in turn: a product's two parts are one product of 2M rows, each
+ * weight unpacked once for a row and its remainder. */
+void qkv_quantk_prepare(const float *x, int64_t M, int64_t K, int parts, float *left, void *work,
+                        qkv_q8k *out) {
+    const int64_t nsb = K / QK_K, rows = parts * M;
+    int8_t *xq = work;
+    float *xd = (float *)(xq + (rows * K + 63) / 64 * 64);
+    int32_t *pairs = (int32_t *)(xd + rows * nsb);
+    int16_t *bsums = (int16_t *)(pairs + rows * nsb * 4);
+    qkv_quantk_activations(x, M, K, xq, xd, bsums);
+    if (parts == 2) {
+        for (int64_t i = 0; i < M * K; i++) left[i] = x[i] - (float)xq[i] * xd[i / QK_K];
+        qkv_quantk_activations(left, M, K, xq + M * K, xd + M * nsb, bsums + M * nsb * 16);
+    }
+    for (int64_t i = 0; i < rows * nsb; i++)
+        for (int k = 0; k < 4; k++) {
+            const int16_t *bs = bsums + i * 16 + 4 * k;
+            const uint32_t a = (uint16_t)(bs[0] + bs[1]), c = (uint16_t)(bs[2] + bs[3]);
+            pairs[i * 4 + k] = (int32_t)(a | c << 16);
+        }
+    *out = (qkv_q8k){xq, xd, bsums, pairs};
+}
+
+#define MANY 8 /* matrices in one qkv_quantk_many call at the most (quant.c's too) */
+
+typedef struct {
+    product pr[MANY];
+    int64_t first[MANY + 1]; /* matrix i's panels are [first[i], first[i + 1]) of them all */
+    int count;
+    panel_fn fn;
+} many_job;
+
+/* thread ith's share of the panels of every matrix, for every row of x: MTILE rows at a
+ * time, so that its panels stay in its cache while the rows pass */
+static void run_many(void *arg, int ith, int nth) {
+    const many_job *jb = arg;
+    const int64_t total = jb->first[jb->count];
+    const int64_t from = total * ith / nth, to = total * (ith + 1) / nth;
+    for (int i = 0; i < jb->count; i++) {
+        const product *pr = &jb->pr[i];
+        const int64_t a = from > jb->first[i] ? from : jb->first[i];
+        const int64_t b = to < jb->first[i + 1] ? to : jb->first[i + 1];
+        for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
+            const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
+            for (int64_t p = a; p < b; p++) jb->fn(pr, p - jb->first[i], m0, m1);
+        }
+    }
+}
+
+/* ys[i] (M, N_i) = x @ mats[i]^T (+ bias) for M rows of x already rounded
+ * (qkv_quantk_prepare), every matrix a K-quant one (fmt QKV_FMT_K + quant_k.c's) with x's K
+ * columns: the panels of all of them cut into nth runs, one task of the pool. The caller
+ * (qkv/generate/step.c, qkv_quantk_matmul) has checked the variant, the sizes and
+ * count <= MANY. */
+void qkv_quantk_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
+                     const qkv_q8k *x, int64_t M, int nth) {
+    many_job jb = {.count = count, .fn = panel_of(variant)};
+    jb.first[0] = 0;
+    for (int i = 0; i < count; i++) {
+        const qkv_qmat *w = &mats[i];
+        jb.pr[i] = (product){w->fmt - QKV_FMT_K, w->panels, w->bias, w->N, w->K, M,
+                             x->q, x->d, x->bsums, x->pairs, ys[i]};
+        jb.first[i + 1] = jb.first[i] + (w->N + ROWS - 1) / ROWS;
+    }
+    if (nth > jb.first[count]) nth = (int)jb.first[count];
+    qkv_parallel(run_many, &jb, nth < 1 ? 1 : nth);
+}
+
 /* y (M, N) = x (M, K) @ W.T (+ bias): W as qkv_quantk_repack made it, x rounded to Q8_K
  * (work: qkv_quantk_work_bytes(M, K)). Returns 0, or -1 when the format is none or the
  * variant is not one this CPU runs (nothing is written then). Only y's M * N floats are
@@ -381,22 +435,10 @@ int qkv_quantk_matmul(int variant, int fmt, const uint8_t *panels, const float *
     if (fmt < 0 || fmt >= FORMATS || variant < 0 || variant > TWIN ||
         !(qkv_quantk_variants() >> variant & 1))
         return -1;
-    const int64_t nsb = K / QK_K;
-    int8_t *xq = work;
-    float *xd = (float *)(xq + (M * K + 63) / 64 * 64);
-    int32_t *pairs = (int32_t *)(xd + M * nsb);
-    int16_t *bsums = (int16_t *)(pairs + M * nsb * 4);
-    qkv_quantk_activations(x, M, K, xq, xd, bsums);
-    for (int64_t i = 0; i < M * nsb; i++)
-        for (int k = 0; k < 4; k++) {
-            const int16_t *bs = bsums + i * 16 + 4 * k;
-            const uint32_t a = (uint16_t)(bs[0] + bs[1]), c = (uint16_t)(bs[2] + bs[3]);
-            pairs[i * 4 + k] = (int32_t)(a | c << 16);
-        }
-    product pr = {fmt, panels, bias, N, K, M, xq, xd, bsums, pairs, y};
-    job jb = {&pr, panel_of(variant)};
-    const int64_t np = (N + ROWS - 1) / ROWS;
-    if (nth > np) nth = (int)np;
-    qkv_parallel(run_job, &jb, nth < 1 ? 1 : nth);
+    qkv_q8k xq;
+    qkv_quantk_prepare(x, M, K, 1, NULL, work, &xq);
+    const qkv_qmat mat = {QKV_FMT_K + fmt, 1, N, K, panels, NULL, NULL, bias};
+    float *const ys[1] = {y};
+    qkv_quantk_many(variant, 1, &mat, ys, &xq, M, nth);
     return 0;
 }

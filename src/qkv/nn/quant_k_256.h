@@ -1,6 +1,6 @@
-/* One 256-bit panel function of quant_k.c, included once per variant with NAME, TARGET and
- * DOT(acc, u, x) defined: acc's 8 int32 lanes plus the sums of 4 products of u's unsigned
- * bytes by x's signed ones. A panel's 16 rows go as two halves of 8 rows; per super-block,
+/* One 256-bit VNNI panel function of quant_k.c (AVX2's own is quant_k_avx2.h), included
+ * once per variant with NAME, TARGET and DOT(acc, u, x) defined: acc's 8 int32 lanes plus
+ * the sums of 4 products of u's unsigned bytes by x's signed ones. A panel's 16 rows go as two halves of 8 rows; per super-block,
  * each sub-block's sums are scaled by its scale (vpmulld), then the float operations are
  * FINISH_SCALAR's, lane by lane. */
 #define CAT_(a, b) a##b
