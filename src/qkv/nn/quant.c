@@ -364,6 +364,10 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i fifth_at(__
  * R activation rows (1..4) at once: each panel block's integers are unpacked once for
  * all of them (a prompt's rows, or an input in two parts). Row by row, the same operations in
  * the same order as the other variants' (BLOCK_SCALAR's), so the same numbers bit for bit. */
+#ifndef AHEAD_BYTES
+#define AHEAD_BYTES 8192
+#endif
+
 __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
     const product *pr, int64_t p, int64_t m0, const int R, const int F) {
     const int64_t nb = pr->K / QK, pbb = panel_block_bytes(F);
@@ -375,6 +379,16 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = pr->panels + (p * nb + b) * pbb;
         const int64_t at = (p * nb + b) * ROWS;
+        { /* the block AHEAD_BYTES of panels on, its scales and minimums: on their way from
+           * memory while this block is summed (a prefetch past the end is dropped) */
+            const int64_t ahead = AHEAD_BYTES / pbb;
+            _Pragma("GCC unroll 16")
+            for (int64_t c = 0; c < pbb; c += 64)
+                _mm_prefetch((const char *)w + ahead * pbb + c, _MM_HINT_T0);
+            _mm_prefetch((const char *)(pr->scales + at + ahead * ROWS), _MM_HINT_T0);
+            if (has_min(F))
+                _mm_prefetch((const char *)(pr->mins + at + ahead * ROWS), _MM_HINT_T0);
+        }
         const int8_t *x[4];
         int64_t i[4];
         _Pragma("GCC unroll 8")
