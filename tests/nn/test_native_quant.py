@@ -8,6 +8,7 @@ before any C call; an ASan/UBSan build runs clean."""
 from __future__ import annotations
 
 import textwrap
+import threading
 
 import gguf
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from qkv import native
-from qkv.nn.quant_linear import FORMATS, QuantLinear, kernels
+from qkv.nn.quant_linear import FORMATS, QuantLinear, cores_to_the_kernels, kernels
 from sanitized import run_sanitized
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -200,6 +201,33 @@ def test_nan_inputs_give_nan_outputs_not_garbage():
     x[1, 5] = float("nan")
     y = layer(x)
     assert torch.isfinite(y[0]).all() and torch.isnan(y[1]).all()
+
+
+def test_a_prompts_cores_are_its_own_threads_and_torchs_count_comes_back(monkeypatch):
+    """Within cores_to_the_kernels a forward's products take every core; another thread's
+    products meanwhile take one (the setting is the context's, not the module's), and torch's
+    thread count is as it was afterwards."""
+    raw = torch.from_numpy(raw_blocks("Q4_1", 16, 64, np.random.default_rng(0)))
+    layer = QuantLinear("Q4_1", raw, 64)
+    x = torch.randn(3, 64)
+    seen = []
+    product = QuantLinear.product
+
+    def noted(self, variant_index=None, threads=None):
+        seen.append(threads)
+        return product(self, variant_index, threads)
+
+    monkeypatch.setattr(QuantLinear, "product", noted)
+    before = torch.get_num_threads()
+    with cores_to_the_kernels():
+        assert torch.get_num_threads() == 1
+        mine = layer(x)
+        other = threading.Thread(target=layer, args=(x,))
+        other.start()
+        other.join()
+    assert torch.get_num_threads() == before
+    assert torch.equal(layer(x), mine)  # the threads share the panels: the same numbers
+    assert seen == [native.threads(), 1, 1]
 
 
 @pytest.mark.parametrize(

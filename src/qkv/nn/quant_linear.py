@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import functools
 import os
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor, nn
@@ -97,7 +98,9 @@ def in_generation() -> bool:
     return kernels() is not None
 
 
-_forward_threads = [1]  # the pool's threads for a forward's products of several rows
+# the pool's threads for a forward's products of several rows: 1 but where a generation's
+# prompt is read (cores_to_the_kernels), in that thread or task only
+_forward_threads: ContextVar[int] = ContextVar("qkv_forward_threads", default=1)
 
 
 @contextlib.contextmanager
@@ -106,15 +109,16 @@ def cores_to_the_kernels():
     (`native.threads()`), and torch's own operations between them on one thread. Torch's
     threads spin for a while after each operation, and the pool's between its tasks: on 2
     cores of an AMD EPYC the two together read SmolLM2's 15-token prompt in 134 ms, the pool
-    alone in 67, one thread in 92 (torch's int4 path took 69). Outside, products run on one
-    thread and torch's threads are left as they were."""
-    before, torch_threads = _forward_threads[0], torch.get_num_threads()
-    _forward_threads[0] = native.threads()
+    alone in 67, one thread in 92 (torch's int4 path took 69). Outside, and in other threads
+    (a context variable), products run on one thread; torch's thread count is the process's
+    and is restored on the way out."""
+    torch_threads = torch.get_num_threads()
+    token = _forward_threads.set(native.threads())
     torch.set_num_threads(1)
     try:
         yield
     finally:
-        _forward_threads[0] = before
+        _forward_threads.reset(token)
         torch.set_num_threads(torch_threads)
 
 
@@ -278,7 +282,7 @@ class QuantLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).float().contiguous()
         if flat.shape[0] == 0:
             return x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.float32)
-        y = self.product(threads=_forward_threads[0])(flat)
+        y = self.product(threads=_forward_threads.get())(flat)
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
