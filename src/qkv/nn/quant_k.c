@@ -195,7 +195,7 @@ void qkv_quantk_activations(const float *x, int64_t M, int64_t K, int8_t *q, flo
         }
         const float iscale = -127.0f / max;
         for (int j = 0; j < QK_K; j++) {
-            const int r = nearest_int(iscale * v[j]); /* never below -127: the largest is */
+            const int r = nearest_int(iscale * v[j]); /* -127 at the least: the largest's */
             out[j] = (int8_t)(r < 127 ? r : 127);
         }
         for (int j = 0; j < 16; j++) {
