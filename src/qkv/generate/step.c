@@ -8,12 +8,12 @@
  *
  * Python makes one call a token, and one for a short prompt (qkv/generate/native_step.py
  * checks every size first and refuses what this file does not compute): a prompt's products
- * take its M rows at once (each matrix unpacked once for up to 4 rows), its attention one row
- * at a time over the cache so far, as M decoding steps would. The products and the attention
- * run on the kept thread pool: its workers wait between them, spinning, for the next task of
- * the same call, so a step costs no thread start and no Python between its operations. The
- * small operations between products (norms, rotary, the append, the gate) run on the calling
- * thread: on SmolLM2 they are a few thousand floats a layer and row.
+ * take its M rows at once (each block unpacked once for up to 4 rows, a K-quant's for 2), its
+ * attention one row at a time over the cache so far, as M decoding steps would. The products
+ * and the attention run on the kept thread pool: its workers wait between them, spinning, for
+ * the next task of the same call, so a step costs no thread start and no Python between its
+ * operations. The small operations between products (norms, rotary, the append, the gate) run
+ * on the calling thread: on SmolLM2 they are a few thousand floats a layer and row.
  *
  * The arithmetic is FastStep's (qkv/generate/fast_step.py), its reference: the same products
  * bit for bit, x * cos + rotate_half(x) * sin as two products and a sum, silu(g) * u as
