@@ -52,9 +52,9 @@ int qkv_quant_variants(void);
 
 /* nn/quant_k.c: K-quant products, the input rounded to Q8_K inside (work:
  * qkv_quantk_work_bytes(M, K) bytes); or rounded first, in one or two parts
- * (qkv_quantk_prepare: q (rows, K), d
- * (rows, K/256), bsums (rows, K/16), pairs (rows, K/256, 4)) for the products of several
- * matrices in one task of the pool (qkv_quantk_many, as qkv_quant_many) */
+ * (qkv_quantk_prepare: q (rows, K), d (rows, K/256), bsums (rows, K/16), pairs (rows, K/256,
+ * 4)) for the products of several matrices in one task of the pool (qkv_quantk_many, as
+ * qkv_quant_many) */
 typedef struct {
     const int8_t *q;
     const float *d;
