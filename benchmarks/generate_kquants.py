@@ -25,16 +25,12 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-import qkv
-from generate import PROMPT, llama_cpp_decode
-from generate_q4_k_m import mixture
+from generate_q4_k_m import decode_against_llama, mixture
 from qkv import native
-from qkv.generate import Sampling, decode_steps
-from qkv.generate.native_step import native_step_refusal
 from qkv.io.embedded import embedded_path
 from qkv.io.gguf import _map
 from qkv.io.gguf_header import read_header
-from timing import CORES, machine, time_peers
+from timing import CORES, machine
 
 WIDTH, LAYERS, HEADS, KV_HEADS, HEAD, MLP = 768, 16, 12, 4, 64, 2048
 TOKENIZER_KEYS = ("tokens", "token_type", "merges", "bos_token_id", "eos_token_id",
@@ -127,36 +123,7 @@ def main() -> None:
               f"({size:.1f} MiB), its matrices: {mixture(path)}")  # fmt: skip
         # the dequantized weights' cache (560 MB) goes with the file; the kernels are loaded
         os.environ["XDG_CACHE_HOME"] = str(Path(folder) / "cache")
-        ours = qkv.load(str(path))
-        model, why = ours.generation_model()
-        print(f"qkv: {why}; NativeStep: {native_step_refusal(model, 1, False) or 'runs it'}")
-        ids, _ = ours.tokenizer.encode_batch([PROMPT], padding_side="left")
-        T = ids.shape[1]
-        mine = [int(t) for t in decode_steps(model, ids, None, Sampling(), N)]
-        llama, (theirs, version) = llama_cpp_decode(ids[0].tolist(), N, path)
-        same = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), N)
-        print(f"llama.cpp (llama-cpp-python {version}): the same greedy tokens as qkv's for the "
-              f"first {same} of {N}")  # fmt: skip
-
-        def qkv_decode(n: int):
-            return lambda: list(decode_steps(model, ids, None, Sampling(), n))
-
-        seconds = time_peers({"qkv": qkv_decode(N), "llama.cpp": llama}, args.repeats)
-        print(f"Greedy decoding, prompt of {T} tokens, {N} new tokens, {CORES} threads, median "
-              f"of {args.repeats} interleaved calls:")  # fmt: skip
-        for name, s in seconds.items():
-            print(f"{name:>10}: {N / s:7.1f} tokens/s  ({1e3 * s / N:5.2f} ms a token, prompt "
-                  f"included)")  # fmt: skip
-        ratio = seconds["llama.cpp"] / seconds["qkv"]
-        print(f"qkv/llama.cpp: {ratio:.2f}x; target >= 1.3x -> "
-              f"{'PASS' if ratio >= 1.3 else 'MISS'}")  # fmt: skip
-        one_llama, _ = llama_cpp_decode(ids[0].tolist(), 1, path)
-        first = time_peers({"qkv": qkv_decode(1), "llama.cpp": one_llama}, args.repeats)
-        each = {k: (seconds[k] - first[k]) / (N - 1) for k in seconds}
-        print(f"each token after the prompt: qkv {1e3 * each['qkv']:.2f} ms, llama.cpp "
-              f"{1e3 * each['llama.cpp']:.2f} ms ({each['llama.cpp'] / each['qkv']:.2f}x); "
-              f"the prompt and the first token: qkv {1e3 * first['qkv']:.1f} ms, llama.cpp "
-              f"{1e3 * first['llama.cpp']:.1f} ms")  # fmt: skip
+        decode_against_llama(path, args.repeats, N)
 
 
 if __name__ == "__main__":

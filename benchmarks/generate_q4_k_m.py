@@ -53,6 +53,43 @@ def mixture(path: Path) -> str:
     return ", ".join(f"{n} {kind}" for kind, n in kinds.most_common())
 
 
+def decode_against_llama(path: Path, repeats: int, N: int) -> None:
+    """qkv's greedy decoding of the file at `path` against llama.cpp's, the same prompt ids,
+    N new tokens, calls interleaved: tokens a second, the ratio, each token after the prompt
+    and the prompt with the first token apart."""
+    ours = qkv.load(str(path))
+    model, why = ours.generation_model()
+    print(f"qkv: {why}; NativeStep: {native_step_refusal(model, 1, False) or 'runs it'}")
+    ids, _ = ours.tokenizer.encode_batch([PROMPT], padding_side="left")
+    T = ids.shape[1]
+    mine = [int(t) for t in decode_steps(model, ids, None, Sampling(), N)]
+    llama, (theirs, version) = llama_cpp_decode(ids[0].tolist(), N, path)
+    same = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), N)
+    print(f"llama.cpp (llama-cpp-python {version}): the same greedy tokens as qkv's for the "
+          f"first {same} of {N}")  # fmt: skip
+
+    def qkv_decode(n: int):
+        return lambda: list(decode_steps(model, ids, None, Sampling(), n))
+
+    fns = {"qkv": qkv_decode(N), "llama.cpp": llama}
+    seconds = time_peers(fns, repeats)
+    print(f"Greedy decoding, prompt of {T} tokens, {N} new tokens, {CORES} threads, median "
+          f"of {repeats} interleaved calls:")  # fmt: skip
+    for name, s in seconds.items():
+        print(f"{name:>10}: {N / s:7.1f} tokens/s  ({1e3 * s / N:5.2f} ms a token, prompt "
+              f"included)")  # fmt: skip
+    ratio = seconds["llama.cpp"] / seconds["qkv"]
+    print(f"qkv/llama.cpp: {ratio:.2f}x; target >= 1.3x -> "
+          f"{'PASS' if ratio >= 1.3 else 'MISS'}")  # fmt: skip
+    one_llama, _ = llama_cpp_decode(ids[0].tolist(), 1, path)
+    first = time_peers({"qkv": qkv_decode(1), "llama.cpp": one_llama}, repeats)
+    each = {k: (seconds[k] - first[k]) / (N - 1) for k in seconds}
+    print(f"each token after the prompt: qkv {1e3 * each['qkv']:.2f} ms, llama.cpp "
+          f"{1e3 * each['llama.cpp']:.2f} ms ({each['llama.cpp'] / each['qkv']:.2f}x); "
+          f"the prompt and the first token: qkv {1e3 * first['qkv']:.1f} ms, llama.cpp "
+          f"{1e3 * first['llama.cpp']:.1f} ms")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -70,37 +107,7 @@ def main() -> None:
         path = q4_k_m(Path(folder))
         print(f"{path.name} ({path.stat().st_size / 2**20:.1f} MiB), its matrices: "
               f"{mixture(path)}")  # fmt: skip
-        ours = qkv.load(str(path))
-        model, why = ours.generation_model()
-        print(f"qkv: {why}; NativeStep: {native_step_refusal(model, 1, False) or 'runs it'}")
-        ids, _ = ours.tokenizer.encode_batch([PROMPT], padding_side="left")
-        T = ids.shape[1]
-        mine = [int(t) for t in decode_steps(model, ids, None, Sampling(), N)]
-        llama, (theirs, version) = llama_cpp_decode(ids[0].tolist(), N, path)
-        same = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b), N)
-        print(f"llama.cpp (llama-cpp-python {version}): the same greedy tokens as qkv's for the "
-              f"first {same} of {N}")  # fmt: skip
-
-        def qkv_decode(n: int):
-            return lambda: list(decode_steps(model, ids, None, Sampling(), n))
-
-        fns = {"qkv": qkv_decode(N), "llama.cpp": llama}
-        seconds = time_peers(fns, args.repeats)
-        print(f"Greedy decoding, prompt of {T} tokens, {N} new tokens, {CORES} threads, median "
-              f"of {args.repeats} interleaved calls:")  # fmt: skip
-        for name, s in seconds.items():
-            print(f"{name:>10}: {N / s:7.1f} tokens/s  ({1e3 * s / N:5.2f} ms a token, prompt "
-                  f"included)")  # fmt: skip
-        ratio = seconds["llama.cpp"] / seconds["qkv"]
-        print(f"qkv/llama.cpp: {ratio:.2f}x; target >= 1.3x -> "
-              f"{'PASS' if ratio >= 1.3 else 'MISS'}")  # fmt: skip
-        one_llama, _ = llama_cpp_decode(ids[0].tolist(), 1, path)
-        first = time_peers({"qkv": qkv_decode(1), "llama.cpp": one_llama}, args.repeats)
-        each = {k: (seconds[k] - first[k]) / (N - 1) for k in seconds}
-        print(f"each token after the prompt: qkv {1e3 * each['qkv']:.2f} ms, llama.cpp "
-              f"{1e3 * each['llama.cpp']:.2f} ms ({each['llama.cpp'] / each['qkv']:.2f}x); "
-              f"the prompt and the first token: qkv {1e3 * first['qkv']:.1f} ms, llama.cpp "
-              f"{1e3 * first['llama.cpp']:.1f} ms")  # fmt: skip
+        decode_against_llama(path, args.repeats, N)
 
 
 if __name__ == "__main__":
