@@ -54,6 +54,41 @@ def test_activations_are_llama_cpps_q8_k_bit_for_bit():
     assert q[2, 256 + 60].item() == 0 and q[2, 256 + 61].item() == -2  # -0.5 -> 0, -1.5 -> -2
 
 
+def test_every_variant_rounds_activations_to_the_same_bytes():
+    """The AVX2 rounding (every x86 variant above scalar) against llama.cpp's numpy reference:
+    ties, the first of two largest magnitudes of opposite signs, a zero block, and blocks with
+    a NaN or an infinity (zeros and d NaN, as the scalar code)."""
+    lib = quant_k.kernels()
+    rng = np.random.default_rng(1)
+    x = activations(rng, 5, 1024)
+    x[1, 7], x[1, 200] = 900.0, -900.0  # the first largest is positive: d < 0
+    x[1, 300], x[1, 301] = -1100.0, 1100.0  # the first largest is negative: d > 0
+    x[2, :256] = (np.arange(256) % 120 - 60 + 0.5).astype(np.float32)  # ties to even
+    x[2, 40] = -127
+    q_ref, d_ref, bsums_ref = q8_k(x)
+    assert d_ref[1, 0] < 0 and d_ref[1, 1] > 0
+    bad = x.copy()
+    bad[3, 256 + 17], bad[4, 512 + 3] = np.nan, -np.inf
+    mask = lib.qkv_quant_variants()
+    for variant in range(len(native.VARIANTS)):
+        q = np.full(x.shape, 99, np.int8)
+        d = np.empty((5, 4), np.float32)
+        bsums = np.empty((5, 64), np.int16)
+        args = (variant, 5, 1024, q.ctypes.data, d.ctypes.data, bsums.ctypes.data)
+        called = lib.qkv_quantk_activations_variant(args[0], x.ctypes.data, *args[1:])
+        if not mask >> variant & 1:  # a variant this CPU lacks: refused, nothing written
+            assert called == -1 and (q == 99).all()
+            continue
+        assert called == 0, native.VARIANTS[variant]
+        assert np.array_equal(q, q_ref), native.VARIANTS[variant]
+        assert np.array_equal(d.view(np.uint32), d_ref.view(np.uint32))
+        assert np.array_equal(bsums, bsums_ref)
+        assert lib.qkv_quantk_activations_variant(args[0], bad.ctypes.data, *args[1:]) == 0
+        assert np.isnan(d[3, 1]) and np.isnan(d[4, 2]) and np.isnan(d).sum() == 2
+        assert (q[3, 256:512] == 0).all() and (bsums[4, 32:48] == 0).all()
+        assert np.array_equal(q[:3], q_ref[:3]) and np.array_equal(q[3, :256], q_ref[3, :256])
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("N", "K", "M"), SHAPES)
 def test_products_equal_the_float64_reference_of_the_same_arithmetic(fmt, N, K, M):

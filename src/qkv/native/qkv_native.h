@@ -67,6 +67,8 @@ void qkv_quantk_many(int variant, int count, const qkv_qmat *mats, float *const 
                      const qkv_q8k *x, int64_t M, int nth);
 void qkv_quantk_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
                             int16_t *bsums);
+int qkv_quantk_activations_variant(int variant, const float *x, int64_t M, int64_t K, int8_t *q,
+                                   float *d, int16_t *bsums);
 int qkv_quantk_matmul(int variant, int fmt, const uint8_t *panels, const float *bias, int64_t N,
                       int64_t K, const float *x, int64_t M, float *y, void *work, int nth);
 int64_t qkv_quantk_work_bytes(int64_t M, int64_t K);

@@ -167,44 +167,124 @@ static inline int nearest_int(float f) {
     return (i & 0x007fffff) - 0x00400000;
 }
 
-/* x (M, K) float32 -> q (M, K) int8, d (M, K/256) float32, bsums (M, K/16) int16, as
- * llama.cpp's quantize_row_q8_K_ref: the scale is -max/127 of the value largest in magnitude
- * (the first such), so that value becomes -127 and d carries its sign. A block holding a NaN
- * or an infinity is zeros with d NaN, so that its products are NaN (llama.cpp's are any
- * number). */
+/* One block of 256 inputs -> q, d, bsums, as llama.cpp's quantize_row_q8_K_ref: the scale is
+ * -max/127 of the value largest in magnitude (the first such), so that value becomes -127 and d
+ * carries its sign. A block holding a NaN or an infinity is zeros with d NaN, so that its
+ * products are NaN (llama.cpp's are any number). */
+static void q8_k_block(const float *v, int8_t *out, float *d, int16_t *bsums) {
+    float max = 0.0f, amax = 0.0f;
+    int finite = 1;
+    for (int j = 0; j < QK_K; j++) {
+        const float ax = fabsf(v[j]);
+        finite &= ax <= FLT_MAX; /* false for a NaN and an infinity */
+        if (ax > amax) {
+            amax = ax;
+            max = v[j];
+        }
+    }
+    if (amax == 0.0f || !finite) { /* a NaN or an infinity in: NaN out, as quant.c's */
+        *d = finite ? 0.0f : NAN;
+        memset(out, 0, QK_K);
+        memset(bsums, 0, 16 * sizeof(int16_t));
+        return;
+    }
+    const float iscale = -127.0f / max;
+    for (int j = 0; j < QK_K; j++) {
+        const int r = nearest_int(iscale * v[j]); /* -127 at the least: the largest's */
+        out[j] = (int8_t)(r < 127 ? r : 127);
+    }
+    for (int j = 0; j < 16; j++) {
+        int sum = 0;
+        for (int t = 0; t < 16; t++) sum += out[16 * j + t];
+        bsums[j] = (int16_t)sum;
+    }
+    *d = 1.0f / iscale;
+}
+
+#if defined(QKV_X86)
+/* q8_k_block in AVX2, the same bytes: the same largest magnitude (its first value found by a
+ * compare of each magnitude with it), the same products iscale * v, and vcvtps2dq's rounding,
+ * to nearest with ties to even as nearest_int's (MXCSR's default, which nothing in qkv
+ * changes). The 16 sums of 16 are the int32 values' own, added in pairs. A block with a NaN, an
+ * infinity or only zeros goes the scalar way. */
+__attribute__((target("avx2,fma"))) static void q8_k_block_avx2(const float *v, int8_t *out,
+                                                                 float *d, int16_t *bsums) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps();
+    __m256 amax = zero, finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < QK_K / 8; i++) {
+        const __m256 x = _mm256_loadu_ps(v + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, x));
+        /* x * 0 is 0 for a finite x, NaN for an infinity or a NaN */
+        finite = _mm256_and_ps(finite, _mm256_cmp_ps(_mm256_mul_ps(x, zero), zero, _CMP_EQ_OQ));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float largest = _mm_cvtss_f32(m4);
+    if (_mm256_movemask_ps(finite) != 0xff || largest == 0.0f) {
+        q8_k_block(v, out, d, bsums);
+        return;
+    }
+    const __m256 top = _mm256_set1_ps(largest);
+    float max = 0.0f;
+    for (int i = 0; i < QK_K / 8; i++) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(v + 8 * i));
+        const int at = _mm256_movemask_ps(_mm256_cmp_ps(a, top, _CMP_EQ_OQ));
+        if (at) {
+            max = v[8 * i + __builtin_ctz((unsigned)at)];
+            break;
+        }
+    }
+    const float iscale = -127.0f / max;
+    const __m256 scale = _mm256_set1_ps(iscale);
+    const __m256i most = _mm256_set1_epi32(127), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int g = 0; g < QK_K / 64; g++) { /* 64 inputs: 4 sums of 16 */
+        __m256i r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = _mm256_min_epi32(
+                _mm256_cvtps_epi32(_mm256_mul_ps(scale, _mm256_loadu_ps(v + 64 * g + 8 * i))),
+                most);
+        for (int h = 0; h < 2; h++) { /* 32 int32 -> 32 int8 in order (packs interleave lanes) */
+            const __m256i packed =
+                _mm256_packs_epi16(_mm256_packs_epi32(r[4 * h], r[4 * h + 1]),
+                                   _mm256_packs_epi32(r[4 * h + 2], r[4 * h + 3]));
+            _mm256_storeu_si256((__m256i *)(out + 64 * g + 32 * h),
+                                _mm256_permutevar8x32_epi32(packed, order));
+        }
+        /* sums of 16: lanes of r[2j] + r[2j+1], added across by two hadds and the halves */
+        const __m256i s = _mm256_hadd_epi32(
+            _mm256_hadd_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])),
+            _mm256_hadd_epi32(_mm256_add_epi32(r[4], r[5]), _mm256_add_epi32(r[6], r[7])));
+        const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        _mm_storel_epi64((__m128i *)(bsums + 4 * g), _mm_packs_epi32(four, four));
+    }
+    *d = 1.0f / iscale;
+}
+#endif
+
+/* x (M, K) float32 -> q (M, K) int8, d (M, K/256) float32, bsums (M, K/16) int16, each block of
+ * 256 as q8_k_block, with the variant's code (every variant gives the same bytes;
+ * tests/nn/test_native_quant_k.py holds them to a numpy reference of llama.cpp's). Returns 0,
+ * or -1 for a variant this CPU does not run (nothing written). */
+int qkv_quantk_activations_variant(int variant, const float *x, int64_t M, int64_t K, int8_t *q,
+                                   float *d, int16_t *bsums) {
+    if (variant < 0 || variant >= QKV_VARIANTS || !(qkv_quant_variants() >> variant & 1))
+        return -1;
+    void (*block)(const float *, int8_t *, float *, int16_t *) = q8_k_block;
+#if defined(QKV_X86)
+    if (variant >= QKV_AVX2) block = q8_k_block_avx2;
+#endif
+    for (int64_t i = 0; i < M * (K / QK_K); i++)
+        block(x + i * QK_K, q + i * QK_K, d + i, bsums + i * 16);
+    return 0;
+}
+
+/* qkv_quantk_activations_variant with the best variant this CPU runs */
 void qkv_quantk_activations(const float *x, int64_t M, int64_t K, int8_t *q, float *d,
                             int16_t *bsums) {
-    for (int64_t i = 0; i < M * (K / QK_K); i++) {
-        const float *v = x + i * QK_K;
-        int8_t *out = q + i * QK_K;
-        float max = 0.0f, amax = 0.0f;
-        int finite = 1;
-        for (int j = 0; j < QK_K; j++) {
-            const float ax = fabsf(v[j]);
-            finite &= ax <= FLT_MAX; /* false for a NaN and an infinity */
-            if (ax > amax) {
-                amax = ax;
-                max = v[j];
-            }
-        }
-        if (amax == 0.0f || !finite) { /* a NaN or an infinity in: NaN out, as quant.c's */
-            d[i] = finite ? 0.0f : NAN;
-            memset(out, 0, QK_K);
-            memset(bsums + i * 16, 0, 16 * sizeof(int16_t));
-            continue;
-        }
-        const float iscale = -127.0f / max;
-        for (int j = 0; j < QK_K; j++) {
-            const int r = nearest_int(iscale * v[j]); /* -127 at the least: the largest's */
-            out[j] = (int8_t)(r < 127 ? r : 127);
-        }
-        for (int j = 0; j < 16; j++) {
-            int sum = 0;
-            for (int t = 0; t < 16; t++) sum += out[16 * j + t];
-            bsums[i * 16 + j] = (int16_t)sum;
-        }
-        d[i] = 1.0f / iscale;
-    }
+    static int best = -1; /* AVX2's code where the CPU has it (AVX2's is every x86 one's) */
+    if (best < 0) best = qkv_quant_variants() >> QKV_AVX2 & 1 ? QKV_AVX2 : QKV_SCALAR;
+    qkv_quantk_activations_variant(best, x, M, K, q, d, bsums);
 }
 
 /* ---- the products ------------------------------------------------------------------------ */

@@ -41,6 +41,7 @@ def _typed(lib):
     native.declare(lib, "qkv_quantk_panel_bytes", i64, i32, i64, i64)
     native.declare(lib, "qkv_quantk_repack", None, i32, p, i64, i64, p)
     native.declare(lib, "qkv_quantk_activations", None, p, i64, i64, p, p, p)
+    native.declare(lib, "qkv_quantk_activations_variant", i32, i32, p, i64, i64, p, p, p)
     native.declare(lib, "qkv_quantk_matmul", i32, i32, i32, p, p, i64, i64, p, i64, p, p, i32)
     native.declare(lib, "qkv_quantk_work_bytes", i64, i64, i64)
     native.declare(lib, "qkv_quantk_variants", i32)
