@@ -1,8 +1,11 @@
 /* One 256-bit VNNI panel function of quant_k.c (AVX2's own is quant_k_avx2.h), included
  * once per variant with NAME, TARGET and DOT(acc, u, x) defined: acc's 8 int32 lanes plus
- * the sums of 4 products of u's unsigned bytes by x's signed ones. A panel's 16 rows go as two halves of 8 rows; per super-block,
- * each sub-block's sums are scaled by its scale (vpmulld), then the float operations are
- * FINISH_SCALAR's, lane by lane. */
+ * the sums of 4 products of u's unsigned bytes by x's signed ones. A panel's 16 rows go as
+ * two halves of 8 rows; per super-block, each sub-block's sums are scaled by its scale
+ * (vpmulld), then the float operations are FINISH_SCALAR's, lane by lane. Unrolled as
+ * quant_k_512.h (a rolled s loop keeps Q6_K's sums on the stack): in AVX-512's encoding on a
+ * Zen 4, Q6_K 768 x 2048 from memory 64-71 -> 53-59 us. Not prefetched: these two passes over a
+ * super-block (a half each) ran 1.3-1.6x slower with quant_k_512.h's prefetch there. */
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 
@@ -20,14 +23,17 @@ __attribute__((always_inline, target(TARGET))) static inline void CAT(NAME, _bod
         const __m256 xd = _mm256_set1_ps(pr->xd[i]);
         for (int h = 0; h < 2; h++) {
             __m256i isum = zero;
+            _Pragma("GCC unroll 8")
             for (int g = 0; g < 4; g++) {
                 __m256i sum[2][2] = {{zero, zero}, {zero, zero}}; /* [e][Q6_K: s / 4] */
+                _Pragma("GCC unroll 8")
                 for (int s = 0; s < 8; s++) {
                     const __m256i v = _mm256_loadu_si256(
                         (const __m256i *)(at.low + ((g * 8 + s) * ROWS + 8 * h) * 4));
                     __m256i u[2] = {_mm256_and_si256(v, nibble),
                                     _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble)};
                     if (fmt == Q5_K) {
+                        _Pragma("GCC unroll 8")
                         for (int e = 0; e < 2; e++) {
                             const __m256i hb = _mm256_loadu_si256(
                                 (const __m256i *)(at.high + ((g * 2 + e) * ROWS + 8 * h) * 4));
@@ -46,12 +52,15 @@ __attribute__((always_inline, target(TARGET))) static inline void CAT(NAME, _bod
                         u[1] = _mm256_or_si256(u[1], _mm256_and_si256(c, bits45));
                     }
                     const int k = fmt == Q6_K ? s / 4 : 0;
+                    _Pragma("GCC unroll 8")
                     for (int e = 0; e < 2; e++)
                         sum[e][k] =
                             DOT(sum[e][k], u[e], _mm256_set1_epi32(four(x + 64 * g + 32 * e + 4 * s)));
                 }
+                _Pragma("GCC unroll 8")
                 for (int e = 0; e < 2; e++) {
                     if (fmt == Q6_K) {
+                        _Pragma("GCC unroll 8")
                         for (int k = 0; k < 2; k++) {
                             const int j = 4 * g + 2 * e + k;
                             const __m256i q_less_32 =

@@ -20,10 +20,6 @@ __attribute__((always_inline, target("avx2,fma"))) static inline __m256i scale_p
     return is_signed ? _mm256_cvtepi8_epi16(twice) : _mm256_cvtepu8_epi16(twice);
 }
 
-#ifndef AHEAD
-#define AHEAD 4
-#endif
-
 /* rows m .. m + R - 1 of x (R 1 or 2: the two share each weight's unpacking) times panel p */
 __attribute__((always_inline, target("avx2,fma"))) static inline void panel_avx2_body(
     const product *pr, int64_t p, int64_t m, const int fmt, const int R) {
