@@ -368,6 +368,19 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i fifth_at(__
 #define AHEAD_BYTES 8192
 #endif
 
+/* the block AHEAD_BYTES of panels on of block `at` (whose panel bytes start at w), its scales
+ * and minimums: on their way from memory while this block is summed (a prefetch past the end
+ * is dropped, never a fault) */
+__attribute__((always_inline)) static inline void prefetch_ahead(const product *pr,
+                                                                 const uint8_t *w, int64_t at,
+                                                                 int64_t pbb, int F) {
+    const int64_t ahead = AHEAD_BYTES / pbb;
+    _Pragma("GCC unroll 16")
+    for (int64_t c = 0; c < pbb; c += 64) _mm_prefetch((const char *)w + ahead * pbb + c, _MM_HINT_T0);
+    _mm_prefetch((const char *)(pr->scales + at + ahead * ROWS), _MM_HINT_T0);
+    if (has_min(F)) _mm_prefetch((const char *)(pr->mins + at + ahead * ROWS), _MM_HINT_T0);
+}
+
 __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
     const product *pr, int64_t p, int64_t m0, const int R, const int F) {
     const int64_t nb = pr->K / QK, pbb = panel_block_bytes(F);
@@ -379,16 +392,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void rows_avx2(
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *w = pr->panels + (p * nb + b) * pbb;
         const int64_t at = (p * nb + b) * ROWS;
-        { /* the block AHEAD_BYTES of panels on, its scales and minimums: on their way from
-           * memory while this block is summed (a prefetch past the end is dropped) */
-            const int64_t ahead = AHEAD_BYTES / pbb;
-            _Pragma("GCC unroll 16")
-            for (int64_t c = 0; c < pbb; c += 64)
-                _mm_prefetch((const char *)w + ahead * pbb + c, _MM_HINT_T0);
-            _mm_prefetch((const char *)(pr->scales + at + ahead * ROWS), _MM_HINT_T0);
-            if (has_min(F))
-                _mm_prefetch((const char *)(pr->mins + at + ahead * ROWS), _MM_HINT_T0);
-        }
+        prefetch_ahead(pr, w, at, pbb, F);
         const int8_t *x[4];
         int64_t i[4];
         _Pragma("GCC unroll 8")
@@ -609,6 +613,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void pane
         const uint8_t *w = pr->panels + (p * nb + b) * pbb;
         const int8_t *x = pr->xq + m * pr->K + b * QK;
         const int64_t at = (p * nb + b) * ROWS, i = m * nb + b;
+        prefetch_ahead(pr, w, at, pbb, pr->fmt);
         __m512i isum = _mm512_setzero_si512(), other = _mm512_setzero_si512();
         if (pr->fmt == Q8_0) {
             for (int s = 0; s < 8; s += 2) {
