@@ -282,6 +282,36 @@ def test_decode_steps_take_it_where_it_runs_and_faststep_elsewhere(monkeypatch):
     assert calls == {"native": 14, "fast": 14, "read": 1}  # and the batch's 7
 
 
+def test_the_pool_lingers_while_a_native_decoder_runs_and_no_longer():
+    """decode_steps counts itself among the pool's decoders (whose workers spin between tokens
+    rather than sleep) from its prompt to its last token, nested ones too, and uncounts itself
+    when it ends, is closed early or fails; FastStep's decoding is never counted."""
+    model = quantized_model(KINDS["llama"], "Q8_0")
+    lib = native.library()
+    running = lambda: lib.qkv_pool_linger(0)  # noqa: E731 (the count, unchanged)
+    prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(5))
+    greedy = Sampling(temperature=0.0)
+    assert running() == 0
+    first = decode_steps(model, prompt[:1], None, greedy, 6)
+    next(first)
+    assert running() == 1
+    second = decode_steps(model, prompt[:1], None, greedy, 6)
+    next(second)
+    assert running() == 2
+    assert len(list(second)) == 5 and running() == 1  # ran out
+    first.close()  # closed early
+    assert running() == 0
+    batch = decode_steps(model, prompt, None, greedy, 3)  # a batch: FastStep's
+    next(batch)
+    assert running() == 0
+    batch.close()
+    failing = decode_steps(model, prompt[:1], None, greedy, 4)
+    next(failing)
+    with pytest.raises(RuntimeError, match="stop here"):
+        failing.throw(RuntimeError("stop here"))
+    assert running() == 0
+
+
 def test_what_it_does_not_compute_is_refused_by_name():
     model = quantized_model(KINDS["llama"])
     assert "one sequence" in native_step_refusal(model, 2, False)

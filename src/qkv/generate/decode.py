@@ -63,42 +63,44 @@ def decode_steps(
     native_steps = (
         use_fast and native_step_refusal(model, len(input_ids), positions is not None) is None
     )
-    capacity = input_ids.shape[1] + max_new_tokens
-    fast = None
-    if native_steps and input_ids.shape[1] <= NATIVE_PROMPT:
-        fast = NativeStep(model, None, capacity)
-        head, bias = _step_head(model, True, native_step=True)
-        logits = _head(model, head, bias, fast.read(input_ids))
-    else:
-        # The prompt's token comes from the model's own head (model(ids).logits' arithmetic),
-        # and is yielded before the copies that make each later step fast (0.1-0.2 s for
-        # SmolLM2's): a stream shows it that much sooner.
-        with _prompt_cores(model):
-            logits = _next_logits(model, None, None, input_ids, attention_mask, positions, cache,
-                                  layers, keep)  # fmt: skip
-    token = sampling.pick(logits, generator)  # (B,)
-    yield token
-    if max_new_tokens <= 1:
-        return
-    if fast is None:
-        if native_steps:
-            fast = NativeStep(model, cache, capacity)
-        elif use_fast:
-            fast = FastStep(model, cache, capacity, attention_mask)
-        head, bias = _step_head(model, use_fast, native_step=native_steps)
-    for _ in range(max_new_tokens - 1):
-        if positions is not None:
-            positions = positions[:, -1:] + 1  # (B, 1)
-            if fast is None:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)],
-                                           1)  # fmt: skip
-        if fast is not None:
-            logits = _head(model, head, bias, fast(token, positions))
+    # while the native step decodes, its pool's workers spin between tokens rather than sleep
+    with native.lingering() if native_steps else contextlib.nullcontext():
+        capacity = input_ids.shape[1] + max_new_tokens
+        fast = None
+        if native_steps and input_ids.shape[1] <= NATIVE_PROMPT:
+            fast = NativeStep(model, None, capacity)
+            head, bias = _step_head(model, True, native_step=True)
+            logits = _head(model, head, bias, fast.read(input_ids))
         else:
-            logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions,
-                                  cache, layers, keep)  # fmt: skip
+            # The prompt's token comes from the model's own head (model(ids).logits'
+            # arithmetic), and is yielded before the copies that make each later step fast
+            # (0.1-0.2 s for SmolLM2's): a stream shows it that much sooner.
+            with _prompt_cores(model):
+                logits = _next_logits(model, None, None, input_ids, attention_mask, positions,
+                                      cache, layers, keep)  # fmt: skip
         token = sampling.pick(logits, generator)  # (B,)
         yield token
+        if max_new_tokens <= 1:
+            return
+        if fast is None:
+            if native_steps:
+                fast = NativeStep(model, cache, capacity)
+            elif use_fast:
+                fast = FastStep(model, cache, capacity, attention_mask)
+            head, bias = _step_head(model, use_fast, native_step=native_steps)
+        for _ in range(max_new_tokens - 1):
+            if positions is not None:
+                positions = positions[:, -1:] + 1  # (B, 1)
+                if fast is None:
+                    more = attention_mask.new_ones(len(token), 1)
+                    attention_mask = torch.cat([attention_mask, more], 1)
+            if fast is not None:
+                logits = _head(model, head, bias, fast(token, positions))
+            else:
+                logits = _next_logits(model, head, bias, token[:, None], attention_mask, positions,
+                                      cache, layers, keep)  # fmt: skip
+            token = sampling.pick(logits, generator)  # (B,)
+            yield token
 
 
 def seq2seq_steps(

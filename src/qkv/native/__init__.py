@@ -29,6 +29,7 @@ This is a package of the bottom floor: it imports nothing of qkv.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -37,6 +38,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1]  # src/qkv
@@ -185,6 +187,24 @@ def _declare(lib: ctypes.CDLL) -> None:
     own with `declare`."""
     declare(lib, "qkv_quant_variants", ctypes.c_int)
     declare(lib, "qkv_pool_check", ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+    declare(lib, "qkv_pool_linger", ctypes.c_int, ctypes.c_int)
+
+
+@contextlib.contextmanager
+def lingering() -> Iterator[None]:
+    """While this runs, the kernels' workers wait spinning 1 ms after each task before they
+    sleep, not 50 us: a decoder's tokens come one after another, and Python's work between
+    two of them is longer than 50 us (waking a sleeping worker each token cost 7% of it).
+    Nested and concurrent decoders count; nothing where there is no library."""
+    lib = library()
+    if lib is None:
+        yield
+        return
+    lib.qkv_pool_linger(1)
+    try:
+        yield
+    finally:
+        lib.qkv_pool_linger(-1)
 
 
 def declare(lib: ctypes.CDLL, name: str, result, *arguments) -> None:

@@ -13,6 +13,8 @@ typedef void (*qkv_task)(void *arg, int ith, int nth);
  * The workers are kept between calls, spinning a little before they sleep, so that calls a
  * few microseconds apart (a decoding step's products) cost no thread start or wake-up. */
 void qkv_parallel(qkv_task fn, void *arg, int nth);
+/* a decoder starts (1) or ends (-1): the workers spin longer between its tasks (pool.c) */
+int qkv_pool_linger(int delta);
 
 /* Instruction-set variants of the kernels, lowest first; each runs where the CPU has it. */
 enum { QKV_SCALAR = 0, QKV_AVX2 = 1, QKV_AVX_VNNI = 2, QKV_AVX512_VNNI = 3, QKV_VARIANTS = 4 };
