@@ -194,7 +194,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 def lingering() -> Iterator[None]:
     """While this runs, the kernels' workers wait spinning 1 ms after each task before they
     sleep, not 50 us: a decoder's tokens come one after another, and Python's work between
-    two of them is longer than 50 us (waking a sleeping worker each token cost 7% of it).
+    two of them is longer than 50 us, and a worker slept and was woken once a token.
     Nested and concurrent decoders count; nothing where there is no library."""
     lib = library()
     if lib is None:

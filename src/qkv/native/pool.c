@@ -3,7 +3,8 @@
  * calls a product every few microseconds: waking a sleeping thread for each would cost more
  * than the product. While a decoder runs (qkv_pool_linger), they spin longer: between two
  * tokens Python picks the token and starts the next step, longer than SPIN_NS, and a worker
- * woken from its futex once a token cost 0.3 ms of a 4.5 ms token on a Zen 4 VM. */
+ * slept and was woken once a token (63-66 futex wakes in 64 tokens on a Zen 4 VM; 1-2 with
+ * LINGER_NS). */
 #define _GNU_SOURCE
 #include <linux/futex.h>
 #include <pthread.h>
@@ -79,6 +80,7 @@ static void forget_workers(void) {
     pool.started = 0;
     atomic_store(&pool.remaining, 0);
     atomic_store(&pool.sleepers, 0);
+    atomic_store(&decoders, 0); /* the child's own decoders count from none */
 }
 
 static int start_workers(int n) {
