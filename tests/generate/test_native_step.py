@@ -339,6 +339,29 @@ def test_a_full_cache_and_a_wrong_token_are_refused_before_the_call():
         step(torch.tensor([5]))
     with pytest.raises(ValueError, match="less than the 3 cached"):
         NativeStep(model, prompt_cache(model, torch.tensor([[1, 2, 3]])), 2)
+    step = NativeStep(model, None, 4)
+    for bad in (VOCAB, -1):  # the token table's rows, read directly, are checked as embed does
+        with pytest.raises(ValueError, match=f"token ids must be in 0-{VOCAB - 1}"):
+            step(torch.tensor([bad]))
+    assert step.length == 0
+
+
+def test_a_token_is_its_table_row_where_the_embedding_is_only_that():
+    """Each step's vector is the token table's row read directly where the model's embedding
+    adds nothing to it, and the module's output (here scaled, as Gemma's) elsewhere: both
+    follow FastStep's steps (as test_each_step_follows_faststep measures them)."""
+    plain = quantized_model(KINDS["llama"])
+    scaled = quantized_model(KINDS["llama"])
+    scaled.embed.scale = 8.0
+    prompt = torch.tensor([[3, 1, 4, 1, 5]])
+    tokens = [9, 2, 6, 2]
+    for model, direct in ((plain, True), (scaled, False)):
+        step = NativeStep(model, prompt_cache(model, prompt), 9)
+        assert (step._table is not None) is direct
+        want = teacher_forced(HalfCacheStep(model, prompt_cache(model, prompt), 9), model, tokens)
+        got = teacher_forced(step, model, tokens)
+        off = (got - want).abs().amax(-1) / want.abs().amax(-1)
+        assert float(off.max()) < 1e-2, f"{float(off.max()):.2%} off FastStep's"
 
 
 def test_the_step_runs_clean_under_sanitizers(tmp_path):

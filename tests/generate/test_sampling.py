@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qkv.generate import Sampling
+from qkv.generate.sampling import greedy
 
 LOGITS = torch.log(torch.tensor([[0.05, 0.4, 0.3, 0.2, 0.05]]))
 
@@ -17,6 +18,28 @@ def draws(sampling: Sampling, n: int = 400) -> set[int]:
 
 def test_greedy_takes_the_most_likely_token():
     assert draws(Sampling(temperature=0.0), 5) == {1}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_is_torchs_argmax_ties_nan_and_every_shape(dtype):
+    """The greedy pick (numpy's argmax on the CPU for float32 and float64) is torch's argmax
+    everywhere: the first of tied largest values, the first NaN of a row with NaNs, -inf rows,
+    a 1-D vector, a strided view and an inference tensor; int64 like torch's."""
+    rng = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=rng).to(dtype)
+    logits[1, 100] = logits[1, 7] = 50.0  # a tie: the first wins
+    logits[2, 300], logits[2, 9000] = float("nan"), float("nan")
+    logits[3] = float("-inf")
+    logits[4, 5] = float("inf")
+    for x in (logits, logits[0], logits[:, ::3], logits.t().contiguous().t()):
+        want = x.argmax(dim=-1)
+        got = greedy(x)
+        assert got.dtype == torch.int64 and got.shape == want.shape and torch.equal(got, want)
+    with torch.inference_mode():
+        inferred = logits.clone()
+    assert torch.equal(greedy(inferred), logits.argmax(-1))
+    assert torch.equal(Sampling(temperature=0.0).pick(logits, None), logits.argmax(-1))
+    assert greedy(logits)[1] == 7 and greedy(logits)[2] == 300
 
 
 def test_top_k_and_top_p_keep_exactly_the_expected_tokens():

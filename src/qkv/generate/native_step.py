@@ -25,6 +25,7 @@ from torch import Tensor
 from qkv import native
 from qkv.models.decoder import Decoder, DecoderCache
 from qkv.nn import quant_k
+from qkv.nn.embeddings import Embeddings
 from qkv.nn.mlps import ACTIVATIONS, GatedMLP
 from qkv.nn.norms import RMSNorm
 from qkv.nn.quant_linear import K_FORMATS, ROWS, QuantLinear, kernels, panel_block_bytes, variant
@@ -139,6 +140,22 @@ def native_step_refusal(model: Decoder, batch: int, padded: bool) -> str | None:
     return None
 
 
+def _plain_table(embed) -> Tensor | None:
+    """The float32 token table where `embed` (an Embeddings) is its rows and nothing more: no
+    positions, segments, norm, scale or dropout added; else None (the module computes)."""
+    plain = (
+        isinstance(embed, Embeddings)
+        and embed.positions is None
+        and embed.types is None
+        and embed.norm is None
+        and embed.scale == 1.0
+        and not embed.round_scale
+        and (embed.dropout.p == 0 or not embed.training)
+        and embed.tokens.weight.dtype == torch.float32
+    )
+    return embed.tokens.weight.detach() if plain else None
+
+
 class NativeStep:
     """The cache of a prompt already read (DecoderCache), or none, then one token per call: as
     FastStep, for one sequence. capacity: the most tokens the cache will hold. Each call
@@ -194,6 +211,7 @@ class NativeStep:
             layers, None if final is None else final.data_ptr(), cos.data_ptr(), sin.data_ptr(),
         )  # fmt: skip
         self._step, self._capacity = lib.qkv_step, capacity
+        self._table = _plain_table(model.embed)
 
     def _memory(self, rows: int) -> tuple[Tensor, int]:
         """The C side's working memory for `rows` tokens, and its address aligned to 64."""
@@ -241,7 +259,7 @@ class NativeStep:
         if positions is not None and int(positions.reshape(-1)[0]) != self.length:
             raise ValueError("NativeStep's positions are the cache's length")
         x = self._x
-        self._run(token[None], x, self._work[1])
+        self._run(token[None], x, self._work[1], one=True)
         return x.clone()
 
     @torch.inference_mode()
@@ -257,14 +275,23 @@ class NativeStep:
         del work  # held until the call is done
         return x[-1:].clone()
 
-    def _run(self, input_ids: Tensor, x: Tensor, work: int) -> None:
-        """input_ids (1, T) through the C side into x (T, C), the cache's length moved on."""
+    def _run(self, input_ids: Tensor, x: Tensor, work: int, one: bool = False) -> None:
+        """input_ids (1, T) through the C side into x (T, C), the cache's length moved on;
+        one: a single token, whose vector is its row of a plain token table where the model's
+        embedding is no more than that (the module's checks and calls took 32 us a token)."""
         at, rows = self.length, input_ids.shape[1]
         if at + rows > self._capacity:
             raise ValueError(f"{rows} more tokens overflow the cache: it holds {at} of its "
                              f"capacity {self._capacity}")  # fmt: skip
-        where = torch.arange(at, at + rows)[None]
-        x.copy_(self.model.embed(input_ids, where)[0])
+        table = self._table if one else None
+        if table is not None:
+            token = int(input_ids[0, 0])
+            if not 0 <= token < len(table):
+                raise ValueError(f"token ids must be in 0-{len(table) - 1}, got {token}")
+            x[0].copy_(table[token])
+        else:
+            where = torch.arange(at, at + rows)[None]
+            x.copy_(self.model.embed(input_ids, where)[0])
         failed = self._step(ctypes.byref(self._model), x.data_ptr(), rows, at, work)
         if failed:
             raise RuntimeError(f"the native step failed ({failed})")
