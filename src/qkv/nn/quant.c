@@ -368,15 +368,16 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i fifth_at(__
 #define AHEAD_BYTES 8192
 #endif
 
-/* the block AHEAD_BYTES of panels on of block `at` (whose panel bytes start at w), its scales
- * and minimums: on their way from memory while this block is summed (a prefetch past the end
- * is dropped, never a fault) */
+/* the block AHEAD_BYTES of panels past the one at w (block index `at`), with its scales and
+ * minimums: on their way from memory while this block is summed (a prefetch past the end is
+ * dropped, never a fault) */
 __attribute__((always_inline)) static inline void prefetch_ahead(const product *pr,
                                                                  const uint8_t *w, int64_t at,
                                                                  int64_t pbb, int F) {
     const int64_t ahead = AHEAD_BYTES / pbb;
     _Pragma("GCC unroll 16")
-    for (int64_t c = 0; c < pbb; c += 64) _mm_prefetch((const char *)w + ahead * pbb + c, _MM_HINT_T0);
+    for (int64_t c = 0; c < pbb; c += 64)
+        _mm_prefetch((const char *)w + ahead * pbb + c, _MM_HINT_T0);
     _mm_prefetch((const char *)(pr->scales + at + ahead * ROWS), _MM_HINT_T0);
     if (has_min(F)) _mm_prefetch((const char *)(pr->mins + at + ahead * ROWS), _MM_HINT_T0);
 }

@@ -237,7 +237,8 @@ __attribute__((target("avx2,fma"))) static void q8_k_block_avx2(const float *v, 
     }
     const float iscale = -127.0f / max;
     const __m256 scale = _mm256_set1_ps(iscale);
-    const __m256i most = _mm256_set1_epi32(127), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i most = _mm256_set1_epi32(127);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int g = 0; g < QK_K / 64; g++) { /* 64 inputs: 4 sums of 16 */
         __m256i r[8];
         for (int i = 0; i < 8; i++)
@@ -255,7 +256,8 @@ __attribute__((target("avx2,fma"))) static void q8_k_block_avx2(const float *v, 
         const __m256i s = _mm256_hadd_epi32(
             _mm256_hadd_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3])),
             _mm256_hadd_epi32(_mm256_add_epi32(r[4], r[5]), _mm256_add_epi32(r[6], r[7])));
-        const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        const __m128i four =
+            _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
         _mm_storel_epi64((__m128i *)(bsums + 4 * g), _mm_packs_epi32(four, four));
     }
     *d = 1.0f / iscale;
