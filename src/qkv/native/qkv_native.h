@@ -16,6 +16,17 @@ void qkv_parallel(qkv_task fn, void *arg, int nth);
 /* a decoder starts (1) or ends (-1): the workers spin longer between its tasks (pool.c) */
 int qkv_pool_linger(int delta);
 
+/* Several matrices' panels in one task of the pool (quant.c's and quant_k.c's run_many):
+ * matrix i's are [first[i], first[i + 1]) of them all, cut into nth runs, one a thread;
+ * thread ith's of matrix i are [*a, *b), none where *a >= *b. */
+static inline void qkv_share(const int64_t *first, int count, int i, int ith, int nth,
+                             int64_t *a, int64_t *b) {
+    const int64_t total = first[count];
+    const int64_t from = total * ith / nth, to = total * (ith + 1) / nth;
+    *a = from > first[i] ? from : first[i];
+    *b = to < first[i + 1] ? to : first[i + 1];
+}
+
 /* Instruction-set variants of the kernels, lowest first; each runs where the CPU has it. */
 enum { QKV_SCALAR = 0, QKV_AVX2 = 1, QKV_AVX_VNNI = 2, QKV_AVX512_VNNI = 3, QKV_VARIANTS = 4 };
 

@@ -482,12 +482,10 @@ typedef struct {
  * time, so that its panels stay in its cache while the rows pass */
 static void run_many(void *arg, int ith, int nth) {
     const many_job *jb = arg;
-    const int64_t total = jb->first[jb->count];
-    const int64_t from = total * ith / nth, to = total * (ith + 1) / nth;
     for (int i = 0; i < jb->count; i++) {
         const product *pr = &jb->pr[i];
-        const int64_t a = from > jb->first[i] ? from : jb->first[i];
-        const int64_t b = to < jb->first[i + 1] ? to : jb->first[i + 1];
+        int64_t a, b;
+        qkv_share(jb->first, jb->count, i, ith, nth, &a, &b);
         for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
             const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
             for (int64_t p = a; p < b; p++) jb->fn(pr, p - jb->first[i], m0, m1);
