@@ -188,6 +188,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     declare(lib, "qkv_quant_variants", ctypes.c_int)
     declare(lib, "qkv_pool_check", ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
     declare(lib, "qkv_pool_linger", ctypes.c_int, ctypes.c_int)
+    declare(lib, "qkv_runs_check", ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+            ctypes.c_void_p)  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -145,3 +145,29 @@ int qkv_pool_check(int *out, int nth) {
     qkv_parallel(mark, out, nth);
     return pool.started;
 }
+
+/* ctypes' probe of how a task's panels are shared (qkv_runs in qkv_native.h): total panels
+ * for nth threads, taken by the pool's threads at once (present 0) or, one thread after
+ * another, by the first `present` of them, at most those it was cut for (a pool that runs
+ * fewer than asked for); count[p] is how many times panel p was taken. Returns the threads
+ * the panels were cut for. */
+typedef struct {
+    qkv_runs runs;
+    _Atomic int32_t *count;
+} runs_probe;
+
+static void take_all(void *arg, int ith, int nth) {
+    (void)nth;
+    runs_probe *probe = arg;
+    int64_t from, to;
+    for (int taken = 0; qkv_runs_next(&probe->runs, ith, taken, &from, &to); taken++)
+        for (int64_t p = from; p < to; p++) atomic_fetch_add(&probe->count[p], 1);
+}
+
+int qkv_runs_check(int64_t total, int nth, int present, int32_t *count) {
+    runs_probe probe = {.count = (_Atomic int32_t *)count};
+    qkv_runs_start(&probe.runs, total, &nth);
+    if (!present) qkv_parallel(take_all, &probe, nth);
+    for (int ith = 0; ith < present && ith < nth; ith++) take_all(&probe, ith, nth);
+    return nth;
+}

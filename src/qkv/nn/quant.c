@@ -759,20 +759,26 @@ typedef struct {
     int64_t first[MANY + 1]; /* matrix i's panels are [first[i], first[i + 1]) of them all */
     int count;
     panels_fn fn;
+    qkv_runs runs;
 } many_job;
 
+/* thread ith's pieces of the panels of every matrix (qkv_runs) */
 static void run_many(void *arg, int ith, int nth) {
-    const many_job *jb = arg;
-    for (int i = 0; i < jb->count; i++) {
-        int64_t a, b;
-        qkv_share(jb->first, jb->count, i, ith, nth, &a, &b);
-        for (int64_t p = a; p < b; p++) jb->fn(&jb->pr[i], p - jb->first[i], 0, jb->pr[i].M);
-    }
+    (void)nth;
+    many_job *jb = arg;
+    int64_t from, to;
+    for (int taken = 0; qkv_runs_next(&jb->runs, ith, taken, &from, &to); taken++)
+        for (int i = 0; i < jb->count; i++) {
+            int64_t a, b;
+            qkv_runs_part(jb->first, i, from, to, &a, &b);
+            for (int64_t p = a; p < b; p++)
+                jb->fn(&jb->pr[i], p - jb->first[i], 0, jb->pr[i].M);
+        }
 }
 
 /* ys[i] (M, N_i) = mats[i] @ x (+ bias) for M rows x already rounded to 8-bit blocks
- * (qkv_quant_activations), every matrix with x's K columns: the panels of all of them cut
- * into nth runs, so that a step's q, k and v (or gate and up) are one task of the pool. The
+ * (qkv_quant_activations), every matrix with x's K columns: the panels of all of them
+ * shared by nth threads (qkv_runs), so that a step's q, k and v (or gate and up) are one task of the pool. The
  * caller (qkv/generate/step.c) has checked the variant, the sizes and count <= MANY. */
 void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
                     const qkv_q8 *x, int64_t M, int nth) {
@@ -784,6 +790,6 @@ void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *
                              x->q, x->d, x->s, x->sum, ys[i]};
         jb.first[i + 1] = jb.first[i] + (w->N + ROWS - 1) / ROWS;
     }
-    if (nth > jb.first[count]) nth = (int)jb.first[count];
-    qkv_parallel(run_many, &jb, nth < 1 ? 1 : nth);
+    qkv_runs_start(&jb.runs, jb.first[count], &nth);
+    qkv_parallel(run_many, &jb, nth);
 }

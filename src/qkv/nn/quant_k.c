@@ -476,26 +476,30 @@ typedef struct {
     int64_t first[MANY + 1]; /* matrix i's panels are [first[i], first[i + 1]) of them all */
     int count;
     panel_fn fn;
+    qkv_runs runs;
 } many_job;
 
-/* thread ith's share of the panels of every matrix, for every row of x: MTILE rows at a
- * time, so that its panels stay in its cache while the rows pass */
+/* thread ith's pieces of the panels of every matrix (qkv_runs), for every row of x: MTILE rows
+ * at a time, so that a piece's panels stay in the cache while the rows pass */
 static void run_many(void *arg, int ith, int nth) {
-    const many_job *jb = arg;
-    for (int i = 0; i < jb->count; i++) {
-        const product *pr = &jb->pr[i];
-        int64_t a, b;
-        qkv_share(jb->first, jb->count, i, ith, nth, &a, &b);
-        for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
-            const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
-            for (int64_t p = a; p < b; p++) jb->fn(pr, p - jb->first[i], m0, m1);
+    (void)nth;
+    many_job *jb = arg;
+    int64_t from, to;
+    for (int taken = 0; qkv_runs_next(&jb->runs, ith, taken, &from, &to); taken++)
+        for (int i = 0; i < jb->count; i++) {
+            const product *pr = &jb->pr[i];
+            int64_t a, b;
+            qkv_runs_part(jb->first, i, from, to, &a, &b);
+            for (int64_t m0 = 0; m0 < pr->M && a < b; m0 += MTILE) {
+                const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
+                for (int64_t p = a; p < b; p++) jb->fn(pr, p - jb->first[i], m0, m1);
+            }
         }
-    }
 }
 
 /* ys[i] (M, N_i) = x @ mats[i]^T (+ bias) for M rows of x already rounded
  * (qkv_quantk_prepare), every matrix a K-quant one (fmt QKV_FMT_K + quant_k.c's) with x's K
- * columns: the panels of all of them cut into nth runs, one task of the pool. The caller
+ * columns: the panels of all of them shared by nth threads (qkv_runs), one task of the pool. The caller
  * (qkv/generate/step.c, qkv_quantk_matmul) has checked the variant, the sizes and
  * count <= MANY. */
 void qkv_quantk_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
@@ -508,8 +512,8 @@ void qkv_quantk_many(int variant, int count, const qkv_qmat *mats, float *const 
                              x->q, x->d, x->bsums, x->pairs, ys[i]};
         jb.first[i + 1] = jb.first[i] + (w->N + ROWS - 1) / ROWS;
     }
-    if (nth > jb.first[count]) nth = (int)jb.first[count];
-    qkv_parallel(run_many, &jb, nth < 1 ? 1 : nth);
+    qkv_runs_start(&jb.runs, jb.first[count], &nth);
+    qkv_parallel(run_many, &jb, nth);
 }
 
 /* y (M, N) = x (M, K) @ W.T (+ bias): W as qkv_quantk_repack made it, x rounded to Q8_K
