@@ -315,15 +315,18 @@ typedef void (*chunk_fn)(const decode *, int64_t, float *);
 typedef struct {
     const decode *w;
     chunk_fn fn;
-    int64_t tasks;
+    qkv_runs runs; /* the tasks, shared as a product's panels (qkv_native.h) */
 } job;
 
-/* thread ith's share: a contiguous run of tasks (a kv-head's chunks lie side by side) */
+/* thread ith's tasks: a run of them (a kv-head's chunks lie side by side), then what is left
+ * of the others' */
 static void run_job(void *arg, int ith, int nth) {
-    const job *jb = arg;
+    (void)nth;
+    job *jb = arg;
     float *scratch = jb->w->scratch + ith * jb->w->scratch_floats;
-    for (int64_t task = jb->tasks * ith / nth; task < jb->tasks * (ith + 1) / nth; task++)
-        jb->fn(jb->w, task, scratch);
+    int64_t from, to;
+    for (int taken = 0; qkv_runs_next(&jb->runs, ith, taken, &from, &to); taken++)
+        for (int64_t task = from; task < to; task++) jb->fn(jb->w, task, scratch);
 }
 
 /* The partials of every chunk, combined exactly: out = sum_c exp(m_c - M) acc_c / L, with
@@ -406,7 +409,8 @@ int qkv_decode_attention(int variant, int fmt, const float *q, const void *keys,
     decode w = {fmt, q, keys, values, kscale, vscale, mask, B, H, Hkv, cap, D, H / Hkv,
                 start, length, chunk, (n + chunk - 1) / chunk, scale, NULL, NULL, 0};
     const int64_t tasks = B * Hkv * w.nchunks;
-    if (nth > tasks) nth = tasks > 0 ? (int)tasks : 1;
+    job jb = {.w = &w};
+    qkv_runs_start(&jb.runs, tasks, &nth); /* nth no more than the tasks */
     w.scratch_floats = (w.G * chunk + 4 * D + 15) / 16 * 16;
     float *memory = malloc((size_t)(tasks * w.G * (D + 2) + nth * w.scratch_floats) * sizeof(float));
     if (!memory) return -2;
@@ -416,7 +420,7 @@ int qkv_decode_attention(int variant, int fmt, const float *q, const void *keys,
 #if defined(QKV_X86)
     if (variant != QKV_SCALAR) fn = chunk_avx2;
 #endif
-    job jb = {&w, fn, tasks};
+    jb.fn = fn;
     if (tasks > 0) qkv_parallel(run_job, &jb, nth);
     combine(&w, out, lse);
     free(memory);
