@@ -363,13 +363,19 @@ def bench_load(quick: bool) -> None:
 
 
 def bench_cold_start(quick: bool) -> None:
-    """Seconds from starting `qkv generate` to its first generated character, cache warm."""
+    """Seconds from starting `qkv generate` to its first generated character, cache warm:
+    qkv's cache of weights, and Python's of compiled modules (PYTHONDONTWRITEBYTECODE, set in
+    some sandboxes, would compile every module of qkv's again in each run: 0.5-0.8 s more on
+    a 2-core Zen 4 VM)."""
     qkv.load("smollm2")  # fills the cache of dequantized weights, if it is empty
     command = [str(Path(sys.executable).with_name("qkv")), "generate", PROMPT, "-n", "4"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    subprocess.run(command, capture_output=True, env=env, check=True)  # writes the bytecode
     times = []
     for _ in range(1 if quick else 5):
         start = time.perf_counter()
-        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as run:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env=env) as run:  # fmt: skip
             seen = b""
             while len(seen) <= len(PROMPT.encode()):  # the prompt is echoed first
                 byte = run.stdout.read(1)
