@@ -145,6 +145,24 @@ def test_each_step_follows_faststep(kind, fmt):
     assert not bool(step.keys[-1][:, 18].eq(0).all())
 
 
+def test_the_scalar_step_follows_faststep_as_the_simd_one(monkeypatch):
+    """The step's own loops without AVX2 (the norm's sum of squares, the float16 rounding of
+    keys and values, the SiLU gate; QKV_NATIVE_ISA=scalar forces them here) follow FastStep
+    as the SIMD ones do: a wrong lane or a skipped tail would be off by its whole size."""
+    model = quantized_model(KINDS["llama"], "Q8_0")
+    prompt = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(4)).tolist()
+    want = teacher_forced(HalfCacheStep(model, prompt_cache(model, prompt), 15), model, tokens)
+    simd = teacher_forced(NativeStep(model, prompt_cache(model, prompt), 15), model, tokens)
+    monkeypatch.setenv("QKV_NATIVE_ISA", "scalar")
+    step = NativeStep(model, prompt_cache(model, prompt), 15)
+    assert step._model.variant == step._model.attn_variant == 0  # the scalar loops run
+    scalar = teacher_forced(step, model, tokens)
+    for got in (simd, scalar):
+        off = (got - want).abs().amax(-1) / want.abs().amax(-1)
+        assert float(off.max()) < 1e-2, f"a step differs from FastStep's by {off.tolist()}"
+
+
 # Matrices of every format a file's blocks come in, mixed as llama.cpp's Q4_K_M mixes them
 # (SmolLM2's: 5-bit q, k and output projections, an 8-bit v, K-quant MLPs) and the other way
 # round (K-quants in attention, whose inputs go in two parts, as `use_blocks` sets them)
