@@ -231,13 +231,14 @@ def test_a_prompts_cores_are_its_own_threads_and_torchs_count_comes_back(monkeyp
 
 
 @pytest.mark.parametrize("total", [1, 2, 7, 80, 3072, 100_003])
-@pytest.mark.parametrize(("nth", "present"), [(1, 0), (2, 0), (3, 0), (2, 1), (4, 1), (5, 3),
-                                              (70, 2), (70, 70)])  # fmt: skip
+@pytest.mark.parametrize(("nth", "present"), [(1, 0), (2, 0), (2, 1), (4, 1), (5, 3), (70, 2),
+                                              (70, 70)])  # fmt: skip
 def test_every_panel_is_taken_once_by_whichever_threads_come(total, nth, present):
     """The panels of a task (qkv_runs in qkv_native.h): each thread its run, then the backs of
     the others'. Every panel is taken exactly once, by the pool's threads at once (present 0)
     or by only some of the threads the panels were cut for, one after another (a pool that runs
-    fewer than asked for; 70 is past the 64 threads that have runs of their own)."""
+    fewer than asked for; 70 is past the 64 threads that have runs of their own). The pool runs
+    2 threads here: more would be kept, spinning, for the rest of the tests."""
     lib = native.library()
     count = torch.zeros(total, dtype=torch.int32)
     cut_for = lib.qkv_runs_check(total, nth, present, count.data_ptr())

@@ -21,9 +21,9 @@ int qkv_pool_linger(int delta);
  * matrix i's [first[i], first[i + 1]) of them all. Each thread has a run of them, one stream
  * from memory, and takes it from its front a piece at a time; one that has finished its own
  * takes pieces from the backs of the others'. Equal runs alone left one thread waiting for
- * the other: on a Zen 4 VM a 30 MB Q6_K head took 1.25 ms so, 0.88 ms so shared, and a token
- * of a Q4_K_M model 4.5-4.6 ms against 3.7-4.0 (Q6_K panels beside Q4_K ones are 1.5x the
- * bytes, and the machine slows one thread more than the other). Pieces dealt in turn, each
+ * the other: on a Zen 4 VM a 30 MB Q6_K head took 1.25 ms in equal runs and 0.88 ms shared so,
+ * a token of a Q4_K_M model 4.2-4.6 ms against 3.7-4.0 (Q6_K panels beside Q4_K ones are 1.5x
+ * the bytes, and the machine slows one thread more than the other). Pieces dealt in turn, each
  * thread's stream cut into many, made the small products slower. A run is two 32-bit panel
  * numbers in one atomic word, in a cache line of its own; which thread computes a panel
  * changes nothing in its outputs. QKV_RUNS threads at the most have runs, those past it only

@@ -778,8 +778,9 @@ static void run_many(void *arg, int ith, int nth) {
 
 /* ys[i] (M, N_i) = mats[i] @ x (+ bias) for M rows x already rounded to 8-bit blocks
  * (qkv_quant_activations), every matrix with x's K columns: the panels of all of them
- * shared by nth threads (qkv_runs), so that a step's q, k and v (or gate and up) are one task of the pool. The
- * caller (qkv/generate/step.c) has checked the variant, the sizes and count <= MANY. */
+ * shared by nth threads (qkv_runs), so that a step's q, k and v (or gate and up) are one task
+ * of the pool. The caller (qkv/generate/step.c) has checked the variant, the sizes and
+ * count <= MANY. */
 void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
                     const qkv_q8 *x, int64_t M, int nth) {
     many_job jb = {.count = count, .fn = panel_of(variant)};

@@ -499,8 +499,8 @@ static void run_many(void *arg, int ith, int nth) {
 
 /* ys[i] (M, N_i) = x @ mats[i]^T (+ bias) for M rows of x already rounded
  * (qkv_quantk_prepare), every matrix a K-quant one (fmt QKV_FMT_K + quant_k.c's) with x's K
- * columns: the panels of all of them shared by nth threads (qkv_runs), one task of the pool. The caller
- * (qkv/generate/step.c, qkv_quantk_matmul) has checked the variant, the sizes and
+ * columns: the panels of all of them shared by nth threads (qkv_runs), one task of the pool.
+ * The caller (qkv/generate/step.c, qkv_quantk_matmul) has checked the variant, the sizes and
  * count <= MANY. */
 void qkv_quantk_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
                      const qkv_q8k *x, int64_t M, int nth) {
