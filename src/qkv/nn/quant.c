@@ -688,19 +688,21 @@ static panels_fn panel_of(int variant) {
 typedef struct {
     const product *pr;
     panels_fn fn;
+    qkv_runs runs;
 } job;
 
-/* thread ith's share: a contiguous run of panels, for every activation row, MTILE rows at a
- * time so that its panels stay in its cache while the rows pass */
+/* thread ith's pieces of the panels (qkv_runs), for every activation row, MTILE rows at a
+ * time so that a piece's panels stay in its cache while the rows pass */
 static void run_job(void *arg, int ith, int nth) {
-    const job *jb = arg;
+    (void)nth;
+    job *jb = arg;
     const product *pr = jb->pr;
-    const int64_t np = (pr->N + ROWS - 1) / ROWS;
-    const int64_t first = np * ith / nth, last = np * (ith + 1) / nth;
-    for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
-        const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
-        for (int64_t p = first; p < last; p++) jb->fn(pr, p, m0, m1 - m0);
-    }
+    int64_t from, to;
+    for (int taken = 0; qkv_runs_next(&jb->runs, ith, taken, &from, &to); taken++)
+        for (int64_t m0 = 0; m0 < pr->M; m0 += MTILE) {
+            const int64_t m1 = m0 + MTILE < pr->M ? m0 + MTILE : pr->M;
+            for (int64_t p = from; p < to; p++) jb->fn(pr, p, m0, m1 - m0);
+        }
 }
 
 /* The variants this CPU runs: a bit mask of 1 << QKV_SCALAR, 1 << QKV_AVX2, ... (the OS's
@@ -738,10 +740,9 @@ int qkv_quant_matmul(int variant, int fmt, const uint8_t *panels, const float *s
     qkv_quant_activations_parts(x, M, K, parts, xq, xd, xs, xsum);
     product pr = {fmt, panels, scales, mins, parts > 1 ? NULL : bias, N, K, rows, xq, xd, xs,
                   xsum, each};
-    job jb = {&pr, panel_of(variant)};
-    const int64_t np = (N + ROWS - 1) / ROWS;
-    if (nth > np) nth = (int)np;
-    qkv_parallel(run_job, &jb, nth < 1 ? 1 : nth);
+    job jb = {.pr = &pr, .fn = panel_of(variant)};
+    qkv_runs_start(&jb.runs, (N + ROWS - 1) / ROWS, &nth);
+    qkv_parallel(run_job, &jb, nth);
     if (parts > 1) sum_parts(each, M, N, parts, bias, y);
     return 0;
 }
