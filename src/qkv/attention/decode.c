@@ -409,7 +409,8 @@ int qkv_decode_attention(int variant, int fmt, const float *q, const void *keys,
     decode w = {fmt, q, keys, values, kscale, vscale, mask, B, H, Hkv, cap, D, H / Hkv,
                 start, length, chunk, (n + chunk - 1) / chunk, scale, NULL, NULL, 0};
     const int64_t tasks = B * Hkv * w.nchunks;
-    job jb = {.w = &w};
+    job jb; /* not zeroed: its 4 KB of runs are set for the threads there are */
+    jb.w = &w;
     qkv_runs_start(&jb.runs, tasks, &nth); /* nth no more than the tasks */
     w.scratch_floats = (w.G * chunk + 4 * D + 15) / 16 * 16;
     float *memory = malloc((size_t)(tasks * w.G * (D + 2) + nth * w.scratch_floats) * sizeof(float));

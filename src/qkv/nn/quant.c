@@ -740,7 +740,9 @@ int qkv_quant_matmul(int variant, int fmt, const uint8_t *panels, const float *s
     qkv_quant_activations_parts(x, M, K, parts, xq, xd, xs, xsum);
     product pr = {fmt, panels, scales, mins, parts > 1 ? NULL : bias, N, K, rows, xq, xd, xs,
                   xsum, each};
-    job jb = {.pr = &pr, .fn = panel_of(variant)};
+    job jb; /* not zeroed: its 4 KB of runs are set for the threads there are */
+    jb.pr = &pr;
+    jb.fn = panel_of(variant);
     qkv_runs_start(&jb.runs, (N + ROWS - 1) / ROWS, &nth);
     qkv_parallel(run_job, &jb, nth);
     if (parts > 1) sum_parts(each, M, N, parts, bias, y);
@@ -784,7 +786,9 @@ static void run_many(void *arg, int ith, int nth) {
  * count <= MANY. */
 void qkv_quant_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
                     const qkv_q8 *x, int64_t M, int nth) {
-    many_job jb = {.count = count, .fn = panel_of(variant)};
+    many_job jb; /* not zeroed (80 calls a token): what is read is set below */
+    jb.count = count;
+    jb.fn = panel_of(variant);
     jb.first[0] = 0;
     for (int i = 0; i < count; i++) {
         const qkv_qmat *w = &mats[i];

@@ -504,7 +504,9 @@ static void run_many(void *arg, int ith, int nth) {
  * count <= MANY. */
 void qkv_quantk_many(int variant, int count, const qkv_qmat *mats, float *const *ys,
                      const qkv_q8k *x, int64_t M, int nth) {
-    many_job jb = {.count = count, .fn = panel_of(variant)};
+    many_job jb; /* not zeroed (80 calls a token): what is read is set below */
+    jb.count = count;
+    jb.fn = panel_of(variant);
     jb.first[0] = 0;
     for (int i = 0; i < count; i++) {
         const qkv_qmat *w = &mats[i];
